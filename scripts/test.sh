@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set everything up and run corral's whole test suite: the one command for CI and for
+# a fresh machine (as root, Debian 12).  Later runs reuse the llama-server build cached
+# in /var/cache/corral-dev.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/setup-system.sh
+scripts/setup-llama-server.sh >/dev/null
+
+cargo fmt --all -- --check
+cargo clippy --all-targets --locked -- -D warnings
+cargo build --all-targets --locked
+cargo nextest run --profile ci --locked

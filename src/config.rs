@@ -1,0 +1,455 @@
+//! The configuration: a strict TOML schema, built-in defaults, and layered loading.
+//!
+//! Sources, later ones winning key by key: the built-in defaults, the main file
+//! (`/etc/corral/corral.toml` or `--config PATH`), then its drop-ins
+//! (`<file>.d/*.toml`) in file-name order.  Every file is checked on its own
+//! against the schema first, so an error names the file, the line, the key and
+//! what was expected.  Tables merge recursively; any other value (arrays included)
+//! is replaced as a whole.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+/// The whole configuration after all layers were merged and checked.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+#[derive(Default)]
+pub struct Config {
+    /// `[server]`: the HTTP API.
+    pub server: ServerConfig,
+    /// `[store]`: the model store.
+    pub store: StoreConfig,
+    /// `[runner]`: how llama-server children are run.
+    pub runner: RunnerConfig,
+    /// `[scheduler]`: which models stay loaded, and for how long.
+    pub scheduler: SchedulerConfig,
+    /// `[gpu]`: the device inventory.
+    pub gpu: GpuConfig,
+    /// `[models."NAME"]`: per-model policy.
+    pub models: BTreeMap<String, ModelPolicy>,
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Addresses to bind when systemd passes no socket: `"IP:PORT"` or an absolute UNIX socket path.
+    pub listen: Vec<ListenAddr>,
+    /// How long a graceful shutdown may take before open connections are dropped.
+    #[serde(deserialize_with = "duration")]
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: vec![ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 11434)))],
+            shutdown_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// `[store]`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// The model store; `None` means `models/` in the state directory.
+    #[serde(deserialize_with = "absolute_path_opt")]
+    pub path: Option<PathBuf>,
+}
+
+/// `[runner]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunnerConfig {
+    /// The llama-server executable: a bare name is looked up on `PATH`.
+    pub llama_server: PathBuf,
+}
+
+impl Default for RunnerConfig {
+    fn default() -> Self {
+        Self { llama_server: PathBuf::from("llama-server") }
+    }
+}
+
+/// `[scheduler]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SchedulerConfig {
+    /// How long a model stays loaded after its last request when the client does not say.
+    #[serde(deserialize_with = "duration")]
+    pub keep_alive: Duration,
+    /// Most models loaded at once; 0 means three per GPU, at least three.
+    pub max_loaded_models: u32,
+    /// Most requests waiting for a model; more are refused with 503.
+    pub max_queue: u32,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self { keep_alive: Duration::from_secs(5 * 60), max_loaded_models: 0, max_queue: 512 }
+    }
+}
+
+/// `[gpu]`: empty for now; the device inventory is probed.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GpuConfig {}
+
+/// `[models."NAME"]`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelPolicy {
+    /// Never evicted once loaded.
+    pub pinned: bool,
+    /// Loaded when the daemon starts.
+    pub preload: bool,
+    /// This model's keep-alive when the client does not say; `None` uses `[scheduler] keep_alive`.
+    #[serde(deserialize_with = "duration_opt")]
+    pub keep_alive: Option<Duration>,
+}
+
+/// A listen address from `[server] listen`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenAddr {
+    /// A TCP address with a port.
+    Tcp(SocketAddr),
+    /// An absolute path of a UNIX stream socket.
+    Unix(PathBuf),
+}
+
+impl fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Tcp(addr) => addr.fmt(f),
+            Self::Unix(path) => path.display().fmt(f),
+        }
+    }
+}
+
+impl std::str::FromStr for ListenAddr {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.starts_with('/') {
+            return Ok(Self::Unix(PathBuf::from(s)));
+        }
+        s.parse::<SocketAddr>().map(Self::Tcp).map_err(|_| {
+            format!("\"{s}\" is neither an IP address with a port (\"127.0.0.1:11434\", \"[::1]:11434\") nor an absolute socket path")
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for ListenAddr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| {
+        format!("\"{s}\" is not a duration ({e}); expected a number with a unit, like \"30s\", \"5m\" or \"1h30m\"")
+    })
+}
+
+fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    parse_duration(&String::deserialize(d)?).map_err(serde::de::Error::custom)
+}
+
+fn duration_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    duration(d).map(Some)
+}
+
+fn absolute_path_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PathBuf>, D::Error> {
+    let path = PathBuf::deserialize(d)?;
+    if path.is_absolute() {
+        Ok(Some(path))
+    } else {
+        Err(serde::de::Error::custom(format!("\"{}\" is not an absolute path", path.display())))
+    }
+}
+
+/// Why a configuration could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A file could not be read.
+    #[error("{}: cannot read: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A file is not valid TOML or does not match the schema.
+    #[error("{}{}: {}{message}", path.display(), line.map(|l| format!(":{l}")).unwrap_or_default(), key.as_ref().map(|k| format!("{k}: ")).unwrap_or_default())]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// The line of the problem, when known.
+        line: Option<usize>,
+        /// The dotted key, when the problem is in a value (`scheduler.max_queue`).
+        key: Option<String>,
+        /// What is wrong and what was expected.
+        message: String,
+    },
+}
+
+/// Where a configuration comes from: the main file and whether it must exist.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigSource {
+    /// The main file; its drop-ins are `<file>.d/*.toml`.
+    pub file: PathBuf,
+    /// True for `--config PATH`: then a missing file is an error, not "use the defaults".
+    pub required: bool,
+}
+
+/// A loaded configuration and the files it came from, in the order they were applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Loaded {
+    /// The merged configuration.
+    pub config: Config,
+    /// The files that were read.
+    pub files: Vec<PathBuf>,
+}
+
+impl ConfigSource {
+    /// The drop-in directory of the main file.
+    #[must_use]
+    pub fn drop_in_dir(&self) -> PathBuf {
+        let mut dir = self.file.clone().into_os_string();
+        dir.push(".d");
+        PathBuf::from(dir)
+    }
+
+    /// Reads, checks and merges all layers.
+    pub fn load(&self) -> Result<Loaded, ConfigError> {
+        let mut files = Vec::new();
+        match std::fs::metadata(&self.file) {
+            Ok(_) => files.push(self.file.clone()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !self.required => {}
+            Err(source) => return Err(ConfigError::Read { path: self.file.clone(), source }),
+        }
+        files.extend(drop_ins(&self.drop_in_dir())?);
+
+        let mut merged = toml::Table::new();
+        for path in &files {
+            let table = check_file(path)?;
+            merge(&mut merged, table);
+        }
+        // Each layer matched the schema on its own, and a merge of valid tables is valid.
+        let config = Config::deserialize(toml::Value::Table(merged)).map_err(|e| ConfigError::Invalid {
+            path: self.file.clone(),
+            line: None,
+            key: None,
+            message: e.to_string(),
+        })?;
+        Ok(Loaded { config, files })
+    }
+}
+
+/// The `*.toml` files of a drop-in directory in name order; a missing directory has none.
+fn drop_ins(dir: &Path) -> Result<Vec<PathBuf>, ConfigError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => return Err(ConfigError::Read { path: dir.to_owned(), source }),
+    };
+    let mut files = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|source| ConfigError::Read { path: dir.to_owned(), source })?;
+        let path = entry.path();
+        if path.extension().is_some_and(|ext| ext == "toml") && !path.is_dir() {
+            files.push(path);
+        }
+    }
+    files.sort_by(|a, b| a.file_name().cmp(&b.file_name()));
+    Ok(files)
+}
+
+/// Parses one file and checks it against the schema on its own.
+fn check_file(path: &Path) -> Result<toml::Table, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+    let invalid = |span: Option<std::ops::Range<usize>>, key: Option<String>, message: &str| ConfigError::Invalid {
+        path: path.to_owned(),
+        line: span.map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1),
+        key,
+        message: message.trim().to_owned(),
+    };
+    let deserializer = toml::Deserializer::parse(&text).map_err(|e| invalid(e.span(), None, e.message()))?;
+    match serde_path_to_error::deserialize::<_, Config>(deserializer) {
+        Ok(_) => {}
+        Err(e) => {
+            let key = e.path().to_string();
+            let key = (key != ".").then_some(key);
+            let inner = e.into_inner();
+            return Err(invalid(inner.span(), key, inner.message()));
+        }
+    }
+    toml::from_str(&text).map_err(|e: toml::de::Error| invalid(e.span(), None, e.message()))
+}
+
+fn merge(into: &mut toml::Table, from: toml::Table) {
+    for (key, value) in from {
+        match (into.get_mut(&key), value) {
+            (Some(toml::Value::Table(existing)), toml::Value::Table(table)) => merge(existing, table),
+            (_, value) => {
+                into.insert(key, value);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+    use std::time::Duration;
+
+    use super::{ConfigError, ConfigSource, ListenAddr, Loaded, Path};
+
+    fn source(dir: &Path) -> ConfigSource {
+        ConfigSource { file: dir.join("corral.toml"), required: false }
+    }
+
+    fn load(files: &[(&str, &str)]) -> Result<Loaded, ConfigError> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for (name, text) in files {
+            let path = dir.path().join(name);
+            fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+            fs::write(path, text).expect("write");
+        }
+        source(dir.path()).load()
+    }
+
+    fn error(files: &[(&str, &str)]) -> String {
+        load(files).expect_err("config should be rejected").to_string()
+    }
+
+    #[test]
+    fn no_file_at_all_gives_the_defaults() {
+        let loaded = load(&[]).expect("defaults");
+        assert!(loaded.files.is_empty());
+        let c = loaded.config;
+        assert_eq!(c.server.listen, vec![ListenAddr::Tcp("127.0.0.1:11434".parse().expect("addr"))]);
+        assert_eq!(c.scheduler.keep_alive, Duration::from_secs(300));
+        assert_eq!(c.scheduler.max_queue, 512);
+        assert_eq!(c.scheduler.max_loaded_models, 0);
+        assert_eq!(c.runner.llama_server, Path::new("llama-server"));
+        assert_eq!(c.store.path, None);
+        assert!(c.models.is_empty());
+    }
+
+    #[test]
+    fn a_required_file_that_is_missing_is_an_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let src = ConfigSource { file: dir.path().join("nope.toml"), required: true };
+        let err = src.load().expect_err("missing").to_string();
+        assert!(err.contains("nope.toml: cannot read"), "{err}");
+    }
+
+    #[test]
+    fn every_key_is_read() {
+        let c = load(&[(
+            "corral.toml",
+            r#"
+[server]
+listen = ["127.0.0.1:8080", "[::1]:8081", "/run/corral.sock"]
+shutdown_timeout = "3s"
+[store]
+path = "/srv/models"
+[runner]
+llama_server = "/opt/llama/bin/llama-server"
+[scheduler]
+keep_alive = "1h30m"
+max_loaded_models = 4
+max_queue = 10
+[gpu]
+[models."qwen3:8b"]
+pinned = true
+preload = true
+keep_alive = "10m"
+"#,
+        )])
+        .expect("valid")
+        .config;
+        assert_eq!(c.server.listen.len(), 3);
+        assert_eq!(c.server.listen[2], ListenAddr::Unix("/run/corral.sock".into()));
+        assert_eq!(c.server.shutdown_timeout, Duration::from_secs(3));
+        assert_eq!(c.store.path.as_deref(), Some(Path::new("/srv/models")));
+        assert_eq!(c.runner.llama_server, Path::new("/opt/llama/bin/llama-server"));
+        assert_eq!(c.scheduler.keep_alive, Duration::from_secs(5400));
+        assert_eq!(c.scheduler.max_loaded_models, 4);
+        assert_eq!(c.scheduler.max_queue, 10);
+        let m = &c.models["qwen3:8b"];
+        assert!(m.pinned && m.preload);
+        assert_eq!(m.keep_alive, Some(Duration::from_secs(600)));
+    }
+
+    #[test]
+    fn drop_ins_apply_in_name_order_and_merge_tables() {
+        let loaded = load(&[
+            ("corral.toml", "[scheduler]\nmax_queue = 1\nkeep_alive = \"1m\"\n"),
+            ("corral.toml.d/20-b.toml", "[scheduler]\nmax_queue = 3\n"),
+            ("corral.toml.d/10-a.toml", "[scheduler]\nmax_queue = 2\n[server]\nlisten = [\"/a.sock\"]\n"),
+            ("corral.toml.d/30-ignored.conf", "not toml at all"),
+        ])
+        .expect("valid");
+        assert_eq!(loaded.files.len(), 3);
+        assert!(loaded.files[1].ends_with("10-a.toml") && loaded.files[2].ends_with("20-b.toml"));
+        assert_eq!(loaded.config.scheduler.max_queue, 3);
+        assert_eq!(loaded.config.scheduler.keep_alive, Duration::from_secs(60), "untouched keys survive");
+        assert_eq!(loaded.config.server.listen, vec![ListenAddr::Unix("/a.sock".into())]);
+    }
+
+    #[test]
+    fn drop_ins_apply_without_a_main_file() {
+        let c = load(&[("corral.toml.d/a.toml", "[scheduler]\nmax_queue = 7\n")]).expect("valid").config;
+        assert_eq!(c.scheduler.max_queue, 7);
+    }
+
+    #[test]
+    fn errors_name_the_file_the_line_the_key_and_what_was_expected() {
+        let cases: &[(&[(&str, &str)], &[&str])] = &[
+            (
+                &[("corral.toml", "[server]\nlisten = []\nlisen = 1\n")],
+                &["corral.toml:3", "server.lisen", "unknown field `lisen`", "expected `listen` or `shutdown_timeout`"],
+            ),
+            (&[("corral.toml", "[nonsense]\n")], &["corral.toml:1", "nonsense", "unknown field `nonsense`"]),
+            (
+                &[("corral.toml", "[scheduler]\nmax_queue = \"many\"\n")],
+                &["corral.toml:2", "scheduler.max_queue", "invalid type: string \"many\", expected u32"],
+            ),
+            (&[("corral.toml", "[scheduler]\nmax_queue = -1\n")], &["scheduler.max_queue", "-1"]),
+            (
+                &[("corral.toml", "[scheduler]\nkeep_alive = \"5\"\n")],
+                &["scheduler.keep_alive", "\"5\" is not a duration", "\"5m\""],
+            ),
+            (&[("corral.toml", "[scheduler]\nkeep_alive = 300\n")], &["scheduler.keep_alive", "expected a string"]),
+            (
+                &[("corral.toml", "[server]\nlisten = [\"localhost:11434\"]\n")],
+                &["server.listen", "neither an IP address with a port"],
+            ),
+            (&[("corral.toml", "[server]\nlisten = \"127.0.0.1:1\"\n")], &["server.listen", "expected a sequence"]),
+            (&[("corral.toml", "[store]\npath = \"models\"\n")], &["store.path", "not an absolute path"]),
+            (&[("corral.toml", "[models.\"a\"]\npinned = \"yes\"\n")], &["models.a.pinned", "expected a boolean"]),
+            (&[("corral.toml", "[server\n")], &["corral.toml:1", "unclosed table, expected `]`"]),
+            (
+                &[
+                    ("corral.toml", "[runner]\nllama_server = \"x\"\n"),
+                    ("corral.toml.d/50-bad.toml", "[runner]\nthreads = 4\n"),
+                ],
+                &["50-bad.toml:2", "runner.threads", "unknown field `threads`"],
+            ),
+        ];
+        for (files, wanted) in cases {
+            let err = error(files);
+            for w in *wanted {
+                assert!(err.contains(w), "error for {files:?} should contain {w:?}: {err}");
+            }
+        }
+    }
+}

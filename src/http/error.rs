@@ -1,0 +1,39 @@
+//! Errors as HTTP responses, in the shape the client expects: Ollama's
+//! `{"error": "..."}` on `/api/*` and elsewhere, OpenAI's
+//! `{"error": {"message", "type", "code"}}` on `/v1/*`.
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// An error reply.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    openai: bool,
+}
+
+impl ApiError {
+    /// An error for a request to `path`, whose prefix decides the body's shape.
+    pub fn new(status: StatusCode, message: impl Into<String>, path: &str) -> Self {
+        Self { status, message: message.into(), openai: path.starts_with("/v1/") }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = if self.openai {
+            let kind = match self.status {
+                StatusCode::NOT_FOUND => "not_found_error",
+                s if s.is_server_error() => "server_error",
+                _ => "invalid_request_error",
+            };
+            json!({ "error": { "message": self.message, "type": kind, "code": self.status.as_u16() } })
+        } else {
+            json!({ "error": self.message })
+        };
+        (self.status, Json(body)).into_response()
+    }
+}

@@ -1,0 +1,236 @@
+//! The sockets the API is served on: adopted from systemd, or bound from `[server] listen`.
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use axum::Router;
+use nix::sys::socket::{AddressFamily, SockType, SockaddrLike, SockaddrStorage, getsockname, getsockopt, sockopt};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::ListenAddr;
+use crate::systemd::HTTP_FD_NAME;
+
+/// A listening socket ready to serve.
+#[derive(Debug)]
+pub enum Listener {
+    /// TCP.
+    Tcp(tokio::net::TcpListener),
+    /// A UNIX stream socket.
+    Unix {
+        /// The socket.
+        listener: tokio::net::UnixListener,
+        /// Set when corral bound the path itself (not when systemd passed it): removes it on drop.
+        owned: Option<SocketFile>,
+    },
+}
+
+/// A socket file corral created, removed when dropped (at shutdown, or when a later bind fails).
+#[derive(Debug)]
+pub struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Why the API cannot listen.
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    /// Binding an address failed (in use, no permission, ...).
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: ListenAddr,
+        /// The cause.
+        source: io::Error,
+    },
+    /// A socket passed by systemd is unusable.
+    #[error("socket {name:?} passed by systemd is not usable: {reason}")]
+    Adopt {
+        /// Its `FileDescriptorName=`.
+        name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// systemd passed sockets, but none for the API.
+    #[error("systemd passed sockets named {names:?} but none named \"{HTTP_FD_NAME}\"")]
+    NoHttpSocket {
+        /// The names it passed.
+        names: Vec<String>,
+    },
+}
+
+impl Listener {
+    /// A readable name for logs and the status line.
+    #[must_use]
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Tcp(l) => l.local_addr().map_or_else(|_| "tcp".to_owned(), |a| a.to_string()),
+            Self::Unix { listener, .. } => listener
+                .local_addr()
+                .ok()
+                .and_then(|a| a.as_pathname().map(|p| p.display().to_string()))
+                .unwrap_or_else(|| "unix".to_owned()),
+        }
+    }
+
+    /// Serves `router` until `shutdown` is cancelled, then finishes open requests.
+    pub async fn serve(self, router: Router, shutdown: CancellationToken) -> io::Result<()> {
+        let stop = async move { shutdown.cancelled().await };
+        match self {
+            Self::Tcp(l) => axum::serve(l, router).with_graceful_shutdown(stop).await,
+            Self::Unix { listener, owned } => {
+                let result = axum::serve(listener, router).with_graceful_shutdown(stop).await;
+                drop(owned);
+                result
+            }
+        }
+    }
+}
+
+/// Turns the sockets systemd passed into listeners: all those named `http`, TCP or UNIX.
+pub fn adopt(sockets: Vec<(String, OwnedFd)>) -> Result<Vec<Listener>, ListenError> {
+    let mut names = Vec::new();
+    let mut listeners = Vec::new();
+    for (name, fd) in sockets {
+        if name == HTTP_FD_NAME {
+            listeners.push(adopt_one(&name, fd)?);
+        } else {
+            tracing::warn!(fd_name = %name, "ignoring a socket passed by systemd with an unknown name");
+            names.push(name);
+        }
+    }
+    if listeners.is_empty() && !names.is_empty() {
+        return Err(ListenError::NoHttpSocket { names });
+    }
+    Ok(listeners)
+}
+
+fn adopt_one(name: &str, fd: OwnedFd) -> Result<Listener, ListenError> {
+    let fail = |reason: String| ListenError::Adopt { name: name.to_owned(), reason };
+    let kind = getsockopt(&fd, sockopt::SockType).map_err(|e| fail(format!("not a socket ({e})")))?;
+    if kind != SockType::Stream {
+        return Err(fail(format!("a {kind:?} socket, expected a stream socket (ListenStream=)")));
+    }
+    if !getsockopt(&fd, sockopt::AcceptConn).map_err(|e| fail(e.to_string()))? {
+        return Err(fail("not listening (Accept=yes is not supported)".to_owned()));
+    }
+    let family = getsockname::<SockaddrStorage>(fd.as_raw_fd()).map_err(|e| fail(e.to_string()))?.family();
+    let set_nonblocking = |r: io::Result<()>| r.map_err(|e| fail(e.to_string()));
+    match family {
+        Some(AddressFamily::Inet | AddressFamily::Inet6) => {
+            let std = std::net::TcpListener::from(fd);
+            set_nonblocking(std.set_nonblocking(true))?;
+            tokio::net::TcpListener::from_std(std).map(Listener::Tcp).map_err(|e| fail(e.to_string()))
+        }
+        Some(AddressFamily::Unix) => {
+            let std = std::os::unix::net::UnixListener::from(fd);
+            set_nonblocking(std.set_nonblocking(true))?;
+            tokio::net::UnixListener::from_std(std)
+                .map(|listener| Listener::Unix { listener, owned: None })
+                .map_err(|e| fail(e.to_string()))
+        }
+        other => Err(fail(format!("address family {other:?}, expected TCP or UNIX"))),
+    }
+}
+
+/// Binds every configured address; on any failure nothing stays bound.
+pub async fn bind(addrs: &[ListenAddr]) -> Result<Vec<Listener>, ListenError> {
+    let mut listeners = Vec::with_capacity(addrs.len());
+    for addr in addrs {
+        let fail = |source| ListenError::Bind { addr: addr.clone(), source };
+        let listener = match addr {
+            ListenAddr::Tcp(a) => Listener::Tcp(tokio::net::TcpListener::bind(a).await.map_err(fail)?),
+            ListenAddr::Unix(path) => {
+                remove_stale_socket(path).map_err(fail)?;
+                let listener = tokio::net::UnixListener::bind(path).map_err(fail)?;
+                Listener::Unix { listener, owned: Some(SocketFile(path.clone())) }
+            }
+        };
+        listeners.push(listener);
+    }
+    Ok(listeners)
+}
+
+/// Removes a socket file left by an earlier run, but never one that something still serves.
+fn remove_stale_socket(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+        Ok(meta) if !meta.file_type().is_socket() => {
+            Err(io::Error::new(io::ErrorKind::AlreadyExists, "the path exists and is not a socket"))
+        }
+        Ok(_) => match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => Err(io::Error::new(io::ErrorKind::AddrInUse, "another process is serving this socket")),
+            Err(_) => std::fs::remove_file(path),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::OwnedFd;
+
+    use super::{ListenAddr, ListenError, Listener, adopt, bind};
+
+    #[tokio::test]
+    async fn adopts_tcp_and_unix_listeners_named_http() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tcp = std::net::TcpListener::bind("127.0.0.1:0").expect("tcp");
+        let unix = std::os::unix::net::UnixListener::bind(dir.path().join("s")).expect("unix");
+        let listeners =
+            adopt(vec![("http".into(), OwnedFd::from(tcp)), ("http".into(), OwnedFd::from(unix))]).expect("adopted");
+        assert!(matches!(listeners[0], Listener::Tcp(_)));
+        assert!(matches!(listeners[1], Listener::Unix { owned: None, .. }));
+        assert!(listeners[1].describe().ends_with("/s"));
+    }
+
+    #[tokio::test]
+    async fn refuses_sockets_that_cannot_serve() {
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").expect("udp");
+        let err = adopt(vec![("http".into(), OwnedFd::from(udp))]).expect_err("udp");
+        assert!(err.to_string().contains("expected a stream socket"), "{err}");
+
+        let file = std::fs::File::open("/dev/null").expect("file");
+        let err = adopt(vec![("http".into(), OwnedFd::from(file))]).expect_err("file");
+        assert!(err.to_string().contains("not a socket"), "{err}");
+
+        let tcp = std::net::TcpListener::bind("127.0.0.1:0").expect("tcp");
+        let err = adopt(vec![("metrics".into(), OwnedFd::from(tcp))]).expect_err("name");
+        assert!(matches!(err, ListenError::NoHttpSocket { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn binding_an_address_in_use_names_it() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("tcp");
+        let addr = ListenAddr::Tcp(taken.local_addr().expect("addr"));
+        let err = bind(std::slice::from_ref(&addr)).await.expect_err("in use");
+        assert!(err.to_string().starts_with(&format!("cannot listen on {addr}: ")), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_stale_unix_socket_is_replaced_but_a_live_one_is_not() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("api.sock");
+        drop(std::os::unix::net::UnixListener::bind(&path).expect("stale"));
+        let listeners = bind(&[ListenAddr::Unix(path.clone())]).await.expect("stale socket replaced");
+        let err = bind(&[ListenAddr::Unix(path.clone())]).await.expect_err("live socket kept");
+        assert!(err.to_string().contains("another process is serving"), "{err}");
+        drop(listeners);
+        assert!(!path.exists(), "the socket file goes with its listener");
+
+        // A failure later in the list leaves nothing bound, and no socket file behind.
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("tcp");
+        let addrs = [ListenAddr::Unix(path.clone()), ListenAddr::Tcp(taken.local_addr().expect("addr"))];
+        bind(&addrs).await.expect_err("second address in use");
+        assert!(!path.exists(), "no socket file left after a failed start");
+
+        let file = dir.path().join("plain");
+        std::fs::write(&file, "x").expect("write");
+        let err = bind(&[ListenAddr::Unix(file)]).await.expect_err("not a socket");
+        assert!(err.to_string().contains("not a socket"), "{err}");
+    }
+}

@@ -1,0 +1,120 @@
+//! The HTTP API: routes, and serving them on the adopted or bound listeners.
+//!
+//! Handlers are views: they hold no scheduling state of their own.
+
+mod error;
+pub mod listeners;
+
+use axum::Json;
+use axum::Router;
+use axum::http::{StatusCode, Uri};
+use axum::routing::get;
+use serde::Serialize;
+
+pub use error::ApiError;
+
+/// The version corral reports on `/api/version`.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// All routes of the API.
+pub fn router() -> Router {
+    // `get` also answers HEAD with the same status and headers and no body.
+    Router::new()
+        .route("/", get(root))
+        .route("/api/version", get(version))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+}
+
+async fn root() -> &'static str {
+    "corral is running"
+}
+
+#[derive(Serialize)]
+struct Version {
+    version: &'static str,
+}
+
+async fn version() -> Json<Version> {
+    Json(Version { version: VERSION })
+}
+
+async fn not_found(uri: Uri) -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, format!("path {} not found", uri.path()), uri.path())
+}
+
+async fn method_not_allowed(uri: Uri) -> ApiError {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, format!("method not allowed on {}", uri.path()), uri.path())
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::body::Body;
+    use axum::http::{Method, Request, StatusCode};
+    use tower::ServiceExt;
+
+    use super::router;
+
+    async fn call(method: Method, path: &str) -> (StatusCode, String, String) {
+        let request = Request::builder().method(method).uri(path).body(Body::empty()).expect("request");
+        let response = router().oneshot(request).await.expect("infallible");
+        let status = response.status();
+        let content_type =
+            response.headers().get("content-type").map(|v| v.to_str().expect("ascii").to_owned()).unwrap_or_default();
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.expect("body");
+        (status, content_type, String::from_utf8(body.to_vec()).expect("utf-8"))
+    }
+
+    #[tokio::test]
+    async fn root_says_corral_is_running() {
+        let (status, ctype, body) = call(Method::GET, "/").await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(ctype.starts_with("text/plain"), "{ctype}");
+        assert_eq!(body, "corral is running");
+    }
+
+    #[tokio::test]
+    async fn version_has_ollamas_shape() {
+        let (status, ctype, body) = call(Method::GET, "/api/version").await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(ctype, "application/json");
+        let json: serde_json::Value = serde_json::from_str(&body).expect("json");
+        assert_eq!(json, serde_json::json!({ "version": env!("CARGO_PKG_VERSION") }));
+    }
+
+    #[tokio::test]
+    async fn head_answers_like_get_without_a_body() {
+        for path in ["/", "/api/version"] {
+            let (status, _, body) = call(Method::HEAD, path).await;
+            assert_eq!(status, StatusCode::OK, "{path}");
+            assert!(body.is_empty(), "{path}: {body}");
+        }
+    }
+
+    #[tokio::test]
+    async fn unknown_paths_get_a_json_404_in_ollamas_shape() {
+        let (status, ctype, body) = call(Method::GET, "/api/nope").await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert_eq!(ctype, "application/json");
+        let json: serde_json::Value = serde_json::from_str(&body).expect("json");
+        assert_eq!(json, serde_json::json!({ "error": "path /api/nope not found" }));
+    }
+
+    #[tokio::test]
+    async fn unknown_openai_paths_get_openais_error_shape() {
+        let (status, _, body) = call(Method::POST, "/v1/nope").await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        let json: serde_json::Value = serde_json::from_str(&body).expect("json");
+        assert_eq!(json["error"]["message"], "path /v1/nope not found");
+        assert_eq!(json["error"]["type"], "not_found_error");
+        assert_eq!(json["error"]["code"], 404);
+    }
+
+    #[tokio::test]
+    async fn wrong_method_is_a_json_405() {
+        let (status, _, body) = call(Method::DELETE, "/api/version").await;
+        assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+        let json: serde_json::Value = serde_json::from_str(&body).expect("json");
+        assert_eq!(json, serde_json::json!({ "error": "method not allowed on /api/version" }));
+    }
+}

@@ -1,0 +1,15 @@
+//! corral: a systemd-native manager for local large language models.
+//!
+//! `corrald` serves an Ollama- and OpenAI-compatible HTTP API on the sockets systemd
+//! passes it, and runs each loaded model as an upstream llama.cpp `llama-server`
+//! child.  See ARCHITECTURE.md for the code map and the invariants.
+
+pub mod cli;
+pub mod config;
+pub mod daemon;
+pub mod demo_model;
+pub mod gguf;
+pub mod http;
+pub mod logging;
+pub mod paths;
+pub mod systemd;

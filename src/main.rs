@@ -1,0 +1,88 @@
+//! `corrald`: takes what systemd passed, loads the configuration, and runs the daemon.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::Parser;
+use corral::cli::Cli;
+use corral::config::ConfigSource;
+use corral::daemon::{self, Daemon};
+use corral::paths::Paths;
+use corral::{logging, systemd};
+
+/// sysexits.h: a configuration error.
+const EX_CONFIG: u8 = 78;
+/// sysexits.h: an operating-system error (no usable environment to start in).
+const EX_OSERR: u8 = 71;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // First, while the process has one thread: take the sockets and variables systemd passed
+    // and remove them from the environment, so that no child inherits them.
+    let handoff = match systemd::Handoff::take() {
+        Ok(handoff) => handoff,
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "corrald: cannot take the systemd environment: {e}");
+            return ExitCode::from(EX_OSERR);
+        }
+    };
+    let paths = Paths::from_process_env();
+    let source = cli.config_source(&paths);
+    if cli.check_config {
+        return check_config(&source);
+    }
+
+    logging::init(cli.log_target, handoff.stderr_is_journal);
+    let loaded = match source.load() {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            tracing::error!(error = %e, "invalid configuration");
+            handoff.notifier.status(&format!("invalid configuration: {e}"));
+            return ExitCode::from(EX_CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the async runtime");
+            return ExitCode::from(EX_OSERR);
+        }
+    };
+    let notifier = handoff.notifier.clone();
+    let daemon = Daemon {
+        source,
+        loaded,
+        paths,
+        sockets: handoff.sockets,
+        notifier: handoff.notifier,
+        watchdog: handoff.watchdog,
+    };
+    match runtime.block_on(daemon::run(daemon)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(corral_event = "stop", error = format!("{e:#}"), "corrald failed: {e:#}");
+            notifier.status(&format!("failed: {e:#}"));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn check_config(source: &ConfigSource) -> ExitCode {
+    match source.load() {
+        Ok(loaded) => {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "configuration is valid");
+            if loaded.files.is_empty() {
+                let _ = writeln!(out, "no file found at {}; using the built-in defaults", source.file.display());
+            }
+            for file in &loaded.files {
+                let _ = writeln!(out, "read {}", file.display());
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "corrald: invalid configuration: {e}");
+            ExitCode::from(EX_CONFIG)
+        }
+    }
+}

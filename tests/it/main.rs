@@ -1,0 +1,14 @@
+//! corral's integration tests: one binary, real parts, really started.
+//!
+//! Each `support` module wraps one real piece (a notify listener, llama-server,
+//! journald, a private D-Bus, systemd as PID 1) with a teardown that always runs.
+
+mod support;
+
+mod check_config;
+mod journald;
+mod llama_server;
+mod private_bus;
+mod socket_activation;
+mod systemd_container;
+mod units;

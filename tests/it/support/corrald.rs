@@ -1,0 +1,136 @@
+//! Runs the real `corrald` binary as a child, directly or under `systemd-socket-activate`.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+/// The daemon binary under test.
+pub const CORRALD: &str = env!("CARGO_BIN_EXE_corrald");
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// Writes `text` as a config file in `dir` and returns its path.
+pub fn write_config(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("write config");
+    path
+}
+
+/// A running corrald; stopped (SIGTERM, then SIGKILL) and reaped on drop.
+pub struct Corrald {
+    child: Child,
+    stderr: Arc<Mutex<String>>,
+    status: Option<ExitStatus>,
+}
+
+impl Corrald {
+    /// `corrald ARGS` with `NOTIFY_SOCKET` when given, logging to stderr.
+    pub fn start(args: &[&str], notify: Option<&Path>) -> Self {
+        let mut cmd = Command::new(CORRALD);
+        cmd.args(["--log-target", "stderr"]).args(args);
+        if let Some(notify) = notify {
+            cmd.env("NOTIFY_SOCKET", notify);
+        }
+        Self::spawn(cmd)
+    }
+
+    /// `corrald ARGS` under `systemd-socket-activate`, listening on each of `listen` with fd name `http`.
+    /// The tool waits for the first connection, then runs corrald in its place (same PID).
+    pub fn socket_activated(listen: &[String], args: &[&str], notify: &Path, extra_env: &[(&str, &str)]) -> Self {
+        let mut cmd = Command::new("systemd-socket-activate");
+        for addr in listen {
+            cmd.args(["-l", addr]);
+        }
+        cmd.arg(format!("--fdname={}", vec!["http"; listen.len()].join(":")));
+        // The tool passes on only the variables named with -E.
+        cmd.env("NOTIFY_SOCKET", notify).args(["-E", "NOTIFY_SOCKET", "-E", "RUST_LOG"]);
+        for (k, v) in extra_env {
+            cmd.env(k, v).args(["-E", k]);
+        }
+        cmd.arg(CORRALD).args(["--log-target", "stderr"]).args(args);
+        Self::spawn(cmd)
+    }
+
+    fn spawn(mut cmd: Command) -> Self {
+        cmd.env("RUST_LOG", "info").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let mut pipe = child.stderr.take().expect("stderr");
+        let sink = Arc::clone(&stderr);
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = pipe.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock().expect("lock").push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        Self { child, stderr, status: None }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> Pid {
+        Pid::from_raw(i32::try_from(self.child.id()).expect("pid"))
+    }
+
+    /// Sends a signal.
+    pub fn signal(&self, signal: Signal) {
+        kill(self.pid(), signal).expect("kill");
+    }
+
+    /// Everything corrald wrote to stderr so far.
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().expect("lock").clone()
+    }
+
+    /// Waits until stderr contains `text`.
+    pub fn wait_stderr(&self, text: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while !self.stderr().contains(text) {
+            assert!(Instant::now() < deadline, "no {text:?} on stderr within {timeout:?}:\n{}", self.stderr());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits for the process to exit and returns its status.
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                self.status = Some(status);
+                // Let the reader thread drain the pipe's last lines.
+                std::thread::sleep(Duration::from_millis(50));
+                return status;
+            }
+            assert!(Instant::now() < deadline, "corrald still running after {timeout:?}:\n{}", self.stderr());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Corrald {
+    fn drop(&mut self) {
+        if self.status.is_some() || matches!(self.child.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        let _ = kill(self.pid(), Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

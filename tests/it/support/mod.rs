@@ -1,0 +1,11 @@
+//! Fixtures for the integration tests. Each one tears down what it started in `Drop`.
+
+#![allow(dead_code, reason = "each test module uses only part of the fixtures")]
+
+pub mod bus;
+pub mod container;
+pub mod corrald;
+pub mod http;
+pub mod journald;
+pub mod llama;
+pub mod notify;
