@@ -411,9 +411,12 @@ keep_alive = "10m"
         assert_eq!(c.scheduler.max_queue, 7);
     }
 
+    /// Config files, and the texts their error must contain.
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str]);
+
     #[test]
     fn errors_name_the_file_the_line_the_key_and_what_was_expected() {
-        let cases: &[(&[(&str, &str)], &[&str])] = &[
+        let cases: &[Case<'_>] = &[
             (
                 &[("corral.toml", "[server]\nlisten = []\nlisen = 1\n")],
                 &["corral.toml:3", "server.lisen", "unknown field `lisen`", "expected `listen` or `shutdown_timeout`"],

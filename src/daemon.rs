@@ -82,7 +82,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
                 reload(&source, &mut loaded, socket_activated, &notifier);
                 notifier.ready(&status);
             }
-            _ = tick(watchdog_tick.as_mut()) => notifier.watchdog(),
+            () = tick(watchdog_tick.as_mut()) => notifier.watchdog(),
             Some(result) = servers.join_next() => {
                 break Some(match result {
                     Ok(Ok(())) => anyhow::anyhow!("an HTTP listener stopped unexpectedly"),
@@ -101,13 +101,11 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
         tracing::warn!(timeout = ?grace, "open connections did not finish in time; dropping them");
         servers.abort_all();
     }
-    match failure {
-        Some(e) => Err(e),
-        None => {
-            tracing::info!("corrald stopped");
-            Ok(())
-        }
+    if let Some(e) = failure {
+        return Err(e);
     }
+    tracing::info!("corrald stopped");
+    Ok(())
 }
 
 /// Reads the configuration again; an invalid one is rejected and the current one kept.

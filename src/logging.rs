@@ -43,5 +43,10 @@ fn init_stderr(filter: EnvFilter) {
     use std::io::IsTerminal;
     // Colours only for a person at a terminal, never into files or pipes.
     let ansi = std::io::stderr().is_terminal();
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).with_target(false).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi)
+        .with_target(false)
+        .init();
 }

@@ -7,6 +7,7 @@
 #![allow(unsafe_code)]
 
 use std::ffi::OsString;
+use std::fmt::Write as _;
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
@@ -138,7 +139,10 @@ impl Notifier {
 
     fn send(&self, states: &[NotifyState<'_>]) {
         let Some(socket) = &self.socket else { return };
-        let message: String = states.iter().map(|s| format!("{s}\n")).collect();
+        let message = states.iter().fold(String::new(), |mut m, s| {
+            let _ = writeln!(m, "{s}");
+            m
+        });
         if let Err(e) = send_datagram(socket, message.as_bytes()) {
             tracing::warn!(error = %e, "cannot notify the service manager");
         }

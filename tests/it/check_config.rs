@@ -57,8 +57,14 @@ fn no_file_at_all_means_the_built_in_defaults() {
 fn bad_files_exit_78_naming_file_line_key_and_expectation() {
     let dir = tempfile::tempdir().expect("tempdir");
     let cases: &[(&str, &[&str])] = &[
-        ("[server]\nlisten = [\"127.0.0.1:1\"]\nport = 1\n", &[":3: server.port: unknown field `port`", "expected `listen` or `shutdown_timeout`"]),
-        ("[scheduler]\nmax_loaded_models = \"three\"\n", &[":2: scheduler.max_loaded_models: invalid type: string \"three\""]),
+        (
+            "[server]\nlisten = [\"127.0.0.1:1\"]\nport = 1\n",
+            &[":3: server.port: unknown field `port`", "expected `listen` or `shutdown_timeout`"],
+        ),
+        (
+            "[scheduler]\nmax_loaded_models = \"three\"\n",
+            &[":2: scheduler.max_loaded_models: invalid type: string \"three\""],
+        ),
         ("[scheduler]\nkeep_alive = \"soon\"\n", &["scheduler.keep_alive", "is not a duration"]),
         ("[server]\nlisten = [\"11434\"]\n", &["server.listen", "neither an IP address with a port"]),
         ("[[server]]\n", &[":1: server", "invalid type"]),

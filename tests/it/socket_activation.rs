@@ -158,11 +158,8 @@ fn an_address_in_use_is_a_clear_error_and_nothing_stays_behind() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = taken.local_addr().expect("addr");
     let unix = dir.path().join("first.sock");
-    let config = write_config(
-        dir.path(),
-        "corral.toml",
-        &format!("[server]\nlisten = [\"{}\", \"{addr}\"]\n", unix.display()),
-    );
+    let config =
+        write_config(dir.path(), "corral.toml", &format!("[server]\nlisten = [\"{}\", \"{addr}\"]\n", unix.display()));
     let notify = NotifyListener::start();
     let mut corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
     let status = corrald.wait_exit(WAIT);

@@ -8,7 +8,7 @@ use crate::support::corrald::CORRALD;
 
 const UNITS: &[&str] = &["corrald.service", "corrald.socket", "corral.slice"];
 
-/// Copies the units into `dir`, pointing ExecStart= at the binary under test.
+/// Copies the units into `dir`, pointing `ExecStart=` at the binary under test.
 fn stage_units(dir: &Path) {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("systemd");
     for unit in UNITS {

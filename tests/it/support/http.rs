@@ -1,5 +1,6 @@
 //! A minimal HTTP/1.1 client over TCP or UNIX sockets, enough to check status, headers and body.
 
+use std::fmt::Write as _;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
@@ -33,7 +34,7 @@ impl Response {
 pub fn request(mut stream: impl Read + Write, method: &str, path: &str, body: Option<&str>) -> Response {
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
     if let Some(body) = body {
-        head.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n", body.len()));
+        let _ = write!(head, "Content-Type: application/json\r\nContent-Length: {}\r\n", body.len());
     }
     head.push_str("\r\n");
     stream.write_all(head.as_bytes()).expect("send request");

@@ -69,8 +69,12 @@ impl NotifyListener {
         let deadline = Instant::now() + timeout;
         let mut messages = self.shared.messages.lock().expect("lock");
         loop {
-            if let Some(i) =
-                messages.iter().enumerate().skip(skip).find(|(_, m)| m.get(key).is_some_and(|v| v == value)).map(|(i, _)| i)
+            if let Some(i) = messages
+                .iter()
+                .enumerate()
+                .skip(skip)
+                .find(|(_, m)| m.get(key).is_some_and(|v| v == value))
+                .map(|(i, _)| i)
             {
                 return i;
             }
