@@ -9,6 +9,8 @@ packages=(
     systemd dbus dbus-daemon dbus-bin libglib2.0-bin util-linux bsdutils passwd
     # clients the tests drive them with
     curl python3 python3-gi
+    # checking the man page
+    groff-base
     # building llama-server from source
     cmake ninja-build g++ python3-pip ca-certificates
 )

@@ -9,6 +9,6 @@ mod check_config;
 mod journald;
 mod llama_server;
 mod private_bus;
+mod shipped;
 mod socket_activation;
 mod systemd_container;
-mod units;

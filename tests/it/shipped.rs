@@ -1,5 +1,5 @@
-//! The shipped systemd units pass `systemd-analyze verify` with no output at all, and the
-//! service's hardening keeps its exposure score low.
+//! What ships beside the binary: the systemd units pass `systemd-analyze verify` with no output at all, and the
+//! service's hardening keeps its exposure score low, and the man page renders cleanly.
 
 use std::path::Path;
 use std::process::Command;
@@ -66,4 +66,16 @@ fn the_service_is_hardened() {
         .unwrap_or_else(|| panic!("no exposure score in:\n{output}"));
     // GPU access rules out PrivateDevices= and MemoryDenyWriteExecute=; everything else is on.
     assert!(score <= 2.5, "exposure {score} > 2.5:\n{output}");
+}
+
+#[test]
+fn the_man_page_renders_without_warnings() {
+    let page = concat!(env!("CARGO_MANIFEST_DIR"), "/packaging/man/corrald.8");
+    let out = Command::new("groff").args(["-man", "-ww", "-z", page]).output().expect("run groff (groff-base)");
+    let warnings = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && warnings.is_empty(), "groff: {warnings}");
+    let text = std::fs::read_to_string(page).expect("read");
+    for option in ["--config", "--check-config", "--log-target"] {
+        assert!(text.contains(&option.replace('-', "\\-")), "the man page documents {option}");
+    }
 }
