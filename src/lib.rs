@@ -12,4 +12,5 @@ pub mod gguf;
 pub mod http;
 pub mod logging;
 pub mod paths;
+pub mod supervisor;
 pub mod systemd;

@@ -13,7 +13,7 @@ use std::io;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::time::Duration;
 
-pub use journal::{JournalWriter, Priority};
+pub use journal::{JOURNAL_SOCKET, JournalWriter, Priority};
 pub use notify::Notifier;
 
 /// The file-descriptor name corral serves HTTP on (`FileDescriptorName=http`).

@@ -6,9 +6,11 @@
 mod support;
 
 mod check_config;
+mod fake_runner;
 mod journald;
 mod llama_server;
 mod private_bus;
 mod shipped;
 mod socket_activation;
+mod supervision;
 mod systemd_container;

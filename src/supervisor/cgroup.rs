@@ -1,0 +1,196 @@
+//! Per-runner cgroups inside the service's delegated cgroup2 subtree.
+//!
+//! Under systemd with `Delegate=yes`, corrald owns its service cgroup.  cgroup2 lets
+//! only leaves hold processes once controllers are enabled, so the daemon first moves
+//! itself into `<service>/daemon`; each runner then gets a sibling
+//! `<service>/runner-<id>`, with `memory.max` when a limit is set, `memory.current` and
+//! `memory.peak` for reporting, and `cgroup.kill` to end everything in it at once.
+//!
+//! Where no writable, delegated cgroup2 tree exists (started by hand, or in the root
+//! cgroup), [`CgroupTree::adopt`] returns `None` and runners fall back to a process group
+//! plus a parent-death signal.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The prefix of runner cgroup names.
+const RUNNER_PREFIX: &str = "runner-";
+
+/// The service's delegated cgroup, with the daemon moved into its `daemon` leaf.
+#[derive(Debug, Clone)]
+pub struct CgroupTree {
+    root: PathBuf,
+    memory_controller: bool,
+}
+
+impl CgroupTree {
+    /// Takes over the delegated subtree this process runs in, if there is one.
+    ///
+    /// `cgroup_fs` is where cgroup2 is mounted (`/sys/fs/cgroup`), `proc_self_cgroup` the
+    /// text of `/proc/self/cgroup`.  A tree is adopted only when this process sits in a
+    /// cgroup2 cgroup other than the root, whose directory it may write, which is what
+    /// `Delegate=yes` grants.
+    pub fn adopt(cgroup_fs: &Path, proc_self_cgroup: &str) -> io::Result<Option<Self>> {
+        let Some(own) = proc_self_cgroup.lines().find_map(|l| l.strip_prefix("0::")) else { return Ok(None) };
+        let own = own.trim().trim_start_matches('/');
+        if own.is_empty() {
+            return Ok(None);
+        }
+        let mut root = cgroup_fs.join(own);
+        // After a restart in the same service cgroup the daemon may already sit in its leaf.
+        if root.file_name().is_some_and(|n| n == "daemon") {
+            root.pop();
+        }
+        if !root.join("cgroup.procs").exists() || !writable(&root) {
+            return Ok(None);
+        }
+        let leaf = root.join("daemon");
+        match fs::create_dir(&leaf) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        // Writing 0 moves the writing process (all its threads) into the cgroup.
+        fs::write(leaf.join("cgroup.procs"), "0")?;
+        let available = fs::read_to_string(root.join("cgroup.controllers")).unwrap_or_default();
+        let memory_controller = available.split_whitespace().any(|c| c == "memory")
+            && fs::write(root.join("cgroup.subtree_control"), "+memory").is_ok();
+        Ok(Some(Self { root, memory_controller }))
+    }
+
+    /// The service cgroup corral manages.
+    #[must_use]
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Kills and removes runner cgroups an earlier daemon instance left behind.
+    /// Returns the names of those it cleaned.
+    pub fn kill_stale(&self) -> io::Result<Vec<String>> {
+        let mut cleaned = Vec::new();
+        for entry in fs::read_dir(&self.root)? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(RUNNER_PREFIX) && entry.file_type()?.is_dir() {
+                RunnerCgroup { path: entry.path() }.kill_and_remove(Duration::from_secs(5))?;
+                cleaned.push(name);
+            }
+        }
+        Ok(cleaned)
+    }
+
+    /// Creates the cgroup for runner `id`, limited to `memory_max` bytes when given.
+    pub fn create_runner(&self, id: u64, memory_max: Option<u64>) -> io::Result<RunnerCgroup> {
+        let path = self.root.join(format!("{RUNNER_PREFIX}{id}"));
+        fs::create_dir(&path)?;
+        let cgroup = RunnerCgroup { path };
+        if let Some(limit) = memory_max {
+            if !self.memory_controller {
+                let _ = cgroup.remove();
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "a memory limit is configured but the memory controller is not delegated to corrald",
+                ));
+            }
+            fs::write(cgroup.path.join("memory.max"), limit.to_string())?;
+        }
+        Ok(cgroup)
+    }
+}
+
+/// One runner's cgroup.
+#[derive(Debug)]
+pub struct RunnerCgroup {
+    path: PathBuf,
+}
+
+/// Memory use from a runner's cgroup, where the memory controller is available.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryUsage {
+    /// `memory.current`.
+    pub current: u64,
+    /// `memory.peak`, on kernels that have it.
+    pub peak: Option<u64>,
+}
+
+impl RunnerCgroup {
+    /// The cgroup's directory.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Opens `cgroup.procs` for writing, so a child can move itself in between fork and exec.
+    pub fn procs_file(&self) -> io::Result<fs::File> {
+        fs::OpenOptions::new().write(true).open(self.path.join("cgroup.procs"))
+    }
+
+    /// Current and peak memory, if the memory controller is on.
+    #[must_use]
+    pub fn memory(&self) -> Option<MemoryUsage> {
+        let read = |name: &str| fs::read_to_string(self.path.join(name)).ok()?.trim().parse().ok();
+        Some(MemoryUsage { current: read("memory.current")?, peak: read("memory.peak") })
+    }
+
+    /// Kills every process in the cgroup, waits for it to empty, and removes it.
+    pub fn kill_and_remove(&self, timeout: Duration) -> io::Result<()> {
+        if fs::write(self.path.join("cgroup.kill"), "1").is_err() {
+            // Kernels before 5.14 have no cgroup.kill: signal each process instead.
+            for pid in fs::read_to_string(self.path.join("cgroup.procs"))?.lines() {
+                if let Ok(pid) = pid.trim().parse::<i32>() {
+                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+                }
+            }
+        }
+        let deadline = Instant::now() + timeout;
+        while populated(&self.path)? {
+            if Instant::now() > deadline {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "processes remain after cgroup.kill"));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.remove()
+    }
+
+    /// Removes the (empty) cgroup.
+    pub fn remove(&self) -> io::Result<()> {
+        match fs::remove_dir(&self.path) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            other => other,
+        }
+    }
+}
+
+fn populated(path: &Path) -> io::Result<bool> {
+    let events = match fs::read_to_string(path.join("cgroup.events")) {
+        Ok(events) => events,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    Ok(events.lines().any(|l| l == "populated 1"))
+}
+
+fn writable(dir: &Path) -> bool {
+    nix::unistd::access(dir, nix::unistd::AccessFlags::W_OK).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CgroupTree;
+
+    #[test]
+    fn no_tree_in_the_root_cgroup_or_on_cgroup_v1_only() {
+        let fs = tempfile::tempdir().expect("tempdir");
+        assert!(CgroupTree::adopt(fs.path(), "0::/\n").expect("adopt").is_none());
+        assert!(CgroupTree::adopt(fs.path(), "1:name=systemd:/x\n").expect("adopt").is_none());
+        assert!(CgroupTree::adopt(fs.path(), "").expect("adopt").is_none());
+    }
+
+    #[test]
+    fn no_tree_where_the_cgroup_directory_is_missing() {
+        let fs = tempfile::tempdir().expect("tempdir");
+        assert!(CgroupTree::adopt(fs.path(), "0::/corral.slice/corrald.service\n").expect("adopt").is_none());
+    }
+}

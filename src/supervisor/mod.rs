@@ -1,0 +1,14 @@
+//! Supervision of the `llama-server` children: one per loaded model.
+//!
+//! - [`command`]: the command line and environment, a pure function of what to run;
+//! - [`logparse`]: what a child prints: levels for the journal, the load's offload,
+//!   memory and failure reports;
+//! - [`runner`]: one child from spawn to reap, with readiness and a bounded stop;
+//! - [`cgroup`]: each child in its own cgroup under the service's delegated subtree;
+//! - [`upstream`]: HTTP to a child over its private UNIX socket.
+
+pub mod cgroup;
+pub mod command;
+pub mod logparse;
+pub mod runner;
+pub mod upstream;

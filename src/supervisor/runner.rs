@@ -1,0 +1,603 @@
+//! One llama-server child from spawn to reap.
+//!
+//! [`load`] spawns the child in its own cgroup (or process group), forwards and parses
+//! every line it prints, and returns once the child printed its `listening` line and
+//! answered one `/health` with 200; a load that stops making progress (no output for
+//! `load_timeout`) or a child that exits first is a [`LoadError`] naming the cause.
+//! A [`Runner`] is then owned by whoever loaded it: [`Runner::stop`] returns once the
+//! child is reaped, [`Runner::exited`] resolves if it dies on its own.
+
+use std::ffi::OsString;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::io::AsyncReadExt;
+use tokio::process::{Child, ChildStderr, Command};
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+
+use super::cgroup::{CgroupTree, MemoryUsage, RunnerCgroup};
+use super::command::{self, Invocation, LoadOptions, ModelFiles, Placement};
+use super::logparse::{ErrorClass, LineSplitter, LoadReport, ParsedLine};
+use super::upstream;
+use crate::systemd::{JournalWriter, Priority};
+
+/// Where a child's output goes besides the parser.
+#[derive(Debug, Clone)]
+pub enum LogSink {
+    /// journald, one entry per line with `SYSLOG_IDENTIFIER=llama-server`.
+    Journal(Arc<JournalWriter>),
+    /// The daemon's own log (stderr when not under systemd).
+    Tracing,
+}
+
+/// What every runner shares: the executable, directories, environment and containment.
+#[derive(Debug, Clone)]
+pub struct SupervisorConfig {
+    /// The llama-server executable.
+    pub llama_server: PathBuf,
+    /// Where runner sockets go (`/run/corral`).
+    pub runtime_dir: PathBuf,
+    /// The daemon's environment; only `command::INHERITED_VARIABLES` reach a child.
+    pub inherited_env: Vec<(OsString, OsString)>,
+    /// Where child output goes.
+    pub log_sink: LogSink,
+    /// The delegated cgroup tree, or `None` for process groups only.
+    pub cgroups: Option<CgroupTree>,
+    /// How long a child may take to exit after SIGTERM before it is killed.
+    pub stop_grace: Duration,
+}
+
+/// What to load.
+#[derive(Debug, Clone)]
+pub struct RunnerSpec {
+    /// A number unique in this daemon's lifetime: names the socket and the cgroup.
+    pub id: u64,
+    /// The model's name, for logs and the child's `/v1/models`.
+    pub model: String,
+    /// The model's files.
+    pub files: ModelFiles,
+    /// Load options.
+    pub options: LoadOptions,
+    /// Placement.
+    pub placement: Placement,
+    /// The load fails when the child prints nothing for this long.
+    pub load_timeout: Duration,
+    /// A memory limit for the runner's cgroup.
+    pub memory_max: Option<u64>,
+}
+
+/// Why a child ended or failed to load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The model file is missing, corrupt or unsupported by this llama-server.
+    BadModelFile,
+    /// Not enough memory (reported by llama.cpp).
+    OutOfMemory,
+    /// The socket could not be bound.
+    BindFailure,
+    /// llama-server rejected its command line.
+    InvalidArgument,
+    /// Killed by a signal it did not ask for (the kernel's OOM killer sends SIGKILL).
+    Killed,
+    /// Exited with an error and no line that says why.
+    Crashed,
+}
+
+impl Failure {
+    fn from_exit(class: Option<ErrorClass>, status: ExitStatus) -> Self {
+        match class {
+            Some(ErrorClass::BadModelFile) => Self::BadModelFile,
+            Some(ErrorClass::OutOfMemory) => Self::OutOfMemory,
+            Some(ErrorClass::BindFailure) => Self::BindFailure,
+            Some(ErrorClass::InvalidArgument) => Self::InvalidArgument,
+            Some(ErrorClass::Other) | None if status.signal().is_some() => Self::Killed,
+            Some(ErrorClass::Other) | None => Self::Crashed,
+        }
+    }
+
+    /// A short name for logs, events and API errors.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::BadModelFile => "bad model file",
+            Self::OutOfMemory => "out of memory",
+            Self::BindFailure => "bind failure",
+            Self::InvalidArgument => "invalid argument",
+            Self::Killed => "killed",
+            Self::Crashed => "crashed",
+        }
+    }
+}
+
+/// How a child ended.
+#[derive(Debug, Clone)]
+pub struct Exit {
+    /// Its wait status.
+    pub status: ExitStatus,
+    /// True when corral stopped it.
+    pub requested: bool,
+    /// Why, when it was not a requested stop or a clean exit.
+    pub failure: Option<Failure>,
+    /// Its last error lines, oldest first.
+    pub last_errors: Vec<String>,
+}
+
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "llama-server {}", self.status)?;
+        if let Some(failure) = self.failure {
+            write!(f, " ({})", failure.as_str())?;
+        }
+        if let Some(last) = self.last_errors.last() {
+            write!(f, ": {last}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Why a load failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The process could not be started.
+    #[error("cannot start {program}: {source}")]
+    Spawn {
+        /// The executable.
+        program: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The runner's cgroup could not be set up.
+    #[error("cannot set up the runner's cgroup: {0}")]
+    Cgroup(std::io::Error),
+    /// The child exited before it was ready.
+    #[error("{0}")]
+    Exited(Exit),
+    /// The child printed nothing for the load timeout.
+    #[error("llama-server made no progress for {after:?} while loading{}", last.as_ref().map(|l| format!(": {l}")).unwrap_or_default())]
+    Stalled {
+        /// The timeout.
+        after: Duration,
+        /// Its last error line, if any.
+        last: Option<String>,
+    },
+    /// It said it was listening, but `/health` did not answer 200.
+    #[error("llama-server is listening but unhealthy: {0}")]
+    Unhealthy(String),
+}
+
+impl LoadError {
+    /// The failure class, when the child ended.
+    #[must_use]
+    pub fn failure(&self) -> Option<Failure> {
+        match self {
+            Self::Exited(exit) => exit.failure,
+            _ => None,
+        }
+    }
+}
+
+/// A ready llama-server.
+#[derive(Debug)]
+pub struct Runner {
+    id: u64,
+    pid: Pid,
+    socket: PathBuf,
+    report: LoadReport,
+    load_time: Duration,
+    projector_on_cpu: bool,
+    stop: Option<oneshot::Sender<Duration>>,
+    exit: watch::Receiver<Option<Exit>>,
+    task: Option<JoinHandle<()>>,
+    cgroup: Option<Arc<RunnerCgroup>>,
+    stop_grace: Duration,
+}
+
+impl Runner {
+    /// The runner's id.
+    #[must_use]
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The child's process id.
+    #[must_use]
+    pub fn pid(&self) -> Pid {
+        self.pid
+    }
+
+    /// The UNIX socket the child serves HTTP on.
+    #[must_use]
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// What the load reported: offload, buffers.
+    #[must_use]
+    pub fn report(&self) -> &LoadReport {
+        &self.report
+    }
+
+    /// From spawn to healthy.
+    #[must_use]
+    pub fn load_time(&self) -> Duration {
+        self.load_time
+    }
+
+    /// True when the projector ended up on the CPU after an out-of-memory retry.
+    #[must_use]
+    pub fn projector_on_cpu(&self) -> bool {
+        self.projector_on_cpu
+    }
+
+    /// Memory use from the runner's cgroup, where there is one with the memory controller.
+    #[must_use]
+    pub fn memory(&self) -> Option<MemoryUsage> {
+        self.cgroup.as_ref().and_then(|c| c.memory())
+    }
+
+    /// Resolves when the child exits without being asked to.
+    pub async fn exited(&mut self) -> Exit {
+        loop {
+            if let Some(exit) = self.exit.borrow_and_update().clone() {
+                return exit;
+            }
+            if self.exit.changed().await.is_err() {
+                return self.exit.borrow().clone().unwrap_or_else(unreachable_exit);
+            }
+        }
+    }
+
+    /// Stops the child: SIGTERM, up to the grace period, then SIGKILL; returns once it is
+    /// reaped and its cgroup removed. Close connections to the runner first: llama-server
+    /// waits for open requests before it exits.
+    pub async fn stop(mut self) -> Exit {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(self.stop_grace);
+        }
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+        self.exit.borrow().clone().unwrap_or_else(unreachable_exit)
+    }
+}
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        // A runner dropped without stop(): the child must not outlive it.
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(Duration::ZERO);
+        }
+    }
+}
+
+fn unreachable_exit() -> Exit {
+    // The child task always publishes an exit before it ends; this covers a panic in it.
+    Exit { status: ExitStatus::from_raw(0), requested: false, failure: Some(Failure::Crashed), last_errors: Vec::new() }
+}
+
+/// Loads a model: spawns llama-server and returns once it is ready.
+///
+/// When the load runs out of memory with the projector on a GPU, it is retried once
+/// with the projector on the CPU.
+pub async fn load(config: &SupervisorConfig, spec: &RunnerSpec) -> Result<Runner, LoadError> {
+    match load_once(config, spec, &spec.placement).await {
+        Err(e)
+            if e.failure() == Some(Failure::OutOfMemory)
+                && spec.files.projector.is_some()
+                && !spec.placement.projector_on_cpu =>
+        {
+            tracing::warn!(
+                corral_event = "load-retry",
+                corral_model = %spec.model,
+                error = %e,
+                "out of memory with the projector on the GPU; retrying with the projector on the CPU"
+            );
+            let placement = Placement { projector_on_cpu: true, ..spec.placement.clone() };
+            load_once(config, spec, &placement).await
+        }
+        other => other,
+    }
+}
+
+async fn load_once(config: &SupervisorConfig, spec: &RunnerSpec, placement: &Placement) -> Result<Runner, LoadError> {
+    let started = Instant::now();
+    let socket = config.runtime_dir.join(format!("runner-{}.sock", spec.id));
+    // llama-server serves HTTP on a UNIX socket when --host ends in ".sock"; a stale file would make it fail.
+    let _ = std::fs::remove_file(&socket);
+    let invocation = command::invocation(&command::Request {
+        program: &config.llama_server,
+        files: &spec.files,
+        options: &spec.options,
+        placement,
+        socket: &socket,
+        alias: &spec.model,
+        inherited_env: &config.inherited_env,
+    });
+    let cgroup = match &config.cgroups {
+        Some(tree) => Some(Arc::new(tree.create_runner(spec.id, spec.memory_max).map_err(LoadError::Cgroup)?)),
+        None => None,
+    };
+    let mut child = spawn(&invocation, cgroup.as_deref()).map_err(|source| {
+        if let Some(cgroup) = &cgroup {
+            let _ = cgroup.remove();
+        }
+        LoadError::Spawn { program: invocation.program.display().to_string(), source }
+    })?;
+    let pid = Pid::from_raw(child.id().and_then(|id| i32::try_from(id).ok()).unwrap_or_default());
+    let stderr = child.stderr.take().expect("stderr is piped");
+
+    let (ready_tx, mut ready_rx) = oneshot::channel();
+    let (stop_tx, stop_rx) = oneshot::channel();
+    let (exit_tx, exit_rx) = watch::channel(None);
+    let (progress_tx, mut progress_rx) = watch::channel(Instant::now());
+    let watcher = ChildWatcher {
+        model: spec.model.clone(),
+        pid,
+        socket: socket.clone(),
+        sink: config.log_sink.clone(),
+        cgroup: cgroup.clone(),
+        progress: progress_tx,
+    };
+    let task = tokio::spawn(watcher.run(child, stderr, ready_tx, stop_rx, exit_tx));
+    let mut runner = Runner {
+        id: spec.id,
+        pid,
+        socket,
+        report: LoadReport::new(),
+        load_time: Duration::ZERO,
+        projector_on_cpu: placement.projector_on_cpu,
+        stop: Some(stop_tx),
+        exit: exit_rx,
+        task: Some(task),
+        cgroup,
+        stop_grace: config.stop_grace,
+    };
+
+    // The timeout restarts whenever the child prints something: a slow load that makes
+    // progress is not a stalled one.
+    let outcome = loop {
+        let deadline = *progress_rx.borrow_and_update() + spec.load_timeout;
+        tokio::select! {
+            ready = &mut ready_rx => break ready.unwrap_or(Err(ReadyError::Gone)),
+            _ = progress_rx.changed() => {}
+            () = tokio::time::sleep_until(deadline.into()) => {
+                if *progress_rx.borrow() + spec.load_timeout <= Instant::now() {
+                    break Err(ReadyError::Stalled);
+                }
+            }
+        }
+    };
+    match outcome {
+        Ok(report) => {
+            runner.report = report;
+            runner.load_time = started.elapsed();
+            Ok(runner)
+        }
+        Err(ReadyError::Unhealthy(why)) => {
+            runner.stop().await;
+            Err(LoadError::Unhealthy(why))
+        }
+        Err(ReadyError::Stalled) => {
+            runner.stop_grace = Duration::ZERO;
+            let exit = runner.stop().await;
+            Err(LoadError::Stalled { after: spec.load_timeout, last: exit.last_errors.last().cloned() })
+        }
+        Err(ReadyError::Gone) => {
+            let exit = runner.stop().await;
+            Err(LoadError::Exited(exit))
+        }
+    }
+}
+
+/// Spawns the child: clean environment, own process group, a parent-death signal, and
+/// (with cgroups) moved into its cgroup before it runs any code of its own.
+#[allow(unsafe_code)]
+fn spawn(invocation: &Invocation, cgroup: Option<&RunnerCgroup>) -> std::io::Result<Child> {
+    let procs = cgroup.map(RunnerCgroup::procs_file).transpose()?;
+    let parent = nix::unistd::getpid();
+    let mut cmd = Command::new(&invocation.program);
+    cmd.args(&invocation.args)
+        .env_clear()
+        .envs(invocation.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    // SAFETY: the closure runs in the forked child before exec, so it must only make
+    // async-signal-safe calls: prctl, getppid, write and _exit are raw system calls here,
+    // and nothing allocates or takes a lock.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+            // The parent may have died between fork and prctl: then no signal would come.
+            if nix::unistd::getppid() != parent {
+                libc::_exit(1);
+            }
+            if let Some(procs) = &procs {
+                // "0" moves the writing process, this child, into the runner's cgroup.
+                nix::unistd::write(procs, b"0")?;
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn()
+}
+
+enum ReadyError {
+    Unhealthy(String),
+    Stalled,
+    Gone,
+}
+
+/// The task that owns one child: reads its output, tells the loader when it is ready,
+/// stops it on request, and publishes how it ended.
+struct ChildWatcher {
+    model: String,
+    pid: Pid,
+    socket: PathBuf,
+    sink: LogSink,
+    cgroup: Option<Arc<RunnerCgroup>>,
+    progress: watch::Sender<Instant>,
+}
+
+impl ChildWatcher {
+    async fn run(
+        self,
+        mut child: Child,
+        mut stderr: ChildStderr,
+        ready: oneshot::Sender<Result<LoadReport, ReadyError>>,
+        mut stop: oneshot::Receiver<Duration>,
+        exit: watch::Sender<Option<Exit>>,
+    ) {
+        let mut ready = Some(ready);
+        let mut report = LoadReport::new();
+        let mut splitter = LineSplitter::new();
+        let mut buf = vec![0u8; 16 * 1024];
+        let mut stderr_open = true;
+        let mut requested = None;
+        let status = loop {
+            tokio::select! {
+                read = stderr.read(&mut buf), if stderr_open => {
+                    let lines = match read {
+                        Ok(0) | Err(_) => {
+                            stderr_open = false;
+                            splitter.finish().into_iter().collect()
+                        }
+                        Ok(n) => splitter.push(&buf[..n]),
+                    };
+                    for line in lines {
+                        self.on_line(&mut report, &line);
+                        let _ = self.progress.send(Instant::now());
+                        if ready.is_some() && report.listening().is_some() {
+                            let outcome = self.confirm(&report).await;
+                            if let Some(ready) = ready.take() {
+                                let _ = ready.send(outcome);
+                            }
+                        }
+                    }
+                }
+                status = child.wait() => break status,
+                grace = &mut stop, if requested.is_none() => {
+                    let grace = grace.unwrap_or(Duration::ZERO);
+                    requested = Some(grace);
+                    break self.terminate(&mut child, grace).await;
+                }
+            }
+        };
+        // Drain what the child wrote before it ended, for its last error lines.
+        if stderr_open {
+            let mut rest = Vec::new();
+            let _ = tokio::time::timeout(Duration::from_millis(200), stderr.read_to_end(&mut rest)).await;
+            for line in splitter.push(&rest).into_iter().chain(splitter.finish()) {
+                self.on_line(&mut report, &line);
+            }
+        }
+        let status = status.unwrap_or_else(|_| ExitStatus::from_raw(0));
+        if let Some(cgroup) = &self.cgroup {
+            let cgroup = Arc::clone(cgroup);
+            let _ = tokio::task::spawn_blocking(move || cgroup.kill_and_remove(Duration::from_secs(5))).await;
+        } else {
+            // Anything the child started in its process group goes with it.
+            let _ = killpg(self.pid, Signal::SIGKILL);
+        }
+        let _ = std::fs::remove_file(&self.socket);
+        let failure = if requested.is_some() || status.success() {
+            None
+        } else {
+            Some(Failure::from_exit(report.failure_class(), status))
+        };
+        let last_errors = report.errors().map(|e| e.message.clone()).collect();
+        let ended = Exit { status, requested: requested.is_some(), failure, last_errors };
+        if !ended.requested {
+            tracing::warn!(
+                corral_event = "crash",
+                corral_model = %self.model,
+                corral_runner_pid = self.pid.as_raw(),
+                "runner ended: {ended}"
+            );
+        }
+        if let Some(ready) = ready.take() {
+            let _ = ready.send(Err(ReadyError::Gone));
+        }
+        let _ = exit.send(Some(ended));
+    }
+
+    /// One `/health` after the listening line: the load is over when it answers 200.
+    async fn confirm(&self, report: &LoadReport) -> Result<LoadReport, ReadyError> {
+        match upstream::get(&self.socket, "/health", Duration::from_secs(10)).await {
+            Ok((status, _)) if status.is_success() => {
+                self.log_offload(report);
+                Ok(report.clone())
+            }
+            Ok((status, body)) => Err(ReadyError::Unhealthy(format!("{status}: {}", String::from_utf8_lossy(&body)))),
+            Err(e) => Err(ReadyError::Unhealthy(e.to_string())),
+        }
+    }
+
+    fn log_offload(&self, report: &LoadReport) {
+        let (gpu_layers, total_layers) = report.offload().map_or((0, 0), |o| (o.gpu_layers, o.total_layers));
+        tracing::info!(
+            corral_event = "offload",
+            corral_model = %self.model,
+            corral_runner_pid = self.pid.as_raw(),
+            corral_gpu_layers = gpu_layers,
+            corral_total_layers = total_layers,
+            corral_vram_bytes = report.vram_bytes(),
+            corral_ram_bytes = report.ram_bytes(),
+            "{}: {gpu_layers}/{total_layers} layers on GPU, {} bytes of VRAM, {} bytes of RAM",
+            self.model,
+            report.vram_bytes(),
+            report.ram_bytes(),
+        );
+    }
+
+    fn on_line(&self, report: &mut LoadReport, line: &str) {
+        let parsed = report.feed(line);
+        forward(&self.sink, &self.model, self.pid, &parsed);
+    }
+
+    async fn terminate(&self, child: &mut Child, grace: Duration) -> std::io::Result<ExitStatus> {
+        let _ = killpg(self.pid, Signal::SIGTERM);
+        if let Ok(status) = tokio::time::timeout(grace, child.wait()).await {
+            return status;
+        }
+        let _ = killpg(self.pid, Signal::SIGKILL);
+        child.wait().await
+    }
+}
+
+fn forward(sink: &LogSink, model: &str, pid: Pid, line: &ParsedLine<'_>) {
+    match sink {
+        LogSink::Journal(journal) => {
+            let priority = match line.priority() {
+                0..=3 => Priority::Error,
+                4 => Priority::Warning,
+                5 => Priority::Notice,
+                6 => Priority::Info,
+                _ => Priority::Debug,
+            };
+            let pid = pid.as_raw().to_string();
+            let fields = [("SYSLOG_IDENTIFIER", "llama-server"), ("CORRAL_MODEL", model), ("CORRAL_RUNNER_PID", &pid)];
+            if let Err(e) = journal.send(priority, &line.message, &fields) {
+                tracing::debug!(error = %e, "cannot forward a llama-server line to the journal");
+            }
+        }
+        LogSink::Tracing => match line.priority() {
+            0..=3 => {
+                tracing::error!(target: "llama-server", corral_model = model, pid = pid.as_raw(), "{}", line.message)
+            }
+            4 => tracing::warn!(target: "llama-server", corral_model = model, pid = pid.as_raw(), "{}", line.message),
+            5 | 6 => {
+                tracing::debug!(target: "llama-server", corral_model = model, pid = pid.as_raw(), "{}", line.message)
+            }
+            _ => tracing::debug!(target: "llama-server", corral_model = model, pid = pid.as_raw(), "{}", line.message),
+        },
+    }
+}
