@@ -286,6 +286,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::too_many_lines, reason = "one table of cases")]
     fn command_lines_for_many_option_sets() {
         let base = LoadOptions::default();
         let cpu = Placement::default();

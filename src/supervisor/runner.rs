@@ -589,15 +589,14 @@ fn forward(sink: &LogSink, model: &str, pid: Pid, line: &ParsedLine<'_>) {
                 tracing::debug!(error = %e, "cannot forward a llama-server line to the journal");
             }
         }
-        LogSink::Tracing => match line.priority() {
-            0..=3 => {
-                tracing::error!(target: "llama-server", corral_model = model, pid = pid.as_raw(), "{}", line.message)
+        LogSink::Tracing => {
+            let (model, pid, message) = (model, pid.as_raw(), &line.message);
+            match line.priority() {
+                0..=3 => tracing::error!(target: "llama-server", corral_model = model, pid, "{message}"),
+                4 => tracing::warn!(target: "llama-server", corral_model = model, pid, "{message}"),
+                // Info lines are many at -lv 4: they go to the journal, or to stderr at debug level.
+                _ => tracing::debug!(target: "llama-server", corral_model = model, pid, "{message}"),
             }
-            4 => tracing::warn!(target: "llama-server", corral_model = model, pid = pid.as_raw(), "{}", line.message),
-            5 | 6 => {
-                tracing::debug!(target: "llama-server", corral_model = model, pid = pid.as_raw(), "{}", line.message)
-            }
-            _ => tracing::debug!(target: "llama-server", corral_model = model, pid = pid.as_raw(), "{}", line.message),
-        },
+        }
     }
 }
