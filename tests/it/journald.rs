@@ -1,1 +1,139 @@
-//! (being written)
+//! corrald logging to a real `systemd-journald` (a private one per test, see
+//! `support::journald`): structured lifecycle entries, and a rejected reload.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+
+use crate::support::container::poll_until;
+use crate::support::journald::{JournalSandbox, corrald_events, field, is_corrald_event, summary};
+
+const CORRALD: &str = env!("CARGO_BIN_EXE_corrald");
+/// How long the daemon may take to start, answer, log or stop on a busy machine.
+const SETTLE: Duration = Duration::from_secs(60);
+
+/// A loopback address with a port that was free a moment ago.
+fn free_loopback() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0").local_addr().expect("local_addr")
+}
+
+/// One HTTP/1.1 GET with `Connection: close`: the status code and the body.
+fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+    stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
+    stream.set_write_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).map_err(|e| e.to_string())?;
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("not an HTTP response: {response:?}"))?;
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    Ok((status, body))
+}
+
+fn wait_serving(sandbox: &mut JournalSandbox, addr: SocketAddr) -> String {
+    poll_until(SETTLE, &format!("corrald to answer on {addr}"), || {
+        if let Some(status) = sandbox.try_status() {
+            return Ok(Err(format!("corrald exited early ({status}): {}", sandbox.script_errors())));
+        }
+        match http_get(addr, "/api/version") {
+            Ok((200, body)) => Ok(Ok(body)),
+            Ok((code, body)) => Err(format!("HTTP {code}: {body}")),
+            Err(e) => Err(e),
+        }
+    })
+    .unwrap_or_else(|e: String| panic!("{e}"))
+}
+
+fn write_config(path: &Path, addr: SocketAddr, extra: &str) {
+    std::fs::write(path, format!("[server]\nlisten = [\"{addr}\"]\n{extra}")).expect("write the config");
+}
+
+#[test]
+fn lifecycle_events_reach_the_journal() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("corral.toml");
+    let addr = free_loopback();
+    write_config(&config, addr, "");
+    let mut sandbox = JournalSandbox::spawn(
+        CORRALD,
+        &["--config".as_ref(), config.as_os_str(), "--log-target".as_ref(), "journal".as_ref()],
+    );
+    let pid = sandbox.command_pid();
+
+    let body = wait_serving(&mut sandbox, addr);
+    assert!(body.contains(env!("CARGO_PKG_VERSION")), "{body}");
+
+    sandbox.signal(Signal::SIGTERM);
+    let status = sandbox.wait(SETTLE);
+    assert!(status.success(), "corrald did not exit cleanly on SIGTERM: {status}; {}", sandbox.script_errors());
+
+    let entries = sandbox.entries();
+    let events = corrald_events(&entries);
+    let names: Vec<&str> = events.iter().map(|(e, _)| e.as_str()).collect();
+    assert_eq!(names, ["start", "ready", "stop"], "lifecycle events: {}", summary(&entries));
+    let message = |event: &str| events.iter().find(|(e, _)| e == event).map(|(_, m)| m.clone()).unwrap_or_default();
+    assert_eq!(message("start"), format!("corrald {} starting", env!("CARGO_PKG_VERSION")));
+    assert!(message("ready").contains(&format!("serving on {addr}")), "ready MESSAGE: {:?}", message("ready"));
+    assert_eq!(message("stop"), "corrald stopping");
+
+    // Every entry of corrald's came from that process over the native protocol, with structured fields.
+    let own: Vec<_> = entries.iter().filter(|e| field(e, "SYSLOG_IDENTIFIER").as_deref() == Some("corrald")).collect();
+    for e in &own {
+        assert_eq!(field(e, "_PID"), Some(pid.to_string()), "{e}");
+        assert_eq!(field(e, "_TRANSPORT").as_deref(), Some("journal"), "{e}");
+        assert!(field(e, "PRIORITY").is_some(), "{e}");
+    }
+    let start = own.iter().find(|e| is_corrald_event(e, "start")).expect("start entry");
+    assert_eq!(field(start, "VERSION").as_deref(), Some(env!("CARGO_PKG_VERSION")), "{start}");
+    assert!(own.iter().any(|e| field(e, "MESSAGE").as_deref() == Some("corrald stopped")), "{}", summary(&entries));
+}
+
+#[test]
+fn reload_with_a_bad_config_is_logged_and_serving_continues() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("corral.toml");
+    let addr = free_loopback();
+    write_config(&config, addr, "");
+    let mut sandbox = JournalSandbox::spawn(
+        CORRALD,
+        &["--config".as_ref(), config.as_os_str(), "--log-target".as_ref(), "journal".as_ref()],
+    );
+    wait_serving(&mut sandbox, addr);
+    sandbox.wait_for_entry(SETTLE, "the ready entry", |e| is_corrald_event(e, "ready"));
+
+    // A key the schema does not know: the reload is rejected, naming the file, line and key.
+    write_config(&config, addr, "no_such_key = true\n");
+    sandbox.signal(Signal::SIGHUP);
+    let entry = sandbox.wait_for_entry(SETTLE, "a reload entry", |e| is_corrald_event(e, "reload"));
+    let message = field(&entry, "MESSAGE").unwrap_or_default();
+    assert!(message.contains("configuration rejected"), "reload MESSAGE: {message:?}");
+    assert!(message.contains("no_such_key"), "the message names the bad key: {message:?}");
+    assert!(message.contains(&format!("{}:3", config.display())), "the message names file and line: {message:?}");
+    let priority: u8 = field(&entry, "PRIORITY").and_then(|p| p.parse().ok()).expect("PRIORITY");
+    assert!(priority <= 3, "a rejected reload is logged as an error (PRIORITY {priority}): {entry}");
+
+    // Still serving, with the old configuration.
+    let (code, body) = http_get(addr, "/api/version").expect("request after the rejected reload");
+    assert_eq!(code, 200, "{body}");
+
+    // A fixed file reloads fine.
+    write_config(&config, addr, "");
+    sandbox.signal(Signal::SIGHUP);
+    sandbox.wait_for_entry(SETTLE, "a successful reload entry", |e| {
+        is_corrald_event(e, "reload") && field(e, "MESSAGE").as_deref() == Some("configuration reloaded")
+    });
+
+    sandbox.signal(Signal::SIGTERM);
+    let status = sandbox.wait(SETTLE);
+    assert!(status.success(), "corrald did not exit cleanly: {status}; {}", sandbox.script_errors());
+    let entries = sandbox.entries();
+    let names: Vec<String> = corrald_events(&entries).into_iter().map(|(e, _)| e).collect();
+    assert_eq!(names, ["start", "ready", "reload", "reload", "stop"], "{}", summary(&entries));
+}

@@ -24,7 +24,10 @@ set -euo pipefail
 
 die() { echo "journald-sandbox: $*" >&2; exit 70; }
 
-[ $# -ge 3 ] && [ "$2" = -- ] || { echo "usage: journald-sandbox.sh DIR -- CMD [ARGS...]" >&2; exit 2; }
+if [ $# -lt 3 ] || [ "$2" != -- ]; then
+  echo "usage: journald-sandbox.sh DIR -- CMD [ARGS...]" >&2
+  exit 2
+fi
 DIR=$1
 shift 2
 
@@ -78,6 +81,7 @@ mount --bind "$DIR/journald.conf" /etc/systemd/journald.conf
 
 JOURNALD_PID=
 CMD_PID=
+# shellcheck disable=SC2317 # called from the EXIT trap
 stop_all() {
   if [ -n "$CMD_PID" ]; then kill -s TERM "$CMD_PID" 2>/dev/null || true; fi
   if [ -n "$JOURNALD_PID" ]; then kill -s TERM "$JOURNALD_PID" 2>/dev/null || true; fi

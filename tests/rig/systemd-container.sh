@@ -73,11 +73,19 @@ own_cgroup() {
   awk -F: -v k="$key" '($1 == "0" && k == "0") || $2 == k { print ($3 == "/" ? "" : $3); exit }' /proc/self/cgroup
 }
 
+# The host PID of our unshare process, if it still runs (a recycled PID does not count).
+unshare_pid() {
+  local u
+  u=$(cat "$CT/unshare.pid" 2>/dev/null) || return 1
+  case $u in '' | *[!0-9]*) return 1 ;; esac
+  tr '\0' ' ' <"/proc/$u/cmdline" 2>/dev/null | grep -q '^unshare .* __stage2 *$' || return 1
+  echo "$u"
+}
+
 # The host PID of the container's PID 1: the only child of the unshare process.
 pid1() {
   local u c
-  u=$(cat "$CT/unshare.pid" 2>/dev/null) || return 1
-  [ -n "$u" ] || return 1
+  u=$(unshare_pid) || return 1
   c=$(cat "/proc/$u/task/$u/children" 2>/dev/null) || return 1
   c=${c%% *}
   [ -n "$c" ] || return 1
@@ -261,7 +269,7 @@ up() {
 
 down() {
   local u p i
-  u=$(cat "$CT/unshare.pid" 2>/dev/null || true)
+  u=$(unshare_pid || true)
   if p=$(pid1); then
     kill -s RTMIN+4 "$p" 2>/dev/null || true # systemd: start poweroff.target
     for ((i = 0; i < STOP_TIMEOUT * 10; i++)); do
@@ -289,7 +297,11 @@ down() {
         find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true
         [ -d "$d" ] || break
         if [ -e "$d/cgroup.kill" ]; then echo 1 >"$d/cgroup.kill" 2>/dev/null || true
-        else find "$d" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -s KILL 2>/dev/null || true; fi
+        else
+          find "$d" -name cgroup.procs -exec cat {} + 2>/dev/null | while read -r pid; do
+            kill -s KILL "$pid" 2>/dev/null || true
+          done
+        fi
         sleep 0.1
       done
       if [ -d "$d" ]; then echo "systemd-container: could not remove cgroup $d" >&2; left=1; fi
