@@ -55,33 +55,16 @@ fn socket_activation_on_tcp_and_unix_reports_ready_and_serves_both() {
 fn sockets_with_other_names_only_are_refused() {
     let notify = NotifyListener::start();
     let port = free_port();
-    let mut cmd_corrald = {
-        let mut cmd = std::process::Command::new("systemd-socket-activate");
-        cmd.args(["-l", &format!("127.0.0.1:{port}"), "--fdname=metrics", "-E", "NOTIFY_SOCKET"])
-            .env("NOTIFY_SOCKET", notify.path())
-            .arg(crate::support::corrald::CORRALD)
-            .stderr(std::process::Stdio::piped());
-        cmd.spawn().expect("spawn")
-    };
+    let mut cmd = std::process::Command::new("systemd-socket-activate");
+    cmd.args(["-l", &format!("127.0.0.1:{port}"), "--fdname=metrics", "-E", "NOTIFY_SOCKET"])
+        .env("NOTIFY_SOCKET", notify.path())
+        .args([crate::support::corrald::CORRALD, "--log-target", "stderr"]);
+    let mut corrald = Corrald::spawn(cmd);
     // Trigger the activation; the connection is dropped when corrald refuses to start.
     let _ = http::connect("the activation socket", || std::net::TcpStream::connect(("127.0.0.1", port)));
-    let out = wait_output(&mut cmd_corrald);
-    assert!(!out.0.success());
-    assert!(out.1.contains("none named \"http\""), "{}", out.1);
-}
-
-fn wait_output(child: &mut std::process::Child) -> (std::process::ExitStatus, String) {
-    use std::io::Read;
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            let mut err = String::new();
-            child.stderr.take().expect("stderr").read_to_string(&mut err).expect("read");
-            return (status, err);
-        }
-        assert!(std::time::Instant::now() < deadline, "still running");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    assert!(!corrald.wait_exit(WAIT).success());
+    assert!(corrald.stderr().contains("none named \"http\""), "{}", corrald.stderr());
+    assert!(notify.messages().iter().all(|m| !m.contains_key("READY")), "never reported ready");
 }
 
 #[test]

@@ -59,7 +59,8 @@ impl Corrald {
         Self::spawn(cmd)
     }
 
-    fn spawn(mut cmd: Command) -> Self {
+    /// Runs `cmd` (corrald, or a tool that execs it) with stderr captured.
+    pub fn spawn(mut cmd: Command) -> Self {
         cmd.env("RUST_LOG", "info").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
         let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
         let stderr = Arc::new(Mutex::new(String::new()));
