@@ -18,6 +18,20 @@ use std::time::{Duration, Instant};
 /// The prefix of runner cgroup names.
 const RUNNER_PREFIX: &str = "runner-";
 
+/// Where cgroup2 is mounted, from the text of `/proc/self/mountinfo`: `/sys/fs/cgroup`
+/// on a unified host, `/sys/fs/cgroup/unified` on a hybrid one.
+#[must_use]
+pub fn cgroup2_mount(mountinfo: &str) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        // "ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER"
+        let (fields, fs) = line.split_once(" - ")?;
+        if fs.split_whitespace().next() != Some("cgroup2") {
+            return None;
+        }
+        fields.split_whitespace().nth(4).map(PathBuf::from)
+    })
+}
+
 /// The service's delegated cgroup, with the daemon moved into its `daemon` leaf.
 #[derive(Debug, Clone)]
 pub struct CgroupTree {
@@ -178,7 +192,22 @@ fn writable(dir: &Path) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::CgroupTree;
+    use std::path::Path;
+
+    use super::{CgroupTree, cgroup2_mount};
+
+    #[test]
+    fn the_cgroup2_mount_is_found_on_unified_and_hybrid_hosts() {
+        let unified =
+            "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate\n";
+        assert_eq!(cgroup2_mount(unified).as_deref(), Some(Path::new("/sys/fs/cgroup")));
+        let hybrid = "25 24 0:22 / /sys/fs/cgroup ro - tmpfs tmpfs ro,mode=755\n\
+                      41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n\
+                      42 31 0:39 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n";
+        assert_eq!(cgroup2_mount(hybrid).as_deref(), Some(Path::new("/sys/fs/cgroup/unified")));
+        assert_eq!(cgroup2_mount("42 31 0:39 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"), None);
+        assert_eq!(cgroup2_mount(""), None);
+    }
 
     #[test]
     fn no_tree_in_the_root_cgroup_or_on_cgroup_v1_only() {

@@ -6,6 +6,7 @@
 mod support;
 
 mod check_config;
+mod containment;
 mod fake_runner;
 mod journald;
 mod llama_server;
