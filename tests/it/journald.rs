@@ -137,3 +137,64 @@ fn reload_with_a_bad_config_is_logged_and_serving_continues() {
     let names: Vec<String> = corrald_events(&entries).into_iter().map(|(e, _)| e).collect();
     assert_eq!(names, ["start", "ready", "reload", "reload", "stop"], "{}", summary(&entries));
 }
+
+/// llama-server's own lines reach the journal as `llama-server` entries with the model,
+/// the runner's pid and a priority from llama.cpp's level letter; each load adds one
+/// `CORRAL_EVENT=offload` entry with the parsed layers and memory. A local rpc-server
+/// stands in for a GPU, so the offload figures are real llama.cpp output.
+#[test]
+fn llama_server_lines_and_the_offload_event_reach_the_journal() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("tiny.gguf");
+    corral::demo_model::write_tiny_llama(&model).expect("write model");
+    let port = crate::support::corrald::free_port();
+    let _rpc = crate::support::llama::RpcServer::start(port);
+    let llama_server = crate::support::llama::bin_dir().join("llama-server");
+    let args = [
+        "--llama-server".to_owned(),
+        llama_server.display().to_string(),
+        "--runtime-dir".to_owned(),
+        dir.path().display().to_string(),
+        "--log-target".to_owned(),
+        "journal".to_owned(),
+        "--rpc".to_owned(),
+        format!("127.0.0.1:{port}"),
+        "--ngl".to_owned(),
+        "99".to_owned(),
+        model.display().to_string(),
+    ];
+    let mut sandbox = JournalSandbox::spawn(env!("CARGO_BIN_EXE_supervise-harness"), &args);
+
+    let offload = sandbox.wait_for_entry(SETTLE, "the offload event", |e| is_corrald_event(e, "offload"));
+    let pid = field(&offload, "CORRAL_RUNNER_PID").expect("CORRAL_RUNNER_PID");
+    assert_eq!(field(&offload, "CORRAL_MODEL").as_deref(), Some("tiny"));
+    assert_eq!(field(&offload, "CORRAL_GPU_LAYERS").as_deref(), Some("5"));
+    assert_eq!(field(&offload, "CORRAL_TOTAL_LAYERS").as_deref(), Some("5"));
+    let vram: u64 = field(&offload, "CORRAL_VRAM_BYTES").and_then(|v| v.parse().ok()).expect("CORRAL_VRAM_BYTES");
+    let ram: u64 = field(&offload, "CORRAL_RAM_BYTES").and_then(|v| v.parse().ok()).expect("CORRAL_RAM_BYTES");
+    assert!(vram > 400_000, "the weights sit on the rpc device: {vram}");
+    assert!(ram > 0, "output and host buffers: {ram}");
+
+    sandbox.signal(Signal::SIGTERM);
+    assert!(sandbox.wait(SETTLE).success(), "{}", sandbox.script_errors());
+    let entries = sandbox.entries();
+    let child_lines: Vec<&serde_json::Value> =
+        entries.iter().filter(|e| field(e, "SYSLOG_IDENTIFIER").as_deref() == Some("llama-server")).collect();
+    assert!(child_lines.len() > 20, "every llama-server line is forwarded: {}", summary(&entries));
+    for entry in &child_lines {
+        assert_eq!(field(entry, "CORRAL_MODEL").as_deref(), Some("tiny"));
+        assert_eq!(field(entry, "CORRAL_RUNNER_PID").as_deref(), Some(pid.as_str()));
+    }
+    let line_with = |text: &str| {
+        child_lines
+            .iter()
+            .find(|e| field(e, "MESSAGE").is_some_and(|m| m.contains(text)))
+            .unwrap_or_else(|| panic!("no llama-server entry containing {text:?}"))
+    };
+    assert_eq!(field(line_with("offloaded 5/5 layers to GPU"), "PRIORITY").as_deref(), Some("6"));
+    assert_eq!(field(line_with("listening on unix://"), "PRIORITY").as_deref(), Some("6"));
+    // The I/W/E prefix is gone from the message: the priority carries it.
+    let warning = line_with("no API key is set");
+    assert_eq!(field(warning, "PRIORITY").as_deref(), Some("4"));
+    assert!(field(warning, "MESSAGE").is_some_and(|m| m.starts_with("srv ")), "{warning}");
+}

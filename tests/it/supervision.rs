@@ -3,7 +3,6 @@
 //! and the child's environment.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use corral::supervisor::command::{LoadOptions, ModelFiles, Placement};
@@ -93,35 +92,11 @@ async fn a_real_load_is_ready_reports_its_buffers_and_stops_cleanly() {
     assert!(kill(pid, None).is_err(), "the child is gone");
 }
 
-/// An `rpc-server` on loopback: llama.cpp's RPC backend makes it a device, so offload is real.
-struct RpcServer(Child);
-
-impl RpcServer {
-    fn start(port: u16) -> Self {
-        let child = Command::new(llama::bin_dir().join("rpc-server"))
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start rpc-server");
-        http::connect("rpc-server", || std::net::TcpStream::connect(("127.0.0.1", port)));
-        Self(child)
-    }
-}
-
-impl Drop for RpcServer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[tokio::test]
 async fn offload_to_an_rpc_device_is_parsed_from_real_output() {
     let dir = tempfile::tempdir().expect("tempdir");
     let port = free_port();
-    let _rpc = RpcServer::start(port);
+    let _rpc = llama::RpcServer::start(port);
     let config = config(dir.path());
     let placement = Placement { rpc_servers: vec![format!("127.0.0.1:{port}")], ..Placement::default() };
     for (layers, expected_gpu) in [(99, 5), (2, 2)] {

@@ -196,3 +196,28 @@ fn collect_lines(pipe: impl Read, into: &Mutex<Vec<String>>, tx: &mpsc::Sender<S
         }
     }
 }
+
+/// An `rpc-server` on loopback: llama.cpp's RPC backend makes it a device, so offload is real.
+pub struct RpcServer(Child);
+
+impl RpcServer {
+    /// Starts `rpc-server` on `127.0.0.1:port` and waits until it accepts connections.
+    pub fn start(port: u16) -> Self {
+        let child = Command::new(bin_dir().join("rpc-server"))
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start rpc-server");
+        http::connect("rpc-server", || std::net::TcpStream::connect(("127.0.0.1", port)));
+        Self(child)
+    }
+}
+
+impl Drop for RpcServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
