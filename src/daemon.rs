@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{ConfigSource, Loaded};
 use crate::http::{self, listeners};
 use crate::paths::Paths;
+use crate::supervisor::cgroup::CgroupTree;
 use crate::systemd::Notifier;
 
 /// Everything the daemon starts from.
@@ -53,6 +54,9 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
         "corrald {} starting",
         http::VERSION,
     );
+
+    // Held for the runners the scheduler starts; taking it moves the daemon into its leaf.
+    let _cgroups = take_cgroup_tree();
 
     let socket_activated = !sockets.is_empty();
     let listeners = if socket_activated {
@@ -106,6 +110,33 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     }
     tracing::info!("corrald stopped");
     Ok(())
+}
+
+/// Under systemd, takes over the delegated cgroup subtree (moving the daemon into its
+/// `daemon` leaf) and kills runners an earlier instance left behind; elsewhere, runners
+/// use process groups and a parent-death signal.
+fn take_cgroup_tree() -> Option<CgroupTree> {
+    match CgroupTree::adopt_if_service() {
+        Ok(Some(tree)) => {
+            match tree.kill_stale() {
+                Ok(stale) if !stale.is_empty() => {
+                    tracing::warn!(?stale, "killed runners left by an earlier instance");
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot clean up runners of an earlier instance"),
+            }
+            tracing::info!(cgroup = %tree.root().display(), "runners get their own cgroups");
+            Some(tree)
+        }
+        Ok(None) => {
+            tracing::info!("no delegated cgroup tree; runners use process groups");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot take over the delegated cgroup tree; runners use process groups");
+            None
+        }
+    }
 }
 
 /// Reads the configuration again; an invalid one is rejected and the current one kept.

@@ -74,6 +74,20 @@ impl CgroupTree {
         Ok(Some(Self { root, memory_controller }))
     }
 
+    /// Adopts the tree when this process runs as a systemd service (its cgroup is
+    /// `….service`, or the `daemon` leaf below one): only there does `Delegate=yes` hand the
+    /// subtree over.  A daemon started by hand, in the root cgroup or in a login session's
+    /// scope, leaves cgroups alone and uses process groups.
+    pub fn adopt_if_service() -> io::Result<Option<Self>> {
+        let own = fs::read_to_string("/proc/self/cgroup")?;
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo")?;
+        let Some(cgroup_fs) = cgroup2_mount(&mountinfo) else { return Ok(None) };
+        if !is_service_cgroup(&own) {
+            return Ok(None);
+        }
+        Self::adopt(&cgroup_fs, &own)
+    }
+
     /// The service cgroup corral manages.
     #[must_use]
     pub fn root(&self) -> &Path {
@@ -177,6 +191,13 @@ impl RunnerCgroup {
     }
 }
 
+/// True when the cgroup2 entry of `proc_self_cgroup` names a service's cgroup or its `daemon` leaf.
+fn is_service_cgroup(proc_self_cgroup: &str) -> bool {
+    let Some(own) = proc_self_cgroup.lines().find_map(|l| l.strip_prefix("0::")) else { return false };
+    let own = own.trim().trim_end_matches("/daemon");
+    own.rsplit('/').next().is_some_and(|unit| unit.ends_with(".service"))
+}
+
 fn populated(path: &Path) -> io::Result<bool> {
     let events = match fs::read_to_string(path.join("cgroup.events")) {
         Ok(events) => events,
@@ -194,7 +215,7 @@ fn writable(dir: &Path) -> bool {
 mod tests {
     use std::path::Path;
 
-    use super::{CgroupTree, cgroup2_mount};
+    use super::{CgroupTree, MemoryUsage, RunnerCgroup, cgroup2_mount, is_service_cgroup};
 
     #[test]
     fn the_cgroup2_mount_is_found_on_unified_and_hybrid_hosts() {
@@ -207,6 +228,38 @@ mod tests {
         assert_eq!(cgroup2_mount(hybrid).as_deref(), Some(Path::new("/sys/fs/cgroup/unified")));
         assert_eq!(cgroup2_mount("42 31 0:39 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"), None);
         assert_eq!(cgroup2_mount(""), None);
+    }
+
+    #[test]
+    fn only_a_service_cgroup_counts_as_delegated() {
+        assert!(is_service_cgroup("0::/corral.slice/corrald.service\n"));
+        assert!(is_service_cgroup("0::/corral.slice/corrald.service/daemon\n"));
+        assert!(is_service_cgroup("12:pids:/x\n0::/system.slice/corral-harness.service\n"));
+        assert!(!is_service_cgroup("0::/\n"));
+        assert!(!is_service_cgroup("0::/user.slice/user-0.slice/session-1.scope\n"));
+        assert!(!is_service_cgroup("1:name=systemd:/system.slice/corrald.service\n"));
+    }
+
+    #[test]
+    fn memory_figures_are_read_from_the_cgroup() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cgroup = RunnerCgroup { path: dir.path().to_owned() };
+        assert_eq!(cgroup.memory(), None, "no memory controller, no figures");
+        std::fs::write(dir.path().join("memory.current"), "123456\n").expect("write");
+        assert_eq!(cgroup.memory(), Some(MemoryUsage { current: 123_456, peak: None }));
+        std::fs::write(dir.path().join("memory.peak"), "234567\n").expect("write");
+        assert_eq!(cgroup.memory(), Some(MemoryUsage { current: 123_456, peak: Some(234_567) }));
+    }
+
+    #[test]
+    fn a_memory_limit_without_the_memory_controller_is_refused_and_leaves_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tree = CgroupTree { root: dir.path().to_owned(), memory_controller: false };
+        let err = tree.create_runner(7, Some(1 << 30)).expect_err("no controller");
+        assert!(err.to_string().contains("memory controller is not delegated"), "{err}");
+        assert!(!dir.path().join("runner-7").exists());
+        let runner = tree.create_runner(8, None).expect("no limit, no controller needed");
+        assert!(runner.path().is_dir());
     }
 
     #[test]

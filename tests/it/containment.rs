@@ -1,7 +1,7 @@
 //! No llama-server outlives its supervisor: with process groups and a parent-death
 //! signal when there is no cgroup tree, with per-runner cgroups on a real cgroup2
 //! hierarchy, and under real systemd as PID 1. The supervisor runs as a whole process
-//! (`supervise-harness`) so that it can be SIGKILLed with runners loaded.
+//! (`supervise-harness`) so that it can be killed with SIGKILL with runners loaded.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -36,7 +36,7 @@ fn two_models(dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// The harness as a child; SIGKILLed on drop if still running.
+/// The harness as a child; killed on drop if still running.
 struct Harness {
     child: Child,
     stdout: BufReader<ChildStdout>,

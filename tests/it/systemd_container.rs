@@ -75,6 +75,9 @@ fn socket_activation_status_journal_reload_and_stop() {
     assert_eq!(ct.run(&["stat", "-c", "%U %G", &proc_dir]), "corral corral", "corrald runs as User=corral");
     let cgroup = ct.unit_property("corrald.service", "ControlGroup");
     assert_eq!(cgroup, "/corral.slice/corrald.service");
+    // Delegate=yes: corrald moved itself into a leaf, so runners can be its siblings.
+    let own = ct.run(&["cat", &format!("{proc_dir}/cgroup")]);
+    assert!(own.lines().any(|l| l == "0::/corral.slice/corrald.service/daemon"), "corrald's cgroup: {own}");
     // The same process also serves the UNIX socket.
     assert_version(
         curl(&ct, &["--unix-socket", "/run/corral.sock"], "http://localhost/api/version"),
