@@ -1,14 +1,15 @@
 //! corrald logging to a real `systemd-journald` (a private one per test, see
 //! `support::journald`): structured lifecycle entries, and a rejected reload.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
 use crate::support::container::poll_until;
+use crate::support::corrald::free_port;
+use crate::support::http;
 use crate::support::journald::{JournalSandbox, corrald_events, field, is_corrald_event, summary};
 
 const CORRALD: &str = env!("CARGO_BIN_EXE_corrald");
@@ -17,24 +18,15 @@ const SETTLE: Duration = Duration::from_secs(60);
 
 /// A loopback address with a port that was free a moment ago.
 fn free_loopback() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0").local_addr().expect("local_addr")
+    SocketAddr::from(([127, 0, 0, 1], free_port()))
 }
 
-/// One HTTP/1.1 GET with `Connection: close`: the status code and the body.
+/// One `GET` with `Connection: close`: the status code and the body.
 fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+    let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| e.to_string())?;
     stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
-    stream.set_write_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").map_err(|e| e.to_string())?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).map_err(|e| e.to_string())?;
-    let status = response
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| format!("not an HTTP response: {response:?}"))?;
-    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
-    Ok((status, body))
+    let response = http::request(stream, "GET", path, None);
+    Ok((response.status, response.body))
 }
 
 fn wait_serving(sandbox: &mut JournalSandbox, addr: SocketAddr) -> String {
@@ -147,7 +139,7 @@ fn llama_server_lines_and_the_offload_event_reach_the_journal() {
     let dir = tempfile::tempdir().expect("tempdir");
     let model = dir.path().join("tiny.gguf");
     corral::demo_model::write_tiny_llama(&model).expect("write model");
-    let port = crate::support::corrald::free_port();
+    let port = free_port();
     let _rpc = crate::support::llama::RpcServer::start(port);
     let llama_server = crate::support::llama::bin_dir().join("llama-server");
     let args = [
