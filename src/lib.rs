@@ -12,5 +12,6 @@ pub mod gguf;
 pub mod http;
 pub mod logging;
 pub mod paths;
+pub mod store;
 pub mod supervisor;
 pub mod systemd;

@@ -1,0 +1,203 @@
+//! Manifests and config blobs in the shape Ollama and its registry use (Docker
+//! distribution manifest v2 with `application/vnd.ollama.image.*` layers).
+
+use serde::{Deserialize, Serialize};
+
+use super::digest::Digest;
+
+/// The manifest media type.
+pub const MANIFEST_MEDIA_TYPE: &str = "application/vnd.docker.distribution.manifest.v2+json";
+/// The config blob's media type.
+pub const CONFIG_MEDIA_TYPE: &str = "application/vnd.docker.container.image.v1+json";
+/// GGUF weights.
+pub const MODEL: &str = "application/vnd.ollama.image.model";
+/// A multimodal projector.
+pub const PROJECTOR: &str = "application/vnd.ollama.image.projector";
+/// A LoRA adapter.
+pub const ADAPTER: &str = "application/vnd.ollama.image.adapter";
+/// A Go chat template.
+pub const TEMPLATE: &str = "application/vnd.ollama.image.template";
+/// The system prompt.
+pub const SYSTEM: &str = "application/vnd.ollama.image.system";
+/// Default options as JSON.
+pub const PARAMS: &str = "application/vnd.ollama.image.params";
+/// A license text.
+pub const LICENSE: &str = "application/vnd.ollama.image.license";
+/// Preset messages as JSON.
+pub const MESSAGES: &str = "application/vnd.ollama.image.messages";
+
+/// A manifest: the config blob and the layers, each by digest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Manifest {
+    /// Always 2.
+    pub schema_version: u32,
+    /// [`MANIFEST_MEDIA_TYPE`].
+    pub media_type: String,
+    /// The config blob.
+    pub config: Layer,
+    /// The layers, in order.
+    pub layers: Vec<Layer>,
+}
+
+/// One blob a manifest refers to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Layer {
+    /// What the blob holds.
+    pub media_type: String,
+    /// Its digest.
+    pub digest: Digest,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Where it came from (a file name or model), as Ollama records it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+}
+
+/// The config blob: model facts for listings.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// `gguf`.
+    #[serde(default)]
+    pub model_format: String,
+    /// The architecture family (`llama`).
+    #[serde(default)]
+    pub model_family: String,
+    /// Families, the model's first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_families: Option<Vec<String>>,
+    /// The parameter count, as Ollama shows it (`3.2B`).
+    #[serde(default)]
+    pub model_type: String,
+    /// The quantization (`Q4_K_M`, `F16`).
+    #[serde(default)]
+    pub file_type: String,
+    /// `linux` etc.; Ollama writes the builder's OS.
+    #[serde(default)]
+    pub os: String,
+    /// `amd64` etc.
+    #[serde(default)]
+    pub architecture: String,
+    /// The layer digests.
+    #[serde(default)]
+    pub rootfs: RootFs,
+}
+
+/// `rootfs` of the config blob.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RootFs {
+    /// `layers`.
+    #[serde(rename = "type", default)]
+    pub kind: String,
+    /// The layers' digests.
+    #[serde(default)]
+    pub diff_ids: Vec<Digest>,
+}
+
+/// Why a manifest is not acceptable.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    /// Not JSON, or not a manifest.
+    #[error("invalid manifest: {0}")]
+    Json(#[from] serde_json::Error),
+    /// A manifest of another kind.
+    #[error("unsupported manifest: schema version {schema}, media type {media_type}")]
+    Unsupported {
+        /// Its schema version.
+        schema: u32,
+        /// Its media type.
+        media_type: String,
+    },
+    /// No GGUF weights layer.
+    #[error("the manifest has no model layer ({MODEL})")]
+    NoModel,
+}
+
+impl Manifest {
+    /// Parses and checks a manifest: schema 2, the v2 media type, one model layer.
+    pub fn parse(bytes: &[u8]) -> Result<Self, ManifestError> {
+        let manifest: Self = serde_json::from_slice(bytes)?;
+        if manifest.schema_version != 2 || manifest.media_type != MANIFEST_MEDIA_TYPE {
+            return Err(ManifestError::Unsupported {
+                schema: manifest.schema_version,
+                media_type: manifest.media_type,
+            });
+        }
+        if manifest.model().is_none() {
+            return Err(ManifestError::NoModel);
+        }
+        Ok(manifest)
+    }
+
+    /// A new manifest.
+    #[must_use]
+    pub fn new(config: Layer, layers: Vec<Layer>) -> Self {
+        Self { schema_version: 2, media_type: MANIFEST_MEDIA_TYPE.to_owned(), config, layers }
+    }
+
+    /// Serialized as the store and registries keep it.
+    #[must_use]
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("a manifest always serializes")
+    }
+
+    /// The weights layer.
+    #[must_use]
+    pub fn model(&self) -> Option<&Layer> {
+        self.layers.iter().find(|l| l.media_type == MODEL)
+    }
+
+    /// Every blob: the layers, then the config.
+    pub fn blobs(&self) -> impl Iterator<Item = &Layer> + '_ {
+        self.layers.iter().chain(std::iter::once(&self.config))
+    }
+
+    /// The layers of one media type, in order.
+    pub fn layers_of<'a>(&'a self, media_type: &'a str) -> impl Iterator<Item = &'a Layer> + 'a {
+        self.layers.iter().filter(move |l| l.media_type == media_type)
+    }
+
+    /// The total size of all blobs.
+    #[must_use]
+    pub fn size(&self) -> u64 {
+        self.blobs().map(|l| l.size).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Digest, Layer, MODEL, Manifest, ManifestError, TEMPLATE};
+
+    fn layer(media_type: &str, data: &[u8]) -> Layer {
+        Layer { media_type: media_type.into(), digest: Digest::of(data), size: data.len() as u64, from: None }
+    }
+
+    #[test]
+    fn a_manifest_round_trips_in_ollamas_shape() {
+        let m = Manifest::new(layer(super::CONFIG_MEDIA_TYPE, b"{}"), vec![layer(MODEL, b"gguf"), layer(TEMPLATE, b"t")]);
+        let bytes = m.to_bytes();
+        let json: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
+        assert_eq!(json["schemaVersion"], 2);
+        assert_eq!(json["mediaType"], super::MANIFEST_MEDIA_TYPE);
+        assert_eq!(json["layers"][0]["mediaType"], MODEL);
+        assert!(json["layers"][0]["digest"].as_str().expect("digest").starts_with("sha256:"));
+        assert!(json["layers"][0].get("from").is_none());
+        let back = Manifest::parse(&bytes).expect("parse");
+        assert_eq!(back, m);
+        assert_eq!(back.size(), 2 + 4 + 1);
+        assert_eq!(back.blobs().count(), 3);
+    }
+
+    #[test]
+    fn bad_manifests_are_refused() {
+        assert!(matches!(Manifest::parse(b"not json"), Err(ManifestError::Json(_))));
+        let no_model = Manifest::new(layer(super::CONFIG_MEDIA_TYPE, b"{}"), vec![layer(TEMPLATE, b"t")]);
+        assert!(matches!(Manifest::parse(&no_model.to_bytes()), Err(ManifestError::NoModel)));
+        let mut v1 = Manifest::new(layer(super::CONFIG_MEDIA_TYPE, b"{}"), vec![layer(MODEL, b"m")]);
+        v1.schema_version = 1;
+        assert!(Manifest::parse(&v1.to_bytes()).expect_err("v1").to_string().contains("schema version 1"));
+        let bad_digest = br#"{"schemaVersion":2,"mediaType":"application/vnd.docker.distribution.manifest.v2+json","config":{"mediaType":"x","digest":"sha256:../../etc","size":1},"layers":[]}"#;
+        assert!(Manifest::parse(bad_digest).expect_err("digest").to_string().contains("invalid digest"));
+    }
+}
