@@ -429,3 +429,6 @@ fn remove_temporaries(dir: &Path) -> Result<(), StoreError> {
 fn sync_dir(dir: &Path) -> Result<(), StoreError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(format!("cannot sync {}", dir.display())))
 }
+
+#[cfg(test)]
+mod tests;
