@@ -11,6 +11,7 @@
 
 pub mod digest;
 pub mod manifest;
+pub mod modelfile;
 pub mod name;
 
 use std::collections::{BTreeSet, HashMap};
