@@ -9,10 +9,13 @@
 //!
 //! The API is synchronous file-system work; async callers run it on the blocking pool.
 
+pub mod create;
 pub mod digest;
 pub mod manifest;
 pub mod modelfile;
 pub mod name;
+pub mod show;
+pub mod registry;
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, File};
@@ -45,6 +48,17 @@ pub enum StoreError {
         /// What the data hashed to.
         actual: Digest,
     },
+    /// A file is not a usable GGUF.
+    #[error("{what} is not a usable GGUF file: {message}")]
+    Gguf {
+        /// The file or blob.
+        what: String,
+        /// What the reader found.
+        message: String,
+    },
+    /// A request makes no sense (a wrong kind of file, a bad reference).
+    #[error("{0}")]
+    Invalid(String),
     /// A manifest refers to a blob the store does not have.
     #[error("blob {0} is missing from the store")]
     MissingBlob(Digest),
@@ -124,6 +138,44 @@ impl Store {
         remove_temporaries(&store.blobs_dir())?;
         remove_temporaries(&store.manifests_dir())?;
         Ok(store)
+    }
+
+    /// Opens an existing store without writing to it (an Ollama models directory used as
+    /// is, perhaps on a read-only mount): listing, showing and loading work; every write
+    /// fails with the file system's error.
+    pub fn open_read_only(root: &Path) -> Result<Self, StoreError> {
+        for dir in [root.join("blobs"), root.join("manifests")] {
+            if !dir.is_dir() {
+                return Err(StoreError::Io {
+                    context: format!("{} is not a model store", root.display()),
+                    source: io::Error::new(io::ErrorKind::NotFound, format!("{} is missing", dir.display())),
+                });
+            }
+        }
+        Ok(Self { root: root.to_owned(), pins: Arc::default() })
+    }
+
+    /// Imports every model of another store (an Ollama models directory) into this one,
+    /// sharing blob data where the file system allows and checking every digest.
+    /// Returns the names imported; a model whose blobs are missing or corrupt is skipped
+    /// with a warning and leaves nothing behind.
+    pub fn import_store(&self, other: &Store) -> Result<Vec<ModelName>, StoreError> {
+        let mut imported = Vec::new();
+        for listed in other.list()? {
+            let _pin = self.pin(listed.manifest.blobs().map(|l| l.digest));
+            let copied = listed
+                .manifest
+                .blobs()
+                .try_for_each(|layer| self.import_file(&other.blob_path(&layer.digest), Some(&layer.digest)).map(drop));
+            if let Err(e) = copied {
+                tracing::warn!(model = %listed.name, error = %e, "not importing a model whose blobs are damaged");
+                continue;
+            }
+            let bytes = fs::read(other.manifest_path(&listed.name)).map_err(io_err("cannot read a manifest to import"))?;
+            self.write_manifest_bytes(&listed.name, &bytes, &listed.manifest)?;
+            imported.push(listed.name);
+        }
+        Ok(imported)
     }
 
     /// The store's root directory.
@@ -218,12 +270,27 @@ impl Store {
     /// Adds a file on disk as a blob without storing its data twice where the file system
     /// allows: a reflink (copy-on-write clone) first, then a hard link, else a copy.
     /// With a hard link the store shares the file: the blob's digest is checked again
-    /// before a load (see `verify_blob`).
-    pub fn import_file(&self, path: &Path) -> Result<(Digest, u64), StoreError> {
+    /// before a load (see `verify_blob`). With `expected`, a file that hashes to something
+    /// else is refused and nothing is written.
+    pub fn import_file(&self, path: &Path, expected: Option<&Digest>) -> Result<(Digest, u64), StoreError> {
+        self.import_file_tracked(path, expected).map(|(digest, size, _)| (digest, size))
+    }
+
+    /// [`Store::import_file`], also saying whether the blob is new to the store.
+    pub(crate) fn import_file_tracked(
+        &self,
+        path: &Path,
+        expected: Option<&Digest>,
+    ) -> Result<(Digest, u64, bool), StoreError> {
         let file = File::open(path).map_err(io_err(format!("cannot open {}", path.display())))?;
         let (digest, size) = Digest::of_reader(io::BufReader::new(file)).map_err(io_err(format!("cannot read {}", path.display())))?;
+        if let Some(expected) = expected {
+            if *expected != digest {
+                return Err(StoreError::DigestMismatch { expected: *expected, actual: digest });
+            }
+        }
         if self.has_blob(&digest) {
-            return Ok((digest, size));
+            return Ok((digest, size, false));
         }
         // A unique temporary name (reserved by creating the file, then freed for the clone
         // or link to take): a crash leaves only debris that `open` removes.
@@ -253,7 +320,7 @@ impl Store {
         }
         fs::rename(&temp_path, self.blob_path(&digest)).map_err(io_err("cannot move the imported blob into place"))?;
         sync_dir(&self.blobs_dir())?;
-        Ok((digest, size))
+        Ok((digest, size, true))
     }
 
     /// Checks that a blob still hashes to its name.
@@ -431,5 +498,7 @@ fn sync_dir(dir: &Path) -> Result<(), StoreError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(format!("cannot sync {}", dir.display())))
 }
 
+#[cfg(test)]
+mod create_tests;
 #[cfg(test)]
 mod tests;

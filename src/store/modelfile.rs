@@ -109,9 +109,16 @@ impl Modelfile {
                 continue;
             }
             let (instruction, rest) = line.split_once(char::is_whitespace).unwrap_or((line, ""));
+            let instruction = instruction.to_ascii_uppercase();
+            // MESSAGE's value follows its role: `MESSAGE user """…"""`.
+            let (role, rest) = if instruction == "MESSAGE" {
+                rest.trim_start().split_once(char::is_whitespace).unwrap_or((rest.trim(), ""))
+            } else {
+                ("", rest)
+            };
             let (value, consumed) = value(rest.trim_start(), &lines[i..]).map_err(fail)?;
             i += consumed;
-            match instruction.to_ascii_uppercase().as_str() {
+            match instruction.as_str() {
                 "FROM" => {
                     if let Some(first) = from_line {
                         return Err(fail(format!("a second FROM (the first is on line {first})")));
@@ -144,11 +151,10 @@ impl Modelfile {
                 "ADAPTER" => out.adapters.push(non_empty("ADAPTER", value).map_err(fail)?),
                 "LICENSE" => out.licenses.push(value),
                 "MESSAGE" => {
-                    let (role, content) = value.split_once(char::is_whitespace).unwrap_or((value.as_str(), ""));
                     if !["system", "user", "assistant"].contains(&role) {
                         return Err(fail(format!("MESSAGE role must be system, user or assistant, not \"{role}\"")));
                     }
-                    out.messages.push(Message { role: role.to_owned(), content: unquote(content.trim()).to_owned() });
+                    out.messages.push(Message { role: role.to_owned(), content: value });
                 }
                 other => return Err(fail(format!("unknown instruction \"{other}\""))),
             }
@@ -229,6 +235,8 @@ LICENSE """MIT"""
 LICENSE Apache-2.0
 MESSAGE user "Hi"
 MESSAGE assistant Hello there
+MESSAGE user """two
+lines"""
 "#,
         )
         .expect("valid");
@@ -245,7 +253,8 @@ MESSAGE assistant Hello there
             m.messages,
             [
                 Message { role: "user".into(), content: "Hi".into() },
-                Message { role: "assistant".into(), content: "Hello there".into() }
+                Message { role: "assistant".into(), content: "Hello there".into() },
+                Message { role: "user".into(), content: "two\nlines".into() }
             ]
         );
         assert!(m.params_json().is_some());

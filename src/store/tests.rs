@@ -63,7 +63,7 @@ fn an_imported_file_is_stored_once_and_verified() {
     let store = Store::open(&dir.path().join("store")).expect("open");
     let file = dir.path().join("model.gguf");
     crate::demo_model::write_tiny_llama(&file).expect("model");
-    let (digest, size) = store.import_file(&file).expect("import");
+    let (digest, size) = store.import_file(&file, None).expect("import");
     assert_eq!(size, fs::metadata(&file).expect("meta").len());
     assert_eq!(fs::read(store.blob_path(&digest)).expect("blob"), fs::read(&file).expect("file"));
     store.verify_blob(&digest).expect("verified");
@@ -76,8 +76,8 @@ fn an_imported_file_is_stored_once_and_verified() {
         fs::metadata(&file).expect("meta").ino() == fs::metadata(store.blob_path(&digest)).expect("meta").ino()
     };
     assert!(reflinks || same_inode, "the import copied the data instead of sharing it");
-    assert_eq!(store.import_file(&file).expect("again").0, digest, "importing twice is a no-op");
-    let missing = store.import_file(&dir.path().join("nope.gguf")).expect_err("missing");
+    assert_eq!(store.import_file(&file, None).expect("again").0, digest, "importing twice is a no-op");
+    let missing = store.import_file(&dir.path().join("nope.gguf"), None).expect_err("missing");
     assert!(missing.to_string().contains("nope.gguf"), "{missing}");
 }
 
@@ -150,4 +150,27 @@ fn unreadable_manifests_are_skipped_in_listings_and_named_when_asked_for() {
     assert_eq!(listed.len(), 1);
     let err = store.manifest(&name("bad")).expect_err("bad");
     assert!(err.to_string().starts_with("bad:latest: invalid manifest"), "{err}");
+}
+
+#[test]
+fn an_ollama_directory_is_used_read_only_or_imported() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ollama = Store::open(&dir.path().join("ollama")).expect("open");
+    let good = add_model(&ollama, "good", b"good weights", b"t");
+    let bad = add_model(&ollama, "bad", b"bad weights", b"t");
+    // Damage one blob of "bad" in place.
+    fs::write(ollama.blob_path(&bad.layers[0].digest), b"bit rot").expect("damage");
+
+    let read_only = Store::open_read_only(&dir.path().join("ollama")).expect("read-only");
+    assert_eq!(read_only.list().expect("list").len(), 2);
+    assert!(Store::open_read_only(&dir.path().join("nowhere")).expect_err("no store").to_string().contains("is not a model store"));
+
+    let ours = Store::open(&dir.path().join("ours")).expect("open");
+    let imported = ours.import_store(&read_only).expect("import");
+    assert_eq!(imported, [name("good")]);
+    assert!(ours.has_blob(&good.layers[0].digest));
+    assert!(!ours.has_blob(&bad.layers[0].digest), "a damaged blob is not imported");
+    assert!(!ours.has_blob(&Digest::of(b"bit rot")), "nor stored under the digest of its damage");
+    assert_eq!(ours.manifest(&name("good")).expect("manifest").1, ollama.manifest(&name("good")).expect("manifest").1);
+    assert!(matches!(ours.manifest(&name("bad")), Err(StoreError::NotFound(_))));
 }

@@ -1,0 +1,318 @@
+//! Creating a model: weights from a GGUF on disk, a blob, or an existing model, plus
+//! the layers a Modelfile adds (adapters, template, system prompt, parameters, licenses,
+//! messages). Blobs are pinned from the first write until the manifest is written, and
+//! the manifest is written last, so a failure at any step leaves no model behind.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::digest::Digest;
+use super::manifest::{self, Layer, Manifest, ModelConfig, RootFs};
+use super::modelfile::{Message, Modelfile};
+use super::name::ModelName;
+use super::{Store, StoreError};
+use crate::gguf::metadata::{ModelInfo, ModelKind};
+use crate::gguf::reader::GgufFile;
+
+/// Where weights (or an adapter) come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A GGUF file on disk.
+    File(PathBuf),
+    /// A blob already in the store (uploaded with `POST /api/blobs/<digest>`).
+    Blob(Digest),
+    /// An existing model, whose layers are inherited.
+    Model(ModelName),
+}
+
+impl Source {
+    /// Reads a Modelfile's `FROM`/`ADAPTER` value: a digest, a path (relative to
+    /// `base_dir`), or a model name.
+    pub fn parse(value: &str, base_dir: &Path) -> Result<Self, StoreError> {
+        let value = value.trim();
+        if value.starts_with("sha256:") || value.starts_with("sha256-") {
+            return Digest::parse(value).map(Self::Blob).map_err(|e| StoreError::Invalid(e.to_string()));
+        }
+        let path = base_dir.join(value);
+        let gguf_suffix = Path::new(value).extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+        let looks_like_path = value.starts_with(['.', '/', '~']) || gguf_suffix || path.exists();
+        if looks_like_path {
+            return Ok(Self::File(path));
+        }
+        ModelName::parse(value).map(Self::Model).map_err(|e| StoreError::Invalid(e.to_string()))
+    }
+}
+
+/// What to create.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CreateSpec {
+    /// The weights.
+    pub from: Source,
+    /// LoRA adapters (files or blobs).
+    pub adapters: Vec<Source>,
+    /// A chat template, replacing an inherited one.
+    pub template: Option<String>,
+    /// A system prompt, replacing an inherited one.
+    pub system: Option<String>,
+    /// License texts, replacing inherited ones when given.
+    pub licenses: Vec<String>,
+    /// Default options, merged over inherited ones.
+    pub parameters: BTreeMap<String, Value>,
+    /// Preset messages, replacing inherited ones when given.
+    pub messages: Vec<Message>,
+}
+
+impl CreateSpec {
+    /// The spec a Modelfile describes; paths in it are relative to `base_dir`.
+    pub fn from_modelfile(modelfile: &Modelfile, base_dir: &Path) -> Result<Self, StoreError> {
+        Ok(Self {
+            from: Source::parse(&modelfile.from, base_dir)?,
+            adapters: modelfile.adapters.iter().map(|a| Source::parse(a, base_dir)).collect::<Result<_, _>>()?,
+            template: modelfile.template.clone(),
+            system: modelfile.system.clone(),
+            licenses: modelfile.licenses.clone(),
+            parameters: modelfile.parameters.clone(),
+            messages: modelfile.messages.clone(),
+        })
+    }
+}
+
+impl Store {
+    /// Creates (or replaces) model `name`. `progress` receives Ollama's status lines.
+    /// Returns the new manifest's digest.
+    pub fn create(
+        &self,
+        name: &ModelName,
+        spec: &CreateSpec,
+        progress: &mut dyn FnMut(String),
+    ) -> Result<Digest, StoreError> {
+        // Every input is checked before anything is written: a bad file or reference changes nothing.
+        if let Source::Model(base) = &spec.from {
+            self.manifest(base)?;
+        } else {
+            self.check_gguf(&spec.from, ModelKind::Model)?;
+        }
+        for adapter in &spec.adapters {
+            self.check_gguf(adapter, ModelKind::Adapter)?;
+        }
+        let mut added = Vec::new();
+        let result = self.write_model(name, spec, progress, &mut added);
+        if result.is_err() {
+            // A failure while writing (a full disk) takes back the blobs this create added.
+            let _ = self.remove_unreferenced(added.into_iter().collect());
+        }
+        result
+    }
+
+    fn check_gguf(&self, source: &Source, expected: ModelKind) -> Result<(), StoreError> {
+        let (path, what) = match source {
+            Source::File(path) => (path.clone(), path.display().to_string()),
+            Source::Blob(digest) => {
+                if !self.has_blob(digest) {
+                    return Err(StoreError::MissingBlob(*digest));
+                }
+                (self.blob_path(digest), digest.to_string())
+            }
+            Source::Model(name) => {
+                return Err(StoreError::Invalid(format!(
+                    "{name} is a model name; an adapter must be a GGUF file or a blob digest"
+                )));
+            }
+        };
+        check_kind(&self.inspect(&path, &what)?, expected, &what)
+    }
+
+    fn write_model(
+        &self,
+        name: &ModelName,
+        spec: &CreateSpec,
+        progress: &mut dyn FnMut(String),
+        added: &mut Vec<Digest>,
+    ) -> Result<Digest, StoreError> {
+        let mut pins = Vec::new();
+        let mut layers: Vec<Layer> = Vec::new();
+
+        let info = match &spec.from {
+            Source::Model(base) => {
+                let (base_manifest, _, _) = self.manifest(base)?;
+                pins.push(self.pin(base_manifest.blobs().map(|l| l.digest)));
+                layers.clone_from(&base_manifest.layers);
+                let model = base_manifest.model().ok_or_else(|| StoreError::Invalid(format!("{base} has no weights")))?;
+                progress(format!("using existing layer {}", model.digest));
+                self.inspect(&self.blob_path(&model.digest), &format!("{base}"))?
+            }
+            source => {
+                progress("parsing GGUF".to_owned());
+                let (layer, info) = self.gguf_layer(source, manifest::MODEL, &mut pins, added, progress)?;
+                layers.push(layer);
+                info
+            }
+        };
+        for adapter in &spec.adapters {
+            let (layer, _) = self.gguf_layer(adapter, manifest::ADAPTER, &mut pins, added, progress)?;
+            layers.push(layer);
+        }
+
+        let mut text = TextLayers { store: self, layers: &mut layers, pins: &mut pins, added, progress };
+        if let Some(template) = &spec.template {
+            text.add(manifest::TEMPLATE, template.as_bytes(), true)?;
+        }
+        if let Some(system) = &spec.system {
+            text.add(manifest::SYSTEM, system.as_bytes(), true)?;
+        }
+        if !spec.licenses.is_empty() {
+            text.layers.retain(|l| l.media_type != manifest::LICENSE);
+            for license in &spec.licenses {
+                text.add(manifest::LICENSE, license.as_bytes(), false)?;
+            }
+        }
+        if !spec.parameters.is_empty() {
+            let mut merged = match text.layers.iter().find(|l| l.media_type == manifest::PARAMS) {
+                Some(old) => self.read_json_blob::<BTreeMap<String, Value>>(&old.digest)?,
+                None => BTreeMap::new(),
+            };
+            merged.extend(spec.parameters.clone());
+            text.add(manifest::PARAMS, &serde_json::to_vec(&merged).expect("a JSON map serializes"), true)?;
+        }
+        if !spec.messages.is_empty() {
+            text.add(manifest::MESSAGES, &serde_json::to_vec(&spec.messages).expect("messages serialize"), true)?;
+        }
+
+        let config = ModelConfig {
+            model_format: "gguf".to_owned(),
+            model_family: info.architecture.clone(),
+            model_families: Some(vec![info.architecture.clone()]),
+            model_type: human_count(info.parameter_count),
+            file_type: info.file_type_name().unwrap_or("unknown").to_owned(),
+            os: "linux".to_owned(),
+            architecture: go_arch().to_owned(),
+            rootfs: RootFs { kind: "layers".to_owned(), diff_ids: layers.iter().map(|l| l.digest).collect() },
+        };
+        let config_bytes = serde_json::to_vec(&config).expect("the config serializes");
+        if !self.has_blob(&Digest::of(&config_bytes)) {
+            added.push(Digest::of(&config_bytes));
+        }
+        let (config_digest, config_size) = self.write_blob(&config_bytes[..], None)?;
+        pins.push(self.pin([config_digest]));
+        let manifest = Manifest::new(
+            Layer { media_type: manifest::CONFIG_MEDIA_TYPE.to_owned(), digest: config_digest, size: config_size, from: None },
+            layers,
+        );
+        progress("writing manifest".to_owned());
+        let old = self.manifest(name).ok();
+        let digest = self.write_manifest(name, &manifest)?;
+        // Layers the replaced manifest had and the new one does not may now be unused.
+        if let Some((old, _, _)) = old {
+            let candidates = old.blobs().map(|l| l.digest).filter(|d| !manifest.blobs().any(|l| l.digest == *d)).collect();
+            self.remove_unreferenced(candidates)?;
+        }
+        drop(pins);
+        progress("success".to_owned());
+        Ok(digest)
+    }
+
+    /// Adds a (checked) GGUF as a layer: imports a file, or takes a blob.
+    fn gguf_layer(
+        &self,
+        source: &Source,
+        media_type: &str,
+        pins: &mut Vec<super::Pin>,
+        added: &mut Vec<Digest>,
+        progress: &mut dyn FnMut(String),
+    ) -> Result<(Layer, ModelInfo), StoreError> {
+        let (digest, size, from) = match source {
+            Source::File(path) => {
+                let (digest, size, new) = self.import_file_tracked(path, None)?;
+                if new {
+                    added.push(digest);
+                }
+                progress(format!("creating new layer {digest}"));
+                (digest, size, path.file_name().map(|n| n.to_string_lossy().into_owned()))
+            }
+            Source::Blob(digest) => {
+                let size = std::fs::metadata(self.blob_path(digest)).map_err(|_| StoreError::MissingBlob(*digest))?.len();
+                progress(format!("using existing layer {digest}"));
+                (*digest, size, None)
+            }
+            Source::Model(name) => return Err(StoreError::Invalid(format!("{name} is not a GGUF file or blob"))),
+        };
+        pins.push(self.pin([digest]));
+        let info = self.inspect(&self.blob_path(&digest), &digest.to_string())?;
+        Ok((Layer { media_type: media_type.to_owned(), digest, size, from }, info))
+    }
+
+    /// Reads a GGUF file's metadata; `what` names it in errors.
+    pub fn inspect(&self, path: &Path, what: &str) -> Result<ModelInfo, StoreError> {
+        let file = GgufFile::open(path).map_err(|e| StoreError::Gguf { what: what.to_owned(), message: e.to_string() })?;
+        ModelInfo::from_file(&file).map_err(|e| StoreError::Gguf { what: what.to_owned(), message: e.to_string() })
+    }
+
+    fn read_json_blob<T: serde::de::DeserializeOwned>(&self, digest: &Digest) -> Result<T, StoreError> {
+        let bytes = std::fs::read(self.blob_path(digest)).map_err(|_| StoreError::MissingBlob(*digest))?;
+        serde_json::from_slice(&bytes).map_err(|e| StoreError::Invalid(format!("blob {digest} is not the expected JSON: {e}")))
+    }
+}
+
+/// Adds small text or JSON layers to a manifest under construction.
+struct TextLayers<'a> {
+    store: &'a Store,
+    layers: &'a mut Vec<Layer>,
+    pins: &'a mut Vec<super::Pin>,
+    added: &'a mut Vec<Digest>,
+    progress: &'a mut dyn FnMut(String),
+}
+
+impl TextLayers<'_> {
+    /// Writes `data` as a blob and adds it; `replace` drops layers of the same type first.
+    fn add(&mut self, media_type: &str, data: &[u8], replace: bool) -> Result<(), StoreError> {
+        if !self.store.has_blob(&Digest::of(data)) {
+            self.added.push(Digest::of(data));
+        }
+        let (digest, size) = self.store.write_blob(data, None)?;
+        self.pins.push(self.store.pin([digest]));
+        (self.progress)(format!("creating new layer {digest}"));
+        if replace {
+            self.layers.retain(|l| l.media_type != media_type);
+        }
+        self.layers.push(Layer { media_type: media_type.to_owned(), digest, size, from: None });
+        Ok(())
+    }
+}
+
+fn check_kind(info: &ModelInfo, expected: ModelKind, what: &str) -> Result<(), StoreError> {
+    let found = info.kind();
+    if found == expected {
+        return Ok(());
+    }
+    let name = |k: ModelKind| match k {
+        ModelKind::Model => "a model",
+        ModelKind::Projector => "a projector",
+        ModelKind::Adapter => "an adapter",
+    };
+    Err(StoreError::Invalid(format!("{what} is {}, expected {}", name(found), name(expected))))
+}
+
+/// A parameter count as Ollama shows it: `225.86K`, `137M`, `3.2B`.
+#[must_use]
+pub fn human_count(n: u64) -> String {
+    #[allow(clippy::cast_precision_loss, reason = "a rounded figure for people")]
+    let f = n as f64;
+    let trim = |s: String| if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_owned() } else { s };
+    match n {
+        0..1_000 => n.to_string(),
+        1_000..1_000_000 => format!("{}K", trim(format!("{:.2}", f / 1e3))),
+        1_000_000..1_000_000_000 => format!("{}M", trim(format!("{:.2}", f / 1e6))),
+        _ => format!("{}B", trim(format!("{:.1}", f / 1e9))),
+    }
+}
+
+/// The architecture as Go (and so Ollama's config blobs) names it.
+fn go_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    }
+}

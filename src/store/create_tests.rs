@@ -1,0 +1,158 @@
+//! Creating models from GGUF files, blobs and other models, and showing them.
+
+use std::fs;
+use std::path::Path;
+
+use serde_json::json;
+
+use super::create::{CreateSpec, Source, human_count};
+use super::digest::Digest;
+use super::manifest;
+use super::modelfile::Modelfile;
+use super::name::ModelName;
+use super::{Store, StoreError};
+
+fn name(s: &str) -> ModelName {
+    ModelName::parse(s).expect("name")
+}
+
+fn setup() -> (tempfile::TempDir, Store) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("store")).expect("open");
+    crate::demo_model::write_tiny_llama(&dir.path().join("tiny.gguf")).expect("model");
+    (dir, store)
+}
+
+fn create(store: &Store, model: &str, modelfile: &str, base: &Path) -> Result<(Digest, Vec<String>), StoreError> {
+    let mf = Modelfile::parse(modelfile).expect("modelfile");
+    let spec = CreateSpec::from_modelfile(&mf, base)?;
+    let mut statuses = Vec::new();
+    let digest = store.create(&name(model), &spec, &mut |s| statuses.push(s))?;
+    Ok((digest, statuses))
+}
+
+/// Everything in the blob directory, to prove that a failure wrote nothing.
+fn blob_files(store: &Store) -> Vec<String> {
+    let mut names: Vec<String> =
+        fs::read_dir(store.blobs_dir()).expect("blobs").map(|e| e.expect("entry").file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_model_from_a_gguf_and_a_modelfile_shows_everything_it_was_given() {
+    let (dir, store) = setup();
+    let (digest, statuses) = create(
+        &store,
+        "tiny:chat",
+        "FROM ./tiny.gguf\nTEMPLATE \"\"\"{{ .Prompt }}\"\"\"\nSYSTEM Be brief.\nPARAMETER temperature 0.2\nPARAMETER stop <|im_end|>\nLICENSE MIT\nMESSAGE user hello\n",
+        dir.path(),
+    )
+    .expect("create");
+    assert_eq!(statuses.first().map(String::as_str), Some("parsing GGUF"));
+    assert_eq!(statuses.last().map(String::as_str), Some("success"));
+    assert!(statuses.contains(&"writing manifest".to_owned()));
+
+    let shown = store.show(&name("tiny:chat"), false).expect("show");
+    assert_eq!(shown.digest, digest);
+    assert_eq!(shown.config.model_format, "gguf");
+    assert_eq!(shown.config.model_family, "llama");
+    assert_eq!(shown.config.file_type, "F16");
+    assert_eq!(shown.config.model_type, human_count(shown.info.parameter_count));
+    assert_eq!(shown.template.as_deref(), Some("{{ .Prompt }}"));
+    assert_eq!(shown.system.as_deref(), Some("Be brief."));
+    assert_eq!(shown.licenses, ["MIT"]);
+    assert_eq!(shown.messages.len(), 1);
+    assert_eq!(json!(shown.parameters), json!({"temperature": 0.2, "stop": ["<|im_end|>"]}));
+    assert_eq!(shown.model_info["general.architecture"], "llama");
+    assert_eq!(shown.model_info["llama.block_count"], 4);
+    assert!(shown.parameters_text().contains("stop                           \"<|im_end|>\""));
+    let layer_types: Vec<&str> = shown.manifest.layers.iter().map(|l| l.media_type.as_str()).collect();
+    assert_eq!(layer_types, [manifest::MODEL, manifest::TEMPLATE, manifest::SYSTEM, manifest::LICENSE, manifest::PARAMS, manifest::MESSAGES]);
+    assert_eq!(shown.manifest.model().and_then(|l| l.from.as_deref()), Some("tiny.gguf"));
+
+    // The Modelfile show prints recreates the same layers.
+    let (_, _) = create(&store, "again", &shown.modelfile(&store), dir.path()).expect("recreate");
+    let again = store.show(&name("again"), false).expect("show");
+    let digests = |m: &manifest::Manifest| m.layers.iter().map(|l| l.digest).collect::<Vec<_>>();
+    assert_eq!(digests(&again.manifest), digests(&shown.manifest));
+}
+
+#[test]
+fn a_model_from_another_inherits_and_overrides() {
+    let (dir, store) = setup();
+    create(&store, "base", "FROM ./tiny.gguf\nSYSTEM one\nPARAMETER temperature 0.5\nPARAMETER top_k 10\n", dir.path()).expect("base");
+    let (_, statuses) = create(&store, "derived", "FROM base\nSYSTEM two\nPARAMETER temperature 0.9\n", dir.path()).expect("derived");
+    assert!(statuses.iter().any(|s| s.starts_with("using existing layer sha256:")), "{statuses:?}");
+    let base = store.show(&name("base"), false).expect("show");
+    let derived = store.show(&name("derived"), false).expect("show");
+    assert_eq!(derived.system.as_deref(), Some("two"));
+    assert_eq!(json!(derived.parameters), json!({"temperature": 0.9, "top_k": 10}), "merged, the new value winning");
+    assert_eq!(derived.manifest.model(), base.manifest.model(), "the weights are shared");
+    // Deleting the base keeps what the derived model uses.
+    store.delete(&name("base")).expect("delete");
+    store.show(&name("derived"), false).expect("still complete");
+}
+
+#[test]
+fn a_model_from_an_uploaded_blob() {
+    let (dir, store) = setup();
+    let (digest, _) = store.write_blob(fs::File::open(dir.path().join("tiny.gguf")).expect("open"), None).expect("upload");
+    create(&store, "from-blob", &format!("FROM {digest}\n"), dir.path()).expect("create");
+    assert_eq!(store.show(&name("from-blob"), false).expect("show").manifest.model().map(|l| l.digest), Some(digest));
+}
+
+#[test]
+fn bad_inputs_are_named_and_change_nothing() {
+    let (dir, store) = setup();
+    fs::write(dir.path().join("garbage.gguf"), b"this is not a gguf file").expect("write");
+    create(&store, "keep", "FROM ./tiny.gguf\n", dir.path()).expect("a model that must stay");
+    let before = blob_files(&store);
+    let cases = [
+        ("FROM ./missing.gguf\n", "missing.gguf"),
+        ("FROM ./garbage.gguf\n", "garbage.gguf is not a usable GGUF file"),
+        ("FROM ./tiny.gguf\nADAPTER ./tiny.gguf\n", "tiny.gguf is a model, expected an adapter"),
+        ("FROM ./tiny.gguf\nADAPTER ./garbage.gguf\n", "garbage.gguf is not a usable GGUF file"),
+        ("FROM nosuchmodel\n", "model \"nosuchmodel:latest\" not found"),
+        (&format!("FROM {}\n", Digest::of(b"never uploaded")), "is missing from the store"),
+        ("FROM ./tiny.gguf\nADAPTER somemodel\n", "an adapter must be a GGUF file or a blob digest"),
+    ];
+    for (modelfile, message) in cases {
+        let err = create(&store, "new", modelfile, dir.path()).expect_err(modelfile).to_string();
+        assert!(err.contains(message), "{modelfile:?}: {err}");
+        assert!(matches!(store.manifest(&name("new")), Err(StoreError::NotFound(_))), "{modelfile:?} left a manifest");
+        assert_eq!(blob_files(&store), before, "{modelfile:?} changed the blobs");
+    }
+    store.show(&name("keep"), false).expect("the existing model is unharmed");
+}
+
+#[test]
+fn replacing_a_model_frees_what_only_the_old_version_used() {
+    let (dir, store) = setup();
+    create(&store, "m", "FROM ./tiny.gguf\nSYSTEM old\n", dir.path()).expect("v1");
+    let old_system = store.show(&name("m"), false).expect("show").manifest.layers_of(manifest::SYSTEM).next().expect("system").digest;
+    create(&store, "m", "FROM ./tiny.gguf\nSYSTEM new\n", dir.path()).expect("v2");
+    assert!(!store.has_blob(&old_system), "the old system prompt is gone");
+    assert_eq!(store.show(&name("m"), false).expect("show").system.as_deref(), Some("new"));
+}
+
+#[test]
+fn sources_are_told_apart() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    fs::write(dir.path().join("weights"), b"x").expect("write");
+    let d = Digest::of(b"x");
+    assert_eq!(Source::parse(&d.to_string(), dir.path()).expect("digest"), Source::Blob(d));
+    assert_eq!(Source::parse("./a.gguf", dir.path()).expect("path"), Source::File(dir.path().join("./a.gguf")));
+    assert_eq!(Source::parse("/abs/x.gguf", dir.path()).expect("path"), Source::File("/abs/x.gguf".into()));
+    assert_eq!(Source::parse("weights", dir.path()).expect("existing file"), Source::File(dir.path().join("weights")));
+    assert_eq!(Source::parse("llama3.2:3b", dir.path()).expect("name"), Source::Model(name("llama3.2:3b")));
+    assert!(Source::parse("sha256:12", dir.path()).expect_err("bad digest").to_string().contains("invalid digest"));
+    assert!(Source::parse("bad name!", dir.path()).expect_err("bad name").to_string().contains("invalid model name"));
+}
+
+#[test]
+fn parameter_counts_read_like_ollamas() {
+    for (n, s) in [(999, "999"), (225_856, "225.86K"), (137_000_000, "137M"), (3_212_749_824, "3.2B"), (8_030_261_248, "8B")] {
+        assert_eq!(human_count(n), s);
+    }
+}
