@@ -61,6 +61,11 @@ pub struct StoreConfig {
     /// The model store; `None` means `models/` in the state directory.
     #[serde(deserialize_with = "absolute_path_opt")]
     pub path: Option<PathBuf>,
+    /// Use the store without writing to it (an Ollama models directory on a read-only
+    /// mount): pull, create, copy and delete are refused.
+    pub read_only: bool,
+    /// Registries (`host` or `host:port`) spoken to over plain HTTP instead of HTTPS.
+    pub insecure_registries: Vec<String>,
 }
 
 /// `[runner]`.
@@ -361,6 +366,8 @@ listen = ["127.0.0.1:8080", "[::1]:8081", "/run/corral.sock"]
 shutdown_timeout = "3s"
 [store]
 path = "/srv/models"
+read_only = true
+insecure_registries = ["localhost:5000"]
 [runner]
 llama_server = "/opt/llama/bin/llama-server"
 [scheduler]
@@ -380,6 +387,8 @@ keep_alive = "10m"
         assert_eq!(c.server.listen[2], ListenAddr::Unix("/run/corral.sock".into()));
         assert_eq!(c.server.shutdown_timeout, Duration::from_secs(3));
         assert_eq!(c.store.path.as_deref(), Some(Path::new("/srv/models")));
+        assert!(c.store.read_only);
+        assert_eq!(c.store.insecure_registries, ["localhost:5000"]);
         assert_eq!(c.runner.llama_server, Path::new("/opt/llama/bin/llama-server"));
         assert_eq!(c.scheduler.keep_alive, Duration::from_secs(5400));
         assert_eq!(c.scheduler.max_loaded_models, 4);

@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{ConfigSource, Loaded};
 use crate::http::{self, listeners};
 use crate::paths::Paths;
+use crate::store::Store;
 use crate::supervisor::cgroup::CgroupTree;
 use crate::systemd::Notifier;
 
@@ -57,6 +58,14 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
 
     // Held for the runners the scheduler starts; taking it moves the daemon into its leaf.
     let _cgroups = take_cgroup_tree();
+    let store_path = loaded.config.store.path.clone().unwrap_or_else(|| paths.default_store());
+    let read_only = loaded.config.store.read_only;
+    let _store = tokio::task::spawn_blocking(move || {
+        if read_only { Store::open_read_only(&store_path) } else { Store::open(&store_path) }
+    })
+    .await
+    .context("the store check panicked")?
+    .context("cannot open the model store")?;
 
     let socket_activated = !sockets.is_empty();
     let listeners = if socket_activated {

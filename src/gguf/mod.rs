@@ -1,4 +1,4 @@
-//! GGUF, the model file format of llama.cpp (version 3).
+//! GGUF, the model file format of llama.cpp (versions 2 and 3).
 //!
 //! A file is a header (`GGUF`, version, tensor count, metadata count), the metadata
 //! key/value pairs, one info record per tensor (name, dimensions, type, offset), zero
@@ -6,9 +6,15 @@
 //! alignment.  All integers are little-endian; a string is a `u64` byte length and its
 //! UTF-8 bytes.  The alignment is `general.alignment` (a `u32`) or 32 when absent.
 //!
+//! Version 2 has the same layout as version 3 (3 only added big-endian files, which are
+//! not read here); version 1, with 32-bit counts and lengths, is obsolete.
+//!
 //! This module holds the format's vocabulary ([`GgufValue`], [`GgufArray`],
-//! [`TensorType`], the type ids in [`value_type`]) and a [`writer`].
+//! [`TensorType`], the type ids in [`value_type`]), a [`writer`], a [`reader`] of the
+//! metadata and tensor infos, and the model facts drawn from them in [`metadata`].
 
+pub mod metadata;
+pub mod reader;
 pub mod writer;
 
 pub use writer::GgufWriter;
@@ -16,8 +22,11 @@ pub use writer::GgufWriter;
 /// The four bytes a GGUF file starts with.
 pub const MAGIC: [u8; 4] = *b"GGUF";
 
-/// The format version this module writes.
+/// The format version this module writes, and the newest it reads.
 pub const VERSION: u32 = 3;
+
+/// The oldest format version this module reads.
+pub const MIN_READ_VERSION: u32 = 2;
 
 /// The metadata key that sets the data alignment (a `u32`, a power of two).
 pub const KEY_ALIGNMENT: &str = "general.alignment";
@@ -114,8 +123,8 @@ impl GgufValue {
     }
 }
 
-/// A metadata array: all elements share one type.  Arrays of arrays are not offered,
-/// because llama.cpp does not read them.
+/// A metadata array: all elements share one type.  Arrays of arrays are part of the
+/// format and read back, though llama.cpp itself refuses them.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GgufArray {
     /// `u8` elements.
@@ -142,6 +151,8 @@ pub enum GgufArray {
     I64(Vec<i64>),
     /// `f64` elements.
     F64(Vec<f64>),
+    /// Array elements, each with its own element type.
+    Array(Vec<GgufArray>),
 }
 
 impl GgufArray {
@@ -161,6 +172,7 @@ impl GgufArray {
             Self::U64(_) => value_type::UINT64,
             Self::I64(_) => value_type::INT64,
             Self::F64(_) => value_type::FLOAT64,
+            Self::Array(_) => value_type::ARRAY,
         }
     }
 
@@ -180,6 +192,7 @@ impl GgufArray {
             Self::U64(v) => v.len(),
             Self::I64(v) => v.len(),
             Self::F64(v) => v.len(),
+            Self::Array(v) => v.len(),
         }
     }
 
@@ -238,6 +251,16 @@ impl TensorType {
         match self {
             Self::F32 => 0,
             Self::F16 => 1,
+        }
+    }
+
+    /// The type with on-disk id `id`, if it is one of these.
+    #[must_use]
+    pub const fn from_id(id: u32) -> Option<Self> {
+        match id {
+            0 => Some(Self::F32),
+            1 => Some(Self::F16),
+            _ => None,
         }
     }
 
@@ -362,5 +385,9 @@ mod tests {
         assert_eq!(TensorType::F32.id(), 0);
         assert_eq!(TensorType::F16.id(), 1);
         assert_eq!(TensorType::F16.element_size(), 2);
+        assert_eq!(TensorType::from_id(1), Some(TensorType::F16));
+        assert_eq!(TensorType::from_id(8), None);
+        let nested = GgufArray::Array(vec![GgufArray::U8(vec![1]), GgufArray::Array(Vec::new())]);
+        assert_eq!((nested.element_type_id(), nested.len()), (value_type::ARRAY, 2));
     }
 }

@@ -207,6 +207,7 @@ impl<W: Write> Out<W> {
             GgufArray::U64(v) => v.iter().try_for_each(|x| self.bytes(&x.to_le_bytes())),
             GgufArray::I64(v) => v.iter().try_for_each(|x| self.bytes(&x.to_le_bytes())),
             GgufArray::F64(v) => v.iter().try_for_each(|x| self.bytes(&x.to_le_bytes())),
+            GgufArray::Array(v) => v.iter().try_for_each(|x| self.array(x)),
         }
     }
 }

@@ -139,7 +139,8 @@ impl Store {
                 let (base_manifest, _, _) = self.manifest(base)?;
                 pins.push(self.pin(base_manifest.blobs().map(|l| l.digest)));
                 layers.clone_from(&base_manifest.layers);
-                let model = base_manifest.model().ok_or_else(|| StoreError::Invalid(format!("{base} has no weights")))?;
+                let model =
+                    base_manifest.model().ok_or_else(|| StoreError::Invalid(format!("{base} has no weights")))?;
                 progress(format!("using existing layer {}", model.digest));
                 self.inspect(&self.blob_path(&model.digest), &format!("{base}"))?
             }
@@ -197,7 +198,12 @@ impl Store {
         let (config_digest, config_size) = self.write_blob(&config_bytes[..], None)?;
         pins.push(self.pin([config_digest]));
         let manifest = Manifest::new(
-            Layer { media_type: manifest::CONFIG_MEDIA_TYPE.to_owned(), digest: config_digest, size: config_size, from: None },
+            Layer {
+                media_type: manifest::CONFIG_MEDIA_TYPE.to_owned(),
+                digest: config_digest,
+                size: config_size,
+                from: None,
+            },
             layers,
         );
         progress("writing manifest".to_owned());
@@ -205,7 +211,8 @@ impl Store {
         let digest = self.write_manifest(name, &manifest)?;
         // Layers the replaced manifest had and the new one does not may now be unused.
         if let Some((old, _, _)) = old {
-            let candidates = old.blobs().map(|l| l.digest).filter(|d| !manifest.blobs().any(|l| l.digest == *d)).collect();
+            let candidates =
+                old.blobs().map(|l| l.digest).filter(|d| !manifest.blobs().any(|l| l.digest == *d)).collect();
             self.remove_unreferenced(candidates)?;
         }
         drop(pins);
@@ -232,7 +239,8 @@ impl Store {
                 (digest, size, path.file_name().map(|n| n.to_string_lossy().into_owned()))
             }
             Source::Blob(digest) => {
-                let size = std::fs::metadata(self.blob_path(digest)).map_err(|_| StoreError::MissingBlob(*digest))?.len();
+                let size =
+                    std::fs::metadata(self.blob_path(digest)).map_err(|_| StoreError::MissingBlob(*digest))?.len();
                 progress(format!("using existing layer {digest}"));
                 (*digest, size, None)
             }
@@ -245,13 +253,15 @@ impl Store {
 
     /// Reads a GGUF file's metadata; `what` names it in errors.
     pub fn inspect(&self, path: &Path, what: &str) -> Result<ModelInfo, StoreError> {
-        let file = GgufFile::open(path).map_err(|e| StoreError::Gguf { what: what.to_owned(), message: e.to_string() })?;
+        let file =
+            GgufFile::open(path).map_err(|e| StoreError::Gguf { what: what.to_owned(), message: e.to_string() })?;
         ModelInfo::from_file(&file).map_err(|e| StoreError::Gguf { what: what.to_owned(), message: e.to_string() })
     }
 
     fn read_json_blob<T: serde::de::DeserializeOwned>(&self, digest: &Digest) -> Result<T, StoreError> {
         let bytes = std::fs::read(self.blob_path(digest)).map_err(|_| StoreError::MissingBlob(*digest))?;
-        serde_json::from_slice(&bytes).map_err(|e| StoreError::Invalid(format!("blob {digest} is not the expected JSON: {e}")))
+        serde_json::from_slice(&bytes)
+            .map_err(|e| StoreError::Invalid(format!("blob {digest} is not the expected JSON: {e}")))
     }
 }
 

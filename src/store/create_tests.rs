@@ -33,8 +33,10 @@ fn create(store: &Store, model: &str, modelfile: &str, base: &Path) -> Result<(D
 
 /// Everything in the blob directory, to prove that a failure wrote nothing.
 fn blob_files(store: &Store) -> Vec<String> {
-    let mut names: Vec<String> =
-        fs::read_dir(store.blobs_dir()).expect("blobs").map(|e| e.expect("entry").file_name().to_string_lossy().into_owned()).collect();
+    let mut names: Vec<String> = fs::read_dir(store.blobs_dir())
+        .expect("blobs")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
     names.sort();
     names
 }
@@ -68,7 +70,17 @@ fn a_model_from_a_gguf_and_a_modelfile_shows_everything_it_was_given() {
     assert_eq!(shown.model_info["llama.block_count"], 4);
     assert!(shown.parameters_text().contains("stop                           \"<|im_end|>\""));
     let layer_types: Vec<&str> = shown.manifest.layers.iter().map(|l| l.media_type.as_str()).collect();
-    assert_eq!(layer_types, [manifest::MODEL, manifest::TEMPLATE, manifest::SYSTEM, manifest::LICENSE, manifest::PARAMS, manifest::MESSAGES]);
+    assert_eq!(
+        layer_types,
+        [
+            manifest::MODEL,
+            manifest::TEMPLATE,
+            manifest::SYSTEM,
+            manifest::LICENSE,
+            manifest::PARAMS,
+            manifest::MESSAGES
+        ]
+    );
     assert_eq!(shown.manifest.model().and_then(|l| l.from.as_deref()), Some("tiny.gguf"));
 
     // The Modelfile show prints recreates the same layers.
@@ -81,8 +93,10 @@ fn a_model_from_a_gguf_and_a_modelfile_shows_everything_it_was_given() {
 #[test]
 fn a_model_from_another_inherits_and_overrides() {
     let (dir, store) = setup();
-    create(&store, "base", "FROM ./tiny.gguf\nSYSTEM one\nPARAMETER temperature 0.5\nPARAMETER top_k 10\n", dir.path()).expect("base");
-    let (_, statuses) = create(&store, "derived", "FROM base\nSYSTEM two\nPARAMETER temperature 0.9\n", dir.path()).expect("derived");
+    create(&store, "base", "FROM ./tiny.gguf\nSYSTEM one\nPARAMETER temperature 0.5\nPARAMETER top_k 10\n", dir.path())
+        .expect("base");
+    let (_, statuses) =
+        create(&store, "derived", "FROM base\nSYSTEM two\nPARAMETER temperature 0.9\n", dir.path()).expect("derived");
     assert!(statuses.iter().any(|s| s.starts_with("using existing layer sha256:")), "{statuses:?}");
     let base = store.show(&name("base"), false).expect("show");
     let derived = store.show(&name("derived"), false).expect("show");
@@ -97,7 +111,8 @@ fn a_model_from_another_inherits_and_overrides() {
 #[test]
 fn a_model_from_an_uploaded_blob() {
     let (dir, store) = setup();
-    let (digest, _) = store.write_blob(fs::File::open(dir.path().join("tiny.gguf")).expect("open"), None).expect("upload");
+    let (digest, _) =
+        store.write_blob(fs::File::open(dir.path().join("tiny.gguf")).expect("open"), None).expect("upload");
     create(&store, "from-blob", &format!("FROM {digest}\n"), dir.path()).expect("create");
     assert_eq!(store.show(&name("from-blob"), false).expect("show").manifest.model().map(|l| l.digest), Some(digest));
 }
@@ -130,7 +145,14 @@ fn bad_inputs_are_named_and_change_nothing() {
 fn replacing_a_model_frees_what_only_the_old_version_used() {
     let (dir, store) = setup();
     create(&store, "m", "FROM ./tiny.gguf\nSYSTEM old\n", dir.path()).expect("v1");
-    let old_system = store.show(&name("m"), false).expect("show").manifest.layers_of(manifest::SYSTEM).next().expect("system").digest;
+    let old_system = store
+        .show(&name("m"), false)
+        .expect("show")
+        .manifest
+        .layers_of(manifest::SYSTEM)
+        .next()
+        .expect("system")
+        .digest;
     create(&store, "m", "FROM ./tiny.gguf\nSYSTEM new\n", dir.path()).expect("v2");
     assert!(!store.has_blob(&old_system), "the old system prompt is gone");
     assert_eq!(store.show(&name("m"), false).expect("show").system.as_deref(), Some("new"));
@@ -152,7 +174,9 @@ fn sources_are_told_apart() {
 
 #[test]
 fn parameter_counts_read_like_ollamas() {
-    for (n, s) in [(999, "999"), (225_856, "225.86K"), (137_000_000, "137M"), (3_212_749_824, "3.2B"), (8_030_261_248, "8B")] {
+    for (n, s) in
+        [(999, "999"), (225_856, "225.86K"), (137_000_000, "137M"), (3_212_749_824, "3.2B"), (8_030_261_248, "8B")]
+    {
         assert_eq!(human_count(n), s);
     }
 }

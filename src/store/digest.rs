@@ -137,7 +137,9 @@ mod tests {
     fn both_spellings_parse_and_bad_ones_do_not() {
         let upper = EMPTY.replace("sha256:", "sha256-").to_uppercase().replace("SHA256-", "sha256-");
         assert_eq!(Digest::parse(&upper).expect("file form").to_string(), EMPTY);
-        for bad in ["", "sha256:", "sha256:abc", "md5:00", &EMPTY.replace('e', "g"), &format!("{EMPTY}0"), "sha256:../../etc"] {
+        for bad in
+            ["", "sha256:", "sha256:abc", "md5:00", &EMPTY.replace('e', "g"), &format!("{EMPTY}0"), "sha256:../../etc"]
+        {
             let err = Digest::parse(bad).expect_err(bad);
             assert!(err.to_string().contains("expected sha256:<64 hex digits>"), "{err}");
         }

@@ -175,7 +175,8 @@ mod tests {
 
     #[test]
     fn a_manifest_round_trips_in_ollamas_shape() {
-        let m = Manifest::new(layer(super::CONFIG_MEDIA_TYPE, b"{}"), vec![layer(MODEL, b"gguf"), layer(TEMPLATE, b"t")]);
+        let m =
+            Manifest::new(layer(super::CONFIG_MEDIA_TYPE, b"{}"), vec![layer(MODEL, b"gguf"), layer(TEMPLATE, b"t")]);
         let bytes = m.to_bytes();
         let json: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
         assert_eq!(json["schemaVersion"], 2);

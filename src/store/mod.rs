@@ -14,8 +14,8 @@ pub mod digest;
 pub mod manifest;
 pub mod modelfile;
 pub mod name;
-pub mod show;
 pub mod registry;
+pub mod show;
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, File};
@@ -171,7 +171,8 @@ impl Store {
                 tracing::warn!(model = %listed.name, error = %e, "not importing a model whose blobs are damaged");
                 continue;
             }
-            let bytes = fs::read(other.manifest_path(&listed.name)).map_err(io_err("cannot read a manifest to import"))?;
+            let bytes =
+                fs::read(other.manifest_path(&listed.name)).map_err(io_err("cannot read a manifest to import"))?;
             self.write_manifest_bytes(&listed.name, &bytes, &listed.manifest)?;
             imported.push(listed.name);
         }
@@ -237,7 +238,8 @@ impl Store {
     pub fn commit_blob(&self, temp: tempfile::NamedTempFile, digest: &Digest) -> Result<(), StoreError> {
         let path = self.blob_path(digest);
         temp.as_file().sync_all().map_err(io_err(format!("cannot sync {}", temp.path().display())))?;
-        temp.persist(&path).map_err(|e| StoreError::Io { context: format!("cannot write {}", path.display()), source: e.error })?;
+        temp.persist(&path)
+            .map_err(|e| StoreError::Io { context: format!("cannot write {}", path.display()), source: e.error })?;
         sync_dir(&self.blobs_dir())
     }
 
@@ -283,7 +285,8 @@ impl Store {
         expected: Option<&Digest>,
     ) -> Result<(Digest, u64, bool), StoreError> {
         let file = File::open(path).map_err(io_err(format!("cannot open {}", path.display())))?;
-        let (digest, size) = Digest::of_reader(io::BufReader::new(file)).map_err(io_err(format!("cannot read {}", path.display())))?;
+        let (digest, size) =
+            Digest::of_reader(io::BufReader::new(file)).map_err(io_err(format!("cannot read {}", path.display())))?;
         if let Some(expected) = expected {
             if *expected != digest {
                 return Err(StoreError::DigestMismatch { expected: *expected, actual: digest });
@@ -327,7 +330,8 @@ impl Store {
     pub fn verify_blob(&self, digest: &Digest) -> Result<(), StoreError> {
         let path = self.blob_path(digest);
         let file = File::open(&path).map_err(|_| StoreError::MissingBlob(*digest))?;
-        let (actual, _) = Digest::of_reader(io::BufReader::new(file)).map_err(io_err(format!("cannot read {}", path.display())))?;
+        let (actual, _) =
+            Digest::of_reader(io::BufReader::new(file)).map_err(io_err(format!("cannot read {}", path.display())))?;
         if actual == *digest { Ok(()) } else { Err(StoreError::DigestMismatch { expected: *digest, actual }) }
     }
 
@@ -338,7 +342,12 @@ impl Store {
     }
 
     /// Writes manifest bytes as received (a pull keeps the registry's bytes verbatim).
-    pub fn write_manifest_bytes(&self, name: &ModelName, bytes: &[u8], manifest: &Manifest) -> Result<Digest, StoreError> {
+    pub fn write_manifest_bytes(
+        &self,
+        name: &ModelName,
+        bytes: &[u8],
+        manifest: &Manifest,
+    ) -> Result<Digest, StoreError> {
         if let Some(missing) = manifest.blobs().find(|l| !self.has_blob(&l.digest)) {
             return Err(StoreError::MissingBlob(missing.digest));
         }
@@ -350,7 +359,8 @@ impl Store {
             .tempfile_in(&dir)
             .map_err(io_err(format!("cannot create a temporary file in {}", dir.display())))?;
         temp.write_all(bytes).and_then(|()| temp.as_file().sync_all()).map_err(io_err("cannot write the manifest"))?;
-        temp.persist(&path).map_err(|e| StoreError::Io { context: format!("cannot write {}", path.display()), source: e.error })?;
+        temp.persist(&path)
+            .map_err(|e| StoreError::Io { context: format!("cannot write {}", path.display()), source: e.error })?;
         sync_dir(&dir)?;
         Ok(Digest::of(bytes))
     }
@@ -364,7 +374,8 @@ impl Store {
             Err(e) => return Err(io_err(format!("cannot read {}", path.display()))(e)),
         };
         let modified = fs::metadata(&path).and_then(|m| m.modified()).unwrap_or(SystemTime::UNIX_EPOCH);
-        let manifest = Manifest::parse(&bytes).map_err(|source| StoreError::Manifest { name: name.to_string(), source })?;
+        let manifest =
+            Manifest::parse(&bytes).map_err(|source| StoreError::Manifest { name: name.to_string(), source })?;
         Ok((manifest, Digest::of(&bytes), modified))
     }
 

@@ -245,7 +245,10 @@ lines"""
             serde_json::to_value(&m.parameters).expect("json"),
             json!({"temperature": 0.7, "num_ctx": 2048, "stop": ["<|im_end|>", "</s>"], "use_mmap": false})
         );
-        assert_eq!(m.template.as_deref(), Some("{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"));
+        assert_eq!(
+            m.template.as_deref(),
+            Some("{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}")
+        );
         assert_eq!(m.system.as_deref(), Some("You are terse."));
         assert_eq!(m.adapters, ["./lora.gguf"]);
         assert_eq!(m.licenses, ["MIT", "Apache-2.0"]);

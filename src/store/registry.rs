@@ -361,6 +361,8 @@ fn chain(error: &dyn std::error::Error) -> String {
 #[derive(Debug, Clone)]
 struct BlobStatus {
     total: u64,
+    /// Whether the download knows how much it resumed from (until then `completed` means nothing).
+    started: bool,
     completed: u64,
     done: Option<Result<(), RegistryError>>,
 }
@@ -426,7 +428,9 @@ impl Registry {
             let mut status = self.inner.join_download(&remote, store, layer);
             loop {
                 let now = status.borrow_and_update().clone();
-                progress(Progress::blob("pulling", layer.digest, now.total, now.completed));
+                if now.started || now.done.is_some() {
+                    progress(Progress::blob("pulling", layer.digest, now.total, now.completed));
+                }
                 if let Some(done) = now.done {
                     done?;
                     break;
@@ -515,13 +519,18 @@ impl Inner {
     }
 
     /// Waits on the download of `layer` into `store`, starting it unless one is in flight.
-    fn join_download(self: &Arc<Self>, remote: &Arc<Remote>, store: &Store, layer: &Layer) -> watch::Receiver<BlobStatus> {
+    fn join_download(
+        self: &Arc<Self>,
+        remote: &Arc<Remote>,
+        store: &Store,
+        layer: &Layer,
+    ) -> watch::Receiver<BlobStatus> {
         let key = (store.root().to_owned(), layer.digest);
         let mut inflight = self.lock_inflight();
         if let Some(sender) = inflight.get(&key) {
             return sender.subscribe();
         }
-        let (sender, receiver) = watch::channel(BlobStatus { total: layer.size, completed: 0, done: None });
+        let (sender, receiver) = watch::channel(BlobStatus { total: layer.size, started: false, completed: 0, done: None });
         let sender = Arc::new(sender);
         inflight.insert(key.clone(), Arc::clone(&sender));
         drop(inflight);
@@ -578,7 +587,10 @@ impl Download {
         if resumed > 0 {
             tracing::info!(digest = %self.layer.digest, resumed, total = self.layer.size, "resuming a download");
         }
-        self.sender.send_modify(|status| status.completed = resumed);
+        self.sender.send_modify(|status| {
+            status.started = true;
+            status.completed = resumed;
+        });
         let mut work = Box::pin(fetch_blob(Arc::clone(&self.remote), Arc::clone(&partial), Arc::clone(&self.sender)));
         let outcome = loop {
             tokio::select! {
@@ -651,9 +663,9 @@ async fn fetch_blob(
             at = stop;
         }
     }
-    let fetches = stream::iter(parts)
-        .map(Ok)
-        .try_for_each_concurrent(config.max_parts.max(1), |(start, end)| fetch_part(&remote, &partial, &sender, start, end));
+    let fetches = stream::iter(parts).map(Ok).try_for_each_concurrent(config.max_parts.max(1), |(start, end)| {
+        fetch_part(&remote, &partial, &sender, start, end)
+    });
     let checkpoints = async {
         let mut ticker = tokio::time::interval(CHECKPOINT_INTERVAL);
         ticker.tick().await;
@@ -707,11 +719,8 @@ async fn fetch_range(
     end: u64,
 ) -> Result<(), RegistryError> {
     let what = &partial.what;
-    let bad_range = |detail: String| RegistryError::BadRange {
-        registry: remote.registry.clone(),
-        what: what.clone(),
-        detail,
-    };
+    let bad_range =
+        |detail: String| RegistryError::BadRange { registry: remote.registry.clone(), what: what.clone(), detail };
     let (first, last) = (*at, end - 1);
     let expected = end - first;
     let url = remote.url(&format!("blobs/{}", partial.digest))?;
@@ -949,7 +958,9 @@ impl Partial {
 
     /// Writes data at `offset` and records it. Returns how much of the blob is now in place.
     fn write_at(&self, offset: u64, data: &[u8]) -> Result<u64, RegistryError> {
-        self.file.write_all_at(data, offset).map_err(|e| Self::write_error(&self.data_path, &self.what, self.size, e))?;
+        self.file
+            .write_all_at(data, offset)
+            .map_err(|e| Self::write_error(&self.data_path, &self.what, self.size, e))?;
         let mut done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
         done.insert(offset, offset + data.len() as u64);
         self.dirty.store(true, Ordering::SeqCst);
@@ -1125,7 +1136,9 @@ impl Remote {
             }
             if renewed {
                 let body = excerpt(response).await;
-                return Err(self.unauthorized(what, format!("HTTP 401 even with the token its token service issued: {body}")));
+                return Err(
+                    self.unauthorized(what, format!("HTTP 401 even with the token its token service issued: {body}"))
+                );
             }
             let header = response.headers().get(WWW_AUTHENTICATE).and_then(|v| v.to_str().ok()).map(str::to_owned);
             let Some(challenge) = header.as_deref().and_then(Challenge::parse) else {
@@ -1165,14 +1178,13 @@ impl Remote {
                 query.append_pair("scope", scope);
             }
         }
-        let response =
-            self.client().get(url).timeout(self.config().request_timeout).send().await.map_err(|e| {
-                RegistryError::Transport {
-                    registry: self.registry.clone(),
-                    what: format!("a token for {what} from {realm}"),
-                    detail: chain(&e),
-                }
-            })?;
+        let response = self.client().get(url).timeout(self.config().request_timeout).send().await.map_err(|e| {
+            RegistryError::Transport {
+                registry: self.registry.clone(),
+                what: format!("a token for {what} from {realm}"),
+                detail: chain(&e),
+            }
+        })?;
         let status = response.status();
         if !status.is_success() {
             let body = excerpt(response).await;
@@ -1265,15 +1277,15 @@ impl Remote {
             _ => return Err(self.fail(&what, response).await),
         }
         let start = self.url("blobs/uploads/")?;
-        let response =
-            self.send(&what, || Ok(self.client().post(start.clone()).header(CONTENT_LENGTH, 0).timeout(timeout))).await?;
+        let response = self
+            .send(&what, || Ok(self.client().post(start.clone()).header(CONTENT_LENGTH, 0).timeout(timeout)))
+            .await?;
         let response = self.expect(&what, response, &[StatusCode::ACCEPTED]).await?;
-        let location = response.headers().get(LOCATION).and_then(|v| v.to_str().ok()).ok_or_else(|| {
-            RegistryError::Protocol {
+        let location =
+            response.headers().get(LOCATION).and_then(|v| v.to_str().ok()).ok_or_else(|| RegistryError::Protocol {
                 registry: self.registry.clone(),
                 detail: format!("the upload of {what} was accepted without a Location to send it to"),
-            }
-        })?;
+            })?;
         let mut target = response.url().join(location).map_err(|e| RegistryError::Protocol {
             registry: self.registry.clone(),
             detail: format!("the upload location \"{location}\" for {what} is not a URL: {e}"),
@@ -1424,8 +1436,10 @@ mod tests {
 
     #[test]
     fn bearer_challenges_parse() {
-        let c = Challenge::parse(r#"Bearer realm="https://auth.example/token",service="registry.example",scope="repository:library/m:pull""#)
-            .expect("challenge");
+        let c = Challenge::parse(
+            r#"Bearer realm="https://auth.example/token",service="registry.example",scope="repository:library/m:pull""#,
+        )
+        .expect("challenge");
         assert_eq!(c.realm, "https://auth.example/token");
         assert_eq!(c.service.as_deref(), Some("registry.example"));
         assert_eq!(c.scope.as_deref(), Some("repository:library/m:pull"));

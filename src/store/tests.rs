@@ -163,7 +163,12 @@ fn an_ollama_directory_is_used_read_only_or_imported() {
 
     let read_only = Store::open_read_only(&dir.path().join("ollama")).expect("read-only");
     assert_eq!(read_only.list().expect("list").len(), 2);
-    assert!(Store::open_read_only(&dir.path().join("nowhere")).expect_err("no store").to_string().contains("is not a model store"));
+    assert!(
+        Store::open_read_only(&dir.path().join("nowhere"))
+            .expect_err("no store")
+            .to_string()
+            .contains("is not a model store")
+    );
 
     let ours = Store::open(&dir.path().join("ours")).expect("open");
     let imported = ours.import_store(&read_only).expect("import");

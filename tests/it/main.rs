@@ -11,6 +11,7 @@ mod fake_runner;
 mod journald;
 mod llama_server;
 mod private_bus;
+mod registry;
 mod shipped;
 mod socket_activation;
 mod supervision;

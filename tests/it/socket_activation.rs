@@ -57,6 +57,7 @@ fn sockets_with_other_names_only_are_refused() {
     let port = free_port();
     let mut cmd = std::process::Command::new("systemd-socket-activate");
     cmd.args(["-l", &format!("127.0.0.1:{port}"), "--fdname=metrics", "-E", "NOTIFY_SOCKET"])
+        .args(["-E", "STATE_DIRECTORY", "-E", "RUNTIME_DIRECTORY"])
         .env("NOTIFY_SOCKET", notify.path())
         .args([crate::support::corrald::CORRALD, "--log-target", "stderr"]);
     let mut corrald = Corrald::spawn(cmd);
@@ -98,14 +99,11 @@ fn watchdog_is_pinged_at_half_the_interval() {
     let mut cmd = std::process::Command::new(crate::support::corrald::CORRALD);
     cmd.args(["--log-target", "stderr", "--config", config.to_str().expect("utf-8")])
         .env("NOTIFY_SOCKET", notify.path())
-        .env("WATCHDOG_USEC", "200000")
-        .stderr(std::process::Stdio::null());
-    let mut child = cmd.spawn().expect("spawn");
+        .env("WATCHDOG_USEC", "200000");
+    let _corrald = Corrald::spawn(cmd);
     let ready = notify.wait_for("READY", "1", WAIT);
     let first = notify.wait_for_after(ready, "WATCHDOG", "1", WAIT);
     notify.wait_for_after(first + 1, "WATCHDOG", "1", WAIT);
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 #[test]
@@ -185,4 +183,27 @@ fn stop_is_bounded_even_when_a_client_never_finishes_its_request() {
     corrald.signal(Signal::SIGTERM);
     // The grace period is 1 s; the bound here only has to tell "bounded" from "hangs".
     assert!(corrald.wait_exit(Duration::from_secs(30)).success(), "{}", corrald.stderr());
+}
+
+#[test]
+fn the_store_is_opened_at_start_and_an_unusable_one_is_a_clear_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = free_port();
+    let config = write_config(dir.path(), "corral.toml", &format!("[server]\nlisten = [\"127.0.0.1:{port}\"]\n"));
+    let notify = NotifyListener::start();
+    let corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    notify.wait_for("READY", "1", WAIT);
+    let store = corrald.state_dir().join("models");
+    assert!(store.join("blobs").is_dir() && store.join("manifests").is_dir(), "the store is laid out at start");
+    drop(corrald);
+
+    let blocked = write_config(
+        dir.path(),
+        "blocked.toml",
+        &format!("[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n", config.display()),
+    );
+    let mut corrald = Corrald::start(&["--config", blocked.to_str().expect("utf-8")], None);
+    assert_eq!(corrald.wait_exit(WAIT).code(), Some(1));
+    let stderr = corrald.stderr();
+    assert!(stderr.contains("cannot open the model store") && stderr.contains("corral.toml/blobs"), "{stderr}");
 }

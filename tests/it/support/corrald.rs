@@ -29,6 +29,9 @@ pub struct Corrald {
     child: Child,
     stderr: Arc<Mutex<String>>,
     status: Option<ExitStatus>,
+    /// The state and runtime directories it was given, so that no test writes to
+    /// `/var/lib/corral` or `/run/corral`.
+    dirs: tempfile::TempDir,
 }
 
 impl Corrald {
@@ -52,6 +55,7 @@ impl Corrald {
         cmd.arg(format!("--fdname={}", vec!["http"; listen.len()].join(":")));
         // The tool passes on only the variables named with -E.
         cmd.env("NOTIFY_SOCKET", notify).args(["-E", "NOTIFY_SOCKET", "-E", "RUST_LOG"]);
+        cmd.args(["-E", "STATE_DIRECTORY", "-E", "RUNTIME_DIRECTORY"]);
         for (k, v) in extra_env {
             cmd.env(k, v).args(["-E", k]);
         }
@@ -61,6 +65,8 @@ impl Corrald {
 
     /// Runs `cmd` (corrald, or a tool that execs it) with stderr captured.
     pub fn spawn(mut cmd: Command) -> Self {
+        let dirs = tempfile::tempdir().expect("tempdir");
+        cmd.env("STATE_DIRECTORY", dirs.path().join("state")).env("RUNTIME_DIRECTORY", dirs.path().join("run"));
         cmd.env("RUST_LOG", "info").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
         let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
         let stderr = Arc::new(Mutex::new(String::new()));
@@ -75,7 +81,12 @@ impl Corrald {
                 sink.lock().expect("lock").push_str(&String::from_utf8_lossy(&buf[..n]));
             }
         });
-        Self { child, stderr, status: None }
+        Self { child, stderr, status: None, dirs }
+    }
+
+    /// The state directory it was given (`STATE_DIRECTORY`).
+    pub fn state_dir(&self) -> std::path::PathBuf {
+        self.dirs.path().join("state")
     }
 
     /// The process id.

@@ -7,7 +7,7 @@
 //! `journalctl --directory`, while the command runs or after it exited.  Dropping the sandbox
 //! stops the command and journald (also when the test panics) and removes the directory.
 
-use std::ffi::OsStr;
+use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -33,10 +33,18 @@ impl JournalSandbox {
     pub fn spawn<S: AsRef<OsStr>>(program: impl AsRef<OsStr>, args: &[S]) -> Self {
         let dir = tempfile::Builder::new().prefix("corral-journal-").tempdir().expect("tempdir");
         let script = rig_script("journald-sandbox.sh");
+        let mut state = OsString::from("STATE_DIRECTORY=");
+        state.push(dir.path().join("state"));
+        let mut runtime = OsString::from("RUNTIME_DIRECTORY=");
+        runtime.push(dir.path().join("run"));
         let child = Command::new("bash")
             .arg(&script)
             .arg(dir.path())
             .arg("--")
+            // The command (not journald, which reads these too) keeps its state in the
+            // sandbox, never in /var/lib/corral; `env` execs it, so its PID stays the same.
+            .arg("env")
+            .args([state, runtime])
             .arg(program)
             .args(args)
             .stdin(Stdio::null())

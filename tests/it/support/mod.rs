@@ -9,3 +9,4 @@ pub mod http;
 pub mod journald;
 pub mod llama;
 pub mod notify;
+pub mod registry;

@@ -1,0 +1,658 @@
+//! `corral::store::registry` against a real registry (Debian's `docker-registry`), with a
+//! proxy in front of it where a test needs the registry to misbehave: cut a transfer, corrupt
+//! a byte, ignore `Range`, demand a token, fail, or hold a request until the test lets it go.
+//!
+//! No test sleeps to synchronise: each waits for a condition (a progress event, a request
+//! the proxy saw) under a deadline.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::future::Future;
+use std::path::Path;
+use std::time::Duration;
+
+use corral::store::Store;
+use corral::store::digest::Digest;
+use corral::store::manifest::{CONFIG_MEDIA_TYPE, Layer, MODEL, Manifest, ModelConfig, RootFs, TEMPLATE};
+use corral::store::name::ModelName;
+use corral::store::registry::{Progress, Registry, RegistryConfig, RegistryError};
+use tokio::sync::mpsc;
+
+use crate::support::registry::{Action, DockerRegistry, Gate, Proxy, Seen, SmallDisk};
+
+/// The most any one step may take, however loaded the machine.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// The part size of most tests: small, so that the tiny model's weights come in several parts.
+const PART: u64 = 64 << 10;
+
+/// Awaits `future`, failing the test if it takes longer than [`DEADLINE`].
+async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(DEADLINE, future).await.unwrap_or_else(|_| panic!("{what} took longer than {DEADLINE:?}"))
+}
+
+/// A registry with models pushed to it from a source store, and a place for other stores.
+struct World {
+    registry: DockerRegistry,
+    dir: tempfile::TempDir,
+    source: Store,
+}
+
+/// A model as it was published: its manifest's bytes and every blob's bytes.
+#[derive(Debug, PartialEq, Eq)]
+struct Snapshot {
+    manifest: Vec<u8>,
+    blobs: BTreeMap<Digest, Vec<u8>>,
+}
+
+impl World {
+    fn new() -> Self {
+        let _ = tracing_subscriber::fmt().with_max_level(tracing::Level::DEBUG).with_test_writer().try_init();
+        let registry = DockerRegistry::start();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let source = Store::open(&dir.path().join("source")).expect("source store");
+        Self { registry, dir, source }
+    }
+
+    /// A store of its own below the test's directory.
+    fn store(&self, name: &str) -> Store {
+        Store::open(&self.dir.path().join(name)).expect("store")
+    }
+
+    /// A client that speaks plain HTTP to `hosts`, with small parts.
+    fn client(&self, hosts: &[String], tweak: impl FnOnce(&mut RegistryConfig)) -> Registry {
+        let mut config = RegistryConfig {
+            insecure: hosts.to_vec(),
+            part_size: PART,
+            max_parts: 4,
+            part_attempts: 3,
+            retry_delay: Duration::from_millis(10),
+            connect_timeout: Duration::from_secs(10),
+            read_timeout: Duration::from_secs(30),
+            request_timeout: Duration::from_secs(30),
+        };
+        tweak(&mut config);
+        Registry::new(config).expect("registry client")
+    }
+
+    /// Creates `model` (`namespace/model:tag`) in the source store from the tiny GGUF, a
+    /// template and a config blob, and pushes it. Returns what was pushed.
+    async fn publish(&self, model: &str, template: &str) -> (Manifest, Snapshot) {
+        let name = name_on(&self.registry.host(), model);
+        let manifest = create_model(&self.source, &name, template);
+        let client = self.client(&[self.registry.host()], |_| {});
+        let mut events = Vec::new();
+        let digest = within("push", client.push(&self.source, &name, |p| events.push(p))).await.expect("push");
+        let snapshot = snapshot(&self.source, &name);
+        assert_eq!(digest, Digest::of(&snapshot.manifest));
+        (manifest, snapshot)
+    }
+}
+
+fn name_on(host: &str, model: &str) -> ModelName {
+    ModelName::parse(&format!("{host}/{model}")).expect("model name")
+}
+
+/// A model made with the store's API: the tiny llama GGUF, a template, a config blob.
+fn create_model(store: &Store, name: &ModelName, template: &str) -> Manifest {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gguf = dir.path().join("tiny.gguf");
+    corral::demo_model::write_tiny_llama(&gguf).expect("write the tiny model");
+    let (model, model_size) =
+        store.write_blob(fs::File::open(&gguf).expect("open the tiny model"), None).expect("model blob");
+    let (template_digest, template_size) = store.write_blob(template.as_bytes(), None).expect("template blob");
+    let config = ModelConfig {
+        model_format: "gguf".into(),
+        model_family: "llama".into(),
+        model_families: Some(vec!["llama".into()]),
+        model_type: "tiny".into(),
+        file_type: "F16".into(),
+        os: "linux".into(),
+        architecture: "amd64".into(),
+        rootfs: RootFs { kind: "layers".into(), diff_ids: vec![model, template_digest] },
+    };
+    let config = serde_json::to_vec(&config).expect("config JSON");
+    let (config_digest, config_size) = store.write_blob(&config[..], None).expect("config blob");
+    let layer = |media_type: &str, digest, size| Layer { media_type: media_type.into(), digest, size, from: None };
+    let manifest = Manifest::new(
+        layer(CONFIG_MEDIA_TYPE, config_digest, config_size),
+        vec![layer(MODEL, model, model_size), layer(TEMPLATE, template_digest, template_size)],
+    );
+    store.write_manifest(name, &manifest).expect("write the manifest");
+    manifest
+}
+
+fn snapshot(store: &Store, name: &ModelName) -> Snapshot {
+    let manifest = fs::read(store.manifest_path(name)).expect("read the manifest");
+    let parsed = Manifest::parse(&manifest).expect("parse the manifest");
+    let blobs =
+        parsed.blobs().map(|l| (l.digest, fs::read(store.blob_path(&l.digest)).expect("read a blob"))).collect();
+    Snapshot { manifest, blobs }
+}
+
+/// The names of the files in the store's `blobs/`.
+fn blob_files(store: &Store) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(store.blobs_dir())
+        .expect("read blobs/")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Checks that a failed pull left nothing of the model behind but (at most) resumable partials.
+fn assert_nothing_written(store: &Store, name: &ModelName, manifest: &Manifest, partials_allowed: bool) {
+    assert!(!store.manifest_path(name).exists(), "a manifest was written");
+    assert!(matches!(store.manifest(name), Err(corral::store::StoreError::NotFound(_))));
+    for layer in manifest.blobs() {
+        assert!(!store.has_blob(&layer.digest), "blob {} is visible", layer.digest);
+    }
+    for file in blob_files(store) {
+        assert!(
+            partials_allowed && file.contains("-partial"),
+            "unexpected file {file} in blobs/ (partials allowed: {partials_allowed})"
+        );
+    }
+}
+
+/// The GETs of a blob the proxy saw, as `(first, last)` byte ranges.
+fn blob_ranges(seen: &[Seen], digest: &Digest) -> Vec<(u64, u64)> {
+    let digest = digest.to_string();
+    seen.iter()
+        .filter(|s| s.is_blob_get(&digest))
+        .map(|s| s.byte_range().unwrap_or_else(|| panic!("a blob GET without a Range: {s:?}")))
+        .collect()
+}
+
+/// `PART`-sized ranges covering `start..size`.
+fn parts_from(start: u64, size: u64) -> Vec<(u64, u64)> {
+    let mut parts = Vec::new();
+    let mut at = start;
+    while at < size {
+        let end = size.min(at + PART);
+        parts.push((at, end - 1));
+        at = end;
+    }
+    parts
+}
+
+fn statuses(events: &[Progress]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for e in events {
+        if out.last() != Some(&e.status) {
+            out.push(e.status.clone());
+        }
+    }
+    out
+}
+
+fn short(digest: &Digest) -> String {
+    digest.hex()[..12].to_owned()
+}
+
+/// Checks a successful pull's progress: Ollama's steps in order, and every blob complete.
+fn assert_pull_progress(events: &[Progress], manifest: &Manifest) {
+    let mut expected = vec!["pulling manifest".to_owned()];
+    expected.extend(manifest.blobs().map(|l| format!("pulling {}", short(&l.digest))));
+    expected.extend(["verifying sha256 digest", "writing manifest", "success"].map(String::from));
+    assert_eq!(statuses(events), expected);
+    for layer in manifest.blobs() {
+        let last = events.iter().rev().find(|e| e.digest == Some(layer.digest)).expect("progress of a blob");
+        assert_eq!((last.total, last.completed), (Some(layer.size), Some(layer.size)), "{}", layer.digest);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pushed_model_deleted_and_pulled_back_is_byte_identical() {
+    let world = World::new();
+    let name = name_on(&world.registry.host(), "test/tiny:v1");
+    let manifest = create_model(&world.source, &name, "{{ .Prompt }}");
+    let published = snapshot(&world.source, &name);
+    let client = world.client(&[world.registry.host()], |_| {});
+
+    let mut events = Vec::new();
+    let pushed = within("push", client.push(&world.source, &name, |p| events.push(p))).await.expect("push");
+    assert_eq!(pushed, Digest::of(&published.manifest));
+    let mut expected = vec!["retrieving manifest".to_owned()];
+    expected.extend(manifest.blobs().map(|l| format!("pushing {}", short(&l.digest))));
+    expected.extend(["pushing manifest", "success"].map(String::from));
+    assert_eq!(statuses(&events), expected);
+    // The registry holds the data itself.
+    let on_registry = world.registry.storage().join("docker/registry/v2/blobs/sha256");
+    let model = manifest.model().expect("model layer");
+    let stored = on_registry.join(&model.digest.hex()[..2]).join(model.digest.hex()).join("data");
+    assert_eq!(fs::read(stored).expect("blob on the registry"), published.blobs[&model.digest]);
+
+    let removed = world.source.delete(&name).expect("delete");
+    assert_eq!(removed.len(), 3, "every blob goes with the only model using it");
+    assert!(manifest.blobs().all(|l| !world.source.has_blob(&l.digest)));
+
+    let mut events = Vec::new();
+    let pulled = within("pull", client.pull(&world.source, &name, |p| events.push(p))).await.expect("pull");
+    assert_eq!(pulled, Digest::of(&published.manifest));
+    assert_eq!(snapshot(&world.source, &name), published);
+    assert_pull_progress(&events, &manifest);
+    let expected_files: Vec<String> = {
+        let mut files: Vec<String> = manifest.blobs().map(|l| l.digest.file_name()).collect();
+        files.sort();
+        files
+    };
+    assert_eq!(blob_files(&world.source), expected_files, "no partial files are left");
+
+    // A second push finds every blob on the registry and uploads none.
+    let mut events = Vec::new();
+    within("push again", client.push(&world.source, &name, |p| events.push(p))).await.expect("push again");
+    for layer in manifest.blobs() {
+        let of_blob: Vec<_> = events.iter().filter(|e| e.digest == Some(layer.digest)).collect();
+        assert_eq!(of_blob.len(), 2, "a blob the registry has is reported as done at once: {of_blob:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_cut_short_is_resumed_from_the_first_missing_byte() {
+    let world = World::new();
+    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let model = manifest.model().expect("model layer").clone();
+    assert!(model.size > 3 * PART, "the tiny model is {} bytes, too small to come in parts", model.size);
+    let proxy = Proxy::start(world.registry.addr());
+    let cut = 30_000;
+    let first_get = std::sync::atomic::AtomicBool::new(true);
+    let digest = model.digest.to_string();
+    proxy.rule(move |seen| {
+        if seen.is_blob_get(&digest) && first_get.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            Action::Cut(cut)
+        } else {
+            Action::Pass
+        }
+    });
+    let store = world.store("dest");
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let client = world.client(&[proxy.host()], |c| c.max_parts = 1);
+
+    let mut events = Vec::new();
+    within("pull", client.pull(&store, &name, |p| events.push(p))).await.expect("pull");
+
+    let mut expected = vec![(0, PART - 1), (cut, PART - 1)];
+    expected.extend(parts_from(PART, model.size));
+    assert_eq!(blob_ranges(&proxy.seen(), &model.digest), expected, "the retry asks only for what did not arrive");
+    assert_eq!(snapshot(&store, &name), published);
+    assert_pull_progress(&events, &manifest);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_cut_short_fails_clearly_and_resumes_after_a_restart() {
+    let world = World::new();
+    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let model = manifest.model().expect("model layer").clone();
+    let proxy = Proxy::start(world.registry.addr());
+    let cut = 100_000;
+    let digest = model.digest.to_string();
+    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Cut(cut) } else { Action::Pass });
+    let root = world.dir.path().join("dest");
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+
+    // A daemon whose pull breaks off (no retries).
+    {
+        let store = Store::open(&root).expect("store");
+        let client = world.client(&[proxy.host()], |c| {
+            c.part_size = 1 << 20;
+            c.part_attempts = 1;
+        });
+        let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("a cut transfer fails");
+        assert!(matches!(error, RegistryError::Truncated { received: 100_000, .. }), "{error:?}");
+        let message = error.to_string();
+        for part in [
+            format!("blob {} of test/tiny:v1", model.digest),
+            format!("registry {}", proxy.host()),
+            format!("broke off after {cut} of {} bytes", model.size),
+            "resumes".to_owned(),
+        ] {
+            assert!(message.contains(&part), "{message:?} lacks {part:?}");
+        }
+        assert_nothing_written(&store, &name, &manifest, true);
+        let partial = store.blobs_dir().join(format!("{}-partial", model.digest.file_name()));
+        assert!(partial.is_file(), "the partial download is kept");
+    }
+
+    // The daemon restarts: a new store and client on the same directory; the registry behaves.
+    proxy.rule(|_| Action::Pass);
+    proxy.clear();
+    let store = Store::open(&root).expect("store reopened");
+    let client = world.client(&[proxy.host()], |c| c.part_size = 1 << 20);
+    let mut events = Vec::new();
+    within("resumed pull", client.pull(&store, &name, |p| events.push(p))).await.expect("resumed pull");
+    assert_eq!(blob_ranges(&proxy.seen(), &model.digest), vec![(cut, model.size - 1)], "only the missing bytes");
+    let first = events.iter().find(|e| e.digest == Some(model.digest)).expect("progress of the weights");
+    assert_eq!(first.completed, Some(cut), "progress starts from what was already there");
+    assert_eq!(snapshot(&store, &name), published);
+    assert_pull_progress(&events, &manifest);
+    assert!(blob_files(&store).iter().all(|f| !f.contains("partial")), "{:?}", blob_files(&store));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_blob_is_refused_and_nothing_is_written() {
+    let world = World::new();
+    let (manifest, _) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let model = manifest.model().expect("model layer").clone();
+    let proxy = Proxy::start(world.registry.addr());
+    let digest = model.digest.to_string();
+    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Corrupt(1000) } else { Action::Pass });
+    let store = world.store("dest");
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let client = world.client(&[proxy.host()], |_| {});
+
+    let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("corrupt data");
+    assert!(matches!(&error, RegistryError::DigestMismatch { digest, .. } if *digest == model.digest), "{error:?}");
+    let message = error.to_string();
+    assert!(message.contains(&format!("blob {} from registry {}", model.digest, proxy.host())), "{message}");
+    assert!(message.contains("corrupt"), "{message}");
+    assert_nothing_written(&store, &name, &manifest, false);
+
+    // The next pull starts over and succeeds.
+    proxy.rule(|_| Action::Pass);
+    within("pull again", client.pull(&store, &name, |_| {})).await.expect("pull again");
+    store.verify_blob(&model.digest).expect("the weights are intact");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_model_is_not_found() {
+    let world = World::new();
+    world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let store = world.store("dest");
+    let client = world.client(&[world.registry.host()], |_| {});
+    for model in ["test/nothere:v1", "test/tiny:nosuchtag"] {
+        let name = name_on(&world.registry.host(), model);
+        let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("not found");
+        assert!(matches!(error, RegistryError::NotFound { .. }), "{error:?}");
+        assert_eq!(error.to_string(), format!("model {model} not found on registry {}", world.registry.host()));
+    }
+    assert!(store.list().expect("list").is_empty());
+    assert!(blob_files(&store).is_empty());
+}
+
+/// A proxy that demands a Bearer token (`good`) and whose token service answers `token`.
+fn demand_token(proxy: &Proxy, realm: String, token: Action) {
+    proxy.rule(move |seen| {
+        if seen.path.starts_with("/token") {
+            return token.clone();
+        }
+        if seen.authorization.as_deref() == Some("Bearer good") {
+            return Action::Pass;
+        }
+        Action::Respond {
+            status: 401,
+            headers: vec![(
+                "WWW-Authenticate".into(),
+                format!(r#"Bearer realm="{realm}",service="test-registry",scope="repository:test/tiny:pull""#),
+            )],
+            body: r#"{"errors":[{"code":"UNAUTHORIZED"}]}"#.into(),
+        }
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_is_fetched_on_401_and_used() {
+    let world = World::new();
+    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let proxy = Proxy::start(world.registry.addr());
+    let grant = Action::Respond { status: 200, headers: vec![], body: r#"{"token":"good","expires_in":300}"#.into() };
+    demand_token(&proxy, format!("http://{}/token", proxy.host()), grant);
+    let store = world.store("dest");
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let client = world.client(&[proxy.host()], |_| {});
+
+    let mut events = Vec::new();
+    within("pull", client.pull(&store, &name, |p| events.push(p))).await.expect("pull with a token");
+    assert_eq!(snapshot(&store, &name), published);
+    assert_pull_progress(&events, &manifest);
+    let seen = proxy.seen();
+    let tokens: Vec<&Seen> = seen.iter().filter(|s| s.path.starts_with("/token")).collect();
+    assert_eq!(tokens.len(), 1, "one token serves the whole pull: {seen:#?}");
+    assert_eq!(tokens[0].path, "/token?service=test-registry&scope=repository%3Atest%2Ftiny%3Apull");
+    assert_eq!(tokens[0].authorization, None, "the token is asked for anonymously");
+    let after: Vec<&Seen> = seen.iter().skip_while(|s| !s.path.starts_with("/token")).skip(1).collect();
+    assert!(!after.is_empty() && after.iter().all(|s| s.authorization.as_deref() == Some("Bearer good")), "{after:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_token_is_unauthorized() {
+    let world = World::new();
+    let (manifest, _) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let proxy = Proxy::start(world.registry.addr());
+    let refuse = Action::Respond { status: 403, headers: vec![], body: "no pulls for you".into() };
+    let realm = format!("http://{}/token", proxy.host());
+    demand_token(&proxy, realm.clone(), refuse);
+    let store = world.store("dest");
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let client = world.client(&[proxy.host()], |_| {});
+
+    let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("refused");
+    assert!(matches!(error, RegistryError::Unauthorized { .. }), "{error:?}");
+    let message = error.to_string();
+    for part in [
+        format!("registry {} refused access to model test/tiny:v1", proxy.host()),
+        format!("token service {realm}"),
+        "403".to_owned(),
+        "no pulls for you".to_owned(),
+    ] {
+        assert!(message.contains(&part), "{message:?} lacks {part:?}");
+    }
+    assert_nothing_written(&store, &name, &manifest, false);
+
+    // A token the registry then refuses all the same.
+    let wrong = Action::Respond { status: 200, headers: vec![], body: r#"{"access_token":"wrong"}"#.into() };
+    demand_token(&proxy, realm, wrong);
+    let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("refused");
+    assert!(error.to_string().contains("401 even with the token"), "{error}");
+
+    // A token service elsewhere, over plain HTTP, is not asked at all.
+    proxy.clear();
+    let elsewhere = format!("http://localhost:{}/token", proxy.host().rsplit_once(':').expect("port").1);
+    demand_token(&proxy, elsewhere, Action::Pass);
+    let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("refused");
+    assert!(error.to_string().contains("must use HTTPS or be on the registry's own host"), "{error}");
+    assert!(proxy.seen().iter().all(|s| !s.path.starts_with("/token")));
+    assert_nothing_written(&store, &name, &manifest, false);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_errors_and_bad_answers_are_named() {
+    let world = World::new();
+    let (manifest, _) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let model = manifest.model().expect("model layer").clone();
+    let proxy = Proxy::start(world.registry.addr());
+    let store = world.store("dest");
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let client = world.client(&[proxy.host()], |c| {
+        c.part_attempts = 2;
+        c.max_parts = 1;
+    });
+
+    // A 500 on the manifest.
+    let body = format!("storage exploded: {}", "x".repeat(1000));
+    proxy.rule(move |_| Action::Respond { status: 500, headers: vec![], body: body.clone() });
+    let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("500");
+    assert!(matches!(error, RegistryError::Server { status: 500, .. }), "{error:?}");
+    let message = error.to_string();
+    assert!(message.starts_with(&format!("registry {} failed with HTTP 500 for model test/tiny:v1", proxy.host())));
+    assert!(message.contains("storage exploded") && message.len() < 600, "a short excerpt: {message}");
+
+    // A 503 on a blob, every time: retried, then named.
+    let digest = model.digest.to_string();
+    proxy.clear();
+    proxy.rule(move |seen| {
+        if seen.is_blob_get(&digest) {
+            Action::Respond { status: 503, headers: vec![], body: "try later".into() }
+        } else {
+            Action::Pass
+        }
+    });
+    let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("503");
+    assert!(error.to_string().contains(&format!("HTTP 503 for blob {} of test/tiny:v1: try later", model.digest)));
+    assert_eq!(blob_ranges(&proxy.seen(), &model.digest), [(0, PART - 1), (0, PART - 1)], "tried twice, then given up");
+
+    // A manifest that is not one.
+    proxy.rule(|seen| {
+        if seen.path.contains("/manifests/") {
+            Action::Respond { status: 200, headers: vec![], body: r#"{"schemaVersion":1}"#.into() }
+        } else {
+            Action::Pass
+        }
+    });
+    let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("bad manifest");
+    assert!(matches!(error, RegistryError::BadManifest { .. }), "{error:?}");
+    assert!(error.to_string().starts_with(&format!("registry {} sent a bad manifest for test/tiny:v1", proxy.host())));
+
+    // A server that ignores Range.
+    let digest = model.digest.to_string();
+    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::DropRange } else { Action::Pass });
+    let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("no ranges");
+    assert!(matches!(error, RegistryError::BadRange { .. }), "{error:?}");
+    assert!(error.to_string().contains("the server ignores Range"), "{error}");
+
+    // No manifest and no visible blob after all that.
+    assert!(!store.manifest_path(&name).exists());
+    assert!(!store.has_blob(&model.digest));
+}
+
+/// Progress events tagged with the pull they come from.
+type Events = mpsc::UnboundedReceiver<(usize, Progress)>;
+
+/// Starts a pull in its own task, its progress sent to `events` tagged with `id`.
+fn spawn_pull(
+    client: &Registry,
+    store: &Store,
+    name: &ModelName,
+    id: usize,
+    events: &mpsc::UnboundedSender<(usize, Progress)>,
+) -> tokio::task::JoinHandle<(Result<Digest, RegistryError>, Vec<Progress>)> {
+    let (client, store, name, events) = (client.clone(), store.clone(), name.clone(), events.clone());
+    tokio::spawn(async move {
+        let mut mine = Vec::new();
+        let result = client
+            .pull(&store, &name, |p| {
+                mine.push(p.clone());
+                let _ = events.send((id, p));
+            })
+            .await;
+        (result, mine)
+    })
+}
+
+/// Waits until each of `ids` reported progress on `digest`.
+async fn wait_for_progress(events: &mut Events, ids: &[usize], digest: Digest) {
+    let mut waiting: Vec<usize> = ids.to_vec();
+    within("progress on a held blob", async {
+        while !waiting.is_empty() {
+            let (id, progress) = events.recv().await.expect("a pull ended early");
+            if progress.digest == Some(digest) {
+                waiting.retain(|w| *w != id);
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_pulls_of_the_same_model_share_one_download() {
+    let world = World::new();
+    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let model = manifest.model().expect("model layer").clone();
+    let proxy = Proxy::start(world.registry.addr());
+    let gate = Gate::new();
+    let (held, digest) = (gate.clone(), model.digest.to_string());
+    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Hold(held.clone()) } else { Action::Pass });
+    let store = world.store("dest");
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let client = world.client(&[proxy.host()], |c| c.part_size = 64 << 20);
+
+    let (sender, mut events) = mpsc::unbounded_channel();
+    let first = spawn_pull(&client, &store, &name, 1, &sender);
+    let second = spawn_pull(&client, &store, &name, 2, &sender);
+    // Both wait on the weights, whose only GET the proxy holds.
+    wait_for_progress(&mut events, &[1, 2], model.digest).await;
+    gate.open();
+    let (first, first_events) = within("first pull", first).await.expect("join");
+    let (second, second_events) = within("second pull", second).await.expect("join");
+    let digest = Digest::of(&published.manifest);
+    assert_eq!(first.expect("first pull"), digest);
+    assert_eq!(second.expect("second pull"), digest);
+    assert_pull_progress(&first_events, &manifest);
+    assert_pull_progress(&second_events, &manifest);
+    assert_eq!(blob_ranges(&proxy.seen(), &model.digest), vec![(0, model.size - 1)], "one download, shared");
+    let manifest_gets = proxy.seen().iter().filter(|s| s.path.contains("/manifests/")).count();
+    assert_eq!(manifest_gets, 2, "each pull fetched the manifest");
+    assert_eq!(snapshot(&store, &name), published);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_model_keeps_the_blobs_a_running_pull_shares() {
+    let world = World::new();
+    let (a, _) = world.publish("test/tiny:a", "A {{ .Prompt }}").await;
+    let (b, published_b) = world.publish("test/tiny:b", "B {{ .Prompt }}").await;
+    let weights = a.model().expect("model layer").digest;
+    assert_eq!(b.model().expect("model layer").digest, weights, "the two models share their weights");
+    let template_b = b.layers_of(TEMPLATE).next().expect("template").digest;
+    let proxy = Proxy::start(world.registry.addr());
+    let store = world.store("dest");
+    let client = world.client(&[proxy.host()], |_| {});
+    let name_a = name_on(&proxy.host(), "test/tiny:a");
+    let name_b = name_on(&proxy.host(), "test/tiny:b");
+    within("pull a", client.pull(&store, &name_a, |_| {})).await.expect("pull a");
+
+    let gate = Gate::new();
+    let (held, digest) = (gate.clone(), template_b.to_string());
+    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Hold(held.clone()) } else { Action::Pass });
+    let (sender, mut events) = mpsc::unbounded_channel();
+    let pull_b = spawn_pull(&client, &store, &name_b, 1, &sender);
+    wait_for_progress(&mut events, &[1], template_b).await;
+
+    // b's pull holds the shared weights; deleting a removes only what is a's alone.
+    let removed = store.delete(&name_a).expect("delete a");
+    assert!(!removed.contains(&weights), "the shared weights were removed: {removed:?}");
+    assert_eq!(removed.len(), 2, "a's template and config go: {removed:?}");
+    assert!(store.has_blob(&weights));
+
+    gate.open();
+    let (result, events_b) = within("pull b", pull_b).await.expect("join");
+    assert_eq!(result.expect("pull b"), Digest::of(&published_b.manifest));
+    assert_pull_progress(&events_b, &b);
+    assert_eq!(snapshot(&store, &name_b), published_b);
+    store.verify_blob(&weights).expect("the weights are intact");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_fails_clearly_and_leaves_the_store_consistent() {
+    let world = World::new();
+    let (manifest, _) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let model = manifest.model().expect("model layer").clone();
+    let disk = SmallDisk::mount(64 << 10);
+    assert!(model.size > 64 << 10, "the weights must not fit");
+    let root = disk.path().join("store");
+    let store = Store::open(&root).expect("store on the small disk");
+    let name = name_on(&world.registry.host(), "test/tiny:v1");
+    let client = world.client(&[world.registry.host()], |_| {});
+
+    let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("the disk is full");
+    assert!(matches!(error, RegistryError::DiskFull { .. }), "{error:?}");
+    let message = error.to_string();
+    assert!(message.starts_with("the disk is full"), "{message}");
+    assert!(message.contains(&model.digest.to_string()) && message.contains(&root.display().to_string()), "{message}");
+    assert_nothing_written(&store, &name, &manifest, false);
+
+    drop(store);
+    let store = Store::open(&root).expect("the store opens again");
+    assert!(store.list().expect("list").is_empty());
+    for file in blob_files(&store) {
+        let digest = Digest::parse(&file).unwrap_or_else(|_| panic!("{file} is not a blob"));
+        store.verify_blob(&digest).expect("every blob left is whole");
+    }
+    let free = Path::new(disk.path());
+    assert!(nix_free_bytes(free) > 32 << 10, "the failed download gave its space back");
+}
+
+/// Free bytes on the file system holding `path`.
+fn nix_free_bytes(path: &Path) -> u64 {
+    let stat = nix::sys::statvfs::statvfs(path).expect("statvfs");
+    stat.blocks_available() * stat.fragment_size()
+}

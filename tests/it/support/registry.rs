@@ -1,0 +1,409 @@
+//! A real registry (Debian's `docker-registry`, the CNCF distribution registry) on loopback,
+//! a proxy in front of it that records requests and misbehaves on demand, and a tiny tmpfs
+//! for a disk that fills up.
+
+use std::fmt::Write as _;
+use std::fs;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use super::http;
+
+/// The registry's binary, from the `docker-registry` package.
+const BINARY: &str = "/usr/bin/docker-registry";
+
+/// How long the registry may take to start answering.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A `docker-registry serve` on `127.0.0.1:<free port>`, its storage in a temporary
+/// directory. Dropping it kills it.
+pub struct DockerRegistry {
+    child: Child,
+    addr: SocketAddr,
+    dir: tempfile::TempDir,
+}
+
+impl DockerRegistry {
+    /// Starts one; a port taken between choosing and binding it is retried with another.
+    pub fn start() -> Self {
+        assert!(
+            Path::new(BINARY).is_file(),
+            "{BINARY} is missing: install the docker-registry package (scripts/setup-system.sh)"
+        );
+        let mut last = String::new();
+        for _ in 0..5 {
+            match Self::try_start() {
+                Ok(registry) => return registry,
+                Err(e) => last = e,
+            }
+        }
+        panic!("docker-registry did not start: {last}");
+    }
+
+    fn try_start() -> Result<Self, String> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let addr = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port");
+        let config = dir.path().join("config.yml");
+        let storage = dir.path().join("storage");
+        fs::write(
+            &config,
+            format!(
+                "version: 0.1\n\
+                 log:\n  level: warn\n  accesslog:\n    disabled: true\n\
+                 storage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\n  \
+                 maintenance:\n    uploadpurging:\n      enabled: false\n\
+                 http:\n  addr: {addr}\n",
+                storage.display()
+            ),
+        )
+        .expect("write the registry config");
+        let log = dir.path().join("registry.log");
+        let log_file = fs::File::create(&log).expect("registry log");
+        let child = Command::new(BINARY)
+            .arg("serve")
+            .arg(&config)
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().expect("log"))
+            .stderr(log_file)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {BINARY}: {e}"));
+        let mut registry = Self { child, addr, dir };
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Some(status) = registry.child.try_wait().expect("wait") {
+                return Err(format!("it exited ({status}): {}", fs::read_to_string(&log).unwrap_or_default()));
+            }
+            if let Ok(stream) = std::net::TcpStream::connect(addr) {
+                stream.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+                let response = http::request(stream, "GET", "/v2/", None);
+                if response.status == 200 {
+                    return Ok(registry);
+                }
+            }
+            if Instant::now() > deadline {
+                let _ = registry.child.kill();
+                return Err(format!(
+                    "no answer within {START_TIMEOUT:?}: {}",
+                    fs::read_to_string(&log).unwrap_or_default()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Its address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `127.0.0.1:<port>`, as a model name writes the registry.
+    pub fn host(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// Where it keeps its data.
+    pub fn storage(&self) -> PathBuf {
+        self.dir.path().join("storage")
+    }
+}
+
+impl Drop for DockerRegistry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A request the proxy saw.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    /// `GET`, `HEAD`...
+    pub method: String,
+    /// The path and query.
+    pub path: String,
+    /// The `Range` header.
+    pub range: Option<String>,
+    /// The `Authorization` header.
+    pub authorization: Option<String>,
+}
+
+impl Seen {
+    /// Whether this is a GET of a blob.
+    pub fn is_blob_get(&self, digest: &str) -> bool {
+        self.method == "GET" && self.path.ends_with(&format!("/blobs/{digest}"))
+    }
+
+    /// The `Range` header as `(first, last)`.
+    pub fn byte_range(&self) -> Option<(u64, u64)> {
+        let (first, last) = self.range.as_deref()?.strip_prefix("bytes=")?.split_once('-')?;
+        Some((first.parse().ok()?, last.parse().ok()?))
+    }
+}
+
+/// What the proxy does with a request.
+#[derive(Clone)]
+pub enum Action {
+    /// Passes it through.
+    Pass,
+    /// Passes it through but sends only this many bytes of the body (with the whole
+    /// `Content-Length` promised), then closes the connection.
+    Cut(u64),
+    /// Passes it through with the body byte at this offset flipped.
+    Corrupt(usize),
+    /// Passes it through without its `Range` header.
+    DropRange,
+    /// Waits until the gate opens, then passes it through.
+    Hold(Gate),
+    /// Answers this instead.
+    Respond {
+        /// The status.
+        status: u16,
+        /// Extra headers.
+        headers: Vec<(String, String)>,
+        /// The body.
+        body: String,
+    },
+}
+
+/// A gate that requests can wait on until the test opens it.
+#[derive(Clone)]
+pub struct Gate(Arc<watch::Sender<bool>>);
+
+impl Gate {
+    /// A closed gate.
+    pub fn new() -> Self {
+        Self(Arc::new(watch::channel(false).0))
+    }
+
+    /// Opens it for good.
+    pub fn open(&self) {
+        self.0.send_replace(true);
+    }
+
+    async fn wait(&self) {
+        let mut open = self.0.subscribe();
+        let _ = open.wait_for(|open| *open).await;
+    }
+}
+
+type Rule = Arc<dyn Fn(&Seen) -> Action + Send + Sync>;
+
+struct ProxyState {
+    upstream: SocketAddr,
+    client: reqwest::Client,
+    seen: Mutex<Vec<Seen>>,
+    rule: Mutex<Rule>,
+}
+
+/// A hand-written HTTP/1.1 proxy on `127.0.0.1:<free port>` in front of a registry, one
+/// request per connection (so that a cut is a real end of the connection, after exactly the
+/// bytes chosen). It records every request and applies the rule set with [`Proxy::rule`]
+/// (pass everything by default).
+pub struct Proxy {
+    addr: SocketAddr,
+    state: Arc<ProxyState>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    /// Starts one in front of `upstream`. Must be called inside a tokio runtime.
+    pub fn start(upstream: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let addr = listener.local_addr().expect("proxy address");
+        let listener = tokio::net::TcpListener::from_std(listener).expect("tokio listener");
+        let state = Arc::new(ProxyState {
+            upstream,
+            client: reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().expect("client"),
+            seen: Mutex::default(),
+            rule: Mutex::new(Arc::new(|_: &Seen| Action::Pass)),
+        });
+        let shared = Arc::clone(&state);
+        let task = tokio::spawn(async move {
+            let mut connections = tokio::task::JoinSet::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                connections.spawn(serve(Arc::clone(&shared), socket));
+            }
+        });
+        Self { addr, state, task }
+    }
+
+    /// `127.0.0.1:<port>`, as a model name writes the registry.
+    pub fn host(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// Sets what to do with each request from now on.
+    pub fn rule(&self, rule: impl Fn(&Seen) -> Action + Send + Sync + 'static) {
+        *self.state.rule.lock().unwrap_or_else(PoisonError::into_inner) = Arc::new(rule);
+    }
+
+    /// The requests seen so far, in order.
+    pub fn seen(&self) -> Vec<Seen> {
+        self.state.seen.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Forgets the requests seen so far.
+    pub fn clear(&self) {
+        self.state.seen.lock().unwrap_or_else(PoisonError::into_inner).clear();
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        // Aborting the accept loop drops its JoinSet, which aborts every connection.
+        self.task.abort();
+    }
+}
+
+/// One request read off a connection.
+struct Incoming {
+    method: String,
+    path: String,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+async fn read_request(socket: &mut TcpStream) -> Option<Incoming> {
+    let mut data = Vec::new();
+    let head_end = loop {
+        if let Some(at) = data.windows(4).position(|w| w == b"\r\n\r\n") {
+            break at;
+        }
+        if socket.read_buf(&mut data).await.ok()? == 0 {
+            return None;
+        }
+    };
+    let head = String::from_utf8_lossy(&data[..head_end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let mut request_line = lines.next()?.split(' ');
+    let (method, path) = (request_line.next()?.to_owned(), request_line.next()?.to_owned());
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let length: usize =
+        headers.iter().find(|(n, _)| n == "content-length").and_then(|(_, v)| v.parse().ok()).unwrap_or(0);
+    let mut body = data.split_off(head_end + 4);
+    while body.len() < length {
+        if socket.read_buf(&mut body).await.ok()? == 0 {
+            return None;
+        }
+    }
+    Some(Incoming { method, path, headers, body })
+}
+
+async fn serve(state: Arc<ProxyState>, mut socket: TcpStream) {
+    let Some(request) = read_request(&mut socket).await else { return };
+    let header = |name: &str| request.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+    let seen = Seen {
+        method: request.method.clone(),
+        path: request.path.clone(),
+        range: header("range"),
+        authorization: header("authorization"),
+    };
+    state.seen.lock().unwrap_or_else(PoisonError::into_inner).push(seen.clone());
+    let rule = Arc::clone(&state.rule.lock().unwrap_or_else(PoisonError::into_inner));
+    let action = rule(&seen);
+    match &action {
+        Action::Respond { status, headers, body } => {
+            let mut head = status_line(*status);
+            for (name, value) in headers {
+                let _ = write!(head, "{name}: {value}\r\n");
+            }
+            let _ = write!(head, "Content-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+            let _ = socket.write_all(head.as_bytes()).await;
+            let _ = socket.write_all(body.as_bytes()).await;
+            let _ = socket.shutdown().await;
+            return;
+        }
+        Action::Hold(gate) => gate.wait().await,
+        _ => {}
+    }
+    let url = format!("http://{}{}", state.upstream, request.path);
+    let method = reqwest::Method::from_bytes(request.method.as_bytes()).expect("method");
+    let mut forward = state.client.request(method, url).body(request.body);
+    for (name, value) in &request.headers {
+        let skip = matches!(name.as_str(), "host" | "connection" | "content-length")
+            || (name == "range" && matches!(action, Action::DropRange));
+        if !skip {
+            forward = forward.header(name, value);
+        }
+    }
+    let upstream = forward.send().await.expect("forward to the registry");
+    let mut head = status_line(upstream.status().as_u16());
+    let promised = upstream.content_length();
+    for (name, value) in upstream.headers() {
+        if !matches!(name.as_str(), "transfer-encoding" | "connection" | "content-length") {
+            let _ = write!(head, "{name}: {}\r\n", value.to_str().unwrap_or_default());
+        }
+    }
+    let is_head = request.method == "HEAD";
+    let mut data = upstream.bytes().await.expect("the registry's answer").to_vec();
+    let length = if is_head { promised.unwrap_or(0) } else { data.len() as u64 };
+    let _ = write!(head, "Content-Length: {length}\r\nConnection: close\r\n\r\n");
+    match action {
+        Action::Cut(n) => data.truncate(usize::try_from(n).unwrap_or(usize::MAX)),
+        Action::Corrupt(at) => {
+            if let Some(byte) = data.get_mut(at) {
+                *byte ^= 0xff;
+            }
+        }
+        _ => {}
+    }
+    if is_head {
+        data.clear();
+    }
+    let _ = socket.write_all(head.as_bytes()).await;
+    let _ = socket.write_all(&data).await;
+    let _ = socket.shutdown().await;
+}
+
+fn status_line(status: u16) -> String {
+    let reason = reqwest::StatusCode::from_u16(status).ok().and_then(|s| s.canonical_reason()).unwrap_or("Whatever");
+    format!("HTTP/1.1 {status} {reason}\r\n")
+}
+
+/// A tmpfs of a few KB, mounted on a temporary directory (the tests run as root);
+/// unmounted when dropped.
+pub struct SmallDisk {
+    mount: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    /// Mounts one of `size` bytes.
+    pub fn mount(size: u64) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mount = dir.path().join("disk");
+        fs::create_dir(&mount).expect("mount point");
+        let output = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size},mode=0755"), "corral-test-disk"])
+            .arg(&mount)
+            .output()
+            .expect("run mount");
+        assert!(output.status.success(), "mount a tmpfs: {}", String::from_utf8_lossy(&output.stderr));
+        Self { mount, _dir: dir }
+    }
+
+    /// Where it is mounted.
+    pub fn path(&self) -> &Path {
+        &self.mount
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let unmounted = Command::new("umount").arg(&self.mount).status().is_ok_and(|s| s.success());
+        if !unmounted {
+            let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
+        }
+    }
+}
