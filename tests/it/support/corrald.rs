@@ -85,7 +85,7 @@ impl Corrald {
     }
 
     /// The state directory it was given (`STATE_DIRECTORY`).
-    pub fn state_dir(&self) -> std::path::PathBuf {
+    pub fn state_dir(&self) -> PathBuf {
         self.dirs.path().join("state")
     }
 
