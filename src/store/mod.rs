@@ -271,9 +271,9 @@ impl Store {
 
     /// Adds a file on disk as a blob without storing its data twice where the file system
     /// allows: a reflink (copy-on-write clone) first, then a hard link, else a copy.
-    /// With a hard link the store shares the file: the blob's digest is checked again
-    /// before a load (see `verify_blob`). With `expected`, a file that hashes to something
-    /// else is refused and nothing is written.
+    /// With a hard link the store shares the file's inode, so editing the original in
+    /// place would change the blob; [`Store::verify_blob`] detects that. With `expected`,
+    /// a file that hashes to something else is refused and nothing is written.
     pub fn import_file(&self, path: &Path, expected: Option<&Digest>) -> Result<(Digest, u64), StoreError> {
         self.import_file_tracked(path, expected).map(|(digest, size, _)| (digest, size))
     }
