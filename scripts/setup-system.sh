@@ -9,6 +9,8 @@ packages=(
     systemd dbus dbus-daemon dbus-bin libglib2.0-bin util-linux bsdutils passwd
     # clients the tests drive them with
     curl python3 python3-gi
+    # a real OCI registry for pull and push
+    docker-registry
     # checking the man page
     groff-base
     # building llama-server from source

@@ -530,7 +530,8 @@ impl Inner {
         if let Some(sender) = inflight.get(&key) {
             return sender.subscribe();
         }
-        let (sender, receiver) = watch::channel(BlobStatus { total: layer.size, started: false, completed: 0, done: None });
+        let (sender, receiver) =
+            watch::channel(BlobStatus { total: layer.size, started: false, completed: 0, done: None });
         let sender = Arc::new(sender);
         inflight.insert(key.clone(), Arc::clone(&sender));
         drop(inflight);
@@ -560,8 +561,10 @@ struct Download {
 impl Download {
     async fn run(self) {
         let outcome = self.download().await;
+        // Out of the map first: a pull that starts from now on starts afresh (and finds the
+        // blob in place if this download succeeded) rather than getting this result.
+        self.forget();
         if let Some(outcome) = outcome {
-            // Publish first: a pull that joins between this and the removal sees the result.
             self.sender.send_modify(|status| {
                 if outcome.is_ok() {
                     status.completed = status.total;
@@ -569,7 +572,17 @@ impl Download {
                 status.done = Some(outcome);
             });
         }
-        // `Drop` takes the entry out of the map.
+    }
+
+    /// Takes this download out of the map of those in flight.
+    fn forget(&self) {
+        self.forget_locked(&mut self.inner.lock_inflight());
+    }
+
+    fn forget_locked(&self, inflight: &mut Inflight) {
+        if inflight.get(&self.key).is_some_and(|s| Arc::ptr_eq(s, &self.sender)) {
+            inflight.remove(&self.key);
+        }
     }
 
     /// Downloads, or returns `None` when every waiting pull went away first.
@@ -603,10 +616,12 @@ impl Download {
             }
         };
         drop(work);
+        // Progress is kept for a resume, unless there is none (a data file the blob's size
+        // and nothing in it is only in the way) or the data is wrong or holds space the disk lacks.
         let keep = match &outcome {
             Some(Ok(())) => return outcome,
-            Some(Err(e)) => !e.discards_partial(),
-            None => true,
+            Some(Err(e)) => !e.discards_partial() && partial.completed() > 0,
+            None => partial.completed() > 0,
         };
         let saved = Arc::clone(&partial);
         let result = if keep {
@@ -631,19 +646,15 @@ impl Download {
         if self.sender.receiver_count() > 0 {
             return false;
         }
-        if inflight.get(&self.key).is_some_and(|s| Arc::ptr_eq(s, &self.sender)) {
-            inflight.remove(&self.key);
-        }
+        self.forget_locked(&mut inflight);
         true
     }
 }
 
 impl Drop for Download {
     fn drop(&mut self) {
-        let mut inflight = self.inner.lock_inflight();
-        if inflight.get(&self.key).is_some_and(|s| Arc::ptr_eq(s, &self.sender)) {
-            inflight.remove(&self.key);
-        }
+        // Also when the task panicked: the pulls waiting on it then see `Interrupted`.
+        self.forget();
     }
 }
 
@@ -794,9 +805,22 @@ async fn fetch_range(
             Ok(Some(_)) => {}
             Ok(None) if received == expected => return Ok(()),
             Ok(None) => return Err(truncated(received, "the answer ended early".to_owned())),
-            Err(e) => return Err(truncated(received, chain(&e))),
+            Err(e) => return Err(truncated(received, body_error(&e, remote.config().read_timeout))),
         }
     }
+}
+
+/// Why a body stopped: a stall, or the root cause (`end of file before message length
+/// reached`, `Connection reset by peer`) without reqwest's and hyper's wrappers.
+fn body_error(error: &reqwest::Error, read_timeout: Duration) -> String {
+    if error.is_timeout() {
+        return format!("no data arrived for {read_timeout:?}");
+    }
+    let mut cause: &dyn std::error::Error = error;
+    while let Some(next) = cause.source() {
+        cause = next;
+    }
+    cause.to_string()
 }
 
 /// `bytes <first>-<last>/<total or *>`.

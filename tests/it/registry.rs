@@ -59,34 +59,34 @@ impl World {
         Store::open(&self.dir.path().join(name)).expect("store")
     }
 
-    /// A client that speaks plain HTTP to `hosts`, with small parts.
-    fn client(&self, hosts: &[String], tweak: impl FnOnce(&mut RegistryConfig)) -> Registry {
-        let mut config = RegistryConfig {
-            insecure: hosts.to_vec(),
-            part_size: PART,
-            max_parts: 4,
-            part_attempts: 3,
-            retry_delay: Duration::from_millis(10),
-            connect_timeout: Duration::from_secs(10),
-            read_timeout: Duration::from_secs(30),
-            request_timeout: Duration::from_secs(30),
-        };
-        tweak(&mut config);
-        Registry::new(config).expect("registry client")
-    }
-
     /// Creates `model` (`namespace/model:tag`) in the source store from the tiny GGUF, a
     /// template and a config blob, and pushes it. Returns what was pushed.
     async fn publish(&self, model: &str, template: &str) -> (Manifest, Snapshot) {
         let name = name_on(&self.registry.host(), model);
         let manifest = create_model(&self.source, &name, template);
-        let client = self.client(&[self.registry.host()], |_| {});
+        let client = client(&[self.registry.host()], |_| {});
         let mut events = Vec::new();
         let digest = within("push", client.push(&self.source, &name, |p| events.push(p))).await.expect("push");
         let snapshot = snapshot(&self.source, &name);
         assert_eq!(digest, Digest::of(&snapshot.manifest));
         (manifest, snapshot)
     }
+}
+
+/// A client that speaks plain HTTP to `hosts`, with small parts.
+fn client(hosts: &[String], tweak: impl FnOnce(&mut RegistryConfig)) -> Registry {
+    let mut config = RegistryConfig {
+        insecure: hosts.to_vec(),
+        part_size: PART,
+        max_parts: 4,
+        part_attempts: 3,
+        retry_delay: Duration::from_millis(10),
+        connect_timeout: Duration::from_secs(10),
+        read_timeout: Duration::from_secs(30),
+        request_timeout: Duration::from_secs(30),
+    };
+    tweak(&mut config);
+    Registry::new(config).expect("registry client")
 }
 
 fn name_on(host: &str, model: &str) -> ModelName {
@@ -208,7 +208,7 @@ async fn a_pushed_model_deleted_and_pulled_back_is_byte_identical() {
     let name = name_on(&world.registry.host(), "test/tiny:v1");
     let manifest = create_model(&world.source, &name, "{{ .Prompt }}");
     let published = snapshot(&world.source, &name);
-    let client = world.client(&[world.registry.host()], |_| {});
+    let client = client(&[world.registry.host()], |_| {});
 
     let mut events = Vec::new();
     let pushed = within("push", client.push(&world.source, &name, |p| events.push(p))).await.expect("push");
@@ -267,7 +267,7 @@ async fn a_transfer_cut_short_is_resumed_from_the_first_missing_byte() {
     });
     let store = world.store("dest");
     let name = name_on(&proxy.host(), "test/tiny:v1");
-    let client = world.client(&[proxy.host()], |c| c.max_parts = 1);
+    let client = client(&[proxy.host()], |c| c.max_parts = 1);
 
     let mut events = Vec::new();
     within("pull", client.pull(&store, &name, |p| events.push(p))).await.expect("pull");
@@ -294,7 +294,7 @@ async fn a_pull_cut_short_fails_clearly_and_resumes_after_a_restart() {
     // A daemon whose pull breaks off (no retries).
     {
         let store = Store::open(&root).expect("store");
-        let client = world.client(&[proxy.host()], |c| {
+        let client = client(&[proxy.host()], |c| {
             c.part_size = 1 << 20;
             c.part_attempts = 1;
         });
@@ -318,7 +318,7 @@ async fn a_pull_cut_short_fails_clearly_and_resumes_after_a_restart() {
     proxy.rule(|_| Action::Pass);
     proxy.clear();
     let store = Store::open(&root).expect("store reopened");
-    let client = world.client(&[proxy.host()], |c| c.part_size = 1 << 20);
+    let client = client(&[proxy.host()], |c| c.part_size = 1 << 20);
     let mut events = Vec::new();
     within("resumed pull", client.pull(&store, &name, |p| events.push(p))).await.expect("resumed pull");
     assert_eq!(blob_ranges(&proxy.seen(), &model.digest), vec![(cut, model.size - 1)], "only the missing bytes");
@@ -327,6 +327,57 @@ async fn a_pull_cut_short_fails_clearly_and_resumes_after_a_restart() {
     assert_eq!(snapshot(&store, &name), published);
     assert_pull_progress(&events, &manifest);
     assert!(blob_files(&store).iter().all(|f| !f.contains("partial")), "{:?}", blob_files(&store));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_given_up_stops_its_download_and_keeps_what_arrived() {
+    let world = World::new();
+    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let model = manifest.model().expect("model layer").clone();
+    let proxy = Proxy::start(world.registry.addr());
+    let gate = Gate::new();
+    let (held, digest) = (gate.clone(), model.digest.to_string());
+    proxy.rule(move |seen| {
+        if seen.is_blob_get(&digest) && seen.byte_range() == Some((2 * PART, 3 * PART - 1)) {
+            Action::Hold(held.clone())
+        } else {
+            Action::Pass
+        }
+    });
+    let store = world.store("dest");
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let client = client(&[proxy.host()], |c| c.max_parts = 1);
+    let (sender, _events) = mpsc::unbounded_channel();
+    let pull = spawn_pull(&client, &store, &name, 1, &sender);
+    within("the third part's request", gate.arrivals(1)).await;
+
+    // The only pull goes away (a client hanging up): the download stops and records the
+    // two parts that arrived.
+    pull.abort();
+    assert!(pull.await.expect_err("aborted").is_cancelled());
+    let record = store.blobs_dir().join(format!("{}-partial.json", model.digest.file_name()));
+    let recorded = serde_json::json!([[0, 2 * PART]]);
+    within("the record of what arrived", async {
+        loop {
+            let done = fs::read(&record).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+            if done.is_some_and(|d| d["done"] == recorded) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert_nothing_written(&store, &name, &manifest, true);
+
+    // The next pull starts a new download (the stopped one is gone) from the third part.
+    proxy.rule(|_| Action::Pass);
+    gate.open();
+    proxy.clear();
+    let mut events = Vec::new();
+    within("pull again", client.pull(&store, &name, |p| events.push(p))).await.expect("pull again");
+    assert_eq!(blob_ranges(&proxy.seen(), &model.digest), parts_from(2 * PART, model.size));
+    assert_eq!(snapshot(&store, &name), published);
+    assert_pull_progress(&events, &manifest);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -339,7 +390,7 @@ async fn a_corrupt_blob_is_refused_and_nothing_is_written() {
     proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Corrupt(1000) } else { Action::Pass });
     let store = world.store("dest");
     let name = name_on(&proxy.host(), "test/tiny:v1");
-    let client = world.client(&[proxy.host()], |_| {});
+    let client = client(&[proxy.host()], |_| {});
 
     let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("corrupt data");
     assert!(matches!(&error, RegistryError::DigestMismatch { digest, .. } if *digest == model.digest), "{error:?}");
@@ -359,7 +410,7 @@ async fn an_unknown_model_is_not_found() {
     let world = World::new();
     world.publish("test/tiny:v1", "{{ .Prompt }}").await;
     let store = world.store("dest");
-    let client = world.client(&[world.registry.host()], |_| {});
+    let client = client(&[world.registry.host()], |_| {});
     for model in ["test/nothere:v1", "test/tiny:nosuchtag"] {
         let name = name_on(&world.registry.host(), model);
         let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("not found");
@@ -399,7 +450,7 @@ async fn a_token_is_fetched_on_401_and_used() {
     demand_token(&proxy, format!("http://{}/token", proxy.host()), grant);
     let store = world.store("dest");
     let name = name_on(&proxy.host(), "test/tiny:v1");
-    let client = world.client(&[proxy.host()], |_| {});
+    let client = client(&[proxy.host()], |_| {});
 
     let mut events = Vec::new();
     within("pull", client.pull(&store, &name, |p| events.push(p))).await.expect("pull with a token");
@@ -424,7 +475,7 @@ async fn a_refused_token_is_unauthorized() {
     demand_token(&proxy, realm.clone(), refuse);
     let store = world.store("dest");
     let name = name_on(&proxy.host(), "test/tiny:v1");
-    let client = world.client(&[proxy.host()], |_| {});
+    let client = client(&[proxy.host()], |_| {});
 
     let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("refused");
     assert!(matches!(error, RegistryError::Unauthorized { .. }), "{error:?}");
@@ -463,7 +514,7 @@ async fn server_errors_and_bad_answers_are_named() {
     let proxy = Proxy::start(world.registry.addr());
     let store = world.store("dest");
     let name = name_on(&proxy.host(), "test/tiny:v1");
-    let client = world.client(&[proxy.host()], |c| {
+    let client = client(&[proxy.host()], |c| {
         c.part_attempts = 2;
         c.max_parts = 1;
     });
@@ -564,7 +615,7 @@ async fn two_pulls_of_the_same_model_share_one_download() {
     proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Hold(held.clone()) } else { Action::Pass });
     let store = world.store("dest");
     let name = name_on(&proxy.host(), "test/tiny:v1");
-    let client = world.client(&[proxy.host()], |c| c.part_size = 64 << 20);
+    let client = client(&[proxy.host()], |c| c.part_size = 64 << 20);
 
     let (sender, mut events) = mpsc::unbounded_channel();
     let first = spawn_pull(&client, &store, &name, 1, &sender);
@@ -595,7 +646,7 @@ async fn deleting_a_model_keeps_the_blobs_a_running_pull_shares() {
     let template_b = b.layers_of(TEMPLATE).next().expect("template").digest;
     let proxy = Proxy::start(world.registry.addr());
     let store = world.store("dest");
-    let client = world.client(&[proxy.host()], |_| {});
+    let client = client(&[proxy.host()], |_| {});
     let name_a = name_on(&proxy.host(), "test/tiny:a");
     let name_b = name_on(&proxy.host(), "test/tiny:b");
     within("pull a", client.pull(&store, &name_a, |_| {})).await.expect("pull a");
@@ -631,7 +682,7 @@ async fn a_full_disk_fails_clearly_and_leaves_the_store_consistent() {
     let root = disk.path().join("store");
     let store = Store::open(&root).expect("store on the small disk");
     let name = name_on(&world.registry.host(), "test/tiny:v1");
-    let client = world.client(&[world.registry.host()], |_| {});
+    let client = client(&[world.registry.host()], |_| {});
 
     let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("the disk is full");
     assert!(matches!(error, RegistryError::DiskFull { .. }), "{error:?}");

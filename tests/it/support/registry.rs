@@ -174,21 +174,31 @@ pub enum Action {
 
 /// A gate that requests can wait on until the test opens it.
 #[derive(Clone)]
-pub struct Gate(Arc<watch::Sender<bool>>);
+pub struct Gate {
+    open: Arc<watch::Sender<bool>>,
+    arrived: Arc<watch::Sender<usize>>,
+}
 
 impl Gate {
     /// A closed gate.
     pub fn new() -> Self {
-        Self(Arc::new(watch::channel(false).0))
+        Self { open: Arc::new(watch::channel(false).0), arrived: Arc::new(watch::channel(0).0) }
     }
 
     /// Opens it for good.
     pub fn open(&self) {
-        self.0.send_replace(true);
+        self.open.send_replace(true);
+    }
+
+    /// Waits until `n` requests in all have come to the gate.
+    pub async fn arrivals(&self, n: usize) {
+        let mut arrived = self.arrived.subscribe();
+        let _ = arrived.wait_for(|a| *a >= n).await;
     }
 
     async fn wait(&self) {
-        let mut open = self.0.subscribe();
+        self.arrived.send_modify(|a| *a += 1);
+        let mut open = self.open.subscribe();
         let _ = open.wait_for(|open| *open).await;
     }
 }
