@@ -366,6 +366,9 @@ pub enum LogEvent {
     FitFinished,
     /// `llama_server: model loaded`.
     ModelLoaded,
+    /// `update_slots: all slots are idle`: the server's task loop runs. Only from here on
+    /// does llama-server act on SIGTERM (a signal before it starts is lost, upstream).
+    SlotsIdle,
     /// `llama_server: listening on <address>`, printed after the load.
     Listening {
         /// `unix:///path/x.sock` or `http://host:port`.
@@ -405,6 +408,7 @@ static BUFFER: LazyLock<Regex> = LazyLock::new(|| {
 });
 static MODEL_LOADED: LazyLock<Regex> = LazyLock::new(|| regex(r"^(?:srv +)?\w+: model loaded\s*$"));
 static LISTENING: LazyLock<Regex> = LazyLock::new(|| regex(r"^(?:srv +)?\w+: listening on (\S+)\s*$"));
+static SLOTS_IDLE: LazyLock<Regex> = LazyLock::new(|| regex(r"^(?:srv +)?update_slots: all slots are idle\s*$"));
 /// ANSI CSI sequences (colours).
 static ANSI: LazyLock<Regex> = LazyLock::new(|| regex(r"\x1b\[[0-9;]*[A-Za-z]"));
 
@@ -478,6 +482,9 @@ fn event(level: Option<Level>, message: &str) -> Option<LogEvent> {
     }
     if let Some(caps) = LISTENING.captures(message) {
         return Some(LogEvent::Listening { address: caps[1].to_owned() });
+    }
+    if SLOTS_IDLE.is_match(message) {
+        return Some(LogEvent::SlotsIdle);
     }
     None
 }
@@ -553,6 +560,7 @@ pub struct LoadReport {
     errors: VecDeque<ErrorLine>,
     worst: Option<ErrorLine>,
     model_loaded: bool,
+    task_loop_running: bool,
     listening: Option<String>,
 }
 
@@ -587,6 +595,7 @@ impl LoadReport {
                 self.offload = None;
             }
             LogEvent::ModelLoaded => self.model_loaded = true,
+            LogEvent::SlotsIdle => self.task_loop_running = true,
             LogEvent::Listening { address } => self.listening = Some(address.clone()),
             LogEvent::Error(class, message) => {
                 let line = ErrorLine { class: *class, message: message.clone() };
@@ -636,6 +645,12 @@ impl LoadReport {
     #[must_use]
     pub fn model_loaded(&self) -> bool {
         self.model_loaded
+    }
+
+    /// True once the server's task loop runs (it then acts on SIGTERM).
+    #[must_use]
+    pub fn task_loop_running(&self) -> bool {
+        self.task_loop_running
     }
 
     /// The address of the `listening on` line.
@@ -922,6 +937,7 @@ mod tests {
                 Some(LogEvent::FitFinished),
             ),
             ("0.00.017.313 I srv  llama_server: model loaded", Some(LogEvent::ModelLoaded)),
+            ("0.00.014.953 I srv  update_slots: all slots are idle", Some(LogEvent::SlotsIdle)),
             (
                 "0.00.017.316 I srv  llama_server: listening on http://127.0.0.1:41057",
                 Some(LogEvent::Listening { address: "http://127.0.0.1:41057".into() }),
@@ -930,7 +946,6 @@ mod tests {
                 "0.00.022.315 I srv  llama_server: listening on unix:///tmp/x.sock",
                 Some(LogEvent::Listening { address: "unix:///tmp/x.sock".into() }),
             ),
-            ("0.00.022.545 I srv  update_slots: all slots are idle", None),
             // continuation lines cannot fake events
             ("<|im_start|>user offloaded 2/5 layers to GPU", None),
             ("\tlistening on http://evil", None),

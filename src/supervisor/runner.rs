@@ -1,7 +1,8 @@
 //! One llama-server child from spawn to reap.
 //!
 //! [`load`] spawns the child in its own cgroup (or process group), forwards and parses
-//! every line it prints, and returns once the child printed its `listening` line and
+//! every line it prints, and returns once the child printed its `listening` line, its
+//! task loop runs (`all slots are idle`; until then llama-server loses a SIGTERM), and it
 //! answered one `/health` with 200; a load that stops making progress (no output for
 //! `load_timeout`) or a child that exits first is a [`LoadError`] naming the cause.
 //! A [`Runner`] is then owned by whoever loaded it: [`Runner::stop`] returns once the
@@ -462,6 +463,7 @@ impl ChildWatcher {
         let mut buf = vec![0u8; 16 * 1024];
         let mut stderr_open = true;
         let mut requested = None;
+        let mut listening_since: Option<Instant> = None;
         let status = loop {
             tokio::select! {
                 read = stderr.read(&mut buf), if stderr_open => {
@@ -475,12 +477,23 @@ impl ChildWatcher {
                     for line in lines {
                         self.on_line(&mut report, &line);
                         let _ = self.progress.send(Instant::now());
-                        if ready.is_some() && report.listening().is_some() {
+                        if report.listening().is_some() && listening_since.is_none() {
+                            listening_since = Some(Instant::now());
+                        }
+                        // Ready once its task loop runs too: a SIGTERM before that is lost upstream.
+                        if ready.is_some() && report.listening().is_some() && report.task_loop_running() {
                             let outcome = self.confirm(&report).await;
                             if let Some(ready) = ready.take() {
                                 let _ = ready.send(outcome);
                             }
                         }
+                    }
+                }
+                // A build that never prints the idle line is ready a moment after listening.
+                () = sleep_until_or_forever(listening_since.filter(|_| ready.is_some()).map(|t| t + IDLE_LINE_WAIT)) => {
+                    let outcome = self.confirm(&report).await;
+                    if let Some(ready) = ready.take() {
+                        let _ = ready.send(outcome);
                     }
                 }
                 status = child.wait() => break status,
@@ -570,6 +583,16 @@ impl ChildWatcher {
         }
         let _ = killpg(self.pid, Signal::SIGKILL);
         child.wait().await
+    }
+}
+
+/// How long readiness waits for the idle line after the listening line.
+const IDLE_LINE_WAIT: Duration = Duration::from_secs(1);
+
+async fn sleep_until_or_forever(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+        None => std::future::pending().await,
     }
 }
 

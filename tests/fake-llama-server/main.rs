@@ -253,6 +253,8 @@ async fn main() {
     shared.loaded.store(true, Ordering::SeqCst);
     log('I', "srv  llama_server: model loaded");
     log('I', &format!("srv  llama_server: listening on unix://{}", socket.display()));
+    // The task loop starts right after, as in llama-server.
+    log('I', "srv  update_slots: all slots are idle");
     std::future::pending::<()>().await;
 }
 
