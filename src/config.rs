@@ -101,10 +101,93 @@ impl Default for SchedulerConfig {
     }
 }
 
-/// `[gpu]`: empty for now; the device inventory is probed.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+/// `[gpu]`: where the device inventory comes from, and how much of each GPU is kept free.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct GpuConfig {}
+pub struct GpuConfig {
+    /// Use only `devices` and `host_memory` and probe no GPU (CPU-only hosts, tests).
+    pub fixed: bool,
+    /// With `fixed`: the host memory to plan with, in bytes; `None` reads `/proc/meminfo`.
+    #[serde(deserialize_with = "byte_size_opt")]
+    pub host_memory: Option<u64>,
+    /// With `fixed`: the GPUs, indexed in this order.
+    pub devices: Vec<FixedGpu>,
+    /// Bytes kept free on every GPU, fixed or probed: taken off its total and free memory.
+    #[serde(deserialize_with = "byte_size")]
+    pub reserve: u64,
+}
+
+impl Default for GpuConfig {
+    fn default() -> Self {
+        Self { fixed: false, host_memory: None, devices: Vec::new(), reserve: 512 * 1024 * 1024 }
+    }
+}
+
+/// One GPU of a fixed inventory: `[gpu] devices = [{ name = "test0", memory = "8GiB" }]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FixedGpu {
+    /// Its name in logs and listings.
+    pub name: String,
+    /// Its memory in bytes, all of it free.
+    #[serde(deserialize_with = "byte_size")]
+    pub memory: u64,
+    /// Its driver family; CUDA when not given.
+    #[serde(default = "default_backend", deserialize_with = "backend")]
+    pub backend: crate::supervisor::command::Backend,
+    /// Its id for the backend's visibility variable; its index when not given.
+    #[serde(default)]
+    pub id: Option<String>,
+}
+
+fn default_backend() -> crate::supervisor::command::Backend {
+    crate::supervisor::command::Backend::Cuda
+}
+
+fn backend<'de, D: Deserializer<'de>>(d: D) -> Result<crate::supervisor::command::Backend, D::Error> {
+    use crate::supervisor::command::Backend;
+    match String::deserialize(d)?.as_str() {
+        "cuda" => Ok(Backend::Cuda),
+        "rocm" => Ok(Backend::Rocm),
+        "vulkan" => Ok(Backend::Vulkan),
+        other => Err(serde::de::Error::custom(format!(
+            "\"{other}\" is not a GPU backend; expected \"cuda\", \"rocm\" or \"vulkan\""
+        ))),
+    }
+}
+
+/// Parses a byte size with a unit: `"512MiB"`, `"8GiB"`, `"1.5GB"`, `"0"`.
+///
+/// Units are B, kB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of 1024),
+/// in any case; a bare number other than 0, or a one-letter unit like `"8G"`, is refused
+/// as ambiguous.
+fn parse_byte_size(s: &str) -> Result<u64, String> {
+    let expected = "expected a number with a unit, like \"512MiB\", \"8GiB\" or \"1.5GB\"";
+    let text = s.trim();
+    if text == "0" {
+        return Ok(0);
+    }
+    let unit = text.trim_start_matches(|c: char| c.is_ascii_digit() || c == '.').trim_start();
+    if unit.is_empty() {
+        return Err(format!("\"{s}\" has no unit; {expected}"));
+    }
+    if !unit.ends_with(['b', 'B']) || unit.len() == text.len() {
+        return Err(format!("\"{s}\" is not a byte size; {expected}"));
+    }
+    match text.parse::<bytesize::ByteSize>() {
+        Ok(size) if size.as_u64() == u64::MAX => Err(format!("\"{s}\" is too large")),
+        Ok(size) => Ok(size.as_u64()),
+        Err(_) => Err(format!("\"{s}\" is not a byte size; {expected}")),
+    }
+}
+
+fn byte_size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    parse_byte_size(&String::deserialize(d)?).map_err(serde::de::Error::custom)
+}
+
+fn byte_size_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    byte_size(d).map(Some)
+}
 
 /// `[models."NAME"]`.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
@@ -455,6 +538,154 @@ keep_alive = "10m"
                     ("corral.toml.d/50-bad.toml", "[runner]\nthreads = 4\n"),
                 ],
                 &["50-bad.toml:2", "runner.threads", "unknown field `threads`"],
+            ),
+        ];
+        for (files, wanted) in cases {
+            let err = error(files);
+            for w in *wanted {
+                assert!(err.contains(w), "error for {files:?} should contain {w:?}: {err}");
+            }
+        }
+    }
+
+    const MIB: u64 = 1024 * 1024;
+    const GIB: u64 = 1024 * MIB;
+
+    #[test]
+    fn gpu_defaults_probe_with_a_512_mib_reserve() {
+        let gpu = load(&[]).expect("defaults").config.gpu;
+        assert_eq!(gpu, super::GpuConfig { fixed: false, host_memory: None, devices: Vec::new(), reserve: 512 * MIB });
+        assert_eq!(load(&[("corral.toml", "[gpu]\n")]).expect("valid").config.gpu, gpu);
+    }
+
+    #[test]
+    fn gpu_keys_are_read() {
+        use super::FixedGpu;
+        use crate::supervisor::command::Backend;
+        let gpu = load(&[(
+            "corral.toml",
+            r#"
+[gpu]
+fixed = true
+host_memory = "16GiB"
+devices = [
+  { name = "test0", memory = "8GiB" },
+  { name = "test1", memory = "1.5GB", backend = "rocm", id = "GPU-abc" },
+  { name = "test2", memory = "512 MiB", backend = "vulkan" },
+]
+reserve = "0"
+"#,
+        )])
+        .expect("valid")
+        .config
+        .gpu;
+        assert!(gpu.fixed);
+        assert_eq!(gpu.host_memory, Some(16 * GIB));
+        assert_eq!(gpu.reserve, 0);
+        assert_eq!(
+            gpu.devices,
+            [
+                FixedGpu { name: "test0".into(), memory: 8 * GIB, backend: Backend::Cuda, id: None },
+                FixedGpu {
+                    name: "test1".into(),
+                    memory: 1_500_000_000,
+                    backend: Backend::Rocm,
+                    id: Some("GPU-abc".into())
+                },
+                FixedGpu { name: "test2".into(), memory: 512 * MIB, backend: Backend::Vulkan, id: None },
+            ]
+        );
+    }
+
+    #[test]
+    fn gpu_keys_layer_like_the_others() {
+        let gpu = load(&[
+            ("corral.toml", "[gpu]\nfixed = true\ndevices = [{ name = \"a\", memory = \"1GiB\" }]\n"),
+            ("corral.toml.d/10-host.toml", "[gpu]\nhost_memory = \"2GiB\"\nreserve = \"1MiB\"\n"),
+        ])
+        .expect("valid")
+        .config
+        .gpu;
+        assert!(gpu.fixed);
+        assert_eq!((gpu.devices.len(), gpu.host_memory, gpu.reserve), (1, Some(2 * GIB), MIB));
+    }
+
+    #[test]
+    fn byte_sizes_need_a_unit() {
+        let good: &[(&str, u64)] = &[
+            ("0", 0),
+            ("0B", 0),
+            ("512MiB", 512 * MIB),
+            ("8GiB", 8 * GIB),
+            ("8gib", 8 * GIB),
+            ("8 GiB", 8 * GIB),
+            (" 8GiB ", 8 * GIB),
+            ("1.5GB", 1_500_000_000),
+            ("1.5GiB", 3 * GIB / 2),
+            ("100kB", 100_000),
+            ("1TiB", 1024 * GIB),
+            ("123B", 123),
+        ];
+        for (text, want) in good {
+            assert_eq!(super::parse_byte_size(text), Ok(*want), "{text:?}");
+        }
+        let bad: &[(&str, &str)] = &[
+            ("", "no unit"),
+            ("8", "no unit"),
+            ("1.5", "no unit"),
+            ("8G", "not a byte size"),
+            ("8Gi", "not a byte size"),
+            ("GiB", "not a byte size"),
+            ("-1GiB", "not a byte size"),
+            ("8 gigabytes", "not a byte size"),
+            ("8XB", "not a byte size"),
+            ("1.2.3GB", "not a byte size"),
+            ("99999999999EiB", "too large"),
+        ];
+        for (text, want) in bad {
+            let err = super::parse_byte_size(text).expect_err(text);
+            assert!(err.contains(want), "{text:?}: {err}");
+            assert!(*want == "too large" || err.contains("like \"512MiB\", \"8GiB\" or \"1.5GB\""), "{err}");
+        }
+    }
+
+    #[test]
+    fn gpu_errors_name_the_key_and_the_expected_form() {
+        let cases: &[Case<'_>] = &[
+            (
+                &[("corral.toml", "[gpu]\nfixed = true\nreserv = \"1GiB\"\n")],
+                &["corral.toml:3", "gpu.reserv", "unknown field `reserv`", "`reserve`"],
+            ),
+            (
+                &[("corral.toml", "[gpu]\nreserve = \"lots\"\n")],
+                &["corral.toml:2", "gpu.reserve", "\"lots\" is not a byte size", "\"512MiB\""],
+            ),
+            (&[("corral.toml", "[gpu]\nreserve = 512\n")], &["gpu.reserve", "expected a string"]),
+            (&[("corral.toml", "[gpu]\nhost_memory = \"16\"\n")], &["gpu.host_memory", "\"16\" has no unit"]),
+            (&[("corral.toml", "[gpu]\nfixed = \"yes\"\n")], &["gpu.fixed", "expected a boolean"]),
+            (
+                &[("corral.toml", "[gpu]\ndevices = [{ name = \"a\", memory = \"8G\" }]\n")],
+                &["corral.toml:2", "gpu.devices[0].memory", "\"8G\" is not a byte size"],
+            ),
+            (
+                &[("corral.toml", "[gpu]\ndevices = [{ name = \"a\" }]\n")],
+                &["gpu.devices[0]", "missing field `memory`"],
+            ),
+            (
+                &[("corral.toml", "[gpu]\ndevices = [{ memory = \"1GiB\" }]\n")],
+                &["gpu.devices[0]", "missing field `name`"],
+            ),
+            (
+                &[("corral.toml", "[gpu]\ndevices = [{ name = \"a\", memory = \"1GiB\", vram = 1 }]\n")],
+                &["gpu.devices[0].vram", "unknown field `vram`"],
+            ),
+            (
+                &[("corral.toml", "[gpu]\ndevices = [{ name = \"a\", memory = \"1GiB\", backend = \"opencl\" }]\n")],
+                &["gpu.devices[0].backend", "\"opencl\" is not a GPU backend", "\"cuda\", \"rocm\" or \"vulkan\""],
+            ),
+            (
+                &[("corral.toml", "[gpu]\n"), ("corral.toml.d/gpu.toml", "[gpu]\nhost_memory = \"1.5\"\n")],
+                &["gpu.toml:2", "gpu.host_memory", "has no unit"],
             ),
         ];
         for (files, wanted) in cases {

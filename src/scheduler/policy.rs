@@ -1,0 +1,415 @@
+//! Scheduling decisions as pure functions of a snapshot: where a model fits, and which
+//! runners make room when it does not. No IO, no clock (the time comes in), no logging.
+
+use std::time::Instant;
+
+use super::keep_alive::KeepAlive;
+
+/// A runner's identity while it exists.
+pub type RunnerId = u64;
+
+/// Memory a model needs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Footprint {
+    /// On GPUs, when it runs on GPUs (weights, KV cache, compute buffers).
+    pub vram: u64,
+    /// In host memory besides (output buffers, the projector on the CPU, …).
+    pub ram: u64,
+}
+
+impl Footprint {
+    /// Everything, when it runs on the CPU.
+    #[must_use]
+    pub fn total(self) -> u64 {
+        self.vram.saturating_add(self.ram)
+    }
+}
+
+/// The conservative estimate used until a model was loaded once: weights, an f16 KV
+/// cache for the whole context, the projector, and a compute margin (a tenth of the
+/// weights, at least 256 MiB).
+#[must_use]
+pub fn estimate(weights: u64, kv_cache: u64, projector: u64) -> Footprint {
+    let margin = (weights / 10).max(256 << 20);
+    Footprint { vram: weights.saturating_add(kv_cache).saturating_add(projector).saturating_add(margin), ram: 64 << 20 }
+}
+
+/// A GPU as the scheduler plans with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuView {
+    /// Its index in the inventory.
+    pub index: usize,
+    /// What corral may use on it: total, less the configured reserve and what other
+    /// processes use.
+    pub usable: u64,
+}
+
+/// A loaded (or loading) runner as the scheduler plans with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunnerView {
+    /// Its id.
+    pub id: RunnerId,
+    /// Where it runs.
+    pub placement: Placement,
+    /// What it uses.
+    pub footprint: Footprint,
+    /// Requests holding it now.
+    pub leases: u32,
+    /// Its keep-alive.
+    pub keep_alive: KeepAlive,
+    /// When its last request ended (or it became ready).
+    pub last_used: Instant,
+    /// Never evicted.
+    pub pinned: bool,
+    /// Still starting: cannot be evicted yet, its memory is already counted.
+    pub loading: bool,
+    /// Taking no new requests; unloads when its leases end.
+    pub draining: bool,
+}
+
+/// Everything a decision depends on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// The GPUs.
+    pub gpus: Vec<GpuView>,
+    /// Host memory corral may use for models.
+    pub host_usable: u64,
+    /// The runners.
+    pub runners: Vec<RunnerView>,
+    /// Most runners at once.
+    pub max_loaded: usize,
+}
+
+/// Where a model runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Placement {
+    /// On one GPU.
+    Gpu(usize),
+    /// Split over several GPUs.
+    Spread(Vec<usize>),
+    /// On the CPU, in host memory.
+    Cpu,
+}
+
+/// What to do about a model that is not loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Load it there now.
+    Load(Placement),
+    /// Make room: unload the idle `evict` now, stop giving `drain` new requests (they
+    /// unload when their requests end), then decide again.
+    MakeRoom {
+        /// Idle runners to unload now.
+        evict: Vec<RunnerId>,
+        /// Busy runners to unload once idle.
+        drain: Vec<RunnerId>,
+    },
+    /// Room is being made (runners unloading or draining, or loads in flight); decide
+    /// again when one of them changes.
+    Wait,
+    /// It cannot fit even with every evictable runner gone.
+    NoFit {
+        /// Bytes it needs.
+        needed: u64,
+        /// The most that could be made available.
+        available: u64,
+    },
+}
+
+/// Decides how to load a model that needs `need`.
+#[must_use]
+pub fn decide(snapshot: &Snapshot, need: Footprint) -> Decision {
+    let all: Vec<&RunnerView> = snapshot.runners.iter().collect();
+    if all.len() < snapshot.max_loaded.max(1) {
+        if let Some(placement) = place(snapshot, &all, need) {
+            return Decision::Load(placement);
+        }
+    }
+    // Make room: idle runners first, shortest keep-alive first, then least recently used;
+    // busy ones only when the idle ones are not enough.
+    let mut candidates: Vec<&RunnerView> =
+        snapshot.runners.iter().filter(|r| !r.pinned && !r.loading && !r.draining).collect();
+    candidates.sort_by_key(|r| (r.leases > 0, r.keep_alive, r.last_used, r.id));
+    let mut remaining = all.clone();
+    let mut chosen = Vec::new();
+    for victim in candidates {
+        remaining.retain(|r| r.id != victim.id);
+        chosen.push(victim);
+        let in_flight = remaining.iter().any(|r| r.draining);
+        if remaining.len() < snapshot.max_loaded.max(1) && !in_flight && place(snapshot, &remaining, need).is_some() {
+            let (drain, evict): (Vec<&RunnerView>, Vec<&RunnerView>) = chosen.iter().partition(|r| r.leases > 0);
+            return Decision::MakeRoom {
+                evict: evict.iter().map(|r| r.id).collect(),
+                drain: drain.iter().map(|r| r.id).collect(),
+            };
+        }
+    }
+    // Nothing more to evict. Runners on their way out, or loads in flight, may still free
+    // (or settle) memory: wait for them rather than fail.
+    if snapshot.runners.iter().any(|r| r.draining || r.loading) {
+        return Decision::Wait;
+    }
+    let kept: Vec<&RunnerView> = snapshot.runners.iter().filter(|r| r.pinned).collect();
+    if place(snapshot, &kept, need).is_some() {
+        // Only the count limit stands in the way, and pinned runners fill it.
+        return Decision::NoFit { needed: need.total(), available: 0 };
+    }
+    let most_free_gpu = snapshot.gpus.iter().map(|g| gpu_free(g, &kept)).max().unwrap_or(0);
+    let available = if snapshot.gpus.is_empty() { host_free(snapshot, &kept) } else { most_free_gpu };
+    Decision::NoFit { needed: if snapshot.gpus.is_empty() { need.total() } else { need.vram }, available }
+}
+
+/// Where `need` fits next to `runners`, if anywhere: one GPU (the one with most room),
+/// else spread over GPUs, else the CPU when there are no GPUs.
+fn place(snapshot: &Snapshot, runners: &[&RunnerView], need: Footprint) -> Option<Placement> {
+    if snapshot.gpus.is_empty() {
+        return (host_free(snapshot, runners) >= need.total()).then_some(Placement::Cpu);
+    }
+    if host_free(snapshot, runners) < need.ram {
+        return None;
+    }
+    let mut free: Vec<(usize, u64)> = snapshot.gpus.iter().map(|g| (g.index, gpu_free(g, runners))).collect();
+    free.sort_by_key(|(index, bytes)| (std::cmp::Reverse(*bytes), *index));
+    if let Some((index, _)) = free.first().filter(|(_, bytes)| *bytes >= need.vram) {
+        return Some(Placement::Gpu(*index));
+    }
+    let usable: Vec<(usize, u64)> = free.into_iter().filter(|(_, bytes)| *bytes > 0).collect();
+    let total: u64 = usable.iter().map(|(_, bytes)| bytes).sum();
+    if usable.len() > 1 && total >= need.vram {
+        let mut indexes: Vec<usize> = usable.into_iter().map(|(index, _)| index).collect();
+        indexes.sort_unstable();
+        return Some(Placement::Spread(indexes));
+    }
+    None
+}
+
+/// Free memory on a GPU next to `runners`. A spread runner is counted on each of its
+/// GPUs in proportion: its VRAM divided evenly.
+fn gpu_free(gpu: &GpuView, runners: &[&RunnerView]) -> u64 {
+    let used: u64 = runners
+        .iter()
+        .map(|r| match &r.placement {
+            Placement::Gpu(index) if *index == gpu.index => r.footprint.vram,
+            Placement::Spread(indexes) if indexes.contains(&gpu.index) => {
+                r.footprint.vram.div_ceil(indexes.len() as u64)
+            }
+            _ => 0,
+        })
+        .sum();
+    gpu.usable.saturating_sub(used)
+}
+
+/// Free host memory next to `runners`: CPU runners use all of their footprint, GPU
+/// runners their host part.
+fn host_free(snapshot: &Snapshot, runners: &[&RunnerView]) -> u64 {
+    let used: u64 =
+        runners.iter().map(|r| if r.placement == Placement::Cpu { r.footprint.total() } else { r.footprint.ram }).sum();
+    snapshot.host_usable.saturating_sub(used)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use proptest::prelude::{Strategy, any, prop_assert, proptest};
+
+    use super::{Decision, Footprint, GpuView, KeepAlive, Placement, RunnerView, Snapshot, decide, estimate};
+
+    const GIB: u64 = 1 << 30;
+
+    fn runner(id: u64, placement: Placement, vram: u64) -> RunnerView {
+        RunnerView {
+            id,
+            placement,
+            footprint: Footprint { vram, ram: 0 },
+            leases: 0,
+            keep_alive: KeepAlive::For(Duration::from_secs(300)),
+            last_used: Instant::now(),
+            pinned: false,
+            loading: false,
+            draining: false,
+        }
+    }
+
+    fn gpus(sizes: &[u64]) -> Vec<GpuView> {
+        sizes.iter().enumerate().map(|(index, gib)| GpuView { index, usable: gib * GIB }).collect()
+    }
+
+    fn need(gib: u64) -> Footprint {
+        Footprint { vram: gib * GIB, ram: 0 }
+    }
+
+    #[test]
+    fn the_estimate_is_conservative() {
+        let f = estimate(4 * GIB, GIB, 0);
+        assert_eq!(f.vram, 4 * GIB + GIB + 4 * GIB / 10);
+        assert_eq!(estimate(1000, 0, 0).vram, 1000 + (256 << 20), "a floor for tiny models");
+    }
+
+    #[test]
+    fn placement_prefers_one_gpu_then_spreads_then_fails() {
+        let snap =
+            |sizes: &[u64]| Snapshot { gpus: gpus(sizes), host_usable: 64 * GIB, runners: vec![], max_loaded: 3 };
+        assert_eq!(decide(&snap(&[8, 24]), need(10)), Decision::Load(Placement::Gpu(1)), "the roomiest that fits");
+        assert_eq!(decide(&snap(&[8, 8]), need(6)), Decision::Load(Placement::Gpu(0)), "ties go to the first");
+        assert_eq!(decide(&snap(&[8, 8]), need(12)), Decision::Load(Placement::Spread(vec![0, 1])));
+        assert_eq!(decide(&snap(&[8, 8]), need(20)), Decision::NoFit { needed: 20 * GIB, available: 8 * GIB });
+        let cpu = Snapshot { gpus: vec![], host_usable: 16 * GIB, runners: vec![], max_loaded: 3 };
+        assert_eq!(decide(&cpu, need(10)), Decision::Load(Placement::Cpu));
+        assert_eq!(decide(&cpu, need(20)), Decision::NoFit { needed: 20 * GIB, available: 16 * GIB });
+    }
+
+    #[test]
+    fn eviction_takes_idle_runners_shortest_keep_alive_then_least_recently_used() {
+        let now = Instant::now() + Duration::from_secs(3600);
+        let mut a = runner(1, Placement::Gpu(0), 4 * GIB);
+        let mut b = runner(2, Placement::Gpu(0), 4 * GIB);
+        let mut c = runner(3, Placement::Gpu(0), 4 * GIB);
+        a.last_used = now;
+        b.last_used = now.checked_sub(Duration::from_secs(60)).expect("an hour ahead");
+        c.keep_alive = KeepAlive::For(Duration::from_secs(10));
+        c.last_used = now;
+        let snap = Snapshot { gpus: gpus(&[12]), host_usable: 64 * GIB, runners: vec![a, b, c], max_loaded: 10 };
+        assert_eq!(decide(&snap, need(4)), Decision::MakeRoom { evict: vec![3], drain: vec![] }, "shortest keep-alive");
+        assert_eq!(
+            decide(&snap, need(8)),
+            Decision::MakeRoom { evict: vec![3, 2], drain: vec![] },
+            "then least recent"
+        );
+    }
+
+    #[test]
+    fn busy_runners_drain_only_when_idle_ones_are_not_enough() {
+        let mut busy = runner(1, Placement::Gpu(0), 6 * GIB);
+        busy.leases = 2;
+        busy.keep_alive = KeepAlive::For(Duration::ZERO);
+        let idle = runner(2, Placement::Gpu(0), 2 * GIB);
+        let snap =
+            Snapshot { gpus: gpus(&[8]), host_usable: 64 * GIB, runners: vec![busy.clone(), idle], max_loaded: 10 };
+        assert_eq!(decide(&snap, need(2)), Decision::MakeRoom { evict: vec![2], drain: vec![] });
+        assert_eq!(decide(&snap, need(7)), Decision::MakeRoom { evict: vec![2], drain: vec![1] });
+        // While it drains, the decision is to wait, not to evict again.
+        busy.draining = true;
+        let snap = Snapshot { gpus: gpus(&[8]), host_usable: 64 * GIB, runners: vec![busy], max_loaded: 10 };
+        assert_eq!(decide(&snap, need(7)), Decision::Wait);
+    }
+
+    #[test]
+    fn pinned_runners_are_never_evicted() {
+        let mut pinned = runner(1, Placement::Gpu(0), 6 * GIB);
+        pinned.pinned = true;
+        let snap = Snapshot { gpus: gpus(&[8]), host_usable: 64 * GIB, runners: vec![pinned], max_loaded: 10 };
+        assert_eq!(decide(&snap, need(4)), Decision::NoFit { needed: 4 * GIB, available: 2 * GIB });
+    }
+
+    #[test]
+    fn the_count_limit_evicts_even_when_memory_is_plenty() {
+        let snap = Snapshot {
+            gpus: gpus(&[80]),
+            host_usable: 64 * GIB,
+            runners: vec![runner(1, Placement::Gpu(0), GIB), runner(2, Placement::Gpu(0), GIB)],
+            max_loaded: 2,
+        };
+        assert!(matches!(decide(&snap, need(1)), Decision::MakeRoom { ref evict, .. } if evict.len() == 1));
+        let mut all_pinned = snap.clone();
+        for r in &mut all_pinned.runners {
+            r.pinned = true;
+        }
+        assert_eq!(decide(&all_pinned, need(1)), Decision::NoFit { needed: GIB, available: 0 });
+    }
+
+    #[test]
+    fn loading_runners_count_and_make_us_wait() {
+        let mut loading = runner(1, Placement::Gpu(0), 6 * GIB);
+        loading.loading = true;
+        let snap = Snapshot { gpus: gpus(&[8]), host_usable: 64 * GIB, runners: vec![loading], max_loaded: 10 };
+        assert_eq!(decide(&snap, need(2)), Decision::Load(Placement::Gpu(0)));
+        assert_eq!(decide(&snap, need(4)), Decision::Wait);
+    }
+
+    #[test]
+    fn host_memory_bounds_gpu_placements_too() {
+        let snap = Snapshot { gpus: gpus(&[8]), host_usable: GIB, runners: vec![], max_loaded: 3 };
+        assert_eq!(
+            decide(&snap, Footprint { vram: GIB, ram: 2 * GIB }),
+            Decision::NoFit { needed: GIB, available: 8 * GIB }
+        );
+    }
+
+    fn arbitrary_runner() -> impl Strategy<Value = RunnerView> {
+        (0u64..1000, 0usize..3, 1u64..8, 0u32..3, any::<bool>(), 0u64..600).prop_map(
+            |(id, gpu, gib, leases, pinned, ka)| {
+                let mut r = runner(id, if gpu == 2 { Placement::Cpu } else { Placement::Gpu(gpu) }, gib * GIB);
+                r.leases = leases;
+                r.pinned = pinned;
+                r.keep_alive = KeepAlive::For(Duration::from_secs(ka));
+                r
+            },
+        )
+    }
+
+    proptest! {
+        /// Whatever the state: a load never over-commits memory or exceeds the count,
+        /// and a decision never evicts a pinned, loading or draining runner, nor drains an idle one.
+        #[test]
+        fn decisions_keep_the_invariants(
+            runners in proptest::collection::vec(arbitrary_runner(), 0..8),
+            gpu_sizes in proptest::collection::vec(4u64..48, 0..3),
+            host in 1u64..64,
+            want in 1u64..40,
+            max_loaded in 1usize..6,
+        ) {
+            let mut runners = runners;
+            runners.sort_by_key(|r| r.id);
+            runners.dedup_by_key(|r| r.id);
+            let gpus = gpus(&gpu_sizes);
+            let runners: Vec<RunnerView> = runners
+                .into_iter()
+                .map(|mut r| {
+                    if gpus.is_empty() || matches!(r.placement, Placement::Gpu(i) if i >= gpus.len()) { r.placement = Placement::Cpu; }
+                    r
+                })
+                .collect();
+            let snap = Snapshot { gpus, host_usable: host * GIB, runners, max_loaded };
+            let need = Footprint { vram: want * GIB / 2, ram: 0 };
+            match decide(&snap, need) {
+                Decision::Load(placement) => {
+                    prop_assert!(snap.runners.len() < max_loaded);
+                    let mut after = snap.clone();
+                    after.runners.push(RunnerView { footprint: need, ..runner(u64::MAX, placement, 0) });
+                    let refs: Vec<&RunnerView> = after.runners.iter().collect();
+                    for g in &after.gpus {
+                        let used: u64 = refs.iter().map(|r| match &r.placement {
+                            Placement::Gpu(i) if *i == g.index => r.footprint.vram,
+                            Placement::Spread(is) if is.contains(&g.index) => r.footprint.vram.div_ceil(is.len() as u64),
+                            _ => 0,
+                        }).sum();
+                        // Runners placed before may already over-commit (the generator does not
+                        // respect capacity); the new one must not be the cause.
+                        let before: u64 = used - refs.last().map_or(0, |r| match &r.placement {
+                            Placement::Gpu(i) if *i == g.index => r.footprint.vram,
+                            Placement::Spread(is) if is.contains(&g.index) => r.footprint.vram.div_ceil(is.len() as u64),
+                            _ => 0,
+                        });
+                        prop_assert!(used <= g.usable || used == before);
+                    }
+                }
+                Decision::MakeRoom { evict, drain } => {
+                    for id in evict.iter().chain(&drain) {
+                        let r = snap.runners.iter().find(|r| r.id == *id).expect("a known runner");
+                        prop_assert!(!r.pinned && !r.loading && !r.draining);
+                    }
+                    for id in &evict {
+                        prop_assert!(snap.runners.iter().any(|r| r.id == *id && r.leases == 0));
+                    }
+                    for id in &drain {
+                        prop_assert!(snap.runners.iter().any(|r| r.id == *id && r.leases > 0));
+                    }
+                    prop_assert!(!evict.is_empty() || !drain.is_empty());
+                }
+                Decision::Wait => prop_assert!(snap.runners.iter().any(|r| r.draining || r.loading)),
+                Decision::NoFit { .. } => {}
+            }
+        }
+    }
+}
