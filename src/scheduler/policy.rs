@@ -85,8 +85,9 @@ pub struct Snapshot {
 pub enum Placement {
     /// On one GPU.
     Gpu(usize),
-    /// Split over several GPUs.
-    Spread(Vec<usize>),
+    /// Split over several GPUs: each index with the bytes it takes, in proportion to the
+    /// room each had (how llama.cpp splits by default).
+    Spread(Vec<(usize, u64)>),
     /// On the CPU, in host memory.
     Cpu,
 }
@@ -173,30 +174,38 @@ fn place(snapshot: &Snapshot, runners: &[&RunnerView], need: Footprint) -> Optio
     if let Some((index, _)) = free.first().filter(|(_, bytes)| *bytes >= need.vram) {
         return Some(Placement::Gpu(*index));
     }
-    let usable: Vec<(usize, u64)> = free.into_iter().filter(|(_, bytes)| *bytes > 0).collect();
+    let mut usable: Vec<(usize, u64)> = free.into_iter().filter(|(_, bytes)| *bytes > 0).collect();
     let total: u64 = usable.iter().map(|(_, bytes)| bytes).sum();
     if usable.len() > 1 && total >= need.vram {
-        let mut indexes: Vec<usize> = usable.into_iter().map(|(index, _)| index).collect();
-        indexes.sort_unstable();
-        return Some(Placement::Spread(indexes));
+        usable.sort_unstable();
+        // Shares in proportion to the room; rounding up never takes more than the room.
+        let shares = usable
+            .iter()
+            .map(|(index, room)| {
+                let share = u128::from(need.vram) * u128::from(*room) / u128::from(total);
+                (*index, u64::try_from(share).unwrap_or(u64::MAX).min(*room))
+            })
+            .collect();
+        return Some(Placement::Spread(shares));
     }
     None
 }
 
-/// Free memory on a GPU next to `runners`. A spread runner is counted on each of its
-/// GPUs in proportion: its VRAM divided evenly.
+/// Free memory on a GPU next to `runners`.
 fn gpu_free(gpu: &GpuView, runners: &[&RunnerView]) -> u64 {
-    let used: u64 = runners
-        .iter()
-        .map(|r| match &r.placement {
-            Placement::Gpu(index) if *index == gpu.index => r.footprint.vram,
-            Placement::Spread(indexes) if indexes.contains(&gpu.index) => {
-                r.footprint.vram.div_ceil(indexes.len() as u64)
-            }
+    gpu.usable.saturating_sub(runners.iter().map(|r| r.placement.vram_on(gpu.index, r.footprint.vram)).sum())
+}
+
+impl Placement {
+    /// The bytes of a runner using `vram` in total that sit on GPU `index`.
+    #[must_use]
+    pub fn vram_on(&self, index: usize, vram: u64) -> u64 {
+        match self {
+            Self::Gpu(i) if *i == index => vram,
+            Self::Spread(shares) => shares.iter().filter(|(i, _)| *i == index).map(|(_, bytes)| bytes).sum(),
             _ => 0,
-        })
-        .sum();
-    gpu.usable.saturating_sub(used)
+        }
+    }
 }
 
 /// Free host memory next to `runners`: CPU runners use all of their footprint, GPU
@@ -252,7 +261,14 @@ mod tests {
             |sizes: &[u64]| Snapshot { gpus: gpus(sizes), host_usable: 64 * GIB, runners: vec![], max_loaded: 3 };
         assert_eq!(decide(&snap(&[8, 24]), need(10)), Decision::Load(Placement::Gpu(1)), "the roomiest that fits");
         assert_eq!(decide(&snap(&[8, 8]), need(6)), Decision::Load(Placement::Gpu(0)), "ties go to the first");
-        assert_eq!(decide(&snap(&[8, 8]), need(12)), Decision::Load(Placement::Spread(vec![0, 1])));
+        assert_eq!(
+            decide(&snap(&[8, 8]), need(12)),
+            Decision::Load(Placement::Spread(vec![(0, 6 * GIB), (1, 6 * GIB)]))
+        );
+        assert_eq!(
+            decide(&snap(&[4, 12]), need(8)),
+            Decision::Load(Placement::Spread(vec![(0, 2 * GIB), (1, 6 * GIB)]))
+        );
         assert_eq!(decide(&snap(&[8, 8]), need(20)), Decision::NoFit { needed: 20 * GIB, available: 8 * GIB });
         let cpu = Snapshot { gpus: vec![], host_usable: 16 * GIB, runners: vec![], max_loaded: 3 };
         assert_eq!(decide(&cpu, need(10)), Decision::Load(Placement::Cpu));
@@ -376,22 +392,16 @@ mod tests {
                 Decision::Load(placement) => {
                     prop_assert!(snap.runners.len() < max_loaded);
                     let mut after = snap.clone();
-                    after.runners.push(RunnerView { footprint: need, ..runner(u64::MAX, placement, 0) });
-                    let refs: Vec<&RunnerView> = after.runners.iter().collect();
+                    after.runners.push(RunnerView { footprint: need, ..runner(u64::MAX, placement.clone(), 0) });
                     for g in &after.gpus {
-                        let used: u64 = refs.iter().map(|r| match &r.placement {
-                            Placement::Gpu(i) if *i == g.index => r.footprint.vram,
-                            Placement::Spread(is) if is.contains(&g.index) => r.footprint.vram.div_ceil(is.len() as u64),
-                            _ => 0,
-                        }).sum();
+                        let used: u64 = after.runners.iter().map(|r| r.placement.vram_on(g.index, r.footprint.vram)).sum();
+                        let added = after.runners.last().map_or(0, |r| r.placement.vram_on(g.index, r.footprint.vram));
                         // Runners placed before may already over-commit (the generator does not
                         // respect capacity); the new one must not be the cause.
-                        let before: u64 = used - refs.last().map_or(0, |r| match &r.placement {
-                            Placement::Gpu(i) if *i == g.index => r.footprint.vram,
-                            Placement::Spread(is) if is.contains(&g.index) => r.footprint.vram.div_ceil(is.len() as u64),
-                            _ => 0,
-                        });
-                        prop_assert!(used <= g.usable || used == before);
+                        prop_assert!(used <= g.usable || added == 0);
+                    }
+                    if let Placement::Spread(shares) = &placement {
+                        prop_assert!(shares.iter().map(|(_, b)| b).sum::<u64>() + shares.len() as u64 >= need.vram);
                     }
                 }
                 Decision::MakeRoom { evict, drain } => {
