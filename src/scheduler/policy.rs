@@ -266,8 +266,9 @@ mod tests {
             Decision::Load(Placement::Spread(vec![(0, 6 * GIB), (1, 6 * GIB)]))
         );
         assert_eq!(
-            decide(&snap(&[4, 12]), need(8)),
-            Decision::Load(Placement::Spread(vec![(0, 2 * GIB), (1, 6 * GIB)]))
+            decide(&snap(&[4, 12]), need(14)),
+            Decision::Load(Placement::Spread(vec![(0, 14 * GIB / 4), (1, 14 * GIB * 3 / 4)])),
+            "shares follow the room"
         );
         assert_eq!(decide(&snap(&[8, 8]), need(20)), Decision::NoFit { needed: 20 * GIB, available: 8 * GIB });
         let cpu = Snapshot { gpus: vec![], host_usable: 16 * GIB, runners: vec![], max_loaded: 3 };
