@@ -1,7 +1,15 @@
 //! Which models are loaded, where, for how long, and who waits.
 //!
+//! - [`actor`]: the one task that owns all scheduling state; everything else holds a
+//!   [`Handle`](actor::Handle);
+//! - [`policy`]: pure decisions (fit, placement, eviction) on a snapshot;
 //! - [`keep_alive`]: what clients send and the server's clamps on it;
-//! - [`policy`]: pure decisions (fit, placement, eviction) on a snapshot.
+//! - [`backend`]: the runners the actor starts, behind a trait, and the real one.
 
+pub mod actor;
+pub mod backend;
 pub mod keep_alive;
 pub mod policy;
+
+#[cfg(test)]
+mod actor_tests;

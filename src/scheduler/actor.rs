@@ -1,0 +1,695 @@
+//! The scheduler task: the one owner of models, runners, the queue, leases and timers.
+//!
+//! Everything else holds a [`Handle`] and sends messages. A request [`Handle::acquire`]s
+//! a [`Lease`] on a ready runner (loading it first if needed) and releases it by dropping
+//! the lease. Slow work (starting and stopping runners) runs in tasks that report back
+//! as events, so the loop never waits on a process. Decisions come from
+//! [`policy::decide`](super::policy::decide) on a snapshot of this state.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use super::backend::{Backend, LiveRunner, StartRequest};
+use super::keep_alive::{self, Clamp, KeepAlive};
+use super::policy::{self, Decision, Footprint, GpuView, Placement, RunnerId, RunnerView, Snapshot};
+use crate::supervisor::command::{LoadOptions, ModelFiles};
+
+/// What a request asks for.
+#[derive(Debug, Clone)]
+pub struct ModelRequest {
+    /// Runners are shared by requests with equal keys: the weights, adapters, projector
+    /// and load options (a difference in any of them needs another runner).
+    pub key: String,
+    /// The model's display name.
+    pub name: String,
+    /// Its files.
+    pub files: ModelFiles,
+    /// Load options.
+    pub options: LoadOptions,
+    /// What it is expected to need (learned from earlier loads, or estimated).
+    pub need: Footprint,
+    /// The client's keep-alive, if it sent one.
+    pub keep_alive: Option<KeepAlive>,
+    /// Never evicted once loaded.
+    pub pinned: bool,
+}
+
+/// Scheduler limits and defaults.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Most runners at once.
+    pub max_loaded: usize,
+    /// Most requests waiting for a load.
+    pub max_queue: usize,
+    /// The keep-alive when neither the client nor the runner has one.
+    pub default_keep_alive: KeepAlive,
+    /// Bounds on what clients ask for.
+    pub clamp: Clamp,
+}
+
+/// Why a request got no runner.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScheduleError {
+    /// The queue of requests waiting for a load is full.
+    #[error("server busy: {0} requests are already waiting for a model to load")]
+    QueueFull(usize),
+    /// Even with every evictable model unloaded it would not fit.
+    #[error("model {model} needs {needed} bytes of memory, but at most {available} bytes can be made available")]
+    InsufficientMemory {
+        /// The model.
+        model: String,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes that could be freed.
+        available: u64,
+    },
+    /// The runner failed to start.
+    #[error("model {model} failed to load: {reason}")]
+    LoadFailed {
+        /// The model.
+        model: String,
+        /// Why.
+        reason: String,
+    },
+    /// The model crashed recently; loads wait before trying again.
+    #[error(
+        "model {model} failed {failures} times in a row, the last time with: {reason}; retrying after {retry_in:?}"
+    )]
+    BackingOff {
+        /// The model.
+        model: String,
+        /// Consecutive failures.
+        failures: u32,
+        /// The last reason.
+        reason: String,
+        /// Time left before a new attempt.
+        retry_in: Duration,
+    },
+    /// No model by that name is loaded.
+    #[error("model {0} is not loaded")]
+    NotLoaded(String),
+    /// The scheduler stopped.
+    #[error("the scheduler is shutting down")]
+    ShuttingDown,
+}
+
+/// A loaded model as reported to `/api/ps`, D-Bus and `/metrics`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadedModel {
+    /// The runner's id.
+    pub id: RunnerId,
+    /// The model's display name.
+    pub name: String,
+    /// Its key.
+    pub key: String,
+    /// `loading`, `ready` or `unloading`.
+    pub state: &'static str,
+    /// Where it runs.
+    pub placement: Placement,
+    /// Its memory (measured once loaded).
+    pub footprint: Footprint,
+    /// Requests holding it.
+    pub leases: u32,
+    /// When it will be unloaded if no request comes (none while busy, or forever).
+    pub expires_at: Option<Instant>,
+    /// Its keep-alive.
+    pub keep_alive: KeepAlive,
+    /// The child's pid, once started.
+    pub pid: Option<u32>,
+}
+
+/// A granted runner. Dropping it ends the request's hold.
+#[derive(Debug)]
+pub struct Lease {
+    runner: RunnerId,
+    socket: PathBuf,
+    events: mpsc::UnboundedSender<Event>,
+}
+
+impl Lease {
+    /// The runner's UNIX socket.
+    #[must_use]
+    pub fn socket(&self) -> &std::path::Path {
+        &self.socket
+    }
+
+    /// The runner's id.
+    #[must_use]
+    pub fn runner(&self) -> RunnerId {
+        self.runner
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // Drop cannot await: the release goes through an unbounded channel.
+        let _ = self.events.send(Event::Released { runner: self.runner });
+    }
+}
+
+/// The scheduler's address.
+#[derive(Debug, Clone)]
+pub struct Handle {
+    commands: mpsc::Sender<Command>,
+}
+
+impl Handle {
+    /// A lease on a ready runner for `request`, loading it first if needed. Resolves when
+    /// the runner is ready (or with why it will not be).
+    pub async fn acquire(&self, request: ModelRequest) -> Result<Lease, ScheduleError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Command::Acquire { request: Box::new(request), reply }).await?;
+        answer.await.map_err(|_| ScheduleError::ShuttingDown)?
+    }
+
+    /// Unloads the runner with this key; resolves once its child is reaped. A busy runner
+    /// takes no new requests and unloads when its requests end.
+    pub async fn unload(&self, key: &str) -> Result<(), ScheduleError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Command::Unload { key: key.to_owned(), reply }).await?;
+        answer.await.map_err(|_| ScheduleError::ShuttingDown)?
+    }
+
+    /// The loaded models.
+    pub async fn loaded(&self) -> Result<Vec<LoadedModel>, ScheduleError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Command::Loaded { reply }).await?;
+        answer.await.map_err(|_| ScheduleError::ShuttingDown)
+    }
+
+    /// Stops every runner and ends the scheduler; resolves once all children are reaped.
+    pub async fn shutdown(&self) {
+        let (reply, answer) = oneshot::channel();
+        if self.send(Command::Shutdown { reply }).await.is_ok() {
+            let _ = answer.await;
+        }
+    }
+
+    async fn send(&self, command: Command) -> Result<(), ScheduleError> {
+        self.commands.send(command).await.map_err(|_| ScheduleError::ShuttingDown)
+    }
+}
+
+enum Command {
+    Acquire { request: Box<ModelRequest>, reply: oneshot::Sender<Result<Lease, ScheduleError>> },
+    Unload { key: String, reply: oneshot::Sender<Result<(), ScheduleError>> },
+    Loaded { reply: oneshot::Sender<Vec<LoadedModel>> },
+    Shutdown { reply: oneshot::Sender<()> },
+}
+
+#[derive(Debug)]
+enum Event {
+    Started { runner: RunnerId, result: Result<Box<dyn LiveRunner>, String> },
+    Released { runner: RunnerId },
+    Stopped { runner: RunnerId },
+    Crashed { runner: RunnerId, reason: String },
+}
+
+impl std::fmt::Debug for dyn LiveRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "runner pid {}", self.pid())
+    }
+}
+
+type Reply = oneshot::Sender<Result<Lease, ScheduleError>>;
+
+enum Phase {
+    Loading { waiters: Vec<Reply> },
+    Ready { stop: oneshot::Sender<()>, socket: PathBuf, pid: u32 },
+    Unloading { waiters: Vec<oneshot::Sender<Result<(), ScheduleError>>> },
+}
+
+struct Entry {
+    request: ModelRequest,
+    phase: Phase,
+    placement: Placement,
+    footprint: Footprint,
+    leases: u32,
+    keep_alive: KeepAlive,
+    idle_since: Instant,
+    draining: bool,
+    unload_waiters: Vec<oneshot::Sender<Result<(), ScheduleError>>>,
+}
+
+struct Failures {
+    count: u32,
+    until: Instant,
+    reason: String,
+}
+
+/// The scheduler's state and loop.
+pub struct Scheduler {
+    backend: Arc<dyn Backend>,
+    gpus: Vec<GpuView>,
+    host_usable: u64,
+    limits: Limits,
+    runners: BTreeMap<RunnerId, Entry>,
+    queue: VecDeque<(ModelRequest, Reply)>,
+    failures: BTreeMap<String, Failures>,
+    next_id: RunnerId,
+    commands: mpsc::Receiver<Command>,
+    events: mpsc::UnboundedReceiver<Event>,
+    events_tx: mpsc::UnboundedSender<Event>,
+    learned: BTreeMap<String, Footprint>,
+}
+
+impl Scheduler {
+    /// A scheduler planning with `gpus` and `host_usable` bytes of host memory; run it with
+    /// [`Scheduler::run`] on its own task.
+    #[must_use]
+    pub fn new(backend: Arc<dyn Backend>, gpus: Vec<GpuView>, host_usable: u64, limits: Limits) -> (Self, Handle) {
+        let (commands_tx, commands) = mpsc::channel(64);
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let scheduler = Self {
+            backend,
+            gpus,
+            host_usable,
+            limits,
+            runners: BTreeMap::new(),
+            queue: VecDeque::new(),
+            failures: BTreeMap::new(),
+            next_id: 1,
+            commands,
+            events,
+            events_tx,
+            learned: BTreeMap::new(),
+        };
+        (scheduler, Handle { commands: commands_tx })
+    }
+
+    /// Runs until [`Handle::shutdown`] (or every handle is gone), then stops all runners.
+    pub async fn run(mut self) {
+        let shutdown = loop {
+            let next_expiry = self.next_expiry();
+            tokio::select! {
+                command = self.commands.recv() => match command {
+                    Some(Command::Shutdown { reply }) => break Some(reply),
+                    Some(command) => self.on_command(command),
+                    None => break None,
+                },
+                Some(event) = self.events.recv() => self.on_event(event),
+                () = sleep_until(next_expiry) => self.expire(Instant::now()),
+            }
+        };
+        self.stop_all().await;
+        if let Some(reply) = shutdown {
+            let _ = reply.send(());
+        }
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::Acquire { request, reply } => self.acquire(*request, reply),
+            Command::Unload { key, reply } => self.unload_by_key(&key, reply),
+            Command::Loaded { reply } => {
+                let _ = reply.send(self.loaded_models());
+            }
+            Command::Shutdown { .. } => unreachable!("handled by the loop"),
+        }
+    }
+
+    fn acquire(&mut self, request: ModelRequest, reply: Reply) {
+        let queue_full = self.waiting() >= self.limits.max_queue;
+        // The fast path: a ready runner with this key that takes requests.
+        if let Some((id, entry)) = self.runners.iter_mut().find(|(_, e)| e.request.key == request.key && !e.draining) {
+            match &mut entry.phase {
+                Phase::Ready { socket, .. } => {
+                    entry.leases += 1;
+                    entry.keep_alive = keep_alive::resolve(
+                        request.keep_alive,
+                        Some(entry.keep_alive),
+                        self.limits.default_keep_alive,
+                        self.limits.clamp,
+                    );
+                    let lease = Lease { runner: *id, socket: socket.clone(), events: self.events_tx.clone() };
+                    if reply.send(Ok(lease)).is_err() {
+                        // The caller went away: its lease was dropped and released already.
+                    }
+                    return;
+                }
+                Phase::Loading { waiters } => {
+                    if queue_full {
+                        let _ = reply.send(Err(ScheduleError::QueueFull(self.limits.max_queue)));
+                        return;
+                    }
+                    // A load already under way: join it.
+                    waiters.push(reply);
+                    return;
+                }
+                Phase::Unloading { .. } => {}
+            }
+        }
+        if let Some(failure) = self.failures.get(&request.key) {
+            let now = Instant::now();
+            if failure.until > now {
+                let _ = reply.send(Err(ScheduleError::BackingOff {
+                    model: request.name.clone(),
+                    failures: failure.count,
+                    reason: failure.reason.clone(),
+                    retry_in: failure.until - now,
+                }));
+                return;
+            }
+        }
+        if self.waiting() >= self.limits.max_queue {
+            let _ = reply.send(Err(ScheduleError::QueueFull(self.limits.max_queue)));
+            return;
+        }
+        self.queue.push_back((request, reply));
+        self.schedule();
+    }
+
+    /// Requests waiting for a load: queued, and joined to loads under way.
+    fn waiting(&self) -> usize {
+        let joined: usize = self
+            .runners
+            .values()
+            .map(|e| if let Phase::Loading { waiters } = &e.phase { waiters.len() } else { 0 })
+            .sum();
+        self.queue.len() + joined
+    }
+
+    /// Works through the queue in order until a request has to wait for room.
+    fn schedule(&mut self) {
+        while let Some((request, _)) = self.queue.front() {
+            if self.queue.front().is_some_and(|(_, reply)| reply.is_closed()) {
+                // The client went away while waiting: it must not drive evictions.
+                self.queue.pop_front();
+                continue;
+            }
+            // A runner for this key may have appeared (loading, or ready) meanwhile.
+            if self
+                .runners
+                .values()
+                .any(|e| e.request.key == request.key && !e.draining && !matches!(e.phase, Phase::Unloading { .. }))
+            {
+                let (request, reply) = self.queue.pop_front().expect("checked above");
+                self.acquire(request, reply);
+                continue;
+            }
+            let need = self.learned.get(&request.key).copied().unwrap_or(request.need);
+            match policy::decide(&self.snapshot(), need) {
+                Decision::Load(placement) => {
+                    let (request, reply) = self.queue.pop_front().expect("checked above");
+                    self.start(request, placement, need, reply);
+                }
+                Decision::MakeRoom { evict, drain } => {
+                    for id in drain {
+                        if let Some(entry) = self.runners.get_mut(&id) {
+                            entry.draining = true;
+                        }
+                    }
+                    for id in evict {
+                        self.begin_unload(id);
+                    }
+                    return;
+                }
+                Decision::Wait => return,
+                Decision::NoFit { needed, available } => {
+                    let (request, reply) = self.queue.pop_front().expect("checked above");
+                    let _ =
+                        reply.send(Err(ScheduleError::InsufficientMemory { model: request.name, needed, available }));
+                }
+            }
+        }
+    }
+
+    fn start(&mut self, request: ModelRequest, placement: Placement, need: Footprint, reply: Reply) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let start = StartRequest {
+            id,
+            model: request.name.clone(),
+            files: request.files.clone(),
+            options: request.options.clone(),
+            placement: placement.clone(),
+        };
+        tracing::info!(corral_event = "load", corral_model = %request.name, runner = id, ?placement, "loading {}", request.name);
+        let keep_alive =
+            keep_alive::resolve(request.keep_alive, None, self.limits.default_keep_alive, self.limits.clamp);
+        self.runners.insert(
+            id,
+            Entry {
+                request,
+                phase: Phase::Loading { waiters: vec![reply] },
+                placement,
+                footprint: need,
+                leases: 0,
+                keep_alive,
+                idle_since: Instant::now(),
+                draining: false,
+                unload_waiters: Vec::new(),
+            },
+        );
+        let backend = Arc::clone(&self.backend);
+        let events = self.events_tx.clone();
+        tokio::spawn(async move {
+            let result = backend.start(start).await;
+            let _ = events.send(Event::Started { runner: id, result });
+        });
+    }
+
+    fn on_event(&mut self, event: Event) {
+        match event {
+            Event::Started { runner, result } => self.started(runner, result),
+            Event::Released { runner } => {
+                if let Some(entry) = self.runners.get_mut(&runner) {
+                    entry.leases = entry.leases.saturating_sub(1);
+                    if entry.leases == 0 {
+                        entry.idle_since = Instant::now();
+                        if entry.draining || entry.keep_alive.is_zero() {
+                            self.begin_unload(runner);
+                        }
+                    }
+                }
+                self.schedule();
+            }
+            Event::Stopped { runner } => {
+                if let Some(entry) = self.runners.remove(&runner) {
+                    tracing::info!(corral_event = "unload", corral_model = %entry.request.name, runner, "unloaded {}", entry.request.name);
+                    let waiters = match entry.phase {
+                        Phase::Unloading { waiters } => waiters,
+                        _ => Vec::new(),
+                    };
+                    for waiter in waiters.into_iter().chain(entry.unload_waiters) {
+                        let _ = waiter.send(Ok(()));
+                    }
+                }
+                self.schedule();
+            }
+            Event::Crashed { runner, reason } => {
+                if let Some(entry) = self.runners.remove(&runner) {
+                    tracing::warn!(corral_event = "crash", corral_model = %entry.request.name, runner, "{} crashed: {reason}", entry.request.name);
+                    self.record_failure(&entry.request.key, reason);
+                    for waiter in entry.unload_waiters {
+                        let _ = waiter.send(Ok(()));
+                    }
+                }
+                self.schedule();
+            }
+        }
+    }
+
+    fn started(&mut self, id: RunnerId, result: Result<Box<dyn LiveRunner>, String>) {
+        let Some(entry) = self.runners.get_mut(&id) else { return };
+        let waiters = match std::mem::replace(&mut entry.phase, Phase::Loading { waiters: Vec::new() }) {
+            Phase::Loading { waiters } => waiters,
+            other => {
+                entry.phase = other;
+                return;
+            }
+        };
+        match result {
+            Err(reason) => {
+                let entry = self.runners.remove(&id).expect("looked up above");
+                self.record_failure(&entry.request.key, reason.clone());
+                for waiter in waiters {
+                    let _ = waiter.send(Err(ScheduleError::LoadFailed {
+                        model: entry.request.name.clone(),
+                        reason: reason.clone(),
+                    }));
+                }
+            }
+            Ok(mut live) => {
+                self.failures.remove(&entry.request.key);
+                if let Some(measured) = live.measured() {
+                    entry.footprint = measured;
+                    self.learned.insert(entry.request.key.clone(), measured);
+                }
+                let socket = live.socket();
+                let pid = live.pid();
+                let (stop_tx, stop_rx) = oneshot::channel::<()>();
+                let events = self.events_tx.clone();
+                // The runner's own task: stop on request, report a crash otherwise.
+                tokio::spawn(async move {
+                    tokio::select! {
+                        reason = live.exited() => {
+                            let _ = events.send(Event::Crashed { runner: id, reason });
+                        }
+                        _ = stop_rx => {
+                            live.stop().await;
+                            let _ = events.send(Event::Stopped { runner: id });
+                        }
+                    }
+                });
+                entry.phase = Phase::Ready { stop: stop_tx, socket: socket.clone(), pid };
+                entry.idle_since = Instant::now();
+                for waiter in waiters {
+                    entry.leases += 1;
+                    let lease = Lease { runner: id, socket: socket.clone(), events: self.events_tx.clone() };
+                    // A waiter that went away drops the lease at once, which releases it.
+                    let _ = waiter.send(Ok(lease));
+                }
+            }
+        }
+        self.schedule();
+    }
+
+    fn record_failure(&mut self, key: &str, reason: String) {
+        let failure = self.failures.entry(key.to_owned()).or_insert(Failures {
+            count: 0,
+            until: Instant::now(),
+            reason: String::new(),
+        });
+        failure.count += 1;
+        // The first failure is retried at once; then 2 s, 4 s, … up to a minute.
+        let backoff = if failure.count <= 1 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs(1 << failure.count.min(6)).min(Duration::from_secs(60))
+        };
+        failure.until = Instant::now() + backoff;
+        failure.reason = reason;
+    }
+
+    fn unload_by_key(&mut self, key: &str, reply: oneshot::Sender<Result<(), ScheduleError>>) {
+        let Some((&id, entry)) = self.runners.iter_mut().find(|(_, e)| e.request.key == key) else {
+            let _ = reply.send(Err(ScheduleError::NotLoaded(key.to_owned())));
+            return;
+        };
+        entry.draining = true;
+        entry.unload_waiters.push(reply);
+        if entry.leases == 0 && matches!(entry.phase, Phase::Ready { .. }) {
+            self.begin_unload(id);
+        }
+    }
+
+    fn begin_unload(&mut self, id: RunnerId) {
+        let Some(entry) = self.runners.get_mut(&id) else { return };
+        if let Phase::Ready { .. } = entry.phase {
+            let Phase::Ready { stop, .. } =
+                std::mem::replace(&mut entry.phase, Phase::Unloading { waiters: Vec::new() })
+            else {
+                unreachable!("matched above")
+            };
+            let _ = stop.send(());
+        } else {
+            entry.draining = true;
+        }
+    }
+
+    fn next_expiry(&self) -> Option<Instant> {
+        self.runners.values().filter_map(expiry).min()
+    }
+
+    fn expire(&mut self, now: Instant) {
+        let due: Vec<RunnerId> =
+            self.runners.iter().filter(|(_, e)| expiry(e).is_some_and(|at| at <= now)).map(|(id, _)| *id).collect();
+        for id in due {
+            self.begin_unload(id);
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let now = Instant::now();
+        let runners = self
+            .runners
+            .iter()
+            .map(|(id, e)| RunnerView {
+                id: *id,
+                placement: e.placement.clone(),
+                footprint: e.footprint,
+                leases: e.leases,
+                keep_alive: e.keep_alive,
+                last_used: e.idle_since.min(now).into_std(),
+                pinned: e.request.pinned,
+                loading: matches!(e.phase, Phase::Loading { .. }),
+                draining: e.draining || matches!(e.phase, Phase::Unloading { .. }),
+            })
+            .collect();
+        Snapshot { gpus: self.gpus.clone(), host_usable: self.host_usable, runners, max_loaded: self.limits.max_loaded }
+    }
+
+    fn loaded_models(&self) -> Vec<LoadedModel> {
+        self.runners
+            .iter()
+            .map(|(id, e)| LoadedModel {
+                id: *id,
+                name: e.request.name.clone(),
+                key: e.request.key.clone(),
+                state: match e.phase {
+                    Phase::Loading { .. } => "loading",
+                    Phase::Ready { .. } => "ready",
+                    Phase::Unloading { .. } => "unloading",
+                },
+                placement: e.placement.clone(),
+                footprint: e.footprint,
+                leases: e.leases,
+                expires_at: expiry(e),
+                keep_alive: e.keep_alive,
+                pid: if let Phase::Ready { pid, .. } = e.phase { Some(pid) } else { None },
+            })
+            .collect()
+    }
+
+    async fn stop_all(&mut self) {
+        for (_, reply) in self.queue.drain(..) {
+            let _ = reply.send(Err(ScheduleError::ShuttingDown));
+        }
+        let ids: Vec<RunnerId> = self.runners.keys().copied().collect();
+        for id in &ids {
+            self.begin_unload(*id);
+        }
+        // Wait until every child is reaped (loads under way finish first, then stop).
+        while !self.runners.is_empty() {
+            match self.events.recv().await {
+                Some(Event::Started { runner, result: Ok(live) }) => {
+                    live.stop().await;
+                    self.runners.remove(&runner);
+                }
+                Some(
+                    Event::Started { runner, result: Err(_) }
+                    | Event::Stopped { runner }
+                    | Event::Crashed { runner, .. },
+                ) => {
+                    self.runners.remove(&runner);
+                }
+                Some(Event::Released { .. }) => {}
+                None => break,
+            }
+        }
+    }
+}
+
+/// When an idle, ready runner is due to unload.
+fn expiry(entry: &Entry) -> Option<Instant> {
+    if entry.leases > 0 || !matches!(entry.phase, Phase::Ready { .. }) || entry.request.pinned {
+        return None;
+    }
+    match entry.keep_alive {
+        KeepAlive::Forever => None,
+        KeepAlive::For(d) => Some(entry.idle_since + d),
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,379 @@
+//! The scheduler task with a fake backend under tokio's paused clock: loads joined,
+//! keep-alive expiry, eviction order, queue limits, failures, crashes, and each of
+//! Ollama's scheduler races shown absent.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use super::actor::{Handle, Limits, ModelRequest, ScheduleError, Scheduler};
+use super::backend::{Backend, BoxFuture, LiveRunner, StartRequest};
+use super::keep_alive::{Clamp, KeepAlive};
+use super::policy::{Footprint, GpuView};
+use crate::supervisor::command::{LoadOptions, ModelFiles};
+
+const MIB: u64 = 1 << 20;
+
+/// What the fake backend was asked to do, in order.
+#[derive(Default)]
+struct Journal {
+    lines: Vec<String>,
+    crash: BTreeMap<u64, oneshot::Sender<String>>,
+}
+
+#[derive(Clone, Default)]
+struct Fake {
+    journal: Arc<Mutex<Journal>>,
+    /// Models whose loads fail.
+    failing: Arc<Mutex<Vec<String>>>,
+}
+
+impl Fake {
+    fn lines(&self) -> Vec<String> {
+        self.journal.lock().expect("lock").lines.clone()
+    }
+
+    fn crash(&self, runner: u64) {
+        let sender = self.journal.lock().expect("lock").crash.remove(&runner).expect("a live runner");
+        let _ = sender.send("killed by signal 9".into());
+    }
+}
+
+struct FakeRunner {
+    id: u64,
+    journal: Arc<Mutex<Journal>>,
+    crashed: Option<oneshot::Receiver<String>>,
+}
+
+impl Backend for Fake {
+    fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, String>> {
+        let journal = Arc::clone(&self.journal);
+        let fails = self.failing.lock().expect("lock").contains(&request.model);
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let mut j = journal.lock().expect("lock");
+            j.lines.push(format!("start {} {}", request.id, request.model));
+            if fails {
+                return Err("bad model file".to_owned());
+            }
+            let (tx, rx) = oneshot::channel();
+            j.crash.insert(request.id, tx);
+            drop(j);
+            Ok(Box::new(FakeRunner { id: request.id, journal, crashed: Some(rx) }) as Box<dyn LiveRunner>)
+        })
+    }
+}
+
+impl LiveRunner for FakeRunner {
+    fn socket(&self) -> PathBuf {
+        PathBuf::from(format!("/run/corral/runner-{}.sock", self.id))
+    }
+
+    fn measured(&self) -> Option<Footprint> {
+        None
+    }
+
+    fn pid(&self) -> u32 {
+        1000 + u32::try_from(self.id).expect("small")
+    }
+
+    fn stop(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            self.journal.lock().expect("lock").lines.push(format!("stop {}", self.id));
+        })
+    }
+
+    fn exited(&mut self) -> BoxFuture<'_, String> {
+        Box::pin(async move {
+            // A dropped trigger means "never crashes".
+            match self.crashed.take() {
+                Some(rx) => match rx.await {
+                    Ok(reason) => reason,
+                    Err(_) => std::future::pending().await,
+                },
+                None => std::future::pending().await,
+            }
+        })
+    }
+}
+
+fn limits() -> Limits {
+    Limits {
+        max_loaded: 3,
+        max_queue: 8,
+        default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
+        clamp: Clamp::default(),
+    }
+}
+
+/// A scheduler on a CPU-only host with `host_mib` of memory for models.
+fn scheduler(host_mib: u64, limits: Limits) -> (Fake, Handle) {
+    let fake = Fake::default();
+    let (scheduler, handle) = Scheduler::new(Arc::new(fake.clone()), Vec::<GpuView>::new(), host_mib * MIB, limits);
+    tokio::spawn(scheduler.run());
+    (fake, handle)
+}
+
+fn model(name: &str, mib: u64) -> ModelRequest {
+    ModelRequest {
+        key: format!("key-{name}"),
+        name: name.to_owned(),
+        files: ModelFiles { model: PathBuf::from(format!("/blobs/{name}")), projector: None, adapters: Vec::new() },
+        options: LoadOptions::default(),
+        need: Footprint { vram: mib * MIB, ram: 0 },
+        keep_alive: None,
+        pinned: false,
+    }
+}
+
+fn with_keep_alive(mut request: ModelRequest, keep_alive: KeepAlive) -> ModelRequest {
+    request.keep_alive = Some(keep_alive);
+    request
+}
+
+/// Lets the scheduler and its tasks run until nothing is ready (the clock is paused).
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(1)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn concurrent_requests_for_one_model_share_one_load() {
+    let (fake, handle) = scheduler(1024, limits());
+    let (a, b) = tokio::join!(handle.acquire(model("m", 100)), handle.acquire(model("m", 100)));
+    let (a, b) = (a.expect("a"), b.expect("b"));
+    assert_eq!(a.socket(), b.socket());
+    assert_eq!(fake.lines(), ["start 1 m"], "one load for both");
+    let loaded = handle.loaded().await.expect("loaded");
+    assert_eq!((loaded.len(), loaded[0].leases, loaded[0].state), (1, 2, "ready"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn keep_alive_expires_idle_runners_and_zero_unloads_at_once() {
+    let (fake, handle) = scheduler(1024, limits());
+    drop(handle.acquire(model("default", 100)).await.expect("lease"));
+    drop(handle.acquire(with_keep_alive(model("zero", 100), KeepAlive::For(Duration::ZERO))).await.expect("lease"));
+    drop(handle.acquire(with_keep_alive(model("forever", 100), KeepAlive::Forever)).await.expect("lease"));
+    settle().await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        fake.lines().iter().filter(|l| l.starts_with("stop")).count(),
+        1,
+        "only keep_alive 0 unloaded: {:?}",
+        fake.lines()
+    );
+    tokio::time::sleep(Duration::from_secs(299)).await;
+    assert!(!fake.lines().contains(&"stop 1".to_owned()), "not before 5 minutes");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(fake.lines().contains(&"stop 1".to_owned()), "after 5 minutes: {:?}", fake.lines());
+    tokio::time::sleep(Duration::from_secs(100_000)).await;
+    let left: Vec<String> = handle.loaded().await.expect("loaded").into_iter().map(|m| m.name).collect();
+    assert_eq!(left, ["forever"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unset_keep_alive_keeps_the_runners_and_a_new_one_replaces_it() {
+    let (_fake, handle) = scheduler(1024, limits());
+    drop(
+        handle
+            .acquire(with_keep_alive(model("m", 100), KeepAlive::For(Duration::from_secs(3600))))
+            .await
+            .expect("lease"),
+    );
+    drop(handle.acquire(model("m", 100)).await.expect("lease"));
+    settle().await;
+    assert_eq!(handle.loaded().await.expect("loaded")[0].keep_alive, KeepAlive::For(Duration::from_secs(3600)));
+    drop(
+        handle.acquire(with_keep_alive(model("m", 100), KeepAlive::For(Duration::from_secs(60)))).await.expect("lease"),
+    );
+    settle().await;
+    assert_eq!(handle.loaded().await.expect("loaded")[0].keep_alive, KeepAlive::For(Duration::from_secs(60)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_runner_is_evicted_for_a_model_that_does_not_fit() {
+    let (fake, handle) = scheduler(1000, limits());
+    drop(handle.acquire(model("a", 600)).await.expect("a"));
+    let b = handle.acquire(model("b", 600)).await.expect("b loads after a is gone");
+    assert_eq!(fake.lines(), ["start 1 a", "stop 1", "start 2 b"]);
+    drop(b);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_busy_victim_drains_takes_no_new_requests_and_the_queue_is_served() {
+    let (fake, handle) = scheduler(1000, limits());
+    let lease_a = handle.acquire(model("a", 600)).await.expect("a");
+    let waiting_b = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.acquire(model("b", 600)).await }
+    });
+    settle().await;
+    assert_eq!(handle.loaded().await.expect("loaded")[0].name, "a");
+    // A new request for the draining model does not get it: it waits behind b.
+    let waiting_a = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.acquire(model("a", 600)).await }
+    });
+    settle().await;
+    assert!(!waiting_b.is_finished() && !waiting_a.is_finished());
+    drop(lease_a);
+    let b = waiting_b.await.expect("join").expect("b");
+    assert_eq!(fake.lines(), ["start 1 a", "stop 1", "start 2 b"]);
+    drop(b);
+    // b's default keep-alive keeps it; a's request waits for room until b expires.
+    tokio::time::sleep(Duration::from_secs(301)).await;
+    waiting_a.await.expect("join").expect("a again");
+    assert_eq!(fake.lines(), ["start 1 a", "stop 1", "start 2 b", "stop 2", "start 3 a"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_queue_is_bounded_and_a_full_queue_answers_at_once() {
+    let (_fake, handle) = scheduler(1000, Limits { max_queue: 1, ..limits() });
+    let first = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.acquire(model("a", 100)).await }
+    });
+    tokio::task::yield_now().await;
+    let err = handle.acquire(model("b", 100)).await.expect_err("full");
+    assert_eq!(err, ScheduleError::QueueFull(1));
+    assert!(err.to_string().contains("server busy"));
+    first.await.expect("join").expect("the queued one still loads");
+    // A zero-size queue refuses loads at once instead of hanging.
+    let (_fake, zero) = scheduler(1000, Limits { max_queue: 0, ..limits() });
+    assert_eq!(zero.acquire(model("a", 100)).await.expect_err("zero"), ScheduleError::QueueFull(0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_model_that_cannot_fit_is_refused_with_the_numbers() {
+    let (_fake, handle) = scheduler(1000, limits());
+    let err = handle.acquire(model("huge", 2000)).await.expect_err("no fit");
+    assert_eq!(
+        err,
+        ScheduleError::InsufficientMemory { model: "huge".into(), needed: 2000 * MIB, available: 1000 * MIB }
+    );
+    assert!(err.to_string().contains("needs 2097152000 bytes"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn pinned_models_are_never_evicted() {
+    let (_fake, handle) = scheduler(1000, limits());
+    let mut pinned = model("pinned", 600);
+    pinned.pinned = true;
+    drop(handle.acquire(pinned).await.expect("pinned"));
+    let err = handle.acquire(model("other", 600)).await.expect_err("no room");
+    assert!(matches!(err, ScheduleError::InsufficientMemory { available, .. } if available == 400 * MIB), "{err}");
+    tokio::time::sleep(Duration::from_secs(100_000)).await;
+    assert_eq!(handle.loaded().await.expect("loaded").len(), 1, "a pinned model does not expire either");
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_loaded_models_is_never_exceeded() {
+    let (fake, handle) = scheduler(100_000, Limits { max_loaded: 2, ..limits() });
+    for name in ["a", "b", "c", "d"] {
+        drop(handle.acquire(model(name, 10)).await.expect(name));
+        assert!(handle.loaded().await.expect("loaded").len() <= 2);
+    }
+    assert_eq!(fake.lines(), ["start 1 a", "start 2 b", "stop 1", "start 3 c", "stop 2", "start 4 d"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_loads_reach_every_waiter_and_repeated_failures_back_off() {
+    let (fake, handle) = scheduler(1000, limits());
+    fake.failing.lock().expect("lock").push("bad".into());
+    let (a, b) = tokio::join!(handle.acquire(model("bad", 100)), handle.acquire(model("bad", 100)));
+    for result in [a, b] {
+        assert_eq!(
+            result.expect_err("fails"),
+            ScheduleError::LoadFailed { model: "bad".into(), reason: "bad model file".into() }
+        );
+    }
+    // The first failure is retried at once; the second backs off and says why.
+    handle.acquire(model("bad", 100)).await.expect_err("second failure");
+    let err = handle.acquire(model("bad", 100)).await.expect_err("backing off");
+    assert!(matches!(err, ScheduleError::BackingOff { failures: 2, .. }), "{err}");
+    assert!(err.to_string().contains("bad model file"));
+    assert_eq!(fake.lines().len(), 2, "no load while backing off");
+    fake.failing.lock().expect("lock").clear();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    handle.acquire(model("bad", 100)).await.expect("loads once fixed and the backoff is over");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_crashed_runner_is_dropped_and_the_next_request_loads_it_again() {
+    let (fake, handle) = scheduler(1000, limits());
+    let lease = handle.acquire(model("m", 100)).await.expect("m");
+    fake.crash(1);
+    settle().await;
+    assert!(handle.loaded().await.expect("loaded").is_empty());
+    // The stale lease's release finds no runner: no count goes wrong (Ollama could underflow).
+    let fresh = handle.acquire(model("m", 100)).await.expect("loaded again");
+    drop(lease);
+    settle().await;
+    let loaded = handle.loaded().await.expect("loaded");
+    assert_eq!((loaded[0].id, loaded[0].leases), (2, 1), "the new runner's lease count is untouched");
+    drop(fresh);
+}
+
+#[tokio::test(start_paused = true)]
+async fn unload_replies_once_the_child_is_reaped_and_waits_for_busy_runners() {
+    let (fake, handle) = scheduler(1000, limits());
+    let lease = handle.acquire(model("m", 100)).await.expect("m");
+    let unload = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.unload("key-m").await }
+    });
+    settle().await;
+    assert!(!unload.is_finished(), "a busy runner unloads when its request ends");
+    drop(lease);
+    unload.await.expect("join").expect("unloaded");
+    assert_eq!(fake.lines(), ["start 1 m", "stop 1"], "the reply came after the stop");
+    assert_eq!(handle.unload("key-m").await.expect_err("gone"), ScheduleError::NotLoaded("key-m".into()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_that_reuses_a_runner_about_to_expire_keeps_it() {
+    let (fake, handle) = scheduler(1000, limits());
+    drop(handle.acquire(model("m", 100)).await.expect("m"));
+    tokio::time::sleep(Duration::from_secs(299)).await;
+    let lease = handle.acquire(model("m", 100)).await.expect("reused just before expiry");
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(fake.lines(), ["start 1 m"], "no unload while held, though the old deadline passed");
+    drop(lease);
+    tokio::time::sleep(Duration::from_secs(299)).await;
+    assert_eq!(fake.lines(), ["start 1 m"], "the keep-alive restarts from the release");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(fake.lines(), ["start 1 m", "stop 1"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_goes_away_while_queued_drives_no_eviction() {
+    let (fake, handle) = scheduler(1000, limits());
+    let lease_a = handle.acquire(model("a", 600)).await.expect("a");
+    let gone = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.acquire(model("b", 600)).await }
+    });
+    settle().await;
+    gone.abort();
+    let _ = gone.await;
+    drop(lease_a);
+    settle().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // a drains because b asked while a was busy; b's client is gone, so nothing loads b.
+    assert!(!fake.lines().iter().any(|l| l.ends_with(" b")), "{:?}", fake.lines());
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_stops_every_runner_and_answers_waiters() {
+    let (fake, handle) = scheduler(1000, limits());
+    drop(handle.acquire(model("a", 100)).await.expect("a"));
+    drop(handle.acquire(model("b", 100)).await.expect("b"));
+    handle.shutdown().await;
+    let mut lines = fake.lines();
+    lines.sort();
+    assert_eq!(lines, ["start 1 a", "start 2 b", "stop 1", "stop 2"]);
+    assert_eq!(handle.acquire(model("a", 100)).await.expect_err("stopped"), ScheduleError::ShuttingDown);
+}

@@ -1,0 +1,120 @@
+//! What the scheduler starts and stops: runners, behind a trait so that scheduling is
+//! tested without processes ([`Backend`]), and the real one on the supervisor.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::time::Duration;
+
+use super::policy::{Footprint, Placement};
+use crate::supervisor::command::{self, LoadOptions, ModelFiles};
+use crate::supervisor::runner::{self, Runner, RunnerSpec, SupervisorConfig};
+
+/// A boxed future, as trait objects return them.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What the scheduler asks a backend to start.
+#[derive(Debug, Clone)]
+pub struct StartRequest {
+    /// The runner's id.
+    pub id: u64,
+    /// The model's display name.
+    pub model: String,
+    /// Its files.
+    pub files: ModelFiles,
+    /// Load options.
+    pub options: LoadOptions,
+    /// Where the scheduler placed it.
+    pub placement: Placement,
+}
+
+/// A started runner.
+pub trait LiveRunner: Send + 'static {
+    /// The UNIX socket it serves on.
+    fn socket(&self) -> PathBuf;
+    /// What it really uses, as measured after the load.
+    fn measured(&self) -> Option<Footprint>;
+    /// The child's process id, for reports.
+    fn pid(&self) -> u32;
+    /// Stops it; resolves once it is reaped.
+    fn stop(self: Box<Self>) -> BoxFuture<'static, ()>;
+    /// Resolves (with a reason) if it dies on its own.
+    fn exited(&mut self) -> BoxFuture<'_, String>;
+}
+
+/// Starts runners.
+pub trait Backend: Send + Sync + 'static {
+    /// Starts one; resolves once it is ready, or with why it could not start.
+    fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, String>>;
+}
+
+/// The real backend: llama-server children through the supervisor.
+#[derive(Debug, Clone)]
+pub struct SupervisorBackend {
+    /// The supervisor's configuration.
+    pub config: SupervisorConfig,
+    /// The load timeout (restarted by progress).
+    pub load_timeout: Duration,
+    /// The ids the GPUs of the inventory are known by, by index, for device visibility.
+    pub devices: Vec<command::Device>,
+}
+
+impl Backend for SupervisorBackend {
+    fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, String>> {
+        let config = self.config.clone();
+        let devices = match &request.placement {
+            Placement::Gpu(index) => self.devices.get(*index).cloned().into_iter().collect(),
+            Placement::Spread(shares) => {
+                shares.iter().filter_map(|(index, _)| self.devices.get(*index).cloned()).collect()
+            }
+            Placement::Cpu => Vec::new(),
+        };
+        let mut options = request.options.clone();
+        if request.placement == Placement::Cpu && !self.devices.is_empty() {
+            // Placed on the CPU although GPUs exist: keep the weights off them.
+            options.num_gpu = Some(0);
+        }
+        let spec = RunnerSpec {
+            id: request.id,
+            model: request.model.clone(),
+            files: request.files.clone(),
+            options,
+            placement: command::Placement { devices, ..command::Placement::default() },
+            load_timeout: self.load_timeout,
+            memory_max: None,
+        };
+        Box::pin(async move {
+            let runner = runner::load(&config, &spec).await.map_err(|e| e.to_string())?;
+            Ok(Box::new(SupervisedRunner(runner)) as Box<dyn LiveRunner>)
+        })
+    }
+}
+
+struct SupervisedRunner(Runner);
+
+impl LiveRunner for SupervisedRunner {
+    fn socket(&self) -> PathBuf {
+        self.0.socket().to_owned()
+    }
+
+    fn measured(&self) -> Option<Footprint> {
+        let report = self.0.report();
+        let peak = self.0.memory().and_then(|m| m.peak.or(Some(m.current))).unwrap_or(0);
+        let (vram, ram) = (report.vram_bytes(), report.ram_bytes());
+        (vram + ram > 0).then(|| Footprint { vram, ram: ram.max(peak.saturating_sub(vram)) })
+    }
+
+    fn pid(&self) -> u32 {
+        self.0.pid().as_raw().unsigned_abs()
+    }
+
+    fn stop(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            self.0.stop().await;
+        })
+    }
+
+    fn exited(&mut self) -> BoxFuture<'_, String> {
+        Box::pin(async move { self.0.exited().await.to_string() })
+    }
+}
