@@ -93,11 +93,33 @@ pub struct SchedulerConfig {
     pub max_loaded_models: u32,
     /// Most requests waiting for a model; more are refused with 503.
     pub max_queue: u32,
+    /// The shortest keep-alive a client may ask for (an explicit 0, an unload, still counts).
+    #[serde(deserialize_with = "duration_opt")]
+    pub keep_alive_min: Option<Duration>,
+    /// The longest keep-alive a client may ask for (forever becomes this).
+    #[serde(deserialize_with = "duration_opt")]
+    pub keep_alive_max: Option<Duration>,
+    /// A load fails when llama-server prints nothing for this long.
+    #[serde(deserialize_with = "duration")]
+    pub load_timeout: Duration,
+    /// The context per request slot when neither the model nor the client sets `num_ctx`.
+    pub num_ctx: u32,
+    /// Request slots per runner (`-np`).
+    pub num_parallel: u32,
 }
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        Self { keep_alive: Duration::from_secs(5 * 60), max_loaded_models: 0, max_queue: 512 }
+        Self {
+            keep_alive: Duration::from_secs(5 * 60),
+            max_loaded_models: 0,
+            max_queue: 512,
+            keep_alive_min: None,
+            keep_alive_max: None,
+            load_timeout: Duration::from_secs(5 * 60),
+            num_ctx: 4096,
+            num_parallel: 1,
+        }
     }
 }
 
@@ -457,6 +479,11 @@ llama_server = "/opt/llama/bin/llama-server"
 keep_alive = "1h30m"
 max_loaded_models = 4
 max_queue = 10
+keep_alive_min = "1m"
+keep_alive_max = "24h"
+load_timeout = "10m"
+num_ctx = 8192
+num_parallel = 2
 [gpu]
 [models."qwen3:8b"]
 pinned = true
@@ -476,6 +503,10 @@ keep_alive = "10m"
         assert_eq!(c.scheduler.keep_alive, Duration::from_secs(5400));
         assert_eq!(c.scheduler.max_loaded_models, 4);
         assert_eq!(c.scheduler.max_queue, 10);
+        assert_eq!(c.scheduler.keep_alive_min, Some(Duration::from_secs(60)));
+        assert_eq!(c.scheduler.keep_alive_max, Some(Duration::from_secs(86_400)));
+        assert_eq!(c.scheduler.load_timeout, Duration::from_secs(600));
+        assert_eq!((c.scheduler.num_ctx, c.scheduler.num_parallel), (8192, 2));
         let m = &c.models["qwen3:8b"];
         assert!(m.pinned && m.preload);
         assert_eq!(m.keep_alive, Some(Duration::from_secs(600)));

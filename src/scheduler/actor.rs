@@ -25,6 +25,9 @@ pub struct ModelRequest {
     /// Runners are shared by requests with equal keys: the weights, adapters, projector
     /// and load options (a difference in any of them needs another runner).
     pub key: String,
+    /// The weights (with adapters and projector): a runner of the same weights under
+    /// another key is replaced, since its load options changed.
+    pub weights: String,
     /// The model's display name.
     pub name: String,
     /// Its files.
@@ -360,8 +363,27 @@ impl Scheduler {
             let _ = reply.send(Err(ScheduleError::QueueFull(self.limits.max_queue)));
             return;
         }
+        // The same weights loaded with other load options: reload, i.e. retire the old runner.
+        let stale: Vec<RunnerId> = self
+            .runners
+            .iter()
+            .filter(|(_, e)| e.request.weights == request.weights && e.request.key != request.key && !e.draining)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stale {
+            self.retire(id);
+        }
         self.queue.push_back((request, reply));
         self.schedule();
+    }
+
+    /// Takes a runner out of service: unloads it now if idle, else once its requests end.
+    fn retire(&mut self, id: RunnerId) {
+        let Some(entry) = self.runners.get_mut(&id) else { return };
+        entry.draining = true;
+        if entry.leases == 0 && matches!(entry.phase, Phase::Ready { .. }) {
+            self.begin_unload(id);
+        }
     }
 
     /// Requests waiting for a load: queued, and joined to loads under way.
@@ -572,11 +594,8 @@ impl Scheduler {
             let _ = reply.send(Err(ScheduleError::NotLoaded(key.to_owned())));
             return;
         };
-        entry.draining = true;
         entry.unload_waiters.push(reply);
-        if entry.leases == 0 && matches!(entry.phase, Phase::Ready { .. }) {
-            self.begin_unload(id);
-        }
+        self.retire(id);
     }
 
     fn begin_unload(&mut self, id: RunnerId) {

@@ -121,6 +121,7 @@ fn scheduler(host_mib: u64, limits: Limits) -> (Fake, Handle) {
 fn model(name: &str, mib: u64) -> ModelRequest {
     ModelRequest {
         key: format!("key-{name}"),
+        weights: format!("weights-{name}"),
         name: name.to_owned(),
         files: ModelFiles { model: PathBuf::from(format!("/blobs/{name}")), projector: None, adapters: Vec::new() },
         options: LoadOptions::default(),
@@ -376,4 +377,27 @@ async fn shutdown_stops_every_runner_and_answers_waiters() {
     lines.sort();
     assert_eq!(lines, ["start 1 a", "start 2 b", "stop 1", "stop 2"]);
     assert_eq!(handle.acquire(model("a", 100)).await.expect_err("stopped"), ScheduleError::ShuttingDown);
+}
+
+#[tokio::test(start_paused = true)]
+async fn changed_load_options_reload_and_sampling_options_do_not() {
+    let (fake, handle) = scheduler(1000, limits());
+    drop(handle.acquire(model("m", 100)).await.expect("m"));
+    let mut bigger = model("m", 200);
+    bigger.key = "key-m-ctx8192".into();
+    let lease = handle.acquire(bigger.clone()).await.expect("reloaded");
+    assert_eq!(fake.lines(), ["start 1 m", "stop 1", "start 2 m"], "the old runner went first");
+    // A request with the same load options (only sampling differs) shares the runner.
+    let again = handle.acquire(bigger).await.expect("shared");
+    assert_eq!(again.runner(), lease.runner());
+    // While the new runner is busy, a request for the old options waits for it to drain.
+    let old = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.acquire(model("m", 100)).await }
+    });
+    settle().await;
+    assert!(!old.is_finished());
+    drop((lease, again));
+    old.await.expect("join").expect("old options again");
+    assert_eq!(fake.lines(), ["start 1 m", "stop 1", "start 2 m", "stop 2", "start 3 m"]);
 }

@@ -4,12 +4,14 @@
 //!   [`Handle`](actor::Handle);
 //! - [`policy`]: pure decisions (fit, placement, eviction) on a snapshot;
 //! - [`keep_alive`]: what clients send and the server's clamps on it;
-//! - [`backend`]: the runners the actor starts, behind a trait, and the real one.
+//! - [`backend`]: the runners the actor starts, behind a trait, and the real one;
+//! - [`request`]: from a model name and a client's options to what the actor needs.
 
 pub mod actor;
 pub mod backend;
 pub mod keep_alive;
 pub mod policy;
+pub mod request;
 
 #[cfg(test)]
 mod actor_tests;
