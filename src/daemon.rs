@@ -6,6 +6,8 @@
 //! field (`start`, `ready`, `reload`, `stop`).
 
 use std::os::fd::OwnedFd;
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -13,12 +15,23 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{ConfigSource, Loaded};
+use crate::cli::LogTarget;
+use crate::config::{Config, ConfigSource, Loaded};
+use crate::gpu;
 use crate::http::{self, listeners};
 use crate::paths::Paths;
+use crate::scheduler::actor::{Handle, Limits, Scheduler};
+use crate::scheduler::backend::SupervisorBackend;
+use crate::scheduler::keep_alive::{Clamp, KeepAlive};
+use crate::scheduler::policy::GpuView;
+use crate::scheduler::request;
 use crate::store::Store;
+use crate::store::name::ModelName;
 use crate::supervisor::cgroup::CgroupTree;
+use crate::supervisor::command::{Device, INHERITED_VARIABLES};
+use crate::supervisor::runner::{LogSink, SupervisorConfig};
 use crate::systemd::Notifier;
+use crate::systemd::{JOURNAL_SOCKET, JournalWriter};
 
 /// Everything the daemon starts from.
 #[derive(Debug)]
@@ -35,11 +48,13 @@ pub struct Daemon {
     pub notifier: Notifier,
     /// The watchdog interval systemd asked for.
     pub watchdog: Option<Duration>,
+    /// Where logs go: llama-server's lines follow the daemon's to the journal or stderr.
+    pub log_target: LogTarget,
 }
 
 /// Runs the daemon until SIGTERM or SIGINT, then shuts down within `[server] shutdown_timeout`.
 pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
-    let Daemon { source, loaded, paths, sockets, notifier, watchdog } = daemon;
+    let Daemon { source, loaded, paths, sockets, notifier, watchdog, log_target } = daemon;
     let mut loaded = loaded;
     // Handlers first: a signal that arrives during start-up must not kill the process.
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
@@ -56,16 +71,18 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
         http::VERSION,
     );
 
-    // Held for the runners the scheduler starts; taking it moves the daemon into its leaf.
-    let _cgroups = take_cgroup_tree();
+    // Taking the cgroup tree moves the daemon into its leaf; runners become its siblings.
+    let cgroups = take_cgroup_tree();
     let store_path = loaded.config.store.path.clone().unwrap_or_else(|| paths.default_store());
     let read_only = loaded.config.store.read_only;
-    let _store = tokio::task::spawn_blocking(move || {
+    let store = tokio::task::spawn_blocking(move || {
         if read_only { Store::open_read_only(&store_path) } else { Store::open(&store_path) }
     })
     .await
     .context("the store check panicked")?
     .context("cannot open the model store")?;
+    let scheduler = start_scheduler(&loaded.config, &paths, cgroups, log_target).await?;
+    preload(&loaded.config, &store, &scheduler);
 
     let socket_activated = !sockets.is_empty();
     let listeners = if socket_activated {
@@ -74,7 +91,9 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
         listeners::bind(&loaded.config.server.listen).await?
     };
     let names: Vec<String> = listeners.iter().map(listeners::Listener::describe).collect();
-    let status = format!("serving on {}; 0 models loaded", names.join(", "));
+    let status_of = |models: usize| format!("serving on {}; {models} models loaded", names.join(", "));
+    let mut models = 0;
+    let mut status = status_of(models);
 
     let shutdown = CancellationToken::new();
     let mut servers = JoinSet::new();
@@ -87,6 +106,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     tracing::info!(corral_event = "ready", listeners = ?names, socket_activated, "corrald ready: {status}");
 
     let mut watchdog_tick = watchdog.map(|interval| tokio::time::interval(interval / 2));
+    let mut status_tick = tokio::time::interval(Duration::from_secs(2));
     let failure = loop {
         tokio::select! {
             _ = sigterm.recv() => break None,
@@ -96,6 +116,15 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
                 notifier.ready(&status);
             }
             () = tick(watchdog_tick.as_mut()) => notifier.watchdog(),
+            // STATUS= follows the loaded models.
+            _ = status_tick.tick() => {
+                let now = scheduler.loaded().await.map_or(models, |l| l.len());
+                if now != models {
+                    models = now;
+                    status = status_of(models);
+                    notifier.status(&status);
+                }
+            }
             Some(result) = servers.join_next() => {
                 break Some(match result {
                     Ok(Ok(())) => anyhow::anyhow!("an HTTP listener stopped unexpectedly"),
@@ -114,11 +143,97 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
         tracing::warn!(timeout = ?grace, "open connections did not finish in time; dropping them");
         servers.abort_all();
     }
+    // Every runner is stopped and reaped before the daemon exits.
+    scheduler.shutdown().await;
     if let Some(e) = failure {
         return Err(e);
     }
     tracing::info!("corrald stopped");
     Ok(())
+}
+
+/// Starts the scheduler on the memory inventory, with llama-server runners.
+async fn start_scheduler(
+    config: &Config,
+    paths: &Paths,
+    cgroups: Option<CgroupTree>,
+    log_target: LogTarget,
+) -> anyhow::Result<Handle> {
+    let gpu_config = config.gpu.clone();
+    let inventory = tokio::task::spawn_blocking(move || gpu::probe(&gpu_config, &gpu::Roots::system()).inventory())
+        .await
+        .context("the memory probe panicked")?;
+    std::fs::create_dir_all(&paths.runtime)
+        .with_context(|| format!("cannot create the runtime directory {}", paths.runtime.display()))?;
+    let log_sink = match log_target {
+        LogTarget::Journal => LogSink::Journal(Arc::new(
+            JournalWriter::new(Path::new(JOURNAL_SOCKET)).context("cannot open the journal socket")?,
+        )),
+        _ => LogSink::Tracing,
+    };
+    let inherited_env =
+        std::env::vars_os().filter(|(k, _)| INHERITED_VARIABLES.iter().any(|allowed| k == allowed)).collect();
+    let backend = SupervisorBackend {
+        config: SupervisorConfig {
+            llama_server: config.runner.llama_server.clone(),
+            runtime_dir: paths.runtime.clone(),
+            inherited_env,
+            log_sink,
+            cgroups,
+            stop_grace: Duration::from_secs(10),
+        },
+        load_timeout: config.scheduler.load_timeout,
+        devices: inventory.gpus.iter().map(|g| Device { backend: g.backend, id: g.id.clone() }).collect(),
+    };
+    let gpus: Vec<GpuView> =
+        inventory.gpus.iter().enumerate().map(|(index, g)| GpuView { index, usable: g.free_bytes }).collect();
+    let max_loaded = match config.scheduler.max_loaded_models {
+        0 => (3 * gpus.len()).max(3),
+        n => usize::try_from(n).unwrap_or(usize::MAX),
+    };
+    let limits = Limits {
+        max_loaded,
+        max_queue: usize::try_from(config.scheduler.max_queue).unwrap_or(usize::MAX),
+        default_keep_alive: KeepAlive::For(config.scheduler.keep_alive),
+        clamp: Clamp { min: config.scheduler.keep_alive_min, max: config.scheduler.keep_alive_max },
+    };
+    tracing::info!(
+        gpus = inventory.gpus.len(),
+        host_bytes = inventory.host.available_bytes,
+        max_loaded,
+        "scheduling on {} GPU(s) and {} bytes of host memory",
+        inventory.gpus.len(),
+        inventory.host.available_bytes
+    );
+    let (scheduler, handle) = Scheduler::new(Arc::new(backend), gpus, inventory.host.available_bytes, limits);
+    tokio::spawn(scheduler.run());
+    Ok(handle)
+}
+
+/// Loads the models configured with `preload = true`, in the background.
+fn preload(config: &Config, store: &Store, scheduler: &Handle) {
+    let defaults = request::Defaults { num_ctx: config.scheduler.num_ctx, parallel: config.scheduler.num_parallel };
+    for (name, policy) in config.models.iter().filter(|(_, p)| p.preload) {
+        let (name_text, store, scheduler) = (name.clone(), store.clone(), scheduler.clone());
+        let keep_alive = policy.keep_alive.map(KeepAlive::For);
+        let pinned = policy.pinned;
+        tokio::spawn(async move {
+            let built = tokio::task::spawn_blocking(move || {
+                let name = ModelName::parse(&name_text).map_err(|e| e.to_string())?;
+                request::build(&store, &name, &serde_json::Map::new(), keep_alive, pinned, defaults)
+                    .map_err(|e| e.to_string())
+            })
+            .await;
+            let outcome = match built {
+                Ok(Ok(request)) => scheduler.acquire(request).await.map(drop).map_err(|e| e.to_string()),
+                Ok(Err(e)) => Err(e),
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = outcome {
+                tracing::error!(corral_event = "preload", error = %e, "cannot preload a model: {e}");
+            }
+        });
+    }
 }
 
 /// Under systemd, takes over the delegated cgroup subtree (moving the daemon into its

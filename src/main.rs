@@ -32,7 +32,7 @@ fn main() -> ExitCode {
         return check_config(&source);
     }
 
-    logging::init(cli.log_target, handoff.stderr_is_journal);
+    let log_target = logging::init(cli.log_target, handoff.stderr_is_journal);
     let loaded = match source.load() {
         Ok(loaded) => loaded,
         Err(e) => {
@@ -56,6 +56,7 @@ fn main() -> ExitCode {
         sockets: handoff.sockets,
         notifier: handoff.notifier,
         watchdog: handoff.watchdog,
+        log_target,
     };
     match runtime.block_on(daemon::run(daemon)) {
         Ok(()) => ExitCode::SUCCESS,
