@@ -12,6 +12,7 @@ mod journald;
 mod llama_server;
 mod private_bus;
 mod registry;
+mod scheduling;
 mod shipped;
 mod socket_activation;
 mod supervision;

@@ -1,0 +1,146 @@
+//! The scheduler with real llama-server runners: a fixed memory inventory that holds one
+//! of two tiny models forces an eviction; and corrald preloading a model from its
+//! configuration, reporting it in STATUS=, and reaping it at stop.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use corral::scheduler::actor::{Limits, Scheduler};
+use corral::scheduler::backend::SupervisorBackend;
+use corral::scheduler::keep_alive::{Clamp, KeepAlive};
+use corral::scheduler::request::{self, Defaults};
+use corral::store::Store;
+use corral::store::create::CreateSpec;
+use corral::store::modelfile::Modelfile;
+use corral::store::name::ModelName;
+use corral::supervisor::runner::{LogSink, SupervisorConfig};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::support::corrald::{Corrald, free_port, write_config};
+use crate::support::notify::NotifyListener;
+use crate::support::{http, llama};
+
+const WAIT: Duration = Duration::from_secs(60);
+const MIB: u64 = 1 << 20;
+
+/// A store holding `chat` (the tiny llama) and `embed` (the tiny bert).
+fn store(dir: &Path) -> Store {
+    let store = Store::open(&dir.join("models")).expect("store");
+    corral::demo_model::write_tiny_llama(&dir.join("tiny.gguf")).expect("llama");
+    corral::demo_model::write_tiny_bert(&dir.join("bert.gguf")).expect("bert");
+    for (name, file) in [("chat", "tiny.gguf"), ("embed", "bert.gguf")] {
+        let modelfile = Modelfile::parse(&format!("FROM ./{file}\n")).expect("modelfile");
+        let spec = CreateSpec::from_modelfile(&modelfile, dir).expect("spec");
+        store.create(&ModelName::parse(name).expect("name"), &spec, &mut |_| {}).expect("create");
+    }
+    store
+}
+
+fn alive(pid: u32) -> bool {
+    kill(Pid::from_raw(i32::try_from(pid).expect("pid")), None).is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fixed_inventory_that_holds_one_model_evicts_the_other() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = store(dir.path());
+    let defaults = Defaults { num_ctx: 512, parallel: 1 };
+    let build = |name: &str| {
+        request::build(&store, &ModelName::parse(name).expect("name"), &serde_json::Map::new(), None, false, defaults)
+            .expect("request")
+    };
+    let (chat, embed) = (build("chat"), build("embed"));
+    // Room for either model's estimate, not for both (even once the first one's real,
+    // smaller footprint is learned).
+    let host = chat.need.total().max(embed.need.total()) + MIB;
+    let backend = SupervisorBackend {
+        config: SupervisorConfig {
+            llama_server: llama::bin_dir().join("llama-server"),
+            runtime_dir: dir.path().to_owned(),
+            inherited_env: vec![("PATH".into(), std::env::var_os("PATH").unwrap_or_default())],
+            log_sink: LogSink::Tracing,
+            cgroups: None,
+            stop_grace: Duration::from_secs(10),
+        },
+        load_timeout: WAIT,
+        devices: Vec::new(),
+    };
+    let limits = Limits {
+        max_loaded: 3,
+        max_queue: 16,
+        default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
+        clamp: Clamp::default(),
+    };
+    let (scheduler, handle) = Scheduler::new(Arc::new(backend), Vec::new(), host, limits);
+    tokio::spawn(scheduler.run());
+
+    let lease = tokio::time::timeout(WAIT, handle.acquire(chat)).await.expect("in time").expect("chat loads");
+    let socket = lease.socket().to_owned();
+    let completion = tokio::task::spawn_blocking(move || {
+        http::unix(&socket, "POST", "/completion", Some(r#"{"prompt":"hello","n_predict":8}"#))
+    })
+    .await
+    .expect("join");
+    assert_eq!(completion.status, 200);
+    assert_eq!(completion.json()["tokens_predicted"], 8);
+    drop(lease);
+    let loaded = handle.loaded().await.expect("loaded");
+    let chat_pid = loaded[0].pid.expect("pid");
+    assert!(
+        loaded[0].footprint.total() > 0 && loaded[0].footprint.total() < 64 * MIB,
+        "the measured footprint: {loaded:?}"
+    );
+
+    let lease = tokio::time::timeout(WAIT, handle.acquire(embed)).await.expect("in time").expect("embed loads");
+    assert!(!alive(chat_pid), "chat's llama-server was stopped and reaped to make room");
+    let socket = lease.socket().to_owned();
+    let embedding = tokio::task::spawn_blocking(move || {
+        http::unix(&socket, "POST", "/v1/embeddings", Some(r#"{"input":"hello world"}"#))
+    })
+    .await
+    .expect("join");
+    assert_eq!(embedding.status, 200, "{}", embedding.body);
+    assert_eq!(embedding.json()["data"][0]["embedding"].as_array().map(Vec::len), Some(64));
+    let names: Vec<String> = handle.loaded().await.expect("loaded").into_iter().map(|m| m.name).collect();
+    assert_eq!(names, ["embed:latest"]);
+    drop(lease);
+    let embed_pid = handle.loaded().await.expect("loaded")[0].pid.expect("pid");
+    tokio::time::timeout(WAIT, handle.shutdown()).await.expect("shutdown in time");
+    assert!(!alive(embed_pid), "shutdown reaps every runner");
+}
+
+#[test]
+fn corrald_preloads_a_configured_model_reports_it_and_reaps_it_at_stop() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    drop(store(dir.path()));
+    let port = free_port();
+    let config = write_config(
+        dir.path(),
+        "corral.toml",
+        &format!(
+            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
+             [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"2GiB\"\n\
+             [models.\"chat\"]\npreload = true\npinned = true\n",
+            dir.path().join("models").display(),
+            llama::bin_dir().join("llama-server").display(),
+        ),
+    );
+    let notify = NotifyListener::start();
+    let mut corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    notify.wait_for("READY", "1", WAIT);
+    notify.wait_for("STATUS", &format!("serving on 127.0.0.1:{port}; 1 models loaded"), WAIT);
+    corrald.wait_stderr("corral_event=\"offload\"", WAIT);
+    let stderr = corrald.stderr();
+    let pid: i32 = stderr
+        .split("corral_runner_pid=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no runner pid in:\n{stderr}"));
+    assert!(kill(Pid::from_raw(pid), None).is_ok(), "the runner runs");
+    corrald.signal(Signal::SIGTERM);
+    assert!(corrald.wait_exit(WAIT).success(), "{}", corrald.stderr());
+    assert!(kill(Pid::from_raw(pid), None).is_err(), "corrald reaped its runner before exiting");
+}
