@@ -22,6 +22,7 @@ use crate::http::{self, listeners};
 use crate::paths::Paths;
 use crate::scheduler::actor::{Handle, Limits, Scheduler};
 use crate::scheduler::backend::SupervisorBackend;
+use crate::scheduler::footprints::Footprints;
 use crate::scheduler::keep_alive::{Clamp, KeepAlive};
 use crate::scheduler::policy::GpuView;
 use crate::scheduler::request;
@@ -205,7 +206,8 @@ async fn start_scheduler(
         inventory.gpus.len(),
         inventory.host.available_bytes
     );
-    let (scheduler, handle) = Scheduler::new(Arc::new(backend), gpus, inventory.host.available_bytes, limits);
+    let learned = Footprints::load(paths.state.join("footprints.json"));
+    let (scheduler, handle) = Scheduler::new(Arc::new(backend), gpus, inventory.host.available_bytes, limits, learned);
     tokio::spawn(scheduler.run());
     Ok(handle)
 }

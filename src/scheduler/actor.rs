@@ -15,6 +15,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::backend::{Backend, LiveRunner, StartRequest};
+use super::footprints::Footprints;
 use super::keep_alive::{self, Clamp, KeepAlive};
 use super::policy::{self, Decision, Footprint, GpuView, Placement, RunnerId, RunnerView, Snapshot};
 use crate::supervisor::command::{LoadOptions, ModelFiles};
@@ -258,14 +259,20 @@ pub struct Scheduler {
     commands: mpsc::Receiver<Command>,
     events: mpsc::UnboundedReceiver<Event>,
     events_tx: mpsc::UnboundedSender<Event>,
-    learned: BTreeMap<String, Footprint>,
+    learned: Footprints,
 }
 
 impl Scheduler {
     /// A scheduler planning with `gpus` and `host_usable` bytes of host memory; run it with
     /// [`Scheduler::run`] on its own task.
     #[must_use]
-    pub fn new(backend: Arc<dyn Backend>, gpus: Vec<GpuView>, host_usable: u64, limits: Limits) -> (Self, Handle) {
+    pub fn new(
+        backend: Arc<dyn Backend>,
+        gpus: Vec<GpuView>,
+        host_usable: u64,
+        limits: Limits,
+        learned: Footprints,
+    ) -> (Self, Handle) {
         let (commands_tx, commands) = mpsc::channel(64);
         let (events_tx, events) = mpsc::unbounded_channel();
         let scheduler = Self {
@@ -280,7 +287,7 @@ impl Scheduler {
             commands,
             events,
             events_tx,
-            learned: BTreeMap::new(),
+            learned,
         };
         (scheduler, Handle { commands: commands_tx })
     }
@@ -414,7 +421,7 @@ impl Scheduler {
                 self.acquire(request, reply);
                 continue;
             }
-            let need = self.learned.get(&request.key).copied().unwrap_or(request.need);
+            let need = self.learned.get(&request.key).unwrap_or(request.need);
             match policy::decide(&self.snapshot(), need) {
                 Decision::Load(placement) => {
                     let (request, reply) = self.queue.pop_front().expect("checked above");
@@ -541,7 +548,9 @@ impl Scheduler {
                 self.failures.remove(&entry.request.key);
                 if let Some(measured) = live.measured() {
                     entry.footprint = measured;
-                    self.learned.insert(entry.request.key.clone(), measured);
+                    if let Some(write) = self.learned.record(&entry.request.key, measured) {
+                        tokio::task::spawn_blocking(move || write.write());
+                    }
                 }
                 let socket = live.socket();
                 let pid = live.pid();

@@ -11,6 +11,7 @@ use tokio::sync::oneshot;
 
 use super::actor::{Handle, Limits, ModelRequest, ScheduleError, Scheduler};
 use super::backend::{Backend, BoxFuture, LiveRunner, StartRequest};
+use super::footprints::Footprints;
 use super::keep_alive::{Clamp, KeepAlive};
 use super::policy::{Footprint, GpuView};
 use crate::supervisor::command::{LoadOptions, ModelFiles};
@@ -113,7 +114,8 @@ fn limits() -> Limits {
 /// A scheduler on a CPU-only host with `host_mib` of memory for models.
 fn scheduler(host_mib: u64, limits: Limits) -> (Fake, Handle) {
     let fake = Fake::default();
-    let (scheduler, handle) = Scheduler::new(Arc::new(fake.clone()), Vec::<GpuView>::new(), host_mib * MIB, limits);
+    let (scheduler, handle) =
+        Scheduler::new(Arc::new(fake.clone()), Vec::<GpuView>::new(), host_mib * MIB, limits, Footprints::in_memory());
     tokio::spawn(scheduler.run());
     (fake, handle)
 }

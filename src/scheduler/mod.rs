@@ -5,10 +5,12 @@
 //! - [`policy`]: pure decisions (fit, placement, eviction) on a snapshot;
 //! - [`keep_alive`]: what clients send and the server's clamps on it;
 //! - [`backend`]: the runners the actor starts, behind a trait, and the real one;
+//! - [`footprints`]: what models really used, learned at each load and kept on disk;
 //! - [`request`]: from a model name and a client's options to what the actor needs.
 
 pub mod actor;
 pub mod backend;
+pub mod footprints;
 pub mod keep_alive;
 pub mod policy;
 pub mod request;

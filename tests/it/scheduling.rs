@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use corral::scheduler::actor::{Limits, Scheduler};
 use corral::scheduler::backend::SupervisorBackend;
+use corral::scheduler::footprints::Footprints;
 use corral::scheduler::keep_alive::{Clamp, KeepAlive};
 use corral::scheduler::request::{self, Defaults};
 use corral::store::Store;
@@ -73,7 +74,9 @@ async fn a_fixed_inventory_that_holds_one_model_evicts_the_other() {
         default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
         clamp: Clamp::default(),
     };
-    let (scheduler, handle) = Scheduler::new(Arc::new(backend), Vec::new(), host, limits);
+    let footprints = dir.path().join("footprints.json");
+    let (scheduler, handle) =
+        Scheduler::new(Arc::new(backend), Vec::new(), host, limits, Footprints::load(footprints.clone()));
     tokio::spawn(scheduler.run());
 
     let lease = tokio::time::timeout(WAIT, handle.acquire(chat)).await.expect("in time").expect("chat loads");
@@ -105,6 +108,16 @@ async fn a_fixed_inventory_that_holds_one_model_evicts_the_other() {
     assert_eq!(embedding.json()["data"][0]["embedding"].as_array().map(Vec::len), Some(64));
     let names: Vec<String> = handle.loaded().await.expect("loaded").into_iter().map(|m| m.name).collect();
     assert_eq!(names, ["embed:latest"]);
+    // Both real footprints are learned and kept for the next start (written off the
+    // scheduler's task, so the file may lag a moment).
+    let (chat_key, embed_key) = (build("chat").key, build("embed").key);
+    crate::support::container::poll_until(WAIT, "both footprints on disk", || {
+        let learned = Footprints::load(footprints.clone());
+        match (learned.get(&chat_key), learned.get(&embed_key)) {
+            (Some(chat), Some(_)) if chat.total() < 64 * MIB => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
     drop(lease);
     let embed_pid = handle.loaded().await.expect("loaded")[0].pid.expect("pid");
     tokio::time::timeout(WAIT, handle.shutdown()).await.expect("shutdown in time");
