@@ -331,6 +331,11 @@ async fn unload_replies_once_the_child_is_reaped_and_waits_for_busy_runners() {
     settle().await;
     assert!(!unload.is_finished(), "a busy runner unloads when its request ends");
     drop(lease);
+    tokio::task::yield_now().await;
+    // Read while it unloads: a consistent view from the owner, never a half-removed runner.
+    let during = handle.loaded().await.expect("loaded");
+    assert_eq!(during.len(), 1);
+    assert_eq!((during[0].state, during[0].pid), ("unloading", None), "{during:?}");
     unload.await.expect("join").expect("unloaded");
     assert_eq!(fake.lines(), ["start 1 m", "stop 1"], "the reply came after the stop");
     assert_eq!(handle.unload("key-m").await.expect_err("gone"), ScheduleError::NotLoaded("key-m".into()));
