@@ -161,9 +161,13 @@ async fn start_scheduler(
     log_target: LogTarget,
 ) -> anyhow::Result<Handle> {
     let gpu_config = config.gpu.clone();
-    let inventory = tokio::task::spawn_blocking(move || gpu::probe(&gpu_config, &gpu::Roots::system()).inventory())
-        .await
-        .context("the memory probe panicked")?;
+    let (probe, inventory) = tokio::task::spawn_blocking(move || {
+        let probe: Arc<dyn gpu::MemoryProbe> = Arc::from(gpu::probe(&gpu_config, &gpu::Roots::system()));
+        let inventory = probe.inventory();
+        (probe, inventory)
+    })
+    .await
+    .context("the memory probe panicked")?;
     std::fs::create_dir_all(&paths.runtime)
         .with_context(|| format!("cannot create the runtime directory {}", paths.runtime.display()))?;
     let log_sink = match log_target {
@@ -185,6 +189,7 @@ async fn start_scheduler(
         },
         load_timeout: config.scheduler.load_timeout,
         devices: inventory.gpus.iter().map(|g| Device { backend: g.backend, id: g.id.clone() }).collect(),
+        probe: Some(probe),
     };
     let gpus: Vec<GpuView> =
         inventory.gpus.iter().enumerate().map(|(index, g)| GpuView { index, usable: g.free_bytes }).collect();

@@ -4,9 +4,11 @@
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::policy::{Footprint, Placement};
+use crate::gpu::MemoryProbe;
 use crate::supervisor::command::{self, LoadOptions, ModelFiles};
 use crate::supervisor::runner::{self, Runner, RunnerSpec, SupervisorConfig};
 
@@ -57,6 +59,14 @@ pub struct SupervisorBackend {
     pub load_timeout: Duration,
     /// The ids the GPUs of the inventory are known by, by index, for device visibility.
     pub devices: Vec<command::Device>,
+    /// Per-process GPU memory (NVML), where the probe can tell.
+    pub probe: Option<Arc<dyn MemoryProbe>>,
+}
+
+impl std::fmt::Debug for dyn MemoryProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("memory probe")
+    }
 }
 
 impl Backend for SupervisorBackend {
@@ -83,38 +93,46 @@ impl Backend for SupervisorBackend {
             load_timeout: self.load_timeout,
             memory_max: None,
         };
+        let probe = self.probe.clone();
         Box::pin(async move {
             let runner = runner::load(&config, &spec).await.map_err(|e| e.to_string())?;
-            Ok(Box::new(SupervisedRunner(runner)) as Box<dyn LiveRunner>)
+            Ok(Box::new(SupervisedRunner { runner, probe }) as Box<dyn LiveRunner>)
         })
     }
 }
 
-struct SupervisedRunner(Runner);
+struct SupervisedRunner {
+    runner: Runner,
+    probe: Option<Arc<dyn MemoryProbe>>,
+}
 
 impl LiveRunner for SupervisedRunner {
     fn socket(&self) -> PathBuf {
-        self.0.socket().to_owned()
+        self.runner.socket().to_owned()
     }
 
+    /// The larger of each source: parsed buffer sizes, the process's GPU memory as NVML
+    /// sees it, and the cgroup's peak for host memory.
     fn measured(&self) -> Option<Footprint> {
-        let report = self.0.report();
-        let peak = self.0.memory().and_then(|m| m.peak.or(Some(m.current))).unwrap_or(0);
-        let (vram, ram) = (report.vram_bytes(), report.ram_bytes());
-        (vram + ram > 0).then(|| Footprint { vram, ram: ram.max(peak.saturating_sub(vram)) })
+        let report = self.runner.report();
+        let peak = self.runner.memory().and_then(|m| m.peak.or(Some(m.current))).unwrap_or(0);
+        let nvml = self.probe.as_ref().and_then(|p| p.process_vram(self.pid())).unwrap_or(0);
+        let vram = report.vram_bytes().max(nvml);
+        let ram = report.ram_bytes().max(peak.saturating_sub(vram));
+        (vram + ram > 0).then_some(Footprint { vram, ram })
     }
 
     fn pid(&self) -> u32 {
-        self.0.pid().as_raw().unsigned_abs()
+        self.runner.pid().as_raw().unsigned_abs()
     }
 
     fn stop(self: Box<Self>) -> BoxFuture<'static, ()> {
         Box::pin(async move {
-            self.0.stop().await;
+            self.runner.stop().await;
         })
     }
 
     fn exited(&mut self) -> BoxFuture<'_, String> {
-        Box::pin(async move { self.0.exited().await.to_string() })
+        Box::pin(async move { self.runner.exited().await.to_string() })
     }
 }

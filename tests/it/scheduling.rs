@@ -67,6 +67,7 @@ async fn a_fixed_inventory_that_holds_one_model_evicts_the_other() {
         },
         load_timeout: WAIT,
         devices: Vec::new(),
+        probe: None,
     };
     let limits = Limits {
         max_loaded: 3,
