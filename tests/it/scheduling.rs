@@ -158,3 +158,44 @@ fn corrald_preloads_a_configured_model_reports_it_and_reaps_it_at_stop() {
     assert!(corrald.wait_exit(WAIT).success(), "{}", corrald.stderr());
     assert!(kill(Pid::from_raw(pid), None).is_err(), "corrald reaped its runner before exiting");
 }
+
+#[test]
+fn no_runner_outlives_a_sigkilled_corrald() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    drop(store(dir.path()));
+    let port = free_port();
+    let config = write_config(
+        dir.path(),
+        "corral.toml",
+        &format!(
+            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
+             [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n\
+             [models.\"chat\"]\npreload = true\n[models.\"embed\"]\npreload = true\n",
+            dir.path().join("models").display(),
+            llama::bin_dir().join("llama-server").display(),
+        ),
+    );
+    let notify = NotifyListener::start();
+    let mut corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    notify.wait_for("STATUS", &format!("serving on 127.0.0.1:{port}; 2 models loaded"), WAIT);
+    let stderr = corrald.stderr();
+    let runners: Vec<i32> = stderr
+        .split("corral_runner_pid=")
+        .skip(1)
+        .filter_map(|rest| rest.split_whitespace().next().and_then(|p| p.parse().ok()))
+        .collect();
+    assert_eq!(runners.len(), 2, "two offload events:\n{stderr}");
+    corrald.signal(Signal::SIGKILL);
+    corrald.wait_exit(WAIT);
+    crate::support::container::poll_until(WAIT, "both runners to die with corrald", || {
+        let alive: Vec<i32> = runners
+            .iter()
+            .copied()
+            .filter(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+            })
+            .collect();
+        if alive.is_empty() { Ok(()) } else { Err(format!("still running: {alive:?}")) }
+    });
+}
