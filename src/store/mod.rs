@@ -237,6 +237,7 @@ impl Store {
     /// Moves a fully written and synced temporary file into place as blob `digest`.
     pub fn commit_blob(&self, temp: tempfile::NamedTempFile, digest: &Digest) -> Result<(), StoreError> {
         let path = self.blob_path(digest);
+        readable(temp.as_file())?;
         temp.as_file().sync_all().map_err(io_err(format!("cannot sync {}", temp.path().display())))?;
         temp.persist(&path)
             .map_err(|e| StoreError::Io { context: format!("cannot write {}", path.display()), source: e.error })?;
@@ -359,6 +360,7 @@ impl Store {
             .tempfile_in(&dir)
             .map_err(io_err(format!("cannot create a temporary file in {}", dir.display())))?;
         temp.write_all(bytes).and_then(|()| temp.as_file().sync_all()).map_err(io_err("cannot write the manifest"))?;
+        readable(temp.as_file())?;
         temp.persist(&path)
             .map_err(|e| StoreError::Io { context: format!("cannot write {}", path.display()), source: e.error })?;
         sync_dir(&dir)?;
@@ -503,6 +505,13 @@ fn remove_temporaries(dir: &Path) -> Result<(), StoreError> {
         }
     }
     Ok(())
+}
+
+/// Store files are world-readable like Ollama's (the service's `UMask=` narrows that):
+/// temporary files start out private to their creator.
+fn readable(file: &File) -> Result<(), StoreError> {
+    use std::os::unix::fs::PermissionsExt;
+    file.set_permissions(fs::Permissions::from_mode(0o644)).map_err(io_err("cannot set a store file's mode"))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), StoreError> {
