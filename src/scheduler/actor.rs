@@ -475,6 +475,15 @@ impl Scheduler {
                 unload_waiters: Vec::new(),
             },
         );
+        // Requests for this model queued behind others join the load now, in their order:
+        // none waits for the queue's head while its model loads or runs.
+        let key = self.runners[&id].request.key.clone();
+        let (joining, rest): (VecDeque<_>, VecDeque<_>) =
+            std::mem::take(&mut self.queue).into_iter().partition(|(queued, _)| queued.key == key);
+        self.queue = rest;
+        if let Some(Entry { phase: Phase::Loading { waiters }, .. }) = self.runners.get_mut(&id) {
+            waiters.extend(joining.into_iter().map(|(_, reply)| reply));
+        }
         let backend = Arc::clone(&self.backend);
         let events = self.events_tx.clone();
         tokio::spawn(async move {

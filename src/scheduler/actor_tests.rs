@@ -408,3 +408,29 @@ async fn changed_load_options_reload_and_sampling_options_do_not() {
     old.await.expect("join").expect("old options again");
     assert_eq!(fake.lines(), ["start 1 m", "stop 1", "start 2 m", "stop 2", "start 3 m"]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn queued_requests_for_a_model_join_its_load_in_order() {
+    let (fake, handle) = scheduler(1000, limits());
+    let lease_a = handle.acquire(model("a", 600)).await.expect("a");
+    let spawn = |name: &'static str| {
+        let handle = handle.clone();
+        tokio::spawn(async move { handle.acquire(model(name, 600)).await })
+    };
+    // b waits for a to drain, c waits behind b for room, and a second b behind c must join
+    // b's load rather than wait for c (which would load b a second time after c).
+    let b1 = spawn("b");
+    settle().await;
+    let c = spawn("c");
+    settle().await;
+    let b2 = spawn("b");
+    settle().await;
+    drop(lease_a);
+    let (b1, b2) = (b1.await.expect("join").expect("b1"), b2.await.expect("join").expect("b2"));
+    assert_eq!(b1.runner(), b2.runner());
+    assert!(!c.is_finished(), "c waits for room");
+    drop((b1, b2));
+    tokio::time::sleep(Duration::from_secs(301)).await;
+    c.await.expect("join").expect("c");
+    assert_eq!(fake.lines(), ["start 1 a", "stop 1", "start 2 b", "stop 2", "start 3 c"], "b loaded once");
+}
