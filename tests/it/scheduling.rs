@@ -16,8 +16,7 @@ use corral::store::create::CreateSpec;
 use corral::store::modelfile::Modelfile;
 use corral::store::name::ModelName;
 use corral::supervisor::runner::{LogSink, SupervisorConfig};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 
 use crate::support::corrald::{Corrald, free_port, write_config};
 use crate::support::notify::NotifyListener;
@@ -39,8 +38,10 @@ fn store(dir: &Path) -> Store {
     store
 }
 
+/// True while `pid` runs (exists and is not a zombie).
 fn alive(pid: u32) -> bool {
-    kill(Pid::from_raw(i32::try_from(pid).expect("pid")), None).is_ok()
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -125,77 +126,63 @@ async fn a_fixed_inventory_that_holds_one_model_evicts_the_other() {
     assert!(!alive(embed_pid), "shutdown reaps every runner");
 }
 
-#[test]
-fn corrald_preloads_a_configured_model_reports_it_and_reaps_it_at_stop() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    drop(store(dir.path()));
+/// corrald on a store of `chat` and `embed`, the real llama-server, a fixed 4 GiB host
+/// and `models` (TOML `[models."…"]` tables) preloaded; returns it and its port.
+fn corrald_with(dir: &Path, models: &str, notify: &NotifyListener) -> (Corrald, u16) {
+    drop(store(dir));
     let port = free_port();
     let config = write_config(
-        dir.path(),
+        dir,
         "corral.toml",
         &format!(
             "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
-             [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"2GiB\"\n\
-             [models.\"chat\"]\npreload = true\npinned = true\n",
-            dir.path().join("models").display(),
+             [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n{models}",
+            dir.join("models").display(),
             llama::bin_dir().join("llama-server").display(),
         ),
     );
+    (Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path())), port)
+}
+
+/// The runner pids of the `offload` events corrald logged.
+fn runner_pids(corrald: &Corrald) -> Vec<u32> {
+    corrald
+        .stderr()
+        .split("corral_runner_pid=")
+        .skip(1)
+        .filter_map(|rest| rest.split_whitespace().next().and_then(|p| p.parse().ok()))
+        .collect()
+}
+
+#[test]
+fn corrald_preloads_a_configured_model_reports_it_and_reaps_it_at_stop() {
+    let dir = tempfile::tempdir().expect("tempdir");
     let notify = NotifyListener::start();
-    let mut corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    let (mut corrald, port) = corrald_with(dir.path(), "[models.\"chat\"]\npreload = true\npinned = true\n", &notify);
     notify.wait_for("READY", "1", WAIT);
     notify.wait_for("STATUS", &format!("serving on 127.0.0.1:{port}; 1 models loaded"), WAIT);
     corrald.wait_stderr("corral_event=\"offload\"", WAIT);
-    let stderr = corrald.stderr();
-    let pid: i32 = stderr
-        .split("corral_runner_pid=")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("no runner pid in:\n{stderr}"));
-    assert!(kill(Pid::from_raw(pid), None).is_ok(), "the runner runs");
+    let pids = runner_pids(&corrald);
+    assert_eq!(pids.len(), 1, "{}", corrald.stderr());
+    assert!(alive(pids[0]), "the runner runs");
     corrald.signal(Signal::SIGTERM);
     assert!(corrald.wait_exit(WAIT).success(), "{}", corrald.stderr());
-    assert!(kill(Pid::from_raw(pid), None).is_err(), "corrald reaped its runner before exiting");
+    assert!(!alive(pids[0]), "corrald reaped its runner before exiting");
 }
 
 #[test]
 fn no_runner_outlives_a_sigkilled_corrald() {
     let dir = tempfile::tempdir().expect("tempdir");
-    drop(store(dir.path()));
-    let port = free_port();
-    let config = write_config(
-        dir.path(),
-        "corral.toml",
-        &format!(
-            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
-             [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n\
-             [models.\"chat\"]\npreload = true\n[models.\"embed\"]\npreload = true\n",
-            dir.path().join("models").display(),
-            llama::bin_dir().join("llama-server").display(),
-        ),
-    );
     let notify = NotifyListener::start();
-    let mut corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    let models = "[models.\"chat\"]\npreload = true\n[models.\"embed\"]\npreload = true\n";
+    let (mut corrald, port) = corrald_with(dir.path(), models, &notify);
     notify.wait_for("STATUS", &format!("serving on 127.0.0.1:{port}; 2 models loaded"), WAIT);
-    let stderr = corrald.stderr();
-    let runners: Vec<i32> = stderr
-        .split("corral_runner_pid=")
-        .skip(1)
-        .filter_map(|rest| rest.split_whitespace().next().and_then(|p| p.parse().ok()))
-        .collect();
-    assert_eq!(runners.len(), 2, "two offload events:\n{stderr}");
+    let runners = runner_pids(&corrald);
+    assert_eq!(runners.len(), 2, "two offload events:\n{}", corrald.stderr());
     corrald.signal(Signal::SIGKILL);
     corrald.wait_exit(WAIT);
     crate::support::container::poll_until(WAIT, "both runners to die with corrald", || {
-        let alive: Vec<i32> = runners
-            .iter()
-            .copied()
-            .filter(|pid| {
-                std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                    .is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
-            })
-            .collect();
-        if alive.is_empty() { Ok(()) } else { Err(format!("still running: {alive:?}")) }
+        let left: Vec<u32> = runners.iter().copied().filter(|pid| alive(*pid)).collect();
+        if left.is_empty() { Ok(()) } else { Err(format!("still running: {left:?}")) }
     });
 }
