@@ -119,7 +119,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
             () = tick(watchdog_tick.as_mut()) => notifier.watchdog(),
             // STATUS= follows the loaded models.
             _ = status_tick.tick() => {
-                let now = scheduler.loaded().await.map_or(models, |l| l.len());
+                let now = scheduler.loaded().await.map_or(models, |l| l.iter().filter(|m| m.state == "ready").count());
                 if now != models {
                     models = now;
                     status = status_of(models);

@@ -162,6 +162,7 @@ fn corrald_preloads_a_configured_model_reports_it_and_reaps_it_at_stop() {
     notify.wait_for("READY", "1", WAIT);
     notify.wait_for("STATUS", &format!("serving on 127.0.0.1:{port}; 1 models loaded"), WAIT);
     corrald.wait_stderr("corral_event=\"offload\"", WAIT);
+    corrald.wait_stderr("corral_runner_pid=", WAIT);
     let pids = runner_pids(&corrald);
     assert_eq!(pids.len(), 1, "{}", corrald.stderr());
     assert!(alive(pids[0]), "the runner runs");
@@ -177,8 +178,11 @@ fn no_runner_outlives_a_sigkilled_corrald() {
     let models = "[models.\"chat\"]\npreload = true\n[models.\"embed\"]\npreload = true\n";
     let (mut corrald, port) = corrald_with(dir.path(), models, &notify);
     notify.wait_for("STATUS", &format!("serving on 127.0.0.1:{port}; 2 models loaded"), WAIT);
-    let runners = runner_pids(&corrald);
-    assert_eq!(runners.len(), 2, "two offload events:\n{}", corrald.stderr());
+    // The offload lines may reach the pipe a moment after the status.
+    let runners = crate::support::container::poll_until(WAIT, "two offload events", || {
+        let pids = runner_pids(&corrald);
+        if pids.len() == 2 { Ok(pids) } else { Err(corrald.stderr()) }
+    });
     corrald.signal(Signal::SIGKILL);
     corrald.wait_exit(WAIT);
     crate::support::container::poll_until(WAIT, "both runners to die with corrald", || {
