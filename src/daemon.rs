@@ -82,15 +82,15 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     .await
     .context("the store check panicked")?
     .context("cannot open the model store")?;
-    let scheduler = start_scheduler(&loaded.config, &paths, cgroups, log_target).await?;
-    preload(&loaded.config, &store, &scheduler);
-
+    // Listen before any runner starts: a start that fails to listen leaves nothing behind.
     let socket_activated = !sockets.is_empty();
     let listeners = if socket_activated {
         listeners::adopt(sockets)?
     } else {
         listeners::bind(&loaded.config.server.listen).await?
     };
+    let (scheduler, gpu_count) = start_scheduler(&loaded.config, &paths, cgroups, log_target).await?;
+    preload(&loaded.config, &store, &scheduler);
     let names: Vec<String> = listeners.iter().map(listeners::Listener::describe).collect();
     let status_of = |models: usize| format!("serving on {}; {models} models loaded", names.join(", "));
     let mut models = 0;
@@ -113,7 +113,9 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
             _ = sigterm.recv() => break None,
             _ = sigint.recv() => break None,
             _ = sighup.recv() => {
-                reload(&source, &mut loaded, socket_activated, &notifier);
+                if reload(&source, &mut loaded, socket_activated, &notifier) {
+                    scheduler.reconfigure(limits(&loaded.config, gpu_count)).await;
+                }
                 notifier.ready(&status);
             }
             () = tick(watchdog_tick.as_mut()) => notifier.watchdog(),
@@ -153,13 +155,14 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Starts the scheduler on the memory inventory, with llama-server runners.
+/// Starts the scheduler on the memory inventory, with llama-server runners; returns its
+/// handle and the number of GPUs found.
 async fn start_scheduler(
     config: &Config,
     paths: &Paths,
     cgroups: Option<CgroupTree>,
     log_target: LogTarget,
-) -> anyhow::Result<Handle> {
+) -> anyhow::Result<(Handle, usize)> {
     let gpu_config = config.gpu.clone();
     let (probe, inventory) = tokio::task::spawn_blocking(move || {
         let probe: Arc<dyn gpu::MemoryProbe> = Arc::from(gpu::probe(&gpu_config, &gpu::Roots::system()));
@@ -193,16 +196,8 @@ async fn start_scheduler(
     };
     let gpus: Vec<GpuView> =
         inventory.gpus.iter().enumerate().map(|(index, g)| GpuView { index, usable: g.free_bytes }).collect();
-    let max_loaded = match config.scheduler.max_loaded_models {
-        0 => (3 * gpus.len()).max(3),
-        n => usize::try_from(n).unwrap_or(usize::MAX),
-    };
-    let limits = Limits {
-        max_loaded,
-        max_queue: usize::try_from(config.scheduler.max_queue).unwrap_or(usize::MAX),
-        default_keep_alive: KeepAlive::For(config.scheduler.keep_alive),
-        clamp: Clamp { min: config.scheduler.keep_alive_min, max: config.scheduler.keep_alive_max },
-    };
+    let limits = limits(config, gpus.len());
+    let max_loaded = limits.max_loaded;
     tracing::info!(
         gpus = inventory.gpus.len(),
         host_bytes = inventory.host.available_bytes,
@@ -212,9 +207,23 @@ async fn start_scheduler(
         inventory.host.available_bytes
     );
     let learned = Footprints::load(paths.state.join("footprints.json"));
+    let gpu_count = gpus.len();
     let (scheduler, handle) = Scheduler::new(Arc::new(backend), gpus, inventory.host.available_bytes, limits, learned);
     tokio::spawn(scheduler.run());
-    Ok(handle)
+    Ok((handle, gpu_count))
+}
+
+/// The scheduler's limits from the configuration (applied again on reload).
+fn limits(config: &Config, gpu_count: usize) -> Limits {
+    Limits {
+        max_loaded: match config.scheduler.max_loaded_models {
+            0 => (3 * gpu_count).max(3),
+            n => usize::try_from(n).unwrap_or(usize::MAX),
+        },
+        max_queue: usize::try_from(config.scheduler.max_queue).unwrap_or(usize::MAX),
+        default_keep_alive: KeepAlive::For(config.scheduler.keep_alive),
+        clamp: Clamp { min: config.scheduler.keep_alive_min, max: config.scheduler.keep_alive_max },
+    }
 }
 
 /// Loads the models configured with `preload = true`, in the background.
@@ -271,7 +280,8 @@ fn take_cgroup_tree() -> Option<CgroupTree> {
 }
 
 /// Reads the configuration again; an invalid one is rejected and the current one kept.
-fn reload(source: &ConfigSource, current: &mut Loaded, socket_activated: bool, notifier: &Notifier) {
+/// Returns whether a new one was applied.
+fn reload(source: &ConfigSource, current: &mut Loaded, socket_activated: bool, notifier: &Notifier) -> bool {
     notifier.reloading();
     match source.load() {
         Ok(new) => {
@@ -280,6 +290,7 @@ fn reload(source: &ConfigSource, current: &mut Loaded, socket_activated: bool, n
             }
             *current = new;
             tracing::info!(corral_event = "reload", config_files = ?current.files, "configuration reloaded");
+            true
         }
         Err(e) => {
             tracing::error!(
@@ -287,6 +298,7 @@ fn reload(source: &ConfigSource, current: &mut Loaded, socket_activated: bool, n
                 error = %e,
                 "configuration rejected, keeping the previous one: {e}"
             );
+            false
         }
     }
 }

@@ -186,6 +186,12 @@ impl Handle {
         answer.await.map_err(|_| ScheduleError::ShuttingDown)
     }
 
+    /// Applies new limits (after a configuration reload); loaded runners keep their
+    /// keep-alive until their next request.
+    pub async fn reconfigure(&self, limits: Limits) {
+        let _ = self.send(Command::Reconfigure { limits }).await;
+    }
+
     /// Stops every runner and ends the scheduler; resolves once all children are reaped.
     pub async fn shutdown(&self) {
         let (reply, answer) = oneshot::channel();
@@ -203,6 +209,7 @@ enum Command {
     Acquire { request: Box<ModelRequest>, reply: oneshot::Sender<Result<Lease, ScheduleError>> },
     Unload { key: String, reply: oneshot::Sender<Result<(), ScheduleError>> },
     Loaded { reply: oneshot::Sender<Vec<LoadedModel>> },
+    Reconfigure { limits: Limits },
     Shutdown { reply: oneshot::Sender<()> },
 }
 
@@ -318,6 +325,11 @@ impl Scheduler {
             Command::Unload { key, reply } => self.unload_by_key(&key, reply),
             Command::Loaded { reply } => {
                 let _ = reply.send(self.loaded_models());
+            }
+            Command::Reconfigure { limits } => {
+                self.limits = limits;
+                // A larger limit may let queued requests through.
+                self.schedule();
             }
             Command::Shutdown { .. } => unreachable!("handled by the loop"),
         }

@@ -434,3 +434,20 @@ async fn queued_requests_for_a_model_join_its_load_in_order() {
     c.await.expect("join").expect("c");
     assert_eq!(fake.lines(), ["start 1 a", "stop 1", "start 2 b", "stop 2", "start 3 c"], "b loaded once");
 }
+
+#[tokio::test(start_paused = true)]
+async fn new_limits_apply_to_what_waits() {
+    let (fake, handle) = scheduler(100_000, Limits { max_loaded: 1, ..limits() });
+    let a = handle.acquire(model("a", 10)).await.expect("a");
+    let b = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.acquire(model("b", 10)).await }
+    });
+    settle().await;
+    assert!(!b.is_finished(), "one model at a time, and a is busy");
+    handle.reconfigure(Limits { max_loaded: 2, ..limits() }).await;
+    let b = b.await.expect("join").expect("b loads next to a once the limit allows");
+    assert_eq!(handle.loaded().await.expect("loaded").len(), 2);
+    assert_eq!(fake.lines(), ["start 1 a", "start 2 b"]);
+    drop((a, b));
+}
