@@ -68,6 +68,16 @@ pub fn write_tiny_bert(path: &Path) -> io::Result<()> {
     tiny_bert()?.write_file(path)
 }
 
+/// The bytes [`write_tiny_llama`] writes.
+pub fn tiny_llama_bytes() -> io::Result<Vec<u8>> {
+    Ok(tiny_llama()?.to_bytes())
+}
+
+/// The bytes [`write_tiny_bert`] writes.
+pub fn tiny_bert_bytes() -> io::Result<Vec<u8>> {
+    Ok(tiny_bert()?.to_bytes())
+}
+
 /// A vocabulary: parallel token, score and type lists, without duplicate tokens.
 #[derive(Default)]
 struct Vocab {

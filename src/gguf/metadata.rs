@@ -486,14 +486,12 @@ mod tests {
     use super::{HeadCount, MetadataError, ModelInfo, ModelKind, PoolingType, file_type_name, model_info, to_json};
 
     fn tiny(which: &str) -> GgufFile {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("m.gguf");
-        match which {
-            "llama" => crate::demo_model::write_tiny_llama(&path),
-            _ => crate::demo_model::write_tiny_bert(&path),
+        let bytes = match which {
+            "llama" => crate::demo_model::tiny_llama_bytes(),
+            _ => crate::demo_model::tiny_bert_bytes(),
         }
-        .expect("write the model");
-        GgufFile::open(&path).expect("read the model")
+        .expect("build the model");
+        GgufFile::from_bytes(&bytes).expect("read the model")
     }
 
     /// A file with these metadata pairs and one 2×3 F16 tensor.

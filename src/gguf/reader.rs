@@ -769,14 +769,11 @@ mod tests {
 
     /// The bytes of a tiny demo model, `"llama"` or `"bert"`.
     fn tiny(which: &str) -> Vec<u8> {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("m.gguf");
         match which {
-            "llama" => crate::demo_model::write_tiny_llama(&path),
-            _ => crate::demo_model::write_tiny_bert(&path),
+            "llama" => crate::demo_model::tiny_llama_bytes(),
+            _ => crate::demo_model::tiny_bert_bytes(),
         }
-        .expect("write the model");
-        std::fs::read(&path).expect("read the model")
+        .expect("build the model")
     }
 
     /// Builds a file byte by byte.
