@@ -98,7 +98,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
 
     let shutdown = CancellationToken::new();
     let mut servers = JoinSet::new();
-    let router = http::router();
+    let router = http::router(http::AppState { store: store.clone(), scheduler: scheduler.clone() });
     for listener in listeners {
         servers.spawn(listener.serve(router.clone(), shutdown.clone()));
     }

@@ -4,6 +4,8 @@
 
 mod error;
 pub mod listeners;
+mod ollama_models;
+pub mod state;
 
 use axum::Json;
 use axum::Router;
@@ -12,18 +14,22 @@ use axum::routing::get;
 use serde::Serialize;
 
 pub use error::ApiError;
+pub use state::AppState;
 
 /// The version corral reports on `/api/version`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
-/// All routes of the API.
-pub fn router() -> Router {
+/// All routes of the API, serving `state`.
+pub fn router(state: AppState) -> Router {
     // `get` also answers HEAD with the same status and headers and no body.
     Router::new()
         .route("/", get(root))
         .route("/api/version", get(version))
+        .merge(ollama_models::routes())
+        // Last: it applies to the routes registered before it.
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
 }
 
 async fn root() -> &'static str {
@@ -54,10 +60,12 @@ mod tests {
     use tower::ServiceExt;
 
     use super::router;
+    use super::state::{absent_backend, for_tests};
 
     async fn call(method: Method, path: &str) -> (StatusCode, String, String) {
+        let (_dir, state) = for_tests(absent_backend());
         let request = Request::builder().method(method).uri(path).body(Body::empty()).expect("request");
-        let response = router().oneshot(request).await.expect("infallible");
+        let response = router(state).oneshot(request).await.expect("infallible");
         let status = response.status();
         let content_type =
             response.headers().get("content-type").map(|v| v.to_str().expect("ascii").to_owned()).unwrap_or_default();

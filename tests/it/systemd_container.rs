@@ -192,3 +192,54 @@ fn unix_socket_activates_and_admits_only_group_corral() {
     let ready = wait_event(&ct, "ready");
     assert!(ready.contains("/run/corral.sock"), "ready MESSAGE: {ready:?}");
 }
+
+/// corrald under real systemd with a model to preload: the runner runs in its own cgroup
+/// beside the daemon's leaf, its lines and the offload event reach the journal, and
+/// stopping the service reaps it.
+#[test]
+fn a_preloaded_model_runs_in_its_own_cgroup_and_logs_to_the_journal() {
+    let ct = Container::boot("runner");
+    ct.install_corral();
+    let share = ct.share_dir();
+    // A store the service (user corral) reads but never writes.
+    let store = corral::store::Store::open(&share.join("models")).expect("store");
+    corral::demo_model::write_tiny_llama(&share.join("tiny.gguf")).expect("model");
+    let modelfile = corral::store::modelfile::Modelfile::parse("FROM ./tiny.gguf\n").expect("modelfile");
+    let spec = corral::store::create::CreateSpec::from_modelfile(&modelfile, share).expect("spec");
+    let name = corral::store::name::ModelName::parse("chat").expect("name");
+    store.create(&name, &spec, &mut |_| {}).expect("create");
+    std::fs::copy(crate::support::llama::bin_dir().join("llama-server"), share.join("llama-server")).expect("stage");
+    std::fs::write(
+        share.join("corral.toml"),
+        "[store]\npath = \"/srv/host/models\"\nread_only = true\n[runner]\nllama_server = \"/srv/host/llama-server\"\n\
+         [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"2GiB\"\n[models.\"chat\"]\npreload = true\n",
+    )
+    .expect("config");
+    ct.run(&["install", "-D", "-m", "0644", "/srv/host/corral.toml", "/etc/corral/corral.toml"]);
+
+    ct.run(&["systemctl", "start", "corrald.service"]);
+    poll_until(SETTLE, "corrald to report the loaded model", || {
+        let status = ct.unit_property("corrald.service", "StatusText");
+        if status.ends_with("1 models loaded") { Ok(()) } else { Err(status) }
+    });
+    let offload = wait_event(&ct, "offload");
+    assert!(offload.contains("chat:latest"), "{offload}");
+    let entries = ct.journal("corrald.service");
+    let lines: Vec<&serde_json::Value> =
+        entries.iter().filter(|e| field(e, "SYSLOG_IDENTIFIER").as_deref() == Some("llama-server")).collect();
+    assert!(lines.len() > 10, "llama-server's lines are in the journal: {}", summary(&entries));
+    let pid = field(lines[0], "CORRAL_RUNNER_PID").expect("CORRAL_RUNNER_PID");
+    assert_eq!(field(lines[0], "CORRAL_MODEL").as_deref(), Some("chat:latest"));
+
+    // The runner sits alone in its cgroup, a sibling of the daemon's leaf.
+    let service = "/sys/fs/cgroup/corral.slice/corrald.service";
+    assert_eq!(ct.run(&["cat", &format!("{service}/runner-1/cgroup.procs")]), pid);
+    let main_pid = ct.unit_property("corrald.service", "MainPID");
+    assert_eq!(ct.run(&["cat", &format!("{service}/daemon/cgroup.procs")]), main_pid);
+
+    ct.run(&["systemctl", "stop", "corrald.service"]);
+    wait_active_state(&ct, "corrald.service", "inactive");
+    assert_eq!(ct.unit_property("corrald.service", "Result"), "success");
+    let left = ct.exec(&["pgrep", "-x", "llama-server"]);
+    assert!(String::from_utf8_lossy(&left.stdout).trim().is_empty(), "no llama-server is left");
+}

@@ -1,0 +1,62 @@
+//! What handlers share: the model store and the scheduler's address. Both are cheap to
+//! clone; handlers keep no state of their own.
+
+use crate::scheduler::actor::Handle;
+use crate::store::Store;
+
+/// The state every route gets.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    /// The model store.
+    pub store: Store,
+    /// The scheduler.
+    pub scheduler: Handle,
+}
+
+/// A state for handler tests: an empty store in a temporary directory (with the tiny
+/// GGUF written next to it as `tiny.gguf`) and a scheduler on `backend` with 1 GiB of
+/// host memory and no GPU. Call it inside a Tokio runtime: it spawns the scheduler.
+#[cfg(test)]
+pub(crate) fn for_tests(
+    backend: std::sync::Arc<dyn crate::scheduler::backend::Backend>,
+) -> (tempfile::TempDir, AppState) {
+    use std::time::Duration;
+
+    use crate::scheduler::actor::{Limits, Scheduler};
+    use crate::scheduler::footprints::Footprints;
+    use crate::scheduler::keep_alive::{Clamp, KeepAlive};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("store")).expect("open the store");
+    crate::demo_model::write_tiny_llama(&dir.path().join("tiny.gguf")).expect("tiny model");
+    let limits = Limits {
+        max_loaded: 2,
+        max_queue: 8,
+        default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
+        clamp: Clamp::default(),
+    };
+    let (scheduler, handle) = Scheduler::new(backend, Vec::new(), 1 << 30, limits, Footprints::in_memory());
+    tokio::spawn(scheduler.run());
+    (dir, AppState { store, scheduler: handle })
+}
+
+/// A backend that never starts anything (its llama-server does not exist).
+#[cfg(test)]
+pub(crate) fn absent_backend() -> std::sync::Arc<dyn crate::scheduler::backend::Backend> {
+    use crate::scheduler::backend::SupervisorBackend;
+    use crate::supervisor::runner::{LogSink, SupervisorConfig};
+
+    std::sync::Arc::new(SupervisorBackend {
+        config: SupervisorConfig {
+            llama_server: "/nonexistent".into(),
+            runtime_dir: std::env::temp_dir(),
+            inherited_env: Vec::new(),
+            log_sink: LogSink::Tracing,
+            cgroups: None,
+            stop_grace: std::time::Duration::from_secs(1),
+        },
+        load_timeout: std::time::Duration::from_secs(5),
+        devices: Vec::new(),
+        probe: None,
+    })
+}
