@@ -179,15 +179,9 @@ fn ps_model(store: &Store, m: &LoadedModel, now: Instant, wall: SystemTime) -> (
         digest,
         details,
         expires_at: rfc3339(expires),
-        context_length: context_length(&m.key),
+        context_length: Some(u64::from(m.context_length)),
     };
     (expires, model)
-}
-
-/// The per-slot context a runner was started with, from its key (`…|ctx=N|…`, see
-/// `scheduler::request::build`).
-fn context_length(key: &str) -> Option<u64> {
-    key.split('|').find_map(|part| part.strip_prefix("ctx=")).and_then(|n| n.parse().ok())
 }
 
 /// `POST /api/show` `{model, verbose?}`.
@@ -515,12 +509,10 @@ mod tests {
     }
 
     #[test]
-    fn forever_is_about_292_years_away_and_the_context_comes_from_the_key() {
+    fn forever_is_about_292_years_away() {
         let text = super::rfc3339(SystemTime::now() + super::FOREVER);
         assert!(text.starts_with("23"), "{text}");
         assert!(humantime::parse_rfc3339(&text).is_ok());
-        assert_eq!(super::context_length("abc|ctx=2048|np=1"), Some(2048));
-        assert_eq!(super::context_length("abc"), None);
     }
 
     #[tokio::test]

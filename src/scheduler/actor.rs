@@ -125,6 +125,8 @@ pub struct LoadedModel {
     pub keep_alive: KeepAlive,
     /// The child's pid, once started.
     pub pid: Option<u32>,
+    /// Its context per request slot (`num_ctx`).
+    pub context_length: u32,
 }
 
 /// A granted runner. Dropping it ends the request's hold.
@@ -692,6 +694,7 @@ impl Scheduler {
                 expires_at: expiry(e),
                 keep_alive: e.keep_alive,
                 pid: if let Phase::Ready { pid, .. } = e.phase { Some(pid) } else { None },
+                context_length: e.request.options.num_ctx,
             })
             .collect()
     }
