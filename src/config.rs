@@ -43,13 +43,36 @@ pub struct ServerConfig {
     /// How long a graceful shutdown may take before open connections are dropped.
     #[serde(deserialize_with = "duration")]
     pub shutdown_timeout: Duration,
+    /// Host header values allowed besides `localhost`, `*.localhost` and loopback IPs (any
+    /// port): hostnames or IPs, `"*.example.org"` for its subdomains, `"*"` for any host.
+    pub allowed_hosts: Vec<String>,
+    /// Origins whose browser pages may call the API (CORS): exact origins, patterns with
+    /// one `*` (`"http://localhost:*"`), or `"*"` for any origin.
+    pub cors_origins: Vec<String>,
+    /// Bearer tokens; when any is set, every request but `GET /` and `HEAD /` needs one.
+    pub api_tokens: Vec<String>,
+    /// The largest request body accepted; 0 means no limit.
+    #[serde(deserialize_with = "byte_size")]
+    pub max_body: u64,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
+        let cors_origins = ["http", "https"]
+            .into_iter()
+            .flat_map(|scheme| {
+                ["localhost", "127.0.0.1", "[::1]", "0.0.0.0"]
+                    .into_iter()
+                    .flat_map(move |host| [format!("{scheme}://{host}"), format!("{scheme}://{host}:*")])
+            })
+            .collect();
         Self {
             listen: vec![ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 11434)))],
             shutdown_timeout: Duration::from_secs(10),
+            allowed_hosts: Vec::new(),
+            cors_origins,
+            api_tokens: Vec::new(),
+            max_body: 64 << 20,
         }
     }
 }
@@ -451,6 +474,9 @@ mod tests {
         assert_eq!(c.runner.llama_server, Path::new("llama-server"));
         assert_eq!(c.store.path, None);
         assert!(c.models.is_empty());
+        assert!(c.server.allowed_hosts.is_empty() && c.server.api_tokens.is_empty());
+        assert!(c.server.cors_origins.iter().any(|o| o == "http://localhost:*"));
+        assert_eq!(c.server.max_body, 64 << 20);
     }
 
     #[test]
@@ -469,6 +495,10 @@ mod tests {
 [server]
 listen = ["127.0.0.1:8080", "[::1]:8081", "/run/corral.sock"]
 shutdown_timeout = "3s"
+allowed_hosts = ["corral.lan", "*.example.org"]
+cors_origins = ["*"]
+api_tokens = ["s3cret"]
+max_body = "1MiB"
 [store]
 path = "/srv/models"
 read_only = true
@@ -496,6 +526,10 @@ keep_alive = "10m"
         assert_eq!(c.server.listen.len(), 3);
         assert_eq!(c.server.listen[2], ListenAddr::Unix("/run/corral.sock".into()));
         assert_eq!(c.server.shutdown_timeout, Duration::from_secs(3));
+        assert_eq!(c.server.allowed_hosts, ["corral.lan", "*.example.org"]);
+        assert_eq!(c.server.cors_origins, ["*"]);
+        assert_eq!(c.server.api_tokens, ["s3cret"]);
+        assert_eq!(c.server.max_body, 1 << 20);
         assert_eq!(c.store.path.as_deref(), Some(Path::new("/srv/models")));
         assert!(c.store.read_only);
         assert_eq!(c.store.insecure_registries, ["localhost:5000"]);
@@ -542,7 +576,12 @@ keep_alive = "10m"
         let cases: &[Case<'_>] = &[
             (
                 &[("corral.toml", "[server]\nlisten = []\nlisen = 1\n")],
-                &["corral.toml:3", "server.lisen", "unknown field `lisen`", "expected `listen` or `shutdown_timeout`"],
+                &[
+                    "corral.toml:3",
+                    "server.lisen",
+                    "unknown field `lisen`",
+                    "expected one of `listen`, `shutdown_timeout`",
+                ],
             ),
             (&[("corral.toml", "[nonsense]\n")], &["corral.toml:1", "nonsense", "unknown field `nonsense`"]),
             (
@@ -560,6 +599,12 @@ keep_alive = "10m"
                 &["server.listen", "neither an IP address with a port"],
             ),
             (&[("corral.toml", "[server]\nlisten = \"127.0.0.1:1\"\n")], &["server.listen", "expected a sequence"]),
+            (
+                &[("corral.toml", "[server]\nmax_body = \"64M\"\n")],
+                &["corral.toml:2", "server.max_body", "is not a byte size"],
+            ),
+            (&[("corral.toml", "[server]\napi_tokens = \"t\"\n")], &["server.api_tokens", "expected a sequence"]),
+            (&[("corral.toml", "[server]\nallowed_hosts = [1]\n")], &["server.allowed_hosts", "expected a string"]),
             (&[("corral.toml", "[store]\npath = \"models\"\n")], &["store.path", "not an absolute path"]),
             (&[("corral.toml", "[models.\"a\"]\npinned = \"yes\"\n")], &["models.a.pinned", "expected a boolean"]),
             (&[("corral.toml", "[server\n")], &["corral.toml:1", "unclosed table, expected `]`"]),

@@ -98,7 +98,10 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
 
     let shutdown = CancellationToken::new();
     let mut servers = JoinSet::new();
-    let router = http::router(http::AppState { store: store.clone(), scheduler: scheduler.clone() });
+    let safety = Arc::new(http::Safety::new(&loaded.config.server));
+    let defaults =
+        request::Defaults { num_ctx: loaded.config.scheduler.num_ctx, parallel: loaded.config.scheduler.num_parallel };
+    let router = http::router(http::AppState { store: store.clone(), scheduler: scheduler.clone(), safety, defaults });
     for listener in listeners {
         servers.spawn(listener.serve(router.clone(), shutdown.clone()));
     }

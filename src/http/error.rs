@@ -3,7 +3,7 @@
 //! `{"error": {"message", "type", "code"}}` on `/v1/*`.
 
 use axum::Json;
-use axum::http::StatusCode;
+use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
@@ -13,12 +13,20 @@ pub struct ApiError {
     status: StatusCode,
     message: String,
     openai: bool,
+    header: Option<(HeaderName, HeaderValue)>,
 }
 
 impl ApiError {
     /// An error for a request to `path`, whose prefix decides the body's shape.
     pub fn new(status: StatusCode, message: impl Into<String>, path: &str) -> Self {
-        Self { status, message: message.into(), openai: path.starts_with("/v1/") }
+        Self { status, message: message.into(), openai: path.starts_with("/v1/"), header: None }
+    }
+
+    /// Adds a header to the reply (`Retry-After` on a busy server).
+    #[must_use]
+    pub fn with_header(mut self, name: HeaderName, value: HeaderValue) -> Self {
+        self.header = Some((name, value));
+        self
     }
 }
 
@@ -34,6 +42,10 @@ impl IntoResponse for ApiError {
         } else {
             json!({ "error": self.message })
         };
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if let Some((name, value)) = self.header {
+            response.headers_mut().insert(name, value);
+        }
+        response
     }
 }

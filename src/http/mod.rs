@@ -4,16 +4,21 @@
 
 mod error;
 pub mod listeners;
+mod ollama_embed;
 mod ollama_models;
+pub mod safety;
 pub mod state;
 
 use axum::Json;
 use axum::Router;
+use axum::extract::DefaultBodyLimit;
 use axum::http::{StatusCode, Uri};
-use axum::routing::get;
+use axum::middleware::from_fn_with_state;
+use axum::routing::{get, post};
 use serde::Serialize;
 
 pub use error::ApiError;
+pub use safety::Safety;
 pub use state::AppState;
 
 /// The version corral reports on `/api/version`.
@@ -21,15 +26,21 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// All routes of the API, serving `state`.
 pub fn router(state: AppState) -> Router {
+    let safety = state.safety.clone();
     // `get` also answers HEAD with the same status and headers and no body.
     Router::new()
         .route("/", get(root))
         .route("/api/version", get(version))
         .merge(ollama_models::routes())
+        .route("/api/embed", post(ollama_embed::embed))
+        .route("/api/embeddings", post(ollama_embed::embeddings))
         // Last: it applies to the routes registered before it.
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
+        // Layers apply to the fallbacks too; the last one added runs first.
+        .layer(DefaultBodyLimit::max(safety.body_limit()))
+        .layer(from_fn_with_state(safety, safety::guard))
 }
 
 async fn root() -> &'static str {

@@ -1,7 +1,11 @@
-//! What handlers share: the model store and the scheduler's address. Both are cheap to
-//! clone; handlers keep no state of their own.
+//! What handlers share: the model store, the scheduler's address and the request checks.
+//! All are cheap to clone; handlers keep no state of their own.
 
+use std::sync::Arc;
+
+use super::safety::Safety;
 use crate::scheduler::actor::Handle;
+use crate::scheduler::request::Defaults;
 use crate::store::Store;
 
 /// The state every route gets.
@@ -11,15 +15,26 @@ pub struct AppState {
     pub store: Store,
     /// The scheduler.
     pub scheduler: Handle,
+    /// The checks every request passes first (`[server]` hosts, CORS, tokens, body size).
+    pub safety: Arc<Safety>,
+    /// `[scheduler]` defaults for building load requests.
+    pub defaults: Defaults,
+}
+
+impl AppState {
+    /// A state with the default request checks, for tests that drive the router in-process.
+    #[must_use]
+    pub fn for_tests(store: Store, scheduler: Handle, defaults: Defaults) -> Self {
+        let safety = Arc::new(Safety::new(&crate::config::ServerConfig::default()));
+        Self { store, scheduler, safety, defaults }
+    }
 }
 
 /// A state for handler tests: an empty store in a temporary directory (with the tiny
 /// GGUF written next to it as `tiny.gguf`) and a scheduler on `backend` with 1 GiB of
 /// host memory and no GPU. Call it inside a Tokio runtime: it spawns the scheduler.
 #[cfg(test)]
-pub(crate) fn for_tests(
-    backend: std::sync::Arc<dyn crate::scheduler::backend::Backend>,
-) -> (tempfile::TempDir, AppState) {
+pub(crate) fn for_tests(backend: Arc<dyn crate::scheduler::backend::Backend>) -> (tempfile::TempDir, AppState) {
     use std::time::Duration;
 
     use crate::scheduler::actor::{Limits, Scheduler};
@@ -37,16 +52,16 @@ pub(crate) fn for_tests(
     };
     let (scheduler, handle) = Scheduler::new(backend, Vec::new(), 1 << 30, limits, Footprints::in_memory());
     tokio::spawn(scheduler.run());
-    (dir, AppState { store, scheduler: handle })
+    (dir, AppState::for_tests(store, handle, Defaults { num_ctx: 2048, parallel: 1 }))
 }
 
 /// A backend that never starts anything (its llama-server does not exist).
 #[cfg(test)]
-pub(crate) fn absent_backend() -> std::sync::Arc<dyn crate::scheduler::backend::Backend> {
+pub(crate) fn absent_backend() -> Arc<dyn crate::scheduler::backend::Backend> {
     use crate::scheduler::backend::SupervisorBackend;
     use crate::supervisor::runner::{LogSink, SupervisorConfig};
 
-    std::sync::Arc::new(SupervisorBackend {
+    Arc::new(SupervisorBackend {
         config: SupervisorConfig {
             llama_server: "/nonexistent".into(),
             runtime_dir: std::env::temp_dir(),

@@ -1,14 +1,15 @@
 //! HTTP to a runner over its private UNIX socket.
 //!
-//! Only what supervision needs for now: one request on a fresh connection (the
-//! readiness check). The API's connection pool to runners builds on the same transport.
+//! One request on a fresh connection: the readiness check, and the API's non-streaming
+//! calls. A pool of kept-alive connections for the streaming API builds on the same
+//! transport.
 
 use std::path::Path;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use http_body_util::{BodyExt, Empty};
-use hyper::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 
 /// Why a request to a runner failed.
@@ -32,16 +33,40 @@ pub enum UpstreamError {
 
 /// `GET path` on the runner at `socket`, on a new connection; returns status and body.
 pub async fn get(socket: &Path, path: &'static str, timeout: Duration) -> Result<(StatusCode, Bytes), UpstreamError> {
+    request(socket, Method::GET, path, Bytes::new(), timeout).await
+}
+
+/// `POST path` with a JSON body on the runner at `socket`, on a new connection; returns
+/// status and body.
+pub async fn post_json(
+    socket: &Path,
+    path: &'static str,
+    body: Vec<u8>,
+    timeout: Duration,
+) -> Result<(StatusCode, Bytes), UpstreamError> {
+    request(socket, Method::POST, path, Bytes::from(body), timeout).await
+}
+
+async fn request(
+    socket: &Path,
+    method: Method,
+    path: &'static str,
+    body: Bytes,
+    timeout: Duration,
+) -> Result<(StatusCode, Bytes), UpstreamError> {
     let exchange = async {
         let stream = tokio::net::UnixStream::connect(socket)
             .await
             .map_err(|source| UpstreamError::Connect { socket: socket.display().to_string(), source })?;
         let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
         let driver = tokio::spawn(connection);
-        let request = Request::get(path)
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
             .header("host", "runner")
-            .body(Empty::<Bytes>::new())
-            .expect("a GET with a literal path and header is a valid request");
+            .header("content-type", "application/json")
+            .body(Full::new(body))
+            .expect("a literal path, method and headers make a valid request");
         let response = sender.send_request(request).await?;
         let status = response.status();
         let body = response.into_body().collect().await?.to_bytes();

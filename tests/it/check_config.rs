@@ -59,7 +59,7 @@ fn bad_files_exit_78_naming_file_line_key_and_expectation() {
     let cases: &[(&str, &[&str])] = &[
         (
             "[server]\nlisten = [\"127.0.0.1:1\"]\nport = 1\n",
-            &[":3: server.port: unknown field `port`", "expected `listen` or `shutdown_timeout`"],
+            &[":3: server.port: unknown field `port`", "expected one of `listen`, `shutdown_timeout`"],
         ),
         (
             "[scheduler]\nmax_loaded_models = \"three\"\n",
@@ -67,6 +67,7 @@ fn bad_files_exit_78_naming_file_line_key_and_expectation() {
         ),
         ("[scheduler]\nkeep_alive = \"soon\"\n", &["scheduler.keep_alive", "is not a duration"]),
         ("[server]\nlisten = [\"11434\"]\n", &["server.listen", "neither an IP address with a port"]),
+        ("[server]\napi_tokens = \"t\"\nmax_body = \"1G\"\n", &[":2: server.api_tokens", "expected a sequence"]),
         ("[[server]]\n", &[":1: server", "invalid type"]),
         ("this is not toml\n", &[":1:"]),
     ];

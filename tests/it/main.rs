@@ -8,6 +8,7 @@ mod support;
 mod check_config;
 mod containment;
 mod fake_runner;
+mod http_api;
 mod journald;
 mod llama_server;
 mod private_bus;

@@ -1,0 +1,188 @@
+//! Ollama's embedding endpoints: `POST /api/embed` (one or many inputs) and the legacy
+//! `POST /api/embeddings` (one prompt). The scheduler leases a runner started with
+//! `--embeddings`; the request goes to its `/v1/embeddings`.
+
+use std::time::{Duration, Instant};
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use serde_json::{Map, Value, json};
+
+use super::error::ApiError;
+use super::state::AppState;
+use crate::scheduler::actor::ScheduleError;
+use crate::scheduler::keep_alive::KeepAlive;
+use crate::scheduler::request::{self, RequestError};
+use crate::store::StoreError;
+use crate::store::name::ModelName;
+use crate::supervisor::upstream;
+
+/// How long one embedding call to a runner may take.
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
+
+#[derive(Serialize)]
+struct EmbedResponse {
+    model: String,
+    embeddings: Vec<Vec<f64>>,
+    total_duration: u64,
+    load_duration: u64,
+    prompt_eval_count: u64,
+}
+
+/// `POST /api/embed`.
+pub async fn embed(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    const PATH: &str = "/api/embed";
+    let started = Instant::now();
+    let request = object(&body, PATH)?;
+    let inputs: Vec<String> = match request.get("input") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|i| i.as_str().map(str::to_owned))
+            .collect::<Option<_>>()
+            .ok_or_else(|| bad("input must be a string or a list of strings", PATH))?,
+        Some(_) => return Err(bad("input must be a string or a list of strings", PATH)),
+    };
+    let (model, embeddings, load, prompt_tokens) = run(&state, &request, inputs, PATH).await?;
+    let response = EmbedResponse {
+        model,
+        embeddings,
+        total_duration: nanos(started.elapsed()),
+        load_duration: nanos(load),
+        prompt_eval_count: prompt_tokens,
+    };
+    Ok(Json(response).into_response())
+}
+
+/// `POST /api/embeddings` (legacy): `{model, prompt}` → `{embedding}`.
+pub async fn embeddings(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    const PATH: &str = "/api/embeddings";
+    let request = object(&body, PATH)?;
+    let prompt = match request.get("prompt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => return Err(bad("prompt must be a string", PATH)),
+    };
+    let (_, embeddings, _, _) = run(&state, &request, prompt.into_iter().collect(), PATH).await?;
+    let embedding = embeddings.into_iter().next().unwrap_or_default();
+    Ok(Json(json!({ "embedding": embedding })).into_response())
+}
+
+/// Loads the model (if needed) and embeds `inputs`; returns the model's name, the
+/// vectors, the time spent waiting for the runner, and the prompt tokens.
+async fn run(
+    state: &AppState,
+    request: &Map<String, Value>,
+    inputs: Vec<String>,
+    path: &str,
+) -> Result<(String, Vec<Vec<f64>>, Duration, u64), ApiError> {
+    let name_text = match request.get("model").or_else(|| request.get("name")) {
+        Some(Value::String(s)) if !s.trim().is_empty() => s.clone(),
+        Some(Value::String(_) | Value::Null) | None => return Err(bad("model is required", path)),
+        Some(_) => return Err(bad("model must be a string", path)),
+    };
+    let name = ModelName::parse(&name_text).map_err(|e| bad(&e.to_string(), path))?;
+    let options = match request.get("options") {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(map)) => map.clone(),
+        Some(_) => return Err(bad("options must be an object", path)),
+    };
+    let keep_alive = KeepAlive::from_json(request.get("keep_alive")).map_err(|e| bad(&e.to_string(), path))?;
+    let store = state.store.clone();
+    let defaults = state.defaults;
+    let built =
+        tokio::task::spawn_blocking(move || request::build(&store, &name, &options, keep_alive, false, defaults))
+            .await
+            .map_err(|e| internal(&format!("the request task failed: {e}"), path))?;
+    let model_request = built.map_err(|e| match e {
+        RequestError::Store(StoreError::NotFound(_)) => {
+            ApiError::new(StatusCode::NOT_FOUND, format!("model '{name_text}' not found"), path)
+        }
+        RequestError::InvalidOption { .. } => bad(&e.to_string(), path),
+        other @ RequestError::Store(_) => internal(&other.to_string(), path),
+    })?;
+    if model_request.options.embedding.is_none() {
+        return Err(bad(&format!("\"{name_text}\" does not support embeddings"), path));
+    }
+    let model = model_request.name.clone();
+    let waited = Instant::now();
+    let lease = state.scheduler.acquire(model_request).await.map_err(|e| schedule_error(&e, path))?;
+    let load = waited.elapsed();
+    if inputs.is_empty() {
+        // Ollama's way to load a model without using it.
+        return Ok((model, Vec::new(), load, 0));
+    }
+    let body = serde_json::to_vec(&json!({ "input": inputs })).expect("strings serialize");
+    let (status, reply) = upstream::post_json(lease.socket(), "/v1/embeddings", body, UPSTREAM_TIMEOUT)
+        .await
+        .map_err(|e| internal(&format!("the model runner did not answer: {e}"), path))?;
+    drop(lease);
+    let reply: Value = serde_json::from_slice(&reply)
+        .map_err(|e| internal(&format!("the model runner sent an unreadable answer: {e}"), path))?;
+    if !status.is_success() {
+        let message = reply["error"]["message"].as_str().unwrap_or("the model runner refused the request");
+        return Err(ApiError::new(
+            if status.is_client_error() { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR },
+            message,
+            path,
+        ));
+    }
+    let mut data: Vec<(u64, Vec<f64>)> = reply["data"]
+        .as_array()
+        .map(|items| {
+            items
+                .iter()
+                .filter_map(|item| {
+                    let index = item["index"].as_u64()?;
+                    let vector =
+                        item["embedding"].as_array()?.iter().map(Value::as_f64).collect::<Option<Vec<f64>>>()?;
+                    Some((index, vector))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    data.sort_by_key(|(index, _)| *index);
+    if data.len() != inputs.len() {
+        return Err(internal("the model runner returned the wrong number of embeddings", path));
+    }
+    let prompt_tokens = reply["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    Ok((model, data.into_iter().map(|(_, v)| v).collect(), load, prompt_tokens))
+}
+
+fn object(body: &[u8], path: &str) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(bad("the request body must be a JSON object", path)),
+        Err(e) => Err(bad(&format!("invalid JSON: {e}"), path)),
+    }
+}
+
+fn bad(message: &str, path: &str) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, message, path)
+}
+
+fn internal(message: &str, path: &str) -> ApiError {
+    tracing::error!(path, "{message}");
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message, path)
+}
+
+/// The scheduler's refusals as HTTP: busy is 503 with a `Retry-After`, the rest 500
+/// with the reason (the memory numbers, the load failure).
+fn schedule_error(error: &ScheduleError, path: &str) -> ApiError {
+    match error {
+        ScheduleError::QueueFull(_) | ScheduleError::BackingOff { .. } | ScheduleError::ShuttingDown => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string(), path)
+                .with_header(header::RETRY_AFTER, HeaderValue::from_static("1"))
+        }
+        _ => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string(), path),
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}

@@ -1,0 +1,414 @@
+//! The checks every request passes before it reaches a route, from `[server]`:
+//!
+//! 1. **Host** (against DNS rebinding): the `Host` header (or the HTTP/2 authority) must
+//!    name `localhost`, a `*.localhost` name or a loopback IP, with any port, or match
+//!    `allowed_hosts`; otherwise 403. A request without any host is let through: UNIX
+//!    socket clients and HTTP/1.0 send none, and a browser always sends one, so a
+//!    rebinding page cannot leave it out. (The middleware cannot tell the transport
+//!    apart, so "no Host over HTTP/1.1" is not refused.)
+//! 2. **CORS**: a preflight (`OPTIONS` with `Origin` and `Access-Control-Request-Method`)
+//!    from an origin in `cors_origins` is answered here with 204 and the allowed methods
+//!    and headers; other requests from such an origin get `Access-Control-Allow-Origin`
+//!    echoing it. Other origins get no CORS headers (their preflight goes on to the
+//!    router, which refuses `OPTIONS`), so the browser keeps the answer from the page.
+//! 3. **Bearer tokens**: with `api_tokens` set, every request but `GET /` and `HEAD /`
+//!    needs `Authorization: Bearer <token>`, else 401. Tokens are compared in constant
+//!    time: the SHA-256 digests of the presented token and of every configured one are
+//!    compared with an xor fold over all 32 bytes, for every token, without an early exit.
+//! 4. **Body size**: a `Content-Length` over `max_body` is refused with 413 at once; a
+//!    body without a length is cut off at `max_body` by the extractors, whose plain-text
+//!    413 is turned into the JSON error here.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use sha2::{Digest, Sha256};
+
+use super::ApiError;
+use crate::config::ServerConfig;
+
+/// The methods a preflight is told the API allows.
+const ALLOW_METHODS: &str = "GET, HEAD, POST, PUT, DELETE, OPTIONS";
+/// The request headers a preflight is told the API allows when it does not name any.
+const ALLOW_HEADERS: &str = "Authorization, Content-Type, User-Agent, Accept, X-Requested-With";
+
+/// The `[server]` settings the checks use, prepared once.
+#[derive(Debug, Clone)]
+pub struct Safety {
+    /// Lower-cased `allowed_hosts`, IPv6 brackets removed.
+    allowed_hosts: Vec<String>,
+    /// `cors_origins` as written.
+    cors_origins: Vec<String>,
+    /// SHA-256 digests of `api_tokens`.
+    token_digests: Vec<[u8; 32]>,
+    /// `max_body`; 0 means no limit.
+    max_body: u64,
+}
+
+impl Safety {
+    /// The checks `config` asks for.
+    #[must_use]
+    pub fn new(config: &ServerConfig) -> Self {
+        Self {
+            allowed_hosts: config.allowed_hosts.iter().map(|h| normalize_host(h)).collect(),
+            cors_origins: config.cors_origins.clone(),
+            token_digests: config.api_tokens.iter().map(|t| digest(t.as_bytes())).collect(),
+            max_body: config.max_body,
+        }
+    }
+
+    /// The body limit for the extractors: `usize::MAX` when there is none.
+    #[must_use]
+    pub fn body_limit(&self) -> usize {
+        if self.max_body == 0 { usize::MAX } else { usize::try_from(self.max_body).unwrap_or(usize::MAX) }
+    }
+
+    fn host_allowed(&self, host: &str) -> bool {
+        let host = normalize_host(host);
+        if host == "localhost" || host.ends_with(".localhost") {
+            return true;
+        }
+        if host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback()) {
+            return true;
+        }
+        self.allowed_hosts.iter().any(|pattern| {
+            pattern == "*"
+                || *pattern == host
+                || pattern.strip_prefix('*').is_some_and(|suffix| suffix.starts_with('.') && host.ends_with(suffix))
+        })
+    }
+
+    fn origin_allowed(&self, origin: &str) -> bool {
+        self.cors_origins.iter().any(|pattern| match pattern.split_once('*') {
+            None => pattern.eq_ignore_ascii_case(origin),
+            Some(("", "")) => true,
+            Some((prefix, suffix)) => {
+                origin.len() >= prefix.len() + suffix.len()
+                    && origin.get(..prefix.len()).is_some_and(|p| p.eq_ignore_ascii_case(prefix))
+                    && origin.get(origin.len() - suffix.len()..).is_some_and(|s| s.eq_ignore_ascii_case(suffix))
+            }
+        })
+    }
+
+    /// Whether `presented` is one of the tokens, in time independent of where they differ.
+    fn token_valid(&self, presented: &str) -> bool {
+        let presented = digest(presented.as_bytes());
+        let mut found = 0u8;
+        for known in &self.token_digests {
+            let diff = known.iter().zip(&presented).fold(0u8, |acc, (a, b)| acc | (a ^ b));
+            found |= u8::from(diff == 0);
+        }
+        found == 1
+    }
+}
+
+fn digest(bytes: &[u8]) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    out.copy_from_slice(&Sha256::digest(bytes));
+    out
+}
+
+/// `host` without its port and IPv6 brackets, lower-cased: `"[::1]:80"` → `"::1"`.
+fn normalize_host(host: &str) -> String {
+    let host = host.trim();
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        rest.split_once(']').map_or(rest, |(inside, _)| inside)
+    } else {
+        match host.rsplit_once(':') {
+            // One colon: a name or IPv4 address with a port. More: a bare IPv6 address.
+            Some((name, port)) if !name.contains(':') && port.bytes().all(|b| b.is_ascii_digit()) => name,
+            _ => host,
+        }
+    };
+    name.trim_end_matches('.').to_ascii_lowercase()
+}
+
+/// The host the client asked for: the `Host` header, or the URI's authority (HTTP/2).
+fn requested_host(request: &Request) -> Result<Option<String>, ()> {
+    match request.headers().get(header::HOST) {
+        Some(value) => value.to_str().map(|s| Some(s.to_owned())).map_err(|_| ()),
+        None => Ok(request.uri().authority().map(|a| a.as_str().to_owned())),
+    }
+}
+
+fn error(status: StatusCode, message: String, path: &str) -> Response {
+    ApiError::new(status, message, path).into_response()
+}
+
+/// The middleware: see the module's documentation for the order and the rules.
+pub async fn guard(State(safety): State<Arc<Safety>>, request: Request, next: Next) -> Response {
+    let path = request.uri().path().to_owned();
+
+    match requested_host(&request) {
+        Err(()) => return error(StatusCode::BAD_REQUEST, "the Host header is not valid text".into(), &path),
+        Ok(Some(host)) if !safety.host_allowed(&host) => {
+            let name = normalize_host(&host);
+            return error(
+                StatusCode::FORBIDDEN,
+                format!("host \"{host}\" is not allowed; add \"{name}\" to [server] allowed_hosts to allow it"),
+                &path,
+            );
+        }
+        Ok(_) => {}
+    }
+
+    let origin = request
+        .headers()
+        .get(header::ORIGIN)
+        .and_then(|o| o.to_str().ok())
+        .filter(|o| safety.origin_allowed(o))
+        .map(str::to_owned);
+    if let Some(origin) = &origin
+        && request.method() == Method::OPTIONS
+        && request.headers().contains_key(header::ACCESS_CONTROL_REQUEST_METHOD)
+    {
+        return preflight(origin, request.headers());
+    }
+
+    let open = path == "/" && matches!(*request.method(), Method::GET | Method::HEAD);
+    if !open && !safety.token_digests.is_empty() {
+        let presented = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .map(str::trim);
+        let refusal = match presented {
+            None => Some("this server needs an API token: send \"Authorization: Bearer <token>\""),
+            Some(token) if !safety.token_valid(token) => Some("the API token is not valid"),
+            Some(_) => None,
+        };
+        if let Some(message) = refusal {
+            let mut response = error(StatusCode::UNAUTHORIZED, message.into(), &path);
+            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return with_origin(response, origin.as_deref());
+        }
+    }
+
+    if safety.max_body != 0 {
+        let length = request
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if length.is_some_and(|n| n > safety.max_body) {
+            return with_origin(too_large(&safety, &path), origin.as_deref());
+        }
+    }
+
+    let mut response = next.run(request).await;
+    let json =
+        response.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if response.status() == StatusCode::PAYLOAD_TOO_LARGE && !json {
+        response = too_large(&safety, &path);
+    }
+    with_origin(response, origin.as_deref())
+}
+
+fn too_large(safety: &Safety, path: &str) -> Response {
+    let limit = bytesize::ByteSize::b(safety.max_body).display().iec();
+    error(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!("the request body is larger than {limit}; [server] max_body sets the limit"),
+        path,
+    )
+}
+
+fn preflight(origin: &str, headers: &HeaderMap) -> Response {
+    let allow_headers =
+        headers.get(header::ACCESS_CONTROL_REQUEST_HEADERS).cloned().unwrap_or(HeaderValue::from_static(ALLOW_HEADERS));
+    let mut response = StatusCode::NO_CONTENT.into_response();
+    let out = response.headers_mut();
+    out.insert(header::ACCESS_CONTROL_ALLOW_METHODS, HeaderValue::from_static(ALLOW_METHODS));
+    out.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, allow_headers);
+    out.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
+    with_origin(response, Some(origin))
+}
+
+fn with_origin(mut response: Response, origin: Option<&str>) -> Response {
+    if let Some(value) = origin.and_then(|o| HeaderValue::from_str(o).ok()) {
+        let headers = response.headers_mut();
+        headers.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, value);
+        headers.append(header::VARY, HeaderValue::from_static("Origin"));
+    }
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use axum::body::Body;
+    use axum::http::{Method, Request, StatusCode, header};
+    use axum::response::Response;
+    use tower::ServiceExt;
+
+    use super::Safety;
+    use crate::config::ServerConfig;
+    use crate::http::router;
+    use crate::http::state::{absent_backend, for_tests};
+
+    async fn send(config: &ServerConfig, request: Request<Body>) -> (Response, serde_json::Value) {
+        let (_dir, mut state) = for_tests(absent_backend());
+        state.safety = Arc::new(Safety::new(config));
+        let response = router(state).oneshot(request).await.expect("infallible");
+        let (parts, body) = response.into_parts();
+        let bytes = axum::body::to_bytes(body, 1 << 20).await.expect("body");
+        let json = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+        (Response::from_parts(parts, Body::empty()), json)
+    }
+
+    fn get(path: &str) -> axum::http::request::Builder {
+        Request::builder().method(Method::GET).uri(path)
+    }
+
+    async fn status_for_host(config: &ServerConfig, host: &str) -> (StatusCode, serde_json::Value) {
+        let request = get("/api/version").header(header::HOST, host).body(Body::empty()).expect("request");
+        let (response, json) = send(config, request).await;
+        (response.status(), json)
+    }
+
+    #[tokio::test]
+    async fn local_hosts_and_configured_ones_are_allowed_others_are_refused() {
+        let default = ServerConfig::default();
+        for host in ["localhost:11434", "localhost", "127.0.0.1", "127.0.0.1:11434", "[::1]:8080", "app.localhost"] {
+            assert_eq!(status_for_host(&default, host).await.0, StatusCode::OK, "{host}");
+        }
+        let (status, json) = status_for_host(&default, "evil.example:11434").await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        let message = json["error"].as_str().expect("error");
+        assert!(message.contains("evil.example:11434") && message.contains("allowed_hosts"), "{message}");
+        for host in ["192.168.1.5", "[fe80::1]:11434", "localhost.evil.example"] {
+            assert_eq!(status_for_host(&default, host).await.0, StatusCode::FORBIDDEN, "{host}");
+        }
+
+        let config = ServerConfig {
+            allowed_hosts: vec!["*.lan".into(), "Corral.Example".into(), "192.168.1.5".into()],
+            ..ServerConfig::default()
+        };
+        for host in ["box.lan:11434", "a.b.lan", "corral.example", "192.168.1.5:80"] {
+            assert_eq!(status_for_host(&config, host).await.0, StatusCode::OK, "{host}");
+        }
+        for host in ["lan", "evillan", "evil.example"] {
+            assert_eq!(status_for_host(&config, host).await.0, StatusCode::FORBIDDEN, "{host}");
+        }
+        let any = ServerConfig { allowed_hosts: vec!["*".into()], ..ServerConfig::default() };
+        assert_eq!(status_for_host(&any, "evil.example").await.0, StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn a_request_without_a_host_is_allowed() {
+        let (response, _) =
+            send(&ServerConfig::default(), get("/api/version").body(Body::empty()).expect("request")).await;
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+
+    fn preflight(origin: &str) -> Request<Body> {
+        Request::builder()
+            .method(Method::OPTIONS)
+            .uri("/api/show")
+            .header(header::HOST, "localhost:11434")
+            .header(header::ORIGIN, origin)
+            .header(header::ACCESS_CONTROL_REQUEST_METHOD, "POST")
+            .header(header::ACCESS_CONTROL_REQUEST_HEADERS, "content-type")
+            .body(Body::empty())
+            .expect("request")
+    }
+
+    fn allow_origin(response: &Response) -> Option<&str> {
+        response.headers().get(header::ACCESS_CONTROL_ALLOW_ORIGIN).map(|v| v.to_str().expect("ascii"))
+    }
+
+    #[tokio::test]
+    async fn cors_preflight_and_headers_only_for_allowed_origins() {
+        let default = ServerConfig::default();
+        let (response, _) = send(&default, preflight("http://localhost:3000")).await;
+        assert_eq!(response.status(), StatusCode::NO_CONTENT);
+        assert_eq!(allow_origin(&response), Some("http://localhost:3000"));
+        let methods = response.headers()[header::ACCESS_CONTROL_ALLOW_METHODS].to_str().expect("ascii");
+        assert!(methods.contains("POST"), "{methods}");
+        assert_eq!(response.headers()[header::ACCESS_CONTROL_ALLOW_HEADERS], "content-type");
+
+        let (response, _) = send(&default, preflight("https://evil.example")).await;
+        assert_ne!(response.status(), StatusCode::NO_CONTENT);
+        assert!(response.headers().keys().all(|k| !k.as_str().starts_with("access-control-")), "{response:?}");
+
+        let simple =
+            |origin: &str| get("/api/version").header(header::ORIGIN, origin).body(Body::empty()).expect("request");
+        let (response, _) = send(&default, simple("http://127.0.0.1:8080")).await;
+        assert_eq!(allow_origin(&response), Some("http://127.0.0.1:8080"));
+        let (response, _) = send(&default, simple("http://localhost.evil.example")).await;
+        assert_eq!((response.status(), allow_origin(&response)), (StatusCode::OK, None));
+
+        let any = ServerConfig { cors_origins: vec!["*".into()], ..ServerConfig::default() };
+        let (response, _) = send(&any, preflight("https://evil.example")).await;
+        assert_eq!(response.status(), StatusCode::NO_CONTENT);
+        assert_eq!(allow_origin(&response), Some("https://evil.example"));
+    }
+
+    #[tokio::test]
+    async fn tokens_guard_everything_but_the_root() {
+        let config = ServerConfig { api_tokens: vec!["one".into(), "two".into()], ..ServerConfig::default() };
+        let with = |auth: Option<&str>| {
+            let builder = get("/api/version");
+            let builder = match auth {
+                Some(a) => builder.header(header::AUTHORIZATION, a),
+                None => builder,
+            };
+            builder.body(Body::empty()).expect("request")
+        };
+        let (response, json) = send(&config, with(None)).await;
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(response.headers()[header::WWW_AUTHENTICATE], "Bearer");
+        assert!(json["error"].as_str().expect("error").contains("Bearer"), "{json}");
+        for wrong in ["Bearer three", "Bearer on", "Bearer onee", "Basic b25lOg==", "one"] {
+            let (response, json) = send(&config, with(Some(wrong))).await;
+            assert_eq!(response.status(), StatusCode::UNAUTHORIZED, "{wrong}");
+            assert!(json["error"].is_string(), "{json}");
+        }
+        for right in ["Bearer one", "Bearer two"] {
+            assert_eq!(send(&config, with(Some(right))).await.0.status(), StatusCode::OK, "{right}");
+        }
+        for method in [Method::GET, Method::HEAD] {
+            let root = Request::builder().method(method.clone()).uri("/").body(Body::empty()).expect("request");
+            assert_eq!(send(&config, root).await.0.status(), StatusCode::OK, "{method}");
+        }
+        let (response, json) = send(&config, Request::post("/v1/models").body(Body::empty()).expect("r")).await;
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        assert!(json["error"]["message"].is_string(), "OpenAI's shape under /v1/: {json}");
+    }
+
+    #[tokio::test]
+    async fn bodies_over_the_limit_are_a_json_413() {
+        let config = ServerConfig { max_body: 1024, ..ServerConfig::default() };
+        let big = format!("{{\"model\": \"{}\"}}", "x".repeat(2048));
+        let request = Request::post("/api/show")
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::CONTENT_LENGTH, big.len())
+            .body(Body::from(big.clone()))
+            .expect("request");
+        let (response, json) = send(&config, request).await;
+        assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        assert!(json["error"].as_str().expect("error").contains("max_body"), "{json}");
+
+        // Without a Content-Length the extractor stops reading at the limit.
+        let stream = futures_util::stream::iter([Ok::<_, std::io::Error>(axum::body::Bytes::from(big))]);
+        let request = Request::post("/api/show")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from_stream(stream))
+            .expect("request");
+        let (response, json) = send(&config, request).await;
+        assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        assert!(json["error"].as_str().expect("error").contains("max_body"), "{json}");
+
+        let small = Request::post("/api/show")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from("{\"model\": \"nope\"}"))
+            .expect("request");
+        assert_ne!(send(&config, small).await.0.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    }
+}

@@ -1,0 +1,127 @@
+//! The HTTP API against the real llama-server: embeddings through the scheduler, and
+//! the errors clients get for bad requests.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use corral::http::{AppState, router};
+use corral::scheduler::actor::{Limits, Scheduler};
+use corral::scheduler::backend::SupervisorBackend;
+use corral::scheduler::footprints::Footprints;
+use corral::scheduler::keep_alive::{Clamp, KeepAlive};
+use corral::scheduler::request::Defaults;
+use corral::store::Store;
+use corral::store::create::CreateSpec;
+use corral::store::modelfile::Modelfile;
+use corral::store::name::ModelName;
+use corral::supervisor::runner::{LogSink, SupervisorConfig};
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+use crate::support::llama;
+
+/// An API over a store holding `chat` (tiny llama) and `embed` (tiny bert), with real runners.
+fn state(dir: &Path) -> AppState {
+    let store = Store::open(&dir.join("models")).expect("store");
+    corral::demo_model::write_tiny_llama(&dir.join("tiny.gguf")).expect("llama");
+    corral::demo_model::write_tiny_bert(&dir.join("bert.gguf")).expect("bert");
+    for (name, file) in [("chat", "tiny.gguf"), ("embed", "bert.gguf")] {
+        let spec =
+            CreateSpec::from_modelfile(&Modelfile::parse(&format!("FROM ./{file}\n")).expect("mf"), dir).expect("spec");
+        store.create(&ModelName::parse(name).expect("name"), &spec, &mut |_| {}).expect("create");
+    }
+    let backend = SupervisorBackend {
+        config: SupervisorConfig {
+            llama_server: llama::bin_dir().join("llama-server"),
+            runtime_dir: dir.to_owned(),
+            inherited_env: vec![("PATH".into(), std::env::var_os("PATH").unwrap_or_default())],
+            log_sink: LogSink::Tracing,
+            cgroups: None,
+            stop_grace: Duration::from_secs(10),
+        },
+        load_timeout: Duration::from_secs(60),
+        devices: Vec::new(),
+        probe: None,
+    };
+    let limits = Limits {
+        max_loaded: 3,
+        max_queue: 16,
+        default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
+        clamp: Clamp::default(),
+    };
+    let (scheduler, handle) = Scheduler::new(Arc::new(backend), Vec::new(), 4 << 30, limits, Footprints::in_memory());
+    tokio::spawn(scheduler.run());
+    AppState::for_tests(store, handle, Defaults { num_ctx: 512, parallel: 1 })
+}
+
+async fn post(state: &AppState, path: &str, body: &str) -> (StatusCode, Value) {
+    let request = Request::post(path)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_owned()))
+        .expect("request");
+    let response = router(state.clone()).oneshot(request).await.expect("infallible");
+    let status = response.status();
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 24).await.expect("body");
+    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embed_returns_one_vector_per_input_and_the_legacy_endpoint_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let (status, body) = post(&state, "/api/embed", r#"{"model":"embed","input":["hello world","the model"]}"#).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["model"], "embed:latest");
+    let vectors = body["embeddings"].as_array().expect("embeddings");
+    assert_eq!(vectors.len(), 2);
+    assert!(vectors.iter().all(|v| v.as_array().map(Vec::len) == Some(64)));
+    assert_ne!(vectors[0], vectors[1]);
+    assert!(body["prompt_eval_count"].as_u64().is_some_and(|n| n > 0));
+    assert!(body["total_duration"].as_u64().is_some_and(|n| n >= body["load_duration"].as_u64().unwrap_or(0)));
+
+    let (status, one) = post(&state, "/api/embeddings", r#"{"model":"embed","prompt":"hello world"}"#).await;
+    assert_eq!(status, StatusCode::OK, "{one}");
+    assert_eq!(one["embedding"], vectors[0], "the same text embeds the same");
+
+    // An empty input loads the model and returns no vectors, as Ollama does.
+    let (status, empty) = post(&state, "/api/embed", r#"{"model":"embed"}"#).await;
+    assert_eq!((status, empty["embeddings"].clone()), (StatusCode::OK, json!([])));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_embedding_requests_are_named_and_load_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let cases = [
+        ("not json", StatusCode::BAD_REQUEST, "invalid JSON"),
+        ("[1,2]", StatusCode::BAD_REQUEST, "must be a JSON object"),
+        (r#"{"input":"x"}"#, StatusCode::BAD_REQUEST, "model is required"),
+        (r#"{"model":7,"input":"x"}"#, StatusCode::BAD_REQUEST, "model must be a string"),
+        (r#"{"model":"../x","input":"x"}"#, StatusCode::BAD_REQUEST, "invalid model name"),
+        (r#"{"model":"nope","input":"x"}"#, StatusCode::NOT_FOUND, "model 'nope' not found"),
+        (r#"{"model":"embed","input":5}"#, StatusCode::BAD_REQUEST, "input must be a string or a list of strings"),
+        (
+            r#"{"model":"embed","input":["a",1]}"#,
+            StatusCode::BAD_REQUEST,
+            "input must be a string or a list of strings",
+        ),
+        (r#"{"model":"embed","input":"x","options":[]}"#, StatusCode::BAD_REQUEST, "options must be an object"),
+        (
+            r#"{"model":"embed","input":"x","options":{"num_ctx":"big"}}"#,
+            StatusCode::BAD_REQUEST,
+            "invalid option num_ctx",
+        ),
+        (r#"{"model":"embed","input":"x","keep_alive":"300"}"#, StatusCode::BAD_REQUEST, "invalid keep_alive"),
+        (r#"{"model":"chat","input":"x"}"#, StatusCode::BAD_REQUEST, "does not support embeddings"),
+    ];
+    for (body, status, message) in cases {
+        let (got, reply) = post(&state, "/api/embed", body).await;
+        assert_eq!(got, status, "{body}: {reply}");
+        let error = reply["error"].as_str().unwrap_or_default();
+        assert!(error.contains(message), "{body}: {error}");
+    }
+    assert!(state.scheduler.loaded().await.expect("loaded").is_empty(), "no bad request loaded a model");
+}
