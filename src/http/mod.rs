@@ -5,6 +5,7 @@
 mod error;
 pub mod listeners;
 mod ollama_embed;
+mod ollama_generate;
 mod ollama_models;
 pub mod safety;
 pub mod state;
@@ -34,6 +35,8 @@ pub fn router(state: AppState) -> Router {
         .merge(ollama_models::routes())
         .route("/api/embed", post(ollama_embed::embed))
         .route("/api/embeddings", post(ollama_embed::embeddings))
+        .route("/api/chat", post(ollama_generate::chat))
+        .route("/api/generate", post(ollama_generate::generate))
         // Last: it applies to the routes registered before it.
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

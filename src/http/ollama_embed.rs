@@ -154,7 +154,7 @@ async fn run(
     Ok((model, data.into_iter().map(|(_, v)| v).collect(), load, prompt_tokens))
 }
 
-fn object(body: &[u8], path: &str) -> Result<Map<String, Value>, ApiError> {
+pub(super) fn object(body: &[u8], path: &str) -> Result<Map<String, Value>, ApiError> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(bad("the request body must be a JSON object", path)),
@@ -162,18 +162,18 @@ fn object(body: &[u8], path: &str) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-fn bad(message: &str, path: &str) -> ApiError {
+pub(super) fn bad(message: &str, path: &str) -> ApiError {
     ApiError::new(StatusCode::BAD_REQUEST, message, path)
 }
 
-fn internal(message: &str, path: &str) -> ApiError {
+pub(super) fn internal(message: &str, path: &str) -> ApiError {
     tracing::error!(path, "{message}");
     ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message, path)
 }
 
 /// The scheduler's refusals as HTTP: busy is 503 with a `Retry-After`, the rest 500
 /// with the reason (the memory numbers, the load failure).
-fn schedule_error(error: &ScheduleError, path: &str) -> ApiError {
+pub(super) fn schedule_error(error: &ScheduleError, path: &str) -> ApiError {
     match error {
         ScheduleError::QueueFull(_) | ScheduleError::BackingOff { .. } | ScheduleError::ShuttingDown => {
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string(), path)
@@ -183,6 +183,6 @@ fn schedule_error(error: &ScheduleError, path: &str) -> ApiError {
     }
 }
 
-fn nanos(d: Duration) -> u64 {
+pub(super) fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }

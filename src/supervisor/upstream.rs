@@ -75,3 +75,75 @@ async fn request(
     };
     tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
 }
+
+/// A runner's response body, read as it arrives. Dropping it closes the connection,
+/// which makes llama-server cancel the generation.
+#[derive(Debug)]
+pub struct BodyStream {
+    body: hyper::body::Incoming,
+    driver: tokio::task::JoinHandle<Result<(), hyper::Error>>,
+}
+
+impl BodyStream {
+    /// The next piece of the body as the runner sent it; `None` at its end.
+    ///
+    /// # Errors
+    /// The connection failed mid-body.
+    pub async fn chunk(&mut self) -> Option<Result<Bytes, hyper::Error>> {
+        loop {
+            match self.body.frame().await? {
+                Ok(frame) => {
+                    if let Ok(data) = frame.into_data() {
+                        return Some(Ok(data));
+                    }
+                    // Trailers: nothing to forward.
+                }
+                Err(e) => return Some(Err(e)),
+            }
+        }
+    }
+}
+
+impl Drop for BodyStream {
+    fn drop(&mut self) {
+        // Ends the connection task, which closes the socket.
+        self.driver.abort();
+    }
+}
+
+/// `POST path` with a JSON body on the runner at `socket`, on a new connection; returns
+/// the status once the headers arrive (within `timeout`) and the body as a stream.
+///
+/// # Errors
+/// The socket refused, the exchange failed, or no headers came in time.
+pub async fn post_json_stream(
+    socket: &Path,
+    path: &'static str,
+    body: Vec<u8>,
+    timeout: Duration,
+) -> Result<(StatusCode, BodyStream), UpstreamError> {
+    let exchange = async {
+        let stream = tokio::net::UnixStream::connect(socket)
+            .await
+            .map_err(|source| UpstreamError::Connect { socket: socket.display().to_string(), source })?;
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        let driver = tokio::spawn(connection);
+        let request = Request::builder()
+            .method(Method::POST)
+            .uri(path)
+            .header("host", "runner")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .expect("a literal path, method and headers make a valid request");
+        let response = match sender.send_request(request).await {
+            Ok(response) => response,
+            Err(e) => {
+                driver.abort();
+                return Err(e.into());
+            }
+        };
+        let status = response.status();
+        Ok((status, BodyStream { body: response.into_body(), driver }))
+    };
+    tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
+}

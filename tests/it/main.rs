@@ -9,6 +9,7 @@ mod check_config;
 mod containment;
 mod fake_runner;
 mod http_api;
+mod http_generate;
 mod journald;
 mod llama_server;
 mod private_bus;

@@ -2,6 +2,7 @@
 
 #![allow(dead_code, reason = "each test module uses only part of the fixtures")]
 
+pub mod api;
 pub mod bus;
 pub mod container;
 pub mod corrald;

@@ -1,0 +1,578 @@
+//! Ollama's generation endpoints: `POST /api/chat` and `POST /api/generate`.
+//!
+//! Both go to the leased runner's `/v1/chat/completions` (the model's own chat template
+//! applies), except a `raw` generate, which sends the prompt as is to `/completion`.
+//! The runner always streams; a streaming client gets Ollama's NDJSON as the tokens
+//! arrive, a non-streaming one a single object once the runner is done. The lease is
+//! held by the response body: a client that goes away drops it, which closes the
+//! connection to the runner (cancelling the generation) and releases the runner.
+
+use std::convert::Infallible;
+use std::time::{Duration, Instant, SystemTime};
+
+use axum::Json;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Map, Value, json};
+
+use super::error::ApiError;
+use super::ollama_embed::{bad, internal, nanos, object, schedule_error};
+use super::state::AppState;
+use crate::scheduler::actor::{Lease, ModelRequest, ScheduleError};
+use crate::scheduler::keep_alive::KeepAlive;
+use crate::scheduler::request::{self, RequestError};
+use crate::store::StoreError;
+use crate::store::name::ModelName;
+use crate::supervisor::upstream::{self, BodyStream};
+
+/// How long a runner may take to start answering a generation.
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Which endpoint's shape the replies take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Generate,
+}
+
+/// `POST /api/chat`.
+pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    const PATH: &str = "/api/chat";
+    let started = Instant::now();
+    let request = object(&body, PATH)?;
+    let messages = match request.get("messages") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(items)) => items.iter().map(|m| message(m, PATH)).collect::<Result<Vec<_>, _>>()?,
+        Some(_) => return Err(bad("messages must be a list of {role, content} objects", PATH)),
+    };
+    let common = Common::parse(&request, PATH)?;
+    let prepared = prepare(&state, &common, PATH).await?;
+    if messages.is_empty() {
+        return load_or_unload(&state, prepared.request, &common, Kind::Chat, started, PATH).await;
+    }
+    let mut messages = messages;
+    if let Some(system) = prepared.system.filter(|_| !messages.iter().any(|m| m["role"] == "system")) {
+        messages.insert(0, json!({ "role": "system", "content": system }));
+    }
+    let mut body = sampling(&prepared.options, "max_tokens", PATH)?;
+    body.insert("messages".into(), Value::Array(messages));
+    body.insert("stream".into(), Value::Bool(true));
+    body.insert("stream_options".into(), json!({ "include_usage": true }));
+    run(&state, prepared.request, "/v1/chat/completions", body, Kind::Chat, common.stream, started, PATH).await
+}
+
+/// `POST /api/generate`.
+pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    const PATH: &str = "/api/generate";
+    let started = Instant::now();
+    let request = object(&body, PATH)?;
+    let prompt = string(&request, "prompt", PATH)?.unwrap_or_default();
+    let system = string(&request, "system", PATH)?;
+    let raw = match request.get("raw") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad("raw must be true or false", PATH)),
+    };
+    let common = Common::parse(&request, PATH)?;
+    let prepared = prepare(&state, &common, PATH).await?;
+    if prompt.is_empty() {
+        return load_or_unload(&state, prepared.request, &common, Kind::Generate, started, PATH).await;
+    }
+    if raw {
+        let mut body = sampling(&prepared.options, "n_predict", PATH)?;
+        body.insert("prompt".into(), Value::String(prompt));
+        body.insert("stream".into(), Value::Bool(true));
+        return run(&state, prepared.request, "/completion", body, Kind::Generate, common.stream, started, PATH).await;
+    }
+    let mut messages = Vec::new();
+    if let Some(system) = system.or(prepared.system).filter(|s| !s.is_empty()) {
+        messages.push(json!({ "role": "system", "content": system }));
+    }
+    messages.push(json!({ "role": "user", "content": prompt }));
+    let mut body = sampling(&prepared.options, "max_tokens", PATH)?;
+    body.insert("messages".into(), Value::Array(messages));
+    body.insert("stream".into(), Value::Bool(true));
+    body.insert("stream_options".into(), json!({ "include_usage": true }));
+    run(&state, prepared.request, "/v1/chat/completions", body, Kind::Generate, common.stream, started, PATH).await
+}
+
+/// The fields both endpoints share.
+struct Common {
+    name_text: String,
+    name: ModelName,
+    options: Map<String, Value>,
+    keep_alive: Option<KeepAlive>,
+    stream: bool,
+}
+
+impl Common {
+    fn parse(request: &Map<String, Value>, path: &str) -> Result<Self, ApiError> {
+        let name_text = match request.get("model").or_else(|| request.get("name")) {
+            Some(Value::String(s)) if !s.trim().is_empty() => s.clone(),
+            Some(Value::String(_) | Value::Null) | None => return Err(bad("model is required", path)),
+            Some(_) => return Err(bad("model must be a string", path)),
+        };
+        let name = ModelName::parse(&name_text).map_err(|e| bad(&e.to_string(), path))?;
+        let options = match request.get("options") {
+            None | Some(Value::Null) => Map::new(),
+            Some(Value::Object(map)) => map.clone(),
+            Some(_) => return Err(bad("options must be an object", path)),
+        };
+        let keep_alive = KeepAlive::from_json(request.get("keep_alive")).map_err(|e| bad(&e.to_string(), path))?;
+        let stream = match request.get("stream") {
+            None | Some(Value::Null) => true,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(bad("stream must be true or false", path)),
+        };
+        Ok(Self { name_text, name, options, keep_alive, stream })
+    }
+}
+
+/// The scheduler's request, the model's parameters under the client's options, and the
+/// model's default system prompt.
+struct Prepared {
+    request: ModelRequest,
+    options: Map<String, Value>,
+    system: Option<String>,
+}
+
+async fn prepare(state: &AppState, common: &Common, path: &str) -> Result<Prepared, ApiError> {
+    let store = state.store.clone();
+    let defaults = state.defaults;
+    let name = common.name.clone();
+    let options = common.options.clone();
+    let keep_alive = common.keep_alive;
+    let built = tokio::task::spawn_blocking(move || {
+        let details = store.show(&name, false).map_err(RequestError::Store)?;
+        let request = request::build(&store, &name, &options, keep_alive, false, defaults)?;
+        let mut merged: Map<String, Value> = details.parameters.into_iter().collect();
+        merged.extend(options);
+        Ok::<_, RequestError>(Prepared { request, options: merged, system: details.system })
+    })
+    .await
+    .map_err(|e| internal(&format!("the request task failed: {e}"), path))?;
+    let prepared = built.map_err(|e| match e {
+        RequestError::Store(StoreError::NotFound(_)) => {
+            ApiError::new(StatusCode::NOT_FOUND, format!("model '{}' not found", common.name_text), path)
+        }
+        RequestError::InvalidOption { .. } => bad(&e.to_string(), path),
+        other @ RequestError::Store(_) => internal(&other.to_string(), path),
+    })?;
+    if prepared.request.options.embedding.is_some() {
+        return Err(bad(&format!("\"{}\" does not support generate", common.name_text), path));
+    }
+    Ok(prepared)
+}
+
+/// An empty prompt: load the model (or, with `keep_alive: 0`, unload it) and say so.
+async fn load_or_unload(
+    state: &AppState,
+    request: ModelRequest,
+    common: &Common,
+    kind: Kind,
+    started: Instant,
+    path: &str,
+) -> Result<Response, ApiError> {
+    let model = request.name.clone();
+    let (reason, load) = if common.keep_alive.is_some_and(KeepAlive::is_zero) {
+        match state.scheduler.unload(&request.key).await {
+            Ok(()) | Err(ScheduleError::NotLoaded(_)) => {}
+            Err(e) => return Err(schedule_error(&e, path)),
+        }
+        ("unload", Duration::ZERO)
+    } else {
+        let waited = Instant::now();
+        let lease = state.scheduler.acquire(request).await.map_err(|e| schedule_error(&e, path))?;
+        drop(lease);
+        ("load", waited.elapsed())
+    };
+    let mut reply = chunk(kind, &model, "");
+    reply.insert("done".into(), Value::Bool(true));
+    reply.insert("done_reason".into(), Value::String(reason.into()));
+    reply.insert("total_duration".into(), json!(nanos(started.elapsed())));
+    reply.insert("load_duration".into(), json!(nanos(load)));
+    Ok(Json(Value::Object(reply)).into_response())
+}
+
+/// Leases a runner, sends `body` to its `upstream_path`, and answers in Ollama's shape.
+#[allow(clippy::too_many_arguments)]
+async fn run(
+    state: &AppState,
+    request: ModelRequest,
+    upstream_path: &'static str,
+    body: Map<String, Value>,
+    kind: Kind,
+    stream: bool,
+    started: Instant,
+    path: &str,
+) -> Result<Response, ApiError> {
+    let model = request.name.clone();
+    let waited = Instant::now();
+    let lease = state.scheduler.acquire(request).await.map_err(|e| schedule_error(&e, path))?;
+    let load = waited.elapsed();
+    let body = serde_json::to_vec(&Value::Object(body)).expect("JSON values serialize");
+    let (status, mut upstream) = upstream::post_json_stream(lease.socket(), upstream_path, body, UPSTREAM_TIMEOUT)
+        .await
+        .map_err(|e| internal(&format!("the model runner did not answer: {e}"), path))?;
+    if !status.is_success() {
+        let mut reply = Vec::new();
+        while let Some(Ok(piece)) = upstream.chunk().await {
+            reply.extend_from_slice(&piece);
+        }
+        drop(lease);
+        let reply: Value = serde_json::from_slice(&reply).unwrap_or(Value::Null);
+        let message = reply["error"]["message"].as_str().unwrap_or("the model runner refused the request");
+        return Err(ApiError::new(
+            if status.is_client_error() { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR },
+            message,
+            path,
+        ));
+    }
+    let generation = Generation {
+        upstream: Some(upstream),
+        lease: Some(lease),
+        parser: Parser::default(),
+        kind,
+        model,
+        started,
+        load,
+        finished: false,
+    };
+    if stream {
+        let lines = futures_util::stream::unfold(generation, |mut generation| async move {
+            let out = generation.next_lines().await?;
+            Some((Ok::<Bytes, Infallible>(out), generation))
+        });
+        let mut response = Body::from_stream(lines).into_response();
+        response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/x-ndjson"));
+        Ok(response)
+    } else {
+        whole(generation, path).await
+    }
+}
+
+/// A non-streaming reply: the whole content and the final fields in one object.
+async fn whole(mut generation: Generation, path: &str) -> Result<Response, ApiError> {
+    let mut content = String::new();
+    let mut upstream = generation.upstream.take().expect("a new generation has its upstream");
+    while let Some(piece) = upstream.chunk().await {
+        let piece = piece.map_err(|e| internal(&format!("the model runner failed mid-answer: {e}"), path))?;
+        for event in generation.parser.feed(&piece) {
+            match event {
+                Event::Content(text) => content.push_str(&text),
+                Event::Error(message) => return Err(internal(&message, path)),
+            }
+        }
+    }
+    drop(upstream);
+    generation.lease.take();
+    let reply = generation.done(&content);
+    Ok(Json(Value::Object(reply)).into_response())
+}
+
+/// A streaming generation: the runner's connection, the lease, and the parse state.
+/// Dropping it (the client went away) closes the connection and releases the runner.
+struct Generation {
+    upstream: Option<BodyStream>,
+    lease: Option<Lease>,
+    parser: Parser,
+    kind: Kind,
+    model: String,
+    started: Instant,
+    load: Duration,
+    finished: bool,
+}
+
+impl Generation {
+    /// The next NDJSON lines for the client; `None` once the final one was sent.
+    async fn next_lines(&mut self) -> Option<Bytes> {
+        if self.finished {
+            return None;
+        }
+        let mut out = Vec::new();
+        loop {
+            let upstream = self.upstream.as_mut()?;
+            match upstream.chunk().await {
+                Some(Ok(piece)) => {
+                    for event in self.parser.feed(&piece) {
+                        match event {
+                            Event::Content(text) => {
+                                push_line(&mut out, &Value::Object(chunk(self.kind, &self.model, &text)));
+                            }
+                            Event::Error(message) => {
+                                self.finish();
+                                push_line(&mut out, &json!({ "error": message }));
+                                return Some(Bytes::from(out));
+                            }
+                        }
+                    }
+                    if !out.is_empty() {
+                        return Some(Bytes::from(out));
+                    }
+                }
+                Some(Err(e)) => {
+                    self.finish();
+                    push_line(&mut out, &json!({ "error": format!("the model runner failed mid-answer: {e}") }));
+                    return Some(Bytes::from(out));
+                }
+                None => {
+                    self.finish();
+                    push_line(&mut out, &Value::Object(self.done("")));
+                    return Some(Bytes::from(out));
+                }
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        self.finished = true;
+        self.upstream = None;
+        self.lease = None;
+    }
+
+    /// The final object, with `content` as the message or response.
+    fn done(&self, content: &str) -> Map<String, Value> {
+        let p = &self.parser;
+        let mut reply = chunk(self.kind, &self.model, content);
+        reply.insert("done".into(), Value::Bool(true));
+        let reason = if p.finish_reason.as_deref() == Some("length") { "length" } else { "stop" };
+        reply.insert("done_reason".into(), Value::String(reason.into()));
+        reply.insert("total_duration".into(), json!(nanos(self.started.elapsed())));
+        reply.insert("load_duration".into(), json!(nanos(self.load)));
+        reply.insert("prompt_eval_count".into(), json!(p.prompt_tokens.unwrap_or(0)));
+        reply.insert("prompt_eval_duration".into(), json!(p.prompt_ns.unwrap_or(0)));
+        reply.insert("eval_count".into(), json!(p.eval_tokens.unwrap_or(0)));
+        reply.insert("eval_duration".into(), json!(p.eval_ns.unwrap_or(0)));
+        reply
+    }
+}
+
+/// One non-final object: `message` for chat, `response` for generate.
+fn chunk(kind: Kind, model: &str, content: &str) -> Map<String, Value> {
+    let mut object = Map::new();
+    object.insert("model".into(), Value::String(model.to_owned()));
+    object.insert("created_at".into(), Value::String(humantime::format_rfc3339_nanos(SystemTime::now()).to_string()));
+    match kind {
+        Kind::Chat => object.insert("message".into(), json!({ "role": "assistant", "content": content })),
+        Kind::Generate => object.insert("response".into(), Value::String(content.to_owned())),
+    };
+    object.insert("done".into(), Value::Bool(false));
+    object
+}
+
+fn push_line(out: &mut Vec<u8>, value: &Value) {
+    serde_json::to_writer(&mut *out, value).expect("JSON values serialize");
+    out.push(b'\n');
+}
+
+/// What the runner's stream said that the client sees as it comes.
+#[derive(Debug, PartialEq)]
+enum Event {
+    Content(String),
+    Error(String),
+}
+
+/// Reads llama-server's server-sent events (from `/v1/chat/completions` or
+/// `/completion`) and keeps what the final object needs.
+#[derive(Debug, Default)]
+struct Parser {
+    pending: Vec<u8>,
+    finish_reason: Option<String>,
+    prompt_tokens: Option<u64>,
+    eval_tokens: Option<u64>,
+    prompt_ns: Option<u64>,
+    eval_ns: Option<u64>,
+}
+
+impl Parser {
+    fn feed(&mut self, bytes: &[u8]) -> Vec<Event> {
+        self.pending.extend_from_slice(bytes);
+        let mut events = Vec::new();
+        while let Some(end) = self.pending.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = self.pending.drain(..=end).collect();
+            let line = String::from_utf8_lossy(&line);
+            let Some(data) = line.trim_end().strip_prefix("data:") else { continue };
+            let data = data.trim();
+            if data.is_empty() || data == "[DONE]" {
+                continue;
+            }
+            let Ok(event) = serde_json::from_str::<Value>(data) else { continue };
+            self.event(&event, &mut events);
+        }
+        events
+    }
+
+    fn event(&mut self, event: &Value, events: &mut Vec<Event>) {
+        if let Some(error) = event.get("error") {
+            let message = error["message"].as_str().or_else(|| error.as_str()).unwrap_or("the model runner failed");
+            events.push(Event::Error(message.to_owned()));
+            return;
+        }
+        // /v1/chat/completions
+        if let Some(choice) = event["choices"].get(0) {
+            if let Some(text) = choice["delta"]["content"].as_str().filter(|t| !t.is_empty()) {
+                events.push(Event::Content(text.to_owned()));
+            }
+            if let Some(reason) = choice["finish_reason"].as_str() {
+                self.finish_reason = Some(reason.to_owned());
+            }
+        }
+        if let Some(usage) = event.get("usage").filter(|u| u.is_object()) {
+            self.prompt_tokens = usage["prompt_tokens"].as_u64().or(self.prompt_tokens);
+            self.eval_tokens = usage["completion_tokens"].as_u64().or(self.eval_tokens);
+        }
+        // /completion
+        if event.get("choices").is_none() {
+            if let Some(text) = event["content"].as_str().filter(|t| !t.is_empty()) {
+                events.push(Event::Content(text.to_owned()));
+            }
+            if event["stop"] == Value::Bool(true) {
+                let limit = event["stop_type"] == "limit";
+                self.finish_reason = Some(if limit { "length" } else { "stop" }.to_owned());
+                self.prompt_tokens = event["tokens_evaluated"].as_u64().or(self.prompt_tokens);
+                self.eval_tokens = event["tokens_predicted"].as_u64().or(self.eval_tokens);
+            }
+        }
+        if let Some(timings) = event.get("timings").filter(|t| t.is_object()) {
+            self.prompt_tokens = self.prompt_tokens.or(timings["prompt_n"].as_u64());
+            self.eval_tokens = self.eval_tokens.or(timings["predicted_n"].as_u64());
+            self.prompt_ns = timings["prompt_ms"].as_f64().map(ms_to_ns).or(self.prompt_ns);
+            self.eval_ns = timings["predicted_ms"].as_f64().map(ms_to_ns).or(self.eval_ns);
+        }
+    }
+}
+
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+fn ms_to_ns(ms: f64) -> u64 {
+    (ms.max(0.0) * 1e6) as u64
+}
+
+/// One chat message, reduced to what the runner needs.
+fn message(value: &Value, path: &str) -> Result<Value, ApiError> {
+    let role = value["role"].as_str().filter(|r| !r.is_empty());
+    let content = match value.get("content") {
+        None | Some(Value::Null) => Some(""),
+        Some(Value::String(s)) => Some(s.as_str()),
+        Some(_) => None,
+    };
+    match (role, content) {
+        (Some(role), Some(content)) => Ok(json!({ "role": role, "content": content })),
+        _ => Err(bad("each message must be an object with a string role and content", path)),
+    }
+}
+
+fn string(request: &Map<String, Value>, field: &str, path: &str) -> Result<Option<String>, ApiError> {
+    match request.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(bad(&format!("{field} must be a string"), path)),
+    }
+}
+
+/// Ollama's sampling options as llama-server's request fields; `limit` names the token
+/// limit (`max_tokens` on the chat endpoint, `n_predict` on `/completion`).
+fn sampling(options: &Map<String, Value>, limit: &str, path: &str) -> Result<Map<String, Value>, ApiError> {
+    let invalid = |name: &str, reason: &str| bad(&format!("invalid option {name}: {reason}"), path);
+    let mut body = Map::new();
+    for name in ["temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"] {
+        match options.get(name) {
+            None | Some(Value::Null) => {}
+            Some(v @ Value::Number(_)) => {
+                body.insert(name.into(), v.clone());
+            }
+            Some(_) => return Err(invalid(name, "expected a number")),
+        }
+    }
+    for name in ["top_k", "seed"] {
+        match options.get(name) {
+            None | Some(Value::Null) => {}
+            Some(v) if v.is_i64() || v.is_u64() => {
+                body.insert(name.into(), v.clone());
+            }
+            Some(_) => return Err(invalid(name, "expected an integer")),
+        }
+    }
+    match options.get("stop") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) => {
+            body.insert("stop".into(), json!([s]));
+        }
+        Some(Value::Array(items)) if items.iter().all(Value::is_string) => {
+            body.insert("stop".into(), Value::Array(items.clone()));
+        }
+        Some(_) => return Err(invalid("stop", "expected a string or a list of strings")),
+    }
+    match options.get("num_predict") {
+        None | Some(Value::Null) => {}
+        // Negative: no limit (Ollama's -1 and -2).
+        Some(v) => match v.as_i64() {
+            Some(n) if n < 0 => {}
+            Some(n) => {
+                body.insert(limit.into(), json!(n));
+            }
+            None => return Err(invalid("num_predict", "expected an integer")),
+        },
+    }
+    Ok(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Map, Value, json};
+
+    use super::{Event, Parser, sampling};
+
+    #[test]
+    fn chat_events_split_across_reads_parse_once() {
+        let mut parser = Parser::default();
+        let stream = concat!(
+            "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":null}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"lo\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"length\"}],",
+            "\"timings\":{\"prompt_n\":3,\"prompt_ms\":1.5,\"predicted_n\":2,\"predicted_ms\":2.0}}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":2}}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let mut events = Vec::new();
+        for piece in stream.as_bytes().chunks(7) {
+            events.extend(parser.feed(piece));
+        }
+        assert_eq!(events, [Event::Content("Hel".into()), Event::Content("lo".into())]);
+        assert_eq!(parser.finish_reason.as_deref(), Some("length"));
+        assert_eq!((parser.prompt_tokens, parser.eval_tokens), (Some(4), Some(2)));
+        assert_eq!((parser.prompt_ns, parser.eval_ns), (Some(1_500_000), Some(2_000_000)));
+    }
+
+    #[test]
+    fn completion_events_and_errors() {
+        let mut parser = Parser::default();
+        let events = parser.feed(
+            b"data: {\"content\":\"a\",\"stop\":false}\n\ndata: {\"content\":\"\",\"stop\":true,\"stop_type\":\"eos\",\
+              \"tokens_predicted\":1,\"tokens_evaluated\":5,\"timings\":{\"prompt_ms\":1,\"predicted_ms\":1}}\n\n\
+              data: {\"error\":{\"message\":\"boom\"}}\n\n",
+        );
+        assert_eq!(events, [Event::Content("a".into()), Event::Error("boom".into())]);
+        assert_eq!(parser.finish_reason.as_deref(), Some("stop"));
+        assert_eq!((parser.prompt_tokens, parser.eval_tokens), (Some(5), Some(1)));
+    }
+
+    #[test]
+    fn sampling_options_map_and_bad_ones_are_named() {
+        let options: Map<String, Value> = serde_json::from_value(json!({
+            "temperature": 0.5, "top_k": 4, "stop": "x", "num_predict": 8, "num_ctx": 64, "seed": 1
+        }))
+        .expect("map");
+        let body = sampling(&options, "max_tokens", "/api/chat").expect("valid");
+        assert_eq!(
+            Value::Object(body),
+            json!({ "temperature": 0.5, "top_k": 4, "stop": ["x"], "max_tokens": 8, "seed": 1 })
+        );
+        let unlimited: Map<String, Value> = serde_json::from_value(json!({ "num_predict": -1 })).expect("map");
+        assert!(sampling(&unlimited, "n_predict", "/api/generate").expect("valid").is_empty());
+        let wrong: Map<String, Value> = serde_json::from_value(json!({ "temperature": "hot" })).expect("map");
+        assert!(sampling(&wrong, "max_tokens", "/api/chat").is_err());
+    }
+}
