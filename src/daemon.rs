@@ -28,6 +28,7 @@ use crate::scheduler::policy::GpuView;
 use crate::scheduler::request;
 use crate::store::Store;
 use crate::store::name::ModelName;
+use crate::store::registry::{Registry, RegistryConfig};
 use crate::supervisor::cgroup::CgroupTree;
 use crate::supervisor::command::{Device, INHERITED_VARIABLES};
 use crate::supervisor::runner::{LogSink, SupervisorConfig};
@@ -101,7 +102,13 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let safety = Arc::new(http::Safety::new(&loaded.config.server));
     let defaults =
         request::Defaults { num_ctx: loaded.config.scheduler.num_ctx, parallel: loaded.config.scheduler.num_parallel };
-    let router = http::router(http::AppState { store: store.clone(), scheduler: scheduler.clone(), safety, defaults });
+    let registry = Registry::new(RegistryConfig {
+        insecure: loaded.config.store.insecure_registries.clone(),
+        ..RegistryConfig::default()
+    })
+    .context("cannot set up the registry client")?;
+    let router =
+        http::router(http::AppState { store: store.clone(), scheduler: scheduler.clone(), safety, defaults, registry });
     for listener in listeners {
         servers.spawn(listener.serve(router.clone(), shutdown.clone()));
     }

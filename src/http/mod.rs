@@ -4,9 +4,12 @@
 
 mod error;
 pub mod listeners;
+mod metrics;
 mod ollama_embed;
 mod ollama_generate;
 mod ollama_models;
+mod ollama_store;
+mod openai;
 pub mod safety;
 pub mod state;
 
@@ -32,11 +35,18 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/", get(root))
         .route("/api/version", get(version))
+        .route("/metrics", get(metrics::metrics))
         .merge(ollama_models::routes())
+        .merge(ollama_store::routes())
         .route("/api/embed", post(ollama_embed::embed))
         .route("/api/embeddings", post(ollama_embed::embeddings))
         .route("/api/chat", post(ollama_generate::chat))
         .route("/api/generate", post(ollama_generate::generate))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/embeddings", post(openai::embeddings))
+        .route("/v1/models", get(openai::models))
+        .route("/v1/models/{*model}", get(openai::model))
         // Last: it applies to the routes registered before it.
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

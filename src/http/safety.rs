@@ -15,7 +15,8 @@
 //!    needs `Authorization: Bearer <token>`, else 401. Tokens are compared in constant
 //!    time: the SHA-256 digests of the presented token and of every configured one are
 //!    compared with an xor fold over all 32 bytes, for every token, without an early exit.
-//! 4. **Body size**: a `Content-Length` over `max_body` is refused with 413 at once; a
+//! 4. **Body size** (except blob uploads, `/api/blobs/…`, which stream to disk): a
+//!    `Content-Length` over `max_body` is refused with 413 at once; a
 //!    body without a length is cut off at `max_body` by the extractors, whose plain-text
 //!    413 is turned into the JSON error here.
 
@@ -189,7 +190,8 @@ pub async fn guard(State(safety): State<Arc<Safety>>, request: Request, next: Ne
         }
     }
 
-    if safety.max_body != 0 {
+    // Blob uploads stream to disk whatever their size; every other body is bounded.
+    if safety.max_body != 0 && !path.starts_with("/api/blobs/") {
         let length = request
             .headers()
             .get(header::CONTENT_LENGTH)

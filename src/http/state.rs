@@ -7,6 +7,7 @@ use super::safety::Safety;
 use crate::scheduler::actor::Handle;
 use crate::scheduler::request::Defaults;
 use crate::store::Store;
+use crate::store::registry::{Registry, RegistryConfig};
 
 /// The state every route gets.
 #[derive(Debug, Clone)]
@@ -19,6 +20,8 @@ pub struct AppState {
     pub safety: Arc<Safety>,
     /// `[scheduler]` defaults for building load requests.
     pub defaults: Defaults,
+    /// The registry client, shared so that concurrent pulls of a blob share one download.
+    pub registry: Registry,
 }
 
 impl AppState {
@@ -26,7 +29,8 @@ impl AppState {
     #[must_use]
     pub fn for_tests(store: Store, scheduler: Handle, defaults: Defaults) -> Self {
         let safety = Arc::new(Safety::new(&crate::config::ServerConfig::default()));
-        Self { store, scheduler, safety, defaults }
+        let registry = Registry::new(RegistryConfig::default()).expect("a registry client with default settings");
+        Self { store, scheduler, safety, defaults, registry }
     }
 }
 

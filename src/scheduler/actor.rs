@@ -129,6 +129,38 @@ pub struct LoadedModel {
     pub context_length: u32,
 }
 
+/// Counters since start, for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Loads started.
+    pub loads: u64,
+    /// Loads that failed.
+    pub load_failures: u64,
+    /// Total time of successful loads, in milliseconds.
+    pub load_millis: u64,
+    /// Runners stopped (expired, evicted, reloaded or asked to).
+    pub unloads: u64,
+    /// Runners chosen to make room (unloaded at once or drained).
+    pub evictions: u64,
+    /// Runners that died on their own.
+    pub crashes: u64,
+    /// Leases granted.
+    pub leases: u64,
+    /// Requests refused because the queue was full.
+    pub queue_full: u64,
+}
+
+/// The scheduler's numbers now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stats {
+    /// Counters since start.
+    pub counters: Counters,
+    /// Requests waiting for a load.
+    pub queue_depth: usize,
+    /// The runners.
+    pub loaded: Vec<LoadedModel>,
+}
+
 /// A granted runner. Dropping it ends the request's hold.
 #[derive(Debug)]
 pub struct Lease {
@@ -188,6 +220,13 @@ impl Handle {
         answer.await.map_err(|_| ScheduleError::ShuttingDown)
     }
 
+    /// The scheduler's counters, queue depth and runners.
+    pub async fn stats(&self) -> Result<Stats, ScheduleError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Command::Stats { reply }).await?;
+        answer.await.map_err(|_| ScheduleError::ShuttingDown)
+    }
+
     /// Applies new limits (after a configuration reload); loaded runners keep their
     /// keep-alive until their next request.
     pub async fn reconfigure(&self, limits: Limits) {
@@ -212,6 +251,7 @@ enum Command {
     Unload { key: String, reply: oneshot::Sender<Result<(), ScheduleError>> },
     Loaded { reply: oneshot::Sender<Vec<LoadedModel>> },
     Reconfigure { limits: Limits },
+    Stats { reply: oneshot::Sender<Stats> },
     Shutdown { reply: oneshot::Sender<()> },
 }
 
@@ -269,6 +309,7 @@ pub struct Scheduler {
     events: mpsc::UnboundedReceiver<Event>,
     events_tx: mpsc::UnboundedSender<Event>,
     learned: Footprints,
+    counters: Counters,
 }
 
 impl Scheduler {
@@ -297,6 +338,7 @@ impl Scheduler {
             events,
             events_tx,
             learned,
+            counters: Counters::default(),
         };
         (scheduler, Handle { commands: commands_tx })
     }
@@ -328,6 +370,11 @@ impl Scheduler {
             Command::Loaded { reply } => {
                 let _ = reply.send(self.loaded_models());
             }
+            Command::Stats { reply } => {
+                let stats =
+                    Stats { counters: self.counters, queue_depth: self.waiting(), loaded: self.loaded_models() };
+                let _ = reply.send(stats);
+            }
             Command::Reconfigure { limits } => {
                 self.limits = limits;
                 // A larger limit may let queued requests through.
@@ -344,6 +391,7 @@ impl Scheduler {
             match &mut entry.phase {
                 Phase::Ready { socket, .. } => {
                     entry.leases += 1;
+                    self.counters.leases += 1;
                     entry.keep_alive = keep_alive::resolve(
                         request.keep_alive,
                         Some(entry.keep_alive),
@@ -358,6 +406,7 @@ impl Scheduler {
                 }
                 Phase::Loading { waiters } => {
                     if queue_full {
+                        self.counters.queue_full += 1;
                         let _ = reply.send(Err(ScheduleError::QueueFull(self.limits.max_queue)));
                         return;
                     }
@@ -381,6 +430,7 @@ impl Scheduler {
             }
         }
         if self.waiting() >= self.limits.max_queue {
+            self.counters.queue_full += 1;
             let _ = reply.send(Err(ScheduleError::QueueFull(self.limits.max_queue)));
             return;
         }
@@ -442,6 +492,7 @@ impl Scheduler {
                     self.start(request, placement, need, reply);
                 }
                 Decision::MakeRoom { evict, drain } => {
+                    self.counters.evictions += (evict.len() + drain.len()) as u64;
                     for id in drain {
                         if let Some(entry) = self.runners.get_mut(&id) {
                             entry.draining = true;
@@ -473,6 +524,7 @@ impl Scheduler {
             placement: placement.clone(),
         };
         tracing::info!(corral_event = "load", corral_model = %request.name, runner = id, ?placement, "loading {}", request.name);
+        self.counters.loads += 1;
         let keep_alive =
             keep_alive::resolve(request.keep_alive, None, self.limits.default_keep_alive, self.limits.clamp);
         self.runners.insert(
@@ -523,6 +575,7 @@ impl Scheduler {
             }
             Event::Stopped { runner } => {
                 if let Some(entry) = self.runners.remove(&runner) {
+                    self.counters.unloads += 1;
                     tracing::info!(corral_event = "unload", corral_model = %entry.request.name, runner, "unloaded {}", entry.request.name);
                     let waiters = match entry.phase {
                         Phase::Unloading { waiters } => waiters,
@@ -536,6 +589,7 @@ impl Scheduler {
             }
             Event::Crashed { runner, reason } => {
                 if let Some(entry) = self.runners.remove(&runner) {
+                    self.counters.crashes += 1;
                     tracing::warn!(corral_event = "crash", corral_model = %entry.request.name, runner, "{} crashed: {reason}", entry.request.name);
                     self.record_failure(&entry.request.key, reason);
                     for waiter in entry.unload_waiters {
@@ -558,6 +612,7 @@ impl Scheduler {
         };
         match result {
             Err(reason) => {
+                self.counters.load_failures += 1;
                 let entry = self.runners.remove(&id).expect("looked up above");
                 self.record_failure(&entry.request.key, reason.clone());
                 for waiter in waiters {
@@ -568,6 +623,7 @@ impl Scheduler {
                 }
             }
             Ok(mut live) => {
+                self.counters.load_millis += u64::try_from(entry.idle_since.elapsed().as_millis()).unwrap_or(u64::MAX);
                 self.failures.remove(&entry.request.key);
                 if let Some(measured) = live.measured() {
                     entry.footprint = measured;
@@ -595,6 +651,7 @@ impl Scheduler {
                 entry.idle_since = Instant::now();
                 for waiter in waiters {
                     entry.leases += 1;
+                    self.counters.leases += 1;
                     let lease = Lease { runner: id, socket: socket.clone(), events: self.events_tx.clone() };
                     // A waiter that went away drops the lease at once, which releases it.
                     let _ = waiter.send(Ok(lease));

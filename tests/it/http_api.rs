@@ -38,6 +38,16 @@ async fn embed_returns_one_vector_per_input_and_the_legacy_endpoint_one() {
     assert_eq!(status, StatusCode::OK, "{one}");
     assert_eq!(one["embedding"], vectors[0], "the same text embeds the same");
 
+    // /metrics counts the load and shows the runner.
+    let request = Request::get("/metrics").body(Body::empty()).expect("request");
+    let response = router(state.clone()).oneshot(request).await.expect("infallible");
+    assert_eq!(response.status(), StatusCode::OK);
+    let text = String::from_utf8(axum::body::to_bytes(response.into_body(), 1 << 20).await.expect("body").to_vec())
+        .expect("utf-8");
+    for line in ["corral_loads_total 1", "corral_loaded_models{state=\"ready\"} 1", "corral_requests_total 2"] {
+        assert!(text.lines().any(|l| l == line), "{line:?} in\n{text}");
+    }
+
     // An empty input loads the model and returns no vectors, as Ollama does.
     let (status, empty) = post(&state, "/api/embed", r#"{"model":"embed"}"#).await;
     assert_eq!((status, empty["embeddings"].clone()), (StatusCode::OK, json!([])));

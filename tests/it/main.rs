@@ -10,6 +10,8 @@ mod containment;
 mod fake_runner;
 mod http_api;
 mod http_generate;
+mod http_openai;
+mod http_store;
 mod journald;
 mod llama_server;
 mod private_bus;

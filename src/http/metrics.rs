@@ -1,0 +1,134 @@
+//! `GET /metrics`: the scheduler's state and counters in Prometheus' text format.
+//!
+//! Names start with `corral_`; per-runner series carry `model` and `state` labels.
+
+use std::fmt::Write as _;
+
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+
+use super::error::ApiError;
+use super::state::AppState;
+use crate::scheduler::actor::Stats;
+
+/// The handler.
+pub async fn metrics(State(app): State<AppState>) -> Result<Response, ApiError> {
+    let snapshot = app
+        .scheduler
+        .stats()
+        .await
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string(), "/metrics"))?;
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], render(&snapshot)).into_response())
+}
+
+/// The text exposition of `stats`.
+#[must_use]
+pub fn render(stats: &Stats) -> String {
+    let mut out = String::new();
+    let c = &stats.counters;
+    let mut metric = |name: &str, kind: &str, help: &str, value: u64| {
+        let _ = writeln!(out, "# HELP corral_{name} {help}\n# TYPE corral_{name} {kind}\ncorral_{name} {value}");
+    };
+    metric("queue_depth", "gauge", "Requests waiting for a model to load.", stats.queue_depth as u64);
+    metric("loads_total", "counter", "Model loads started.", c.loads);
+    metric("load_failures_total", "counter", "Model loads that failed.", c.load_failures);
+    metric("unloads_total", "counter", "Runners stopped.", c.unloads);
+    metric("evictions_total", "counter", "Runners chosen to make room for another model.", c.evictions);
+    metric("crashes_total", "counter", "Runners that died on their own.", c.crashes);
+    metric("requests_total", "counter", "Requests given a runner.", c.leases);
+    metric("requests_refused_total", "counter", "Requests refused because the queue was full.", c.queue_full);
+    let _ = writeln!(
+        out,
+        "# HELP corral_load_seconds_total Time spent in successful loads.\n# TYPE corral_load_seconds_total counter\ncorral_load_seconds_total {}.{:03}",
+        c.load_millis / 1000,
+        c.load_millis % 1000
+    );
+    let _ = writeln!(out, "# HELP corral_loaded_models Runners, by state.\n# TYPE corral_loaded_models gauge");
+    for state in ["loading", "ready", "unloading"] {
+        let n = stats.loaded.iter().filter(|m| m.state == state).count();
+        let _ = writeln!(out, "corral_loaded_models{{state=\"{state}\"}} {n}");
+    }
+    let series = [
+        ("runner_vram_bytes", "GPU memory a runner uses (measured once loaded)."),
+        ("runner_ram_bytes", "Host memory a runner uses besides (measured once loaded)."),
+        ("runner_active_requests", "Requests holding a runner."),
+    ];
+    for (name, help) in series {
+        let _ = writeln!(out, "# HELP corral_{name} {help}\n# TYPE corral_{name} gauge");
+        for m in &stats.loaded {
+            let value = match name {
+                "runner_vram_bytes" => m.footprint.vram,
+                "runner_ram_bytes" => m.footprint.ram,
+                _ => u64::from(m.leases),
+            };
+            let _ = writeln!(out, "corral_{name}{{model=\"{}\",state=\"{}\"}} {value}", escape(&m.name), m.state);
+        }
+    }
+    out
+}
+
+/// A label value with `\`, `"` and newlines escaped, as the format requires.
+fn escape(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{escape, render};
+    use crate::scheduler::actor::{Counters, LoadedModel, Stats};
+    use crate::scheduler::keep_alive::KeepAlive;
+    use crate::scheduler::policy::{Footprint, Placement};
+
+    #[test]
+    fn the_text_format_has_every_series() {
+        let stats = Stats {
+            counters: Counters {
+                loads: 3,
+                load_failures: 1,
+                load_millis: 2500,
+                unloads: 2,
+                evictions: 1,
+                crashes: 1,
+                leases: 7,
+                queue_full: 4,
+            },
+            queue_depth: 5,
+            loaded: vec![LoadedModel {
+                id: 1,
+                name: "tiny:latest".into(),
+                key: "k".into(),
+                state: "ready",
+                placement: Placement::Cpu,
+                footprint: Footprint { vram: 0, ram: 5_000_000 },
+                leases: 2,
+                expires_at: None,
+                keep_alive: KeepAlive::For(Duration::from_secs(300)),
+                pid: Some(42),
+                context_length: 2048,
+            }],
+        };
+        let text = render(&stats);
+        for line in [
+            "corral_queue_depth 5",
+            "corral_loads_total 3",
+            "corral_load_failures_total 1",
+            "corral_load_seconds_total 2.500",
+            "corral_unloads_total 2",
+            "corral_evictions_total 1",
+            "corral_crashes_total 1",
+            "corral_requests_total 7",
+            "corral_requests_refused_total 4",
+            "corral_loaded_models{state=\"ready\"} 1",
+            "corral_loaded_models{state=\"loading\"} 0",
+            "corral_runner_ram_bytes{model=\"tiny:latest\",state=\"ready\"} 5000000",
+            "corral_runner_active_requests{model=\"tiny:latest\",state=\"ready\"} 2",
+            "# TYPE corral_loads_total counter",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+}

@@ -1,0 +1,429 @@
+//! Ollama's endpoints that write the store: `/api/blobs/<digest>` (HEAD and POST),
+//! `/api/create`, `/api/pull` and `/api/push`.
+//!
+//! Uploads stream straight into the store (no body limit on that route: weights are
+//! large). Create, pull and push answer with NDJSON progress ending in `success`, or with
+//! one JSON object when the request says `"stream": false`. An error found before
+//! anything was written is a plain JSON error with a 400 or 404; one after the stream
+//! started ends the stream with `{"error": "..."}`.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::io::{self, Read};
+
+use axum::Json;
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{head, post};
+use futures_util::StreamExt;
+use serde::Serialize;
+use serde_json::{Map, Value, json};
+use tokio::sync::mpsc;
+
+use super::ApiError;
+use super::state::AppState;
+use crate::store::create::{CreateSpec, Source};
+use crate::store::digest::Digest;
+use crate::store::modelfile::Message;
+use crate::store::name::ModelName;
+use crate::store::registry::{Progress, Registry, RegistryError};
+use crate::store::{Store, StoreError};
+
+/// The routes of this module.
+pub(super) fn routes() -> Router<AppState> {
+    let blobs = Router::new()
+        .route("/api/blobs/{digest}", head(head_blob).post(post_blob))
+        // Uploads are weights, far larger than the limit on JSON bodies; they stream to disk.
+        .route_layer(DefaultBodyLimit::disable());
+    Router::new()
+        .merge(blobs)
+        .route("/api/create", post(create))
+        .route("/api/pull", post(pull))
+        .route("/api/push", post(push))
+}
+
+const BLOBS: &str = "/api/blobs";
+
+fn bad(message: impl Into<String>, path: &str) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, message, path)
+}
+
+fn internal(path: &str) -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal error", path)
+}
+
+fn parse_digest(text: &str) -> Result<Digest, ApiError> {
+    Digest::parse(text).map_err(|e| bad(e.to_string(), BLOBS))
+}
+
+/// `HEAD /api/blobs/<digest>`: 200 if the store has the blob, else 404.
+async fn head_blob(State(state): State<AppState>, Path(digest): Path<String>) -> Result<StatusCode, ApiError> {
+    let digest = parse_digest(&digest)?;
+    let store = state.store;
+    let present = tokio::task::spawn_blocking(move || store.has_blob(&digest)).await.map_err(|_| internal(BLOBS))?;
+    Ok(if present { StatusCode::OK } else { StatusCode::NOT_FOUND })
+}
+
+/// `POST /api/blobs/<digest>` with the raw bytes: 201 when stored, 200 when the store
+/// already had it, 400 when the data does not hash to `digest` (and nothing is kept).
+async fn post_blob(
+    State(state): State<AppState>,
+    Path(digest): Path<String>,
+    body: Body,
+) -> Result<StatusCode, ApiError> {
+    let digest = parse_digest(&digest)?;
+    let store = state.store;
+    if store.has_blob(&digest) {
+        return Ok(StatusCode::OK);
+    }
+    let (tx, rx) = mpsc::channel::<io::Result<Bytes>>(8);
+    let writer = tokio::task::spawn_blocking(move || {
+        store.write_blob(ChannelReader { rx, current: Bytes::new() }, Some(&digest))
+    });
+    let mut data = body.into_data_stream();
+    while let Some(chunk) = data.next().await {
+        let chunk = chunk.map_err(|e| io::Error::other(format!("the upload failed: {e}")));
+        let failed = chunk.is_err();
+        if tx.send(chunk).await.is_err() || failed {
+            break;
+        }
+    }
+    drop(tx);
+    match writer.await {
+        Ok(Ok(_)) => Ok(StatusCode::CREATED),
+        Ok(Err(e @ StoreError::DigestMismatch { .. })) => Err(bad(e.to_string(), BLOBS)),
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "cannot store an uploaded blob");
+            Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), BLOBS))
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "a blob upload task panicked");
+            Err(internal(BLOBS))
+        }
+    }
+}
+
+/// The request body's chunks, as a blocking reader for the store.
+struct ChannelReader {
+    rx: mpsc::Receiver<io::Result<Bytes>>,
+    current: Bytes,
+}
+
+impl Read for ChannelReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        while self.current.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(chunk) => self.current = chunk?,
+                None => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.current.len());
+        buf[..n].copy_from_slice(&self.current.split_to(n));
+        Ok(n)
+    }
+}
+
+/// One line of a progress stream.
+enum Event<P> {
+    Progress(P),
+    Failed(ApiError, String),
+}
+
+/// The reply to a streaming request, given the first event and the rest. The first event
+/// decides: a failure before any progress is a plain JSON error.
+async fn reply<P: Serialize + Send + 'static>(
+    mut rx: mpsc::UnboundedReceiver<Event<P>>,
+    stream: bool,
+    path: &str,
+) -> Response {
+    if !stream {
+        while let Some(event) = rx.recv().await {
+            if let Event::Failed(error, _) = event {
+                return error.into_response();
+            }
+        }
+        return Json(json!({"status": "success"})).into_response();
+    }
+    let first = match rx.recv().await {
+        Some(Event::Failed(error, _)) => return error.into_response(),
+        Some(first) => first,
+        None => return internal(path).into_response(),
+    };
+    let lines = futures_util::stream::unfold((Some(first), rx), |(pending, mut rx)| async move {
+        let event = match pending {
+            Some(event) => event,
+            None => rx.recv().await?,
+        };
+        let value = match event {
+            Event::Progress(p) => serde_json::to_value(p).unwrap_or(Value::Null),
+            Event::Failed(_, message) => json!({ "error": message }),
+        };
+        let mut line = value.to_string().into_bytes();
+        line.push(b'\n');
+        Some((Ok::<_, Infallible>(Bytes::from(line)), (None, rx)))
+    });
+    let mut response = Body::from_stream(lines).into_response();
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/x-ndjson"));
+    response
+}
+
+/// `stream` of a request: true unless the request says `false`.
+fn stream_flag(request: &Map<String, Value>, path: &str) -> Result<bool, ApiError> {
+    match request.get("stream") {
+        None | Some(Value::Null) => Ok(true),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(bad("invalid type for \"stream\": expected a boolean", path)),
+    }
+}
+
+fn optional_string(request: &Map<String, Value>, field: &str, path: &str) -> Result<Option<String>, ApiError> {
+    match request.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(bad(format!("invalid type for \"{field}\": expected a string"), path)),
+    }
+}
+
+/// The model name of a request (`model`, or Ollama's older `name`): as given, and parsed.
+fn model_name(request: &Map<String, Value>, path: &str) -> Result<(String, ModelName), ApiError> {
+    let given = match optional_string(request, "model", path)? {
+        Some(s) if !s.is_empty() => s,
+        _ => optional_string(request, "name", path)?.unwrap_or_default(),
+    };
+    if given.is_empty() {
+        return Err(bad("model is required", path));
+    }
+    let name = ModelName::parse(&given).map_err(|e| bad(e.to_string(), path))?;
+    Ok((given, name))
+}
+
+fn object(body: &[u8], path: &str) -> Result<Map<String, Value>, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(bad("missing request body", path));
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(bad("the request body must be a JSON object", path)),
+        Err(e) => Err(bad(format!("invalid JSON in the request body: {e}"), path)),
+    }
+}
+
+/// A `{name: digest}` object of `files` or `adapters`, in order.
+fn digests(request: &Map<String, Value>, field: &str, path: &str) -> Result<Vec<(String, Digest)>, ApiError> {
+    match request.get(field) {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Object(map)) => map
+            .iter()
+            .map(|(name, digest)| {
+                let text = digest
+                    .as_str()
+                    .ok_or_else(|| bad(format!("invalid digest for \"{name}\" in \"{field}\""), path))?;
+                Digest::parse(text).map(|d| (name.clone(), d)).map_err(|e| bad(e.to_string(), path))
+            })
+            .collect(),
+        Some(_) => Err(bad(format!("invalid type for \"{field}\": expected an object"), path)),
+    }
+}
+
+/// The create request as a spec; `from` is the model name as given, for messages.
+fn create_spec(request: &Map<String, Value>) -> Result<(CreateSpec, String), ApiError> {
+    const PATH: &str = "/api/create";
+    let files = digests(request, "files", PATH)?;
+    let adapters = digests(request, "adapters", PATH)?;
+    let from_text = optional_string(request, "from", PATH)?.filter(|s| !s.is_empty());
+    let from = if let Some(from) = &from_text {
+        match Digest::parse(from) {
+            Ok(digest) if from.starts_with("sha256") => Source::Blob(digest),
+            _ => Source::Model(ModelName::parse(from).map_err(|e| bad(e.to_string(), PATH))?),
+        }
+    } else {
+        let weights = files
+            .iter()
+            .find(|(name, _)| std::path::Path::new(name).extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")))
+            .or_else(|| files.first())
+            .ok_or_else(|| bad("neither 'from' nor 'files' was specified", PATH))?;
+        Source::Blob(weights.1)
+    };
+    let licenses = match request.get("license") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_str().map(str::to_owned).ok_or_else(|| bad("invalid type for \"license\"", PATH)))
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(bad("invalid type for \"license\": expected a string or a list", PATH)),
+    };
+    let parameters: BTreeMap<String, Value> = match request.get("parameters") {
+        None | Some(Value::Null) => BTreeMap::new(),
+        Some(Value::Object(map)) => map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        Some(_) => return Err(bad("invalid type for \"parameters\": expected an object", PATH)),
+    };
+    let messages: Vec<Message> = match request.get("messages") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(value) => {
+            serde_json::from_value(value.clone()).map_err(|e| bad(format!("invalid \"messages\": {e}"), PATH))?
+        }
+    };
+    let spec = CreateSpec {
+        from,
+        adapters: adapters.into_iter().map(|(_, d)| Source::Blob(d)).collect(),
+        template: optional_string(request, "template", PATH)?,
+        system: optional_string(request, "system", PATH)?,
+        licenses,
+        parameters,
+        messages,
+    };
+    Ok((spec, from_text.unwrap_or_default()))
+}
+
+fn store_error(error: &StoreError, path: &str, from: &str) -> ApiError {
+    match error {
+        StoreError::NotFound(_) => ApiError::new(StatusCode::NOT_FOUND, format!("model '{from}' not found"), path),
+        StoreError::Exists(_)
+        | StoreError::DigestMismatch { .. }
+        | StoreError::Gguf { .. }
+        | StoreError::Invalid(_)
+        | StoreError::MissingBlob(_) => bad(error.to_string(), path),
+        StoreError::Manifest { .. } | StoreError::Io { .. } => {
+            tracing::error!(path, error = %error, "the model store failed");
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string(), path)
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct Status {
+    status: String,
+}
+
+/// `POST /api/create` (Ollama's JSON API): a model from uploaded blobs or another model.
+async fn create(State(state): State<AppState>, body: Bytes) -> Response {
+    const PATH: &str = "/api/create";
+    let prepared = object(&body, PATH).and_then(|request| {
+        let (_, name) = model_name(&request, PATH)?;
+        let (spec, from) = create_spec(&request)?;
+        Ok((name, spec, from, stream_flag(&request, PATH)?))
+    });
+    let (name, spec, from, stream) = match prepared {
+        Ok(prepared) => prepared,
+        Err(e) => return e.into_response(),
+    };
+    let (tx, rx) = mpsc::unbounded_channel();
+    let store: Store = state.store;
+    tokio::task::spawn_blocking(move || {
+        let progress_tx = tx.clone();
+        let mut progress = |status: String| {
+            let _ = progress_tx.send(Event::Progress(Status { status }));
+        };
+        match store.create(&name, &spec, &mut progress) {
+            Ok(digest) => {
+                tracing::info!(model = %name, %digest, "created a model");
+                let _ = tx.send(Event::Progress(Status { status: "success".into() }));
+            }
+            Err(e) => {
+                let _ = tx.send(Event::Failed(store_error(&e, PATH, &from), e.to_string()));
+            }
+        }
+    });
+    reply(rx, stream, PATH).await
+}
+
+/// The registry client for a pull or push: the daemon's shared one (concurrent pulls of a
+/// blob share one download; `[store] insecure_registries` speak plain HTTP), or, when the
+/// request says `insecure` for a registry the configuration does not list, one for this
+/// request with plain HTTP to that registry.
+fn registry_for(
+    shared: &Registry,
+    request: &Map<String, Value>,
+    name: &ModelName,
+    path: &str,
+) -> Result<Registry, ApiError> {
+    let insecure = match request.get("insecure") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad("invalid type for \"insecure\": expected a boolean", path)),
+    };
+    if !insecure || shared.config().insecure.iter().any(|h| h == name.registry()) {
+        return Ok(shared.clone());
+    }
+    let mut config = shared.config().clone();
+    config.insecure.push(name.registry().to_owned());
+    Registry::new(config).map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), path))
+}
+
+fn registry_error(error: &RegistryError, path: &str, given: &str) -> ApiError {
+    match error {
+        RegistryError::NotFound { .. } => ApiError::new(StatusCode::NOT_FOUND, error.to_string(), path),
+        RegistryError::Store(e) if matches!(**e, StoreError::NotFound(_)) => {
+            ApiError::new(StatusCode::NOT_FOUND, format!("model '{given}' not found"), path)
+        }
+        RegistryError::Unauthorized { .. } => ApiError::new(StatusCode::UNAUTHORIZED, error.to_string(), path),
+        _ => {
+            tracing::warn!(path, error = %error, "a registry transfer failed");
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string(), path)
+        }
+    }
+}
+
+/// Pull or push.
+#[derive(Clone, Copy)]
+enum Transfer {
+    Pull,
+    Push,
+}
+
+async fn transfer(state: AppState, body: &[u8], kind: Transfer) -> Response {
+    let path = match kind {
+        Transfer::Pull => "/api/pull",
+        Transfer::Push => "/api/push",
+    };
+    let prepared = object(body, path).and_then(|request| {
+        let (given, name) = model_name(&request, path)?;
+        let registry = registry_for(&state.registry, &request, &name, path)?;
+        Ok((given, name, registry, stream_flag(&request, path)?))
+    });
+    let (given, name, registry, stream) = match prepared {
+        Ok(prepared) => prepared,
+        Err(e) => return e.into_response(),
+    };
+    let store = state.store;
+    if matches!(kind, Transfer::Push) {
+        let (store, name) = (store.clone(), name.clone());
+        match tokio::task::spawn_blocking(move || store.manifest(&name)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return store_error(&e, path, &given).into_response(),
+            Err(_) => return internal(path).into_response(),
+        }
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let progress_tx = tx.clone();
+        let progress = move |p: Progress| {
+            let _ = progress_tx.send(Event::Progress(p));
+        };
+        let result = match kind {
+            Transfer::Pull => registry.pull(&store, &name, progress).await,
+            Transfer::Push => registry.push(&store, &name, progress).await,
+        };
+        match result {
+            Ok(digest) => tracing::info!(model = %name, %digest, path, "a registry transfer finished"),
+            Err(e) => {
+                let _ = tx.send(Event::Failed(registry_error(&e, path, &given), e.to_string()));
+            }
+        }
+    });
+    reply(rx, stream, path).await
+}
+
+/// `POST /api/pull {model, insecure?, stream?}`.
+async fn pull(State(state): State<AppState>, body: Bytes) -> Response {
+    transfer(state, &body, Transfer::Pull).await
+}
+
+/// `POST /api/push {model, insecure?, stream?}`.
+async fn push(State(state): State<AppState>, body: Bytes) -> Response {
+    transfer(state, &body, Transfer::Push).await
+}

@@ -1,0 +1,205 @@
+//! `/v1/*` against the real llama-server: chat completions and completions (whole and
+//! as server-sent events), embeddings, the model list, and errors in OpenAI's shape.
+
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use corral::http::{AppState, router};
+use http_body_util::BodyExt;
+use serde_json::Value;
+use tower::ServiceExt;
+
+use crate::support::api::state;
+
+/// Status, content type and body text of a request.
+async fn call(state: &AppState, method: &str, path: &str, body: &str) -> (StatusCode, String, String) {
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_owned()))
+        .expect("request");
+    let response = router(state.clone()).oneshot(request).await.expect("infallible");
+    let status = response.status();
+    let content_type =
+        response.headers().get("content-type").map(|v| v.to_str().expect("ascii").to_owned()).unwrap_or_default();
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 24).await.expect("body");
+    (status, content_type, String::from_utf8(bytes.to_vec()).expect("utf-8"))
+}
+
+async fn json(state: &AppState, method: &str, path: &str, body: &str) -> (StatusCode, Value) {
+    let (status, _, text) = call(state, method, path, body).await;
+    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
+}
+
+/// Waits (10 s at most) until no request holds a runner.
+async fn leases_reach_zero(state: &AppState) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let loaded = state.scheduler.loaded().await.expect("loaded");
+        if loaded.iter().all(|m| m.leases == 0) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "a lease was not released: {loaded:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The `data:` payloads of a server-sent event stream.
+fn events(text: &str) -> Vec<&str> {
+    text.lines().filter_map(|l| l.strip_prefix("data:")).map(str::trim).collect()
+}
+
+fn assert_openai_error(status: StatusCode, json: &Value, expected: StatusCode, message: &str) {
+    assert_eq!(status, expected, "{json}");
+    let text = json["error"]["message"].as_str().unwrap_or_else(|| panic!("no message: {json}"));
+    assert!(text.contains(message), "{message:?} in {json}");
+    assert_eq!(json["error"]["code"], expected.as_u16(), "{json}");
+    assert!(json["error"]["type"].is_string(), "{json}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completions_whole_and_streamed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let request =
+        r#"{"model":"chat","messages":[{"role":"user","content":"hello"}],"max_tokens":8,"temperature":0,"seed":1}"#;
+    let (status, ctype, text) = call(&state, "POST", "/v1/chat/completions", request).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert!(ctype.starts_with("application/json"), "{ctype}");
+    let reply: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(reply["object"], "chat.completion", "{reply}");
+    assert_eq!(reply["model"], "chat:latest", "{reply}");
+    let content = reply["choices"][0]["message"]["content"].as_str().expect("content");
+    assert!(!content.is_empty(), "{reply}");
+    assert_eq!(reply["usage"]["completion_tokens"], 8, "{reply}");
+    assert_eq!(reply["choices"][0]["finish_reason"], "length", "{reply}");
+    leases_reach_zero(&state).await;
+
+    let streamed = request.replace("\"max_tokens\"", "\"stream\":true,\"max_tokens\"");
+    let (status, ctype, text) = call(&state, "POST", "/v1/chat/completions", &streamed).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(ctype, "text/event-stream");
+    let data = events(&text);
+    let (last, chunks) = data.split_last().expect("events");
+    assert_eq!(*last, "[DONE]", "{text}");
+    let chunks: Vec<Value> = chunks.iter().map(|c| serde_json::from_str(c).expect("chunk")).collect();
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk" && c["model"] == "chat:latest"), "{text}");
+    let joined: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect::<String>();
+    assert_eq!(joined, content, "greedy with a seed gives the same text");
+    leases_reach_zero(&state).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_whole_and_streamed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let request = r#"{"model":"chat","prompt":"once upon","max_tokens":8}"#;
+    let (status, reply) = json(&state, "POST", "/v1/completions", request).await;
+    assert_eq!(status, StatusCode::OK, "{reply}");
+    assert_eq!(reply["model"], "chat:latest", "{reply}");
+    assert!(reply["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()), "{reply}");
+    assert_eq!(reply["usage"]["completion_tokens"], 8, "{reply}");
+
+    let streamed = request.replace("\"max_tokens\"", "\"stream\":true,\"max_tokens\"");
+    let (status, ctype, text) = call(&state, "POST", "/v1/completions", &streamed).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(ctype, "text/event-stream");
+    let data = events(&text);
+    assert_eq!(data.last().copied(), Some("[DONE]"), "{text}");
+    assert!(data.len() > 1, "{text}");
+    leases_reach_zero(&state).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_pass_through() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let (status, reply) = json(&state, "POST", "/v1/embeddings", r#"{"model":"embed","input":["a","b c"]}"#).await;
+    assert_eq!(status, StatusCode::OK, "{reply}");
+    assert_eq!(reply["object"], "list", "{reply}");
+    assert_eq!(reply["model"], "embed:latest", "{reply}");
+    let data = reply["data"].as_array().expect("data");
+    assert_eq!(data.len(), 2, "{reply}");
+    for item in data {
+        assert_eq!(item["embedding"].as_array().map(Vec::len), Some(64), "{item}");
+    }
+    leases_reach_zero(&state).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_list_and_get() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let (status, list) = json(&state, "GET", "/v1/models", "").await;
+    assert_eq!(status, StatusCode::OK, "{list}");
+    assert_eq!(list["object"], "list");
+    let mut ids: Vec<&str> = list["data"].as_array().expect("data").iter().filter_map(|m| m["id"].as_str()).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["chat:latest", "embed:latest"], "{list}");
+    for model in list["data"].as_array().expect("data") {
+        assert_eq!(model["object"], "model", "{model}");
+        assert_eq!(model["owned_by"], "library", "{model}");
+        assert!(model["created"].as_u64().is_some_and(|c| c > 1_600_000_000), "{model}");
+    }
+
+    let (status, model) = json(&state, "GET", "/v1/models/chat", "").await;
+    assert_eq!(status, StatusCode::OK, "{model}");
+    assert_eq!(model["id"], "chat:latest");
+    assert_eq!(model["object"], "model");
+    let (status, model) = json(&state, "GET", "/v1/models/ghost:1", "").await;
+    assert_openai_error(status, &model, StatusCode::NOT_FOUND, "model 'ghost:1' not found");
+    assert_eq!(model["error"]["type"], "not_found_error");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_come_in_openais_shape() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let cases = [
+        ("/v1/chat/completions", r#"{"messages":[]}"#, StatusCode::BAD_REQUEST, "model is required"),
+        (
+            "/v1/chat/completions",
+            r#"{"model":"ghost","messages":[]}"#,
+            StatusCode::NOT_FOUND,
+            "model 'ghost' not found",
+        ),
+        ("/v1/chat/completions", "{not json", StatusCode::BAD_REQUEST, "invalid JSON"),
+        (
+            "/v1/chat/completions",
+            r#"{"model":"embed","messages":[{"role":"user","content":"x"}]}"#,
+            StatusCode::BAD_REQUEST,
+            "does not support generate",
+        ),
+        ("/v1/completions", r#"{"model":"embed","prompt":"x"}"#, StatusCode::BAD_REQUEST, "does not support generate"),
+        ("/v1/embeddings", r#"{"model":"chat","input":"x"}"#, StatusCode::BAD_REQUEST, "does not support embeddings"),
+        ("/v1/embeddings", r#"{"input":"x"}"#, StatusCode::BAD_REQUEST, "model is required"),
+    ];
+    for (path, body, expected, message) in cases {
+        let (status, reply) = json(&state, "POST", path, body).await;
+        assert_openai_error(status, &reply, expected, message);
+    }
+    // None of these loaded anything.
+    assert!(state.scheduler.loaded().await.expect("loaded").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_mid_stream_releases_the_runner() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let request = r#"{"model":"chat","prompt":"once upon","max_tokens":100000,"stream":true}"#;
+    let request = Request::post("/v1/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(request))
+        .expect("request");
+    let response = router(state.clone()).oneshot(request).await.expect("infallible");
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let first = body.frame().await.expect("a first piece").expect("no error");
+    assert!(first.data_ref().is_some_and(|d| d.starts_with(b"data:")), "{first:?}");
+    let loaded = state.scheduler.loaded().await.expect("loaded");
+    assert_eq!(loaded.iter().map(|m| m.leases).sum::<u32>(), 1, "the body holds the lease: {loaded:?}");
+    drop(body);
+    leases_reach_zero(&state).await;
+}
