@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 
 scripts/setup-system.sh
 scripts/setup-llama-server.sh >/dev/null
+scripts/setup-python-clients.sh >/dev/null
 
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings

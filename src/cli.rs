@@ -19,6 +19,11 @@ pub struct Cli {
     #[arg(long)]
     pub check_config: bool,
 
+    /// Write corral's tiny demo model (a few hundred KB of random weights, for trying things
+    /// out) to PATH and exit.
+    #[arg(long, value_name = "PATH")]
+    pub write_demo_model: Option<PathBuf>,
+
     /// Where logs go: the journal when stderr is connected to it (auto), or always one of them.
     #[arg(long, value_enum, default_value_t = LogTarget::Auto)]
     pub log_target: LogTarget,

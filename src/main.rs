@@ -17,6 +17,15 @@ const EX_OSERR: u8 = 71;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(path) = &cli.write_demo_model {
+        return match corral::demo_model::write_tiny_llama(path) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                let _ = writeln!(std::io::stderr(), "corrald: cannot write {}: {e}", path.display());
+                ExitCode::FAILURE
+            }
+        };
+    }
     // First, while the process has one thread: take the sockets and variables systemd passed
     // and remove them from the environment, so that no child inherits them.
     let handoff = match systemd::Handoff::take() {

@@ -6,6 +6,7 @@
 mod support;
 
 mod check_config;
+mod clients;
 mod containment;
 mod fake_runner;
 mod http_api;

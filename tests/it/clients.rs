@@ -1,0 +1,107 @@
+//! The official Python clients from `PyPI` (`ollama`, `openai`, pinned and installed once by
+//! `scripts/setup-python-clients.sh`) against a real corrald with real llama-server
+//! runners: the scripts in `tests/clients/` make the calls people make and assert on
+//! the answers.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use corral::store::Store;
+use corral::store::create::CreateSpec;
+use corral::store::modelfile::Modelfile;
+use corral::store::name::ModelName;
+
+use crate::support::corrald::{Corrald, free_port, write_config};
+use crate::support::llama;
+use crate::support::notify::NotifyListener;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// The venv's python with the clients installed.  The first call in a test process runs
+/// the setup script (seconds, once per cache); a failure panics, since these tests never skip.
+fn python() -> PathBuf {
+    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-python-clients.sh");
+            let output = Command::new("bash")
+                .arg(&script)
+                .stdin(Stdio::null())
+                .output()
+                .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(output.status.success(), "{} failed ({}):\n{stderr}", script.display(), output.status);
+            let python = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
+            assert!(python.is_file(), "{} printed {}, which is no file:\n{stderr}", script.display(), python.display());
+            python
+        })
+        .clone()
+}
+
+/// A store in `dir/models` holding `chat` (the tiny llama) and `embed` (the tiny bert).
+fn build_store(dir: &Path) {
+    let store = Store::open(&dir.join("models")).expect("store");
+    corral::demo_model::write_tiny_llama(&dir.join("tiny.gguf")).expect("llama");
+    corral::demo_model::write_tiny_bert(&dir.join("bert.gguf")).expect("bert");
+    for (name, file) in [("chat", "tiny.gguf"), ("embed", "bert.gguf")] {
+        let modelfile = Modelfile::parse(&format!("FROM ./{file}\n")).expect("modelfile");
+        let spec = CreateSpec::from_modelfile(&modelfile, dir).expect("spec");
+        store.create(&ModelName::parse(name).expect("name"), &spec, &mut |_| {}).expect("create");
+    }
+}
+
+/// Starts corrald on that store and a free loopback port, runs `tests/clients/SCRIPT`
+/// with the venv's python and `http://127.0.0.1:PORT`, and asserts that it exits 0.
+fn run_client(script: &str) {
+    let python = python();
+    let dir = tempfile::tempdir().expect("tempdir");
+    build_store(dir.path());
+    let port = free_port();
+    let config = write_config(
+        dir.path(),
+        "corral.toml",
+        &format!(
+            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
+             [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n",
+            dir.path().join("models").display(),
+            llama::bin_dir().join("llama-server").display(),
+        ),
+    );
+    let notify = NotifyListener::start();
+    let corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    notify.wait_for("READY", "1", WAIT);
+
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients").join(script);
+    let output = Command::new(&python)
+        .arg(&script)
+        .arg(format!("http://127.0.0.1:{port}"))
+        .env("NO_PROXY", "*")
+        .env_remove("http_proxy")
+        .env_remove("HTTP_PROXY")
+        .env_remove("all_proxy")
+        .env_remove("ALL_PROXY")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", python.display()));
+    assert!(
+        output.status.success(),
+        "{} failed ({}):\n--- stdout\n{}\n--- stderr\n{}\n--- corrald\n{}",
+        script.display(),
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+        corrald.stderr()
+    );
+}
+
+#[test]
+fn the_ollama_python_client_works() {
+    run_client("ollama_client.py");
+}
+
+#[test]
+fn the_openai_python_client_works() {
+    run_client("openai_client.py");
+}
