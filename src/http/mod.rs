@@ -5,6 +5,7 @@
 mod error;
 pub mod listeners;
 mod metrics;
+mod model_request;
 mod ollama_embed;
 mod ollama_generate;
 mod ollama_models;

@@ -13,12 +13,10 @@ use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
+use super::model_request;
 use super::state::AppState;
 use crate::scheduler::actor::ScheduleError;
 use crate::scheduler::keep_alive::KeepAlive;
-use crate::scheduler::request::{self, RequestError};
-use crate::store::StoreError;
-use crate::store::name::ModelName;
 use crate::supervisor::upstream;
 
 /// How long one embedding call to a runner may take.
@@ -81,31 +79,14 @@ async fn run(
     inputs: Vec<String>,
     path: &str,
 ) -> Result<(String, Vec<Vec<f64>>, Duration, u64), ApiError> {
-    let name_text = match request.get("model").or_else(|| request.get("name")) {
-        Some(Value::String(s)) if !s.trim().is_empty() => s.clone(),
-        Some(Value::String(_) | Value::Null) | None => return Err(bad("model is required", path)),
-        Some(_) => return Err(bad("model must be a string", path)),
-    };
-    let name = ModelName::parse(&name_text).map_err(|e| bad(&e.to_string(), path))?;
+    let (name_text, name) = model_request::model_name(request, true, path)?;
     let options = match request.get("options") {
         None | Some(Value::Null) => Map::new(),
         Some(Value::Object(map)) => map.clone(),
         Some(_) => return Err(bad("options must be an object", path)),
     };
     let keep_alive = KeepAlive::from_json(request.get("keep_alive")).map_err(|e| bad(&e.to_string(), path))?;
-    let store = state.store.clone();
-    let defaults = state.defaults;
-    let built =
-        tokio::task::spawn_blocking(move || request::build(&store, &name, &options, keep_alive, false, defaults))
-            .await
-            .map_err(|e| internal(&format!("the request task failed: {e}"), path))?;
-    let model_request = built.map_err(|e| match e {
-        RequestError::Store(StoreError::NotFound(_)) => {
-            ApiError::new(StatusCode::NOT_FOUND, format!("model '{name_text}' not found"), path)
-        }
-        RequestError::InvalidOption { .. } => bad(&e.to_string(), path),
-        other @ RequestError::Store(_) => internal(&other.to_string(), path),
-    })?;
+    let model_request = model_request::build(state, name, &name_text, options, keep_alive, path).await?;
     if model_request.options.embedding.is_none() {
         return Err(bad(&format!("\"{name_text}\" does not support embeddings"), path));
     }

@@ -18,12 +18,12 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
+use super::model_request;
 use super::ollama_embed::{bad, internal, nanos, object, schedule_error};
 use super::state::AppState;
 use crate::scheduler::actor::{Lease, ModelRequest, ScheduleError};
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request::{self, RequestError};
-use crate::store::StoreError;
 use crate::store::name::ModelName;
 use crate::supervisor::upstream::{self, BodyStream};
 
@@ -109,12 +109,7 @@ struct Common {
 
 impl Common {
     fn parse(request: &Map<String, Value>, path: &str) -> Result<Self, ApiError> {
-        let name_text = match request.get("model").or_else(|| request.get("name")) {
-            Some(Value::String(s)) if !s.trim().is_empty() => s.clone(),
-            Some(Value::String(_) | Value::Null) | None => return Err(bad("model is required", path)),
-            Some(_) => return Err(bad("model must be a string", path)),
-        };
-        let name = ModelName::parse(&name_text).map_err(|e| bad(&e.to_string(), path))?;
+        let (name_text, name) = model_request::model_name(request, true, path)?;
         let options = match request.get("options") {
             None | Some(Value::Null) => Map::new(),
             Some(Value::Object(map)) => map.clone(),
@@ -153,13 +148,7 @@ async fn prepare(state: &AppState, common: &Common, path: &str) -> Result<Prepar
     })
     .await
     .map_err(|e| internal(&format!("the request task failed: {e}"), path))?;
-    let prepared = built.map_err(|e| match e {
-        RequestError::Store(StoreError::NotFound(_)) => {
-            ApiError::new(StatusCode::NOT_FOUND, format!("model '{}' not found", common.name_text), path)
-        }
-        RequestError::InvalidOption { .. } => bad(&e.to_string(), path),
-        other @ RequestError::Store(_) => internal(&other.to_string(), path),
-    })?;
+    let prepared = built.map_err(|e| model_request::request_error(e, &common.name_text, path))?;
     if prepared.request.options.embedding.is_some() {
         return Err(bad(&format!("\"{}\" does not support generate", common.name_text), path));
     }

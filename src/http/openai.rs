@@ -19,10 +19,10 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
+use super::model_request;
 use super::ollama_embed::{bad, internal, object, schedule_error};
 use super::state::AppState;
 use crate::scheduler::actor::Lease;
-use crate::scheduler::request::{self, RequestError};
 use crate::store::StoreError;
 use crate::store::name::ModelName;
 use crate::supervisor::upstream::{self, BodyStream};
@@ -55,25 +55,9 @@ pub async fn embeddings(State(state): State<AppState>, body: Bytes) -> Result<Re
 /// Leases a runner for the request's model and forwards the request to its `path`.
 async fn pass_through(state: &AppState, body: &[u8], path: &'static str, needs: Needs) -> Result<Response, ApiError> {
     let mut request = object(body, path)?;
-    let name_text = match request.get("model") {
-        Some(Value::String(s)) if !s.trim().is_empty() => s.clone(),
-        Some(Value::String(_) | Value::Null) | None => return Err(bad("model is required", path)),
-        Some(_) => return Err(bad("model must be a string", path)),
-    };
-    let name = ModelName::parse(&name_text).map_err(|e| bad(&e.to_string(), path))?;
+    let (name_text, name) = model_request::model_name(&request, false, path)?;
     let stream = request.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let store = state.store.clone();
-    let defaults = state.defaults;
-    let built = tokio::task::spawn_blocking(move || request::build(&store, &name, &Map::new(), None, false, defaults))
-        .await
-        .map_err(|e| internal(&format!("the request task failed: {e}"), path))?;
-    let model_request = built.map_err(|e| match e {
-        RequestError::Store(StoreError::NotFound(_)) => {
-            ApiError::new(StatusCode::NOT_FOUND, format!("model '{name_text}' not found"), path)
-        }
-        RequestError::InvalidOption { .. } => bad(&e.to_string(), path),
-        other @ RequestError::Store(_) => internal(&other.to_string(), path),
-    })?;
+    let model_request = model_request::build(state, name, &name_text, Map::new(), None, path).await?;
     match (needs, model_request.options.embedding.is_some()) {
         (Needs::Embedding, false) => return Err(bad(&format!("\"{name_text}\" does not support embeddings"), path)),
         (Needs::Generation, true) => return Err(bad(&format!("\"{name_text}\" does not support generate"), path)),

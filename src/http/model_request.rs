@@ -1,0 +1,60 @@
+//! What the model-using handlers share: reading the model's name from a request body,
+//! building the scheduler's request off the async threads, and naming what went wrong.
+
+use axum::http::StatusCode;
+use serde_json::{Map, Value};
+
+use super::error::ApiError;
+use super::ollama_embed::{bad, internal};
+use super::state::AppState;
+use crate::scheduler::actor::ModelRequest;
+use crate::scheduler::keep_alive::KeepAlive;
+use crate::scheduler::request::{self, RequestError};
+use crate::store::StoreError;
+use crate::store::name::ModelName;
+
+/// The model a request names (`model`, or Ollama's older `name` when `legacy_name`), as
+/// given and parsed.
+pub(super) fn model_name(
+    request: &Map<String, Value>,
+    legacy_name: bool,
+    path: &str,
+) -> Result<(String, ModelName), ApiError> {
+    let value = request.get("model").or_else(|| if legacy_name { request.get("name") } else { None });
+    let text = match value {
+        Some(Value::String(s)) if !s.trim().is_empty() => s.clone(),
+        Some(Value::String(_) | Value::Null) | None => return Err(bad("model is required", path)),
+        Some(_) => return Err(bad("model must be a string", path)),
+    };
+    let name = ModelName::parse(&text).map_err(|e| bad(&e.to_string(), path))?;
+    Ok((text, name))
+}
+
+/// A failed request build as HTTP: an unknown model is 404 in Ollama's wording (the
+/// name as the client wrote it), a bad option 400, anything else 500.
+pub(super) fn request_error(error: RequestError, given: &str, path: &str) -> ApiError {
+    match error {
+        RequestError::Store(StoreError::NotFound(_)) => {
+            ApiError::new(StatusCode::NOT_FOUND, format!("model '{given}' not found"), path)
+        }
+        RequestError::InvalidOption { .. } => bad(&error.to_string(), path),
+        other @ RequestError::Store(_) => internal(&other.to_string(), path),
+    }
+}
+
+/// The scheduler's request for `name`, built on the blocking pool (it reads the store).
+pub(super) async fn build(
+    state: &AppState,
+    name: ModelName,
+    given: &str,
+    options: Map<String, Value>,
+    keep_alive: Option<KeepAlive>,
+    path: &str,
+) -> Result<ModelRequest, ApiError> {
+    let store = state.store.clone();
+    let defaults = state.defaults;
+    tokio::task::spawn_blocking(move || request::build(&store, &name, &options, keep_alive, false, defaults))
+        .await
+        .map_err(|e| internal(&format!("the request task failed: {e}"), path))?
+        .map_err(|e| request_error(e, given, path))
+}
