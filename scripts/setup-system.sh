@@ -8,7 +8,7 @@ packages=(
     # the real systemd pieces the tests start
     systemd dbus dbus-daemon dbus-bin libglib2.0-bin util-linux bsdutils passwd
     # clients the tests drive them with
-    curl python3 python3-gi
+    curl python3 python3-gi python3-venv procps
     # a real OCI registry for pull and push
     docker-registry
     # checking the man page
