@@ -247,6 +247,12 @@ async fn delete_model(State(state): State<AppState>, body: Bytes) -> Result<Stat
     let name_text = name.to_string();
     let removed = blocking(move || store.delete(&name)).await.map_err(|e| e.into_api(PATH, &given))?;
     tracing::info!(model = %name_text, blobs_removed = removed.len(), "deleted a model");
+    // A deleted model does not stay loaded: its runners unload (once their requests end).
+    if let Ok(loaded) = state.scheduler.loaded().await {
+        for runner in loaded.into_iter().filter(|m| m.name == name_text) {
+            let _ = state.scheduler.unload(&runner.key).await;
+        }
+    }
     Ok(StatusCode::OK)
 }
 
@@ -506,6 +512,14 @@ mod tests {
         assert_tiny_details(&m["details"]);
         let left = assert_rfc3339(&m["expires_at"]).duration_since(SystemTime::now()).expect("in the future");
         assert!(left > Duration::from_secs(290) && left <= Duration::from_secs(300), "{left:?}");
+
+        // Deleting the model unloads it too; the reply comes once its runner is gone.
+        let (status, _) = call(&state, Method::DELETE, "/api/delete", r#"{"model": "tiny"}"#).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(
+            state.scheduler.loaded().await.expect("loaded").is_empty(),
+            "the runner of a deleted model is unloaded"
+        );
     }
 
     #[test]
