@@ -99,16 +99,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
 
     let shutdown = CancellationToken::new();
     let mut servers = JoinSet::new();
-    let safety = Arc::new(http::Safety::new(&loaded.config.server));
-    let defaults =
-        request::Defaults { num_ctx: loaded.config.scheduler.num_ctx, parallel: loaded.config.scheduler.num_parallel };
-    let registry = Registry::new(RegistryConfig {
-        insecure: loaded.config.store.insecure_registries.clone(),
-        ..RegistryConfig::default()
-    })
-    .context("cannot set up the registry client")?;
-    let router =
-        http::router(http::AppState { store: store.clone(), scheduler: scheduler.clone(), safety, defaults, registry });
+    let router = http::router(app_state(&loaded.config, store.clone(), scheduler.clone())?);
     for listener in listeners {
         servers.spawn(listener.serve(router.clone(), shutdown.clone()));
     }
@@ -163,6 +154,23 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     }
     tracing::info!("corrald stopped");
     Ok(())
+}
+
+/// What the HTTP handlers share, from the configuration at start.
+fn app_state(config: &Config, store: Store, scheduler: Handle) -> anyhow::Result<http::AppState> {
+    let registry = Registry::new(RegistryConfig {
+        insecure: config.store.insecure_registries.clone(),
+        ..RegistryConfig::default()
+    })
+    .context("cannot set up the registry client")?;
+    Ok(http::AppState {
+        store,
+        scheduler,
+        safety: Arc::new(http::Safety::new(&config.server)),
+        defaults: request::Defaults { num_ctx: config.scheduler.num_ctx, parallel: config.scheduler.num_parallel },
+        registry,
+        tokens: Arc::default(),
+    })
 }
 
 /// Starts the scheduler on the memory inventory, with llama-server runners; returns its

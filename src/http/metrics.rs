@@ -19,7 +19,16 @@ pub async fn metrics(State(app): State<AppState>) -> Result<Response, ApiError> 
         .stats()
         .await
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string(), "/metrics"))?;
-    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], render(&snapshot)).into_response())
+    let mut text = render(&snapshot);
+    let (prompt, generated) = app.tokens.totals();
+    let _ = writeln!(
+        text,
+        "# HELP corral_prompt_tokens_total Prompt tokens processed for /api/chat and /api/generate.\n\
+         # TYPE corral_prompt_tokens_total counter\ncorral_prompt_tokens_total {prompt}\n\
+         # HELP corral_generated_tokens_total Tokens generated for /api/chat and /api/generate.\n\
+         # TYPE corral_generated_tokens_total counter\ncorral_generated_tokens_total {generated}"
+    );
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response())
 }
 
 /// The text exposition of `stats`.

@@ -8,6 +8,7 @@
 //! connection to the runner (cancelling the generation) and releases the runner.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use axum::Json;
@@ -20,7 +21,7 @@ use serde_json::{Map, Value, json};
 use super::error::ApiError;
 use super::model_request;
 use super::ollama_embed::{bad, internal, nanos, object, schedule_error};
-use super::state::AppState;
+use super::state::{AppState, Tokens};
 use crate::scheduler::actor::{Lease, ModelRequest, ScheduleError};
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request::{self, RequestError};
@@ -228,6 +229,7 @@ async fn run(
         started,
         load,
         finished: false,
+        tokens: Arc::clone(&state.tokens),
     };
     if stream {
         let lines = futures_util::stream::unfold(generation, |mut generation| async move {
@@ -272,6 +274,7 @@ struct Generation {
     started: Instant,
     load: Duration,
     finished: bool,
+    tokens: Arc<Tokens>,
 }
 
 impl Generation {
@@ -324,6 +327,7 @@ impl Generation {
     /// The final object, with `content` as the message or response.
     fn done(&self, content: &str) -> Map<String, Value> {
         let p = &self.parser;
+        self.tokens.record(p.prompt_tokens.unwrap_or(0), p.eval_tokens.unwrap_or(0));
         let mut reply = chunk(self.kind, &self.model, content);
         reply.insert("done".into(), Value::Bool(true));
         let reason = if p.finish_reason.as_deref() == Some("length") { "length" } else { "stop" };

@@ -2,6 +2,7 @@
 //! All are cheap to clone; handlers keep no state of their own.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::safety::Safety;
 use crate::scheduler::actor::Handle;
@@ -22,6 +23,29 @@ pub struct AppState {
     pub defaults: Defaults,
     /// The registry client, shared so that concurrent pulls of a blob share one download.
     pub registry: Registry,
+    /// Tokens processed by `/api/chat` and `/api/generate`, for `/metrics`.
+    pub tokens: Arc<Tokens>,
+}
+
+/// Token counters since start.
+#[derive(Debug, Default)]
+pub struct Tokens {
+    prompt: AtomicU64,
+    generated: AtomicU64,
+}
+
+impl Tokens {
+    /// Adds one answer's prompt and generated tokens.
+    pub fn record(&self, prompt: u64, generated: u64) {
+        self.prompt.fetch_add(prompt, Ordering::Relaxed);
+        self.generated.fetch_add(generated, Ordering::Relaxed);
+    }
+
+    /// Prompt tokens and generated tokens so far.
+    #[must_use]
+    pub fn totals(&self) -> (u64, u64) {
+        (self.prompt.load(Ordering::Relaxed), self.generated.load(Ordering::Relaxed))
+    }
 }
 
 impl AppState {
@@ -30,7 +54,7 @@ impl AppState {
     pub fn for_tests(store: Store, scheduler: Handle, defaults: Defaults) -> Self {
         let safety = Arc::new(Safety::new(&crate::config::ServerConfig::default()));
         let registry = Registry::new(RegistryConfig::default()).expect("a registry client with default settings");
-        Self { store, scheduler, safety, defaults, registry }
+        Self { store, scheduler, safety, defaults, registry, tokens: Arc::default() }
     }
 }
 

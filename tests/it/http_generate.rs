@@ -88,6 +88,14 @@ async fn chat_streams_ndjson_and_answers_whole() {
     assert_eq!(lines.len(), 1);
     assert_final(&lines[0], "length", 8);
     assert_eq!(lines[0]["message"]["content"], streamed.as_str(), "greedy with a seed gives the same text");
+
+    // Both answers' tokens are counted in /metrics.
+    let request = Request::get("/metrics").body(Body::empty()).expect("request");
+    let response = router(state.clone()).oneshot(request).await.expect("infallible");
+    let text =
+        String::from_utf8(response.into_body().collect().await.expect("body").to_bytes().to_vec()).expect("utf-8");
+    assert!(text.lines().any(|l| l == "corral_generated_tokens_total 16"), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("corral_prompt_tokens_total ") && !l.ends_with(" 0")), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
