@@ -55,25 +55,43 @@ async fn request(
     timeout: Duration,
 ) -> Result<(StatusCode, Bytes), UpstreamError> {
     let exchange = async {
-        let stream = tokio::net::UnixStream::connect(socket)
-            .await
-            .map_err(|source| UpstreamError::Connect { socket: socket.display().to_string(), source })?;
-        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-        let driver = tokio::spawn(connection);
-        let request = Request::builder()
-            .method(method)
-            .uri(path)
-            .header("host", "runner")
-            .header("content-type", "application/json")
-            .body(Full::new(body))
-            .expect("a literal path, method and headers make a valid request");
-        let response = sender.send_request(request).await?;
+        let (response, driver) = send(socket, method, path, body).await?;
         let status = response.status();
         let body = response.into_body().collect().await?.to_bytes();
         driver.abort();
         Ok((status, body))
     };
     tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
+}
+
+/// Connects to the runner, sends one request, and returns the response (headers read,
+/// body not yet) with the task that drives the connection.
+async fn send(
+    socket: &Path,
+    method: Method,
+    path: &'static str,
+    body: Bytes,
+) -> Result<(hyper::Response<hyper::body::Incoming>, tokio::task::JoinHandle<Result<(), hyper::Error>>), UpstreamError>
+{
+    let stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .map_err(|source| UpstreamError::Connect { socket: socket.display().to_string(), source })?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    let driver = tokio::spawn(connection);
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "runner")
+        .header("content-type", "application/json")
+        .body(Full::new(body))
+        .expect("a literal path, method and headers make a valid request");
+    match sender.send_request(request).await {
+        Ok(response) => Ok((response, driver)),
+        Err(e) => {
+            driver.abort();
+            Err(e.into())
+        }
+    }
 }
 
 /// A runner's response body, read as it arrives. Dropping it closes the connection,
@@ -123,25 +141,7 @@ pub async fn post_json_stream(
     timeout: Duration,
 ) -> Result<(StatusCode, BodyStream), UpstreamError> {
     let exchange = async {
-        let stream = tokio::net::UnixStream::connect(socket)
-            .await
-            .map_err(|source| UpstreamError::Connect { socket: socket.display().to_string(), source })?;
-        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-        let driver = tokio::spawn(connection);
-        let request = Request::builder()
-            .method(Method::POST)
-            .uri(path)
-            .header("host", "runner")
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body)))
-            .expect("a literal path, method and headers make a valid request");
-        let response = match sender.send_request(request).await {
-            Ok(response) => response,
-            Err(e) => {
-                driver.abort();
-                return Err(e.into());
-            }
-        };
+        let (response, driver) = send(socket, Method::POST, path, Bytes::from(body)).await?;
         let status = response.status();
         Ok((status, BodyStream { body: response.into_body(), driver }))
     };

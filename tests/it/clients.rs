@@ -8,11 +8,6 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use corral::store::Store;
-use corral::store::create::CreateSpec;
-use corral::store::modelfile::Modelfile;
-use corral::store::name::ModelName;
-
 use crate::support::corrald::{Corrald, free_port, write_config};
 use crate::support::llama;
 use crate::support::notify::NotifyListener;
@@ -25,31 +20,11 @@ fn python() -> PathBuf {
     static PYTHON: OnceLock<PathBuf> = OnceLock::new();
     PYTHON
         .get_or_init(|| {
-            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-python-clients.sh");
-            let output = Command::new("bash")
-                .arg(&script)
-                .stdin(Stdio::null())
-                .output()
-                .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-            let stderr = String::from_utf8_lossy(&output.stderr);
-            assert!(output.status.success(), "{} failed ({}):\n{stderr}", script.display(), output.status);
-            let python = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-            assert!(python.is_file(), "{} printed {}, which is no file:\n{stderr}", script.display(), python.display());
+            let python = crate::support::setup::run("setup-python-clients.sh");
+            assert!(python.is_file(), "{} is no python", python.display());
             python
         })
         .clone()
-}
-
-/// A store in `dir/models` holding `chat` (the tiny llama) and `embed` (the tiny bert).
-fn build_store(dir: &Path) {
-    let store = Store::open(&dir.join("models")).expect("store");
-    corral::demo_model::write_tiny_llama(&dir.join("tiny.gguf")).expect("llama");
-    corral::demo_model::write_tiny_bert(&dir.join("bert.gguf")).expect("bert");
-    for (name, file) in [("chat", "tiny.gguf"), ("embed", "bert.gguf")] {
-        let modelfile = Modelfile::parse(&format!("FROM ./{file}\n")).expect("modelfile");
-        let spec = CreateSpec::from_modelfile(&modelfile, dir).expect("spec");
-        store.create(&ModelName::parse(name).expect("name"), &spec, &mut |_| {}).expect("create");
-    }
 }
 
 /// Starts corrald on that store and a free loopback port, runs `tests/clients/SCRIPT`
@@ -57,7 +32,7 @@ fn build_store(dir: &Path) {
 fn run_client(script: &str) {
     let python = python();
     let dir = tempfile::tempdir().expect("tempdir");
-    build_store(dir.path());
+    crate::support::api::demo_store(dir.path());
     let port = free_port();
     let config = write_config(
         dir.path(),

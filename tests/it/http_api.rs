@@ -7,17 +7,11 @@ use corral::http::{AppState, router};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
-use crate::support::api::state;
+use crate::support::api::{call, state};
 
 async fn post(state: &AppState, path: &str, body: &str) -> (StatusCode, Value) {
-    let request = Request::post(path)
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_owned()))
-        .expect("request");
-    let response = router(state.clone()).oneshot(request).await.expect("infallible");
-    let status = response.status();
-    let bytes = axum::body::to_bytes(response.into_body(), 1 << 24).await.expect("body");
-    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    let (status, _, text) = call(state, "POST", path, body).await;
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,50 +2,20 @@
 //! Ollama's NDJSON stream and single-object replies, the final fields, named errors,
 //! loading and unloading with an empty prompt, and a client that goes away mid-stream.
 
-use std::time::{Duration, Instant};
-
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use axum::response::Response;
 use corral::http::{AppState, router};
 use http_body_util::BodyExt;
 use serde_json::Value;
 use tower::ServiceExt;
 
-use crate::support::api::state;
-
-async fn send(state: &AppState, path: &str, body: &str) -> Response {
-    let request = Request::post(path)
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_owned()))
-        .expect("request");
-    router(state.clone()).oneshot(request).await.expect("infallible")
-}
+use crate::support::api::{call, leases_reach_zero, send, state};
 
 /// Status, content type, and the body's NDJSON lines (one, for a plain JSON reply).
 async fn post(state: &AppState, path: &str, body: &str) -> (StatusCode, String, Vec<Value>) {
-    let response = send(state, path, body).await;
-    let status = response.status();
-    let content_type =
-        response.headers().get("content-type").map(|v| v.to_str().expect("ascii").to_owned()).unwrap_or_default();
-    let bytes = axum::body::to_bytes(response.into_body(), 1 << 24).await.expect("body");
-    let text = String::from_utf8(bytes.to_vec()).expect("utf-8");
+    let (status, content_type, text) = call(state, "POST", path, body).await;
     let lines = text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
     (status, content_type, lines)
-}
-
-/// Waits (10 s at most) until no request holds a runner: a lease's release is sent
-/// when it drops and reaches the scheduler shortly after.
-async fn leases_reach_zero(state: &AppState) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let loaded = state.scheduler.loaded().await.expect("loaded");
-        if loaded.iter().all(|m| m.leases == 0) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "a lease was not released: {loaded:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn assert_final(last: &Value, reason: &str, eval_count: u64) {
@@ -183,7 +153,8 @@ async fn a_client_that_goes_away_mid_stream_releases_the_runner() {
     let dir = tempfile::tempdir().expect("tempdir");
     let state = state(dir.path());
     let response =
-        send(&state, "/api/generate", r#"{"model":"chat","prompt":"go on","options":{"num_predict":400}}"#).await;
+        send(&state, "POST", "/api/generate", r#"{"model":"chat","prompt":"go on","options":{"num_predict":400}}"#)
+            .await;
     assert_eq!(response.status(), StatusCode::OK);
     let mut body = response.into_body();
     let first = body.frame().await.expect("a frame").expect("no error").into_data().expect("data");

@@ -1,8 +1,6 @@
 //! `/v1/*` against the real llama-server: chat completions and completions (whole and
 //! as server-sent events), embeddings, the model list, and errors in OpenAI's shape.
 
-use std::time::{Duration, Instant};
-
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use corral::http::{AppState, router};
@@ -10,40 +8,11 @@ use http_body_util::BodyExt;
 use serde_json::Value;
 use tower::ServiceExt;
 
-use crate::support::api::state;
-
-/// Status, content type and body text of a request.
-async fn call(state: &AppState, method: &str, path: &str, body: &str) -> (StatusCode, String, String) {
-    let request = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("content-type", "application/json")
-        .body(Body::from(body.to_owned()))
-        .expect("request");
-    let response = router(state.clone()).oneshot(request).await.expect("infallible");
-    let status = response.status();
-    let content_type =
-        response.headers().get("content-type").map(|v| v.to_str().expect("ascii").to_owned()).unwrap_or_default();
-    let bytes = axum::body::to_bytes(response.into_body(), 1 << 24).await.expect("body");
-    (status, content_type, String::from_utf8(bytes.to_vec()).expect("utf-8"))
-}
+use crate::support::api::{call, leases_reach_zero, state};
 
 async fn json(state: &AppState, method: &str, path: &str, body: &str) -> (StatusCode, Value) {
     let (status, _, text) = call(state, method, path, body).await;
     (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
-}
-
-/// Waits (10 s at most) until no request holds a runner.
-async fn leases_reach_zero(state: &AppState) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let loaded = state.scheduler.loaded().await.expect("loaded");
-        if loaded.iter().all(|m| m.leases == 0) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "a lease was not released: {loaded:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// The `data:` payloads of a server-sent event stream.

@@ -6,37 +6,19 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use corral::scheduler::actor::{Limits, Scheduler};
-use corral::scheduler::backend::SupervisorBackend;
+use corral::scheduler::actor::Scheduler;
 use corral::scheduler::footprints::Footprints;
-use corral::scheduler::keep_alive::{Clamp, KeepAlive};
 use corral::scheduler::request::{self, Defaults};
-use corral::store::Store;
-use corral::store::create::CreateSpec;
-use corral::store::modelfile::Modelfile;
 use corral::store::name::ModelName;
-use corral::supervisor::runner::{LogSink, SupervisorConfig};
 use nix::sys::signal::Signal;
 
+use crate::support::api::{backend, demo_store, limits};
 use crate::support::corrald::{Corrald, free_port, write_config};
 use crate::support::notify::NotifyListener;
 use crate::support::{http, llama};
 
 const WAIT: Duration = Duration::from_secs(60);
 const MIB: u64 = 1 << 20;
-
-/// A store holding `chat` (the tiny llama) and `embed` (the tiny bert).
-fn store(dir: &Path) -> Store {
-    let store = Store::open(&dir.join("models")).expect("store");
-    corral::demo_model::write_tiny_llama(&dir.join("tiny.gguf")).expect("llama");
-    corral::demo_model::write_tiny_bert(&dir.join("bert.gguf")).expect("bert");
-    for (name, file) in [("chat", "tiny.gguf"), ("embed", "bert.gguf")] {
-        let modelfile = Modelfile::parse(&format!("FROM ./{file}\n")).expect("modelfile");
-        let spec = CreateSpec::from_modelfile(&modelfile, dir).expect("spec");
-        store.create(&ModelName::parse(name).expect("name"), &spec, &mut |_| {}).expect("create");
-    }
-    store
-}
 
 /// True while `pid` runs (exists and is not a zombie).
 fn alive(pid: u32) -> bool {
@@ -47,7 +29,7 @@ fn alive(pid: u32) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fixed_inventory_that_holds_one_model_evicts_the_other() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = store(dir.path());
+    let store = demo_store(dir.path());
     let defaults = Defaults { num_ctx: 512, parallel: 1 };
     let build = |name: &str| {
         request::build(&store, &ModelName::parse(name).expect("name"), &serde_json::Map::new(), None, false, defaults)
@@ -57,25 +39,8 @@ async fn a_fixed_inventory_that_holds_one_model_evicts_the_other() {
     // Room for either model's estimate, not for both (even once the first one's real,
     // smaller footprint is learned).
     let host = chat.need.total().max(embed.need.total()) + MIB;
-    let backend = SupervisorBackend {
-        config: SupervisorConfig {
-            llama_server: llama::bin_dir().join("llama-server"),
-            runtime_dir: dir.path().to_owned(),
-            inherited_env: vec![("PATH".into(), std::env::var_os("PATH").unwrap_or_default())],
-            log_sink: LogSink::Tracing,
-            cgroups: None,
-            stop_grace: Duration::from_secs(10),
-        },
-        load_timeout: WAIT,
-        devices: Vec::new(),
-        probe: None,
-    };
-    let limits = Limits {
-        max_loaded: 3,
-        max_queue: 16,
-        default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
-        clamp: Clamp::default(),
-    };
+    let backend = backend(dir.path());
+    let limits = limits();
     let footprints = dir.path().join("footprints.json");
     let (scheduler, handle) =
         Scheduler::new(Arc::new(backend), Vec::new(), host, limits, Footprints::load(footprints.clone()));
@@ -129,7 +94,7 @@ async fn a_fixed_inventory_that_holds_one_model_evicts_the_other() {
 /// corrald on a store of `chat` and `embed`, the real llama-server, a fixed 4 GiB host
 /// and `models` (TOML `[models."…"]` tables) preloaded; returns it and its port.
 fn corrald_with(dir: &Path, models: &str, notify: &NotifyListener) -> (Corrald, u16) {
-    drop(store(dir));
+    drop(demo_store(dir));
     let port = free_port();
     let config = write_config(
         dir,

@@ -27,21 +27,8 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 pub fn bin_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-llama-server.sh");
-        let output = Command::new("bash")
-            .arg(&script)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(output.status.success(), "{} failed ({}):\n{stderr}", script.display(), output.status);
-        let dir = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-        assert!(
-            dir.join("llama-server").is_file(),
-            "{} printed {}, which holds no llama-server:\n{stderr}",
-            script.display(),
-            dir.display()
-        );
+        let dir = super::setup::run("setup-llama-server.sh");
+        assert!(dir.join("llama-server").is_file(), "{} holds no llama-server", dir.display());
         dir
     })
     .clone()

@@ -11,3 +11,4 @@ pub mod journald;
 pub mod llama;
 pub mod notify;
 pub mod registry;
+pub mod setup;
