@@ -142,7 +142,7 @@ async fn prepare(state: &AppState, common: &Common, path: &str) -> Result<Prepar
     let keep_alive = common.keep_alive;
     let built = tokio::task::spawn_blocking(move || {
         let details = store.show(&name, false).map_err(RequestError::Store)?;
-        let request = request::build(&store, &name, &options, keep_alive, false, defaults)?;
+        let request = request::from_details(&store, &details, &options, keep_alive, false, defaults)?;
         let mut merged: Map<String, Value> = details.parameters.into_iter().collect();
         merged.extend(options);
         Ok::<_, RequestError>(Prepared { request, options: merged, system: details.system })

@@ -12,6 +12,7 @@ use super::keep_alive::KeepAlive;
 use super::policy::{self, Footprint};
 use crate::gguf::metadata::PoolingType;
 use crate::store::name::ModelName;
+use crate::store::show::ModelDetails;
 use crate::store::{Store, StoreError};
 use crate::supervisor::command::{LoadOptions, ModelFiles, Pooling};
 
@@ -50,6 +51,20 @@ pub fn build(
     defaults: Defaults,
 ) -> Result<ModelRequest, RequestError> {
     let shown = store.show(name, false)?;
+    from_details(store, &shown, options, keep_alive, pinned, defaults)
+}
+
+/// [`build`] for a model whose details the caller already read (it needs them too: a
+/// model's default system prompt and parameters), so the store is read once.
+pub fn from_details(
+    store: &Store,
+    shown: &ModelDetails,
+    options: &Map<String, Value>,
+    keep_alive: Option<KeepAlive>,
+    pinned: bool,
+    defaults: Defaults,
+) -> Result<ModelRequest, RequestError> {
+    let name = &shown.name;
     let manifest = &shown.manifest;
     let weights = manifest.model().expect("a parsed manifest has weights");
     let projector = manifest.layers_of(crate::store::manifest::PROJECTOR).next();
