@@ -30,6 +30,20 @@ pub(super) fn model_name(
     Ok((text, name))
 }
 
+/// The client's `options` (an object, or none) and `keep_alive` (Ollama's forms).
+pub(super) fn options_and_keep_alive(
+    request: &Map<String, Value>,
+    path: &str,
+) -> Result<(Map<String, Value>, Option<KeepAlive>), ApiError> {
+    let options = match request.get("options") {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(map)) => map.clone(),
+        Some(_) => return Err(bad("options must be an object", path)),
+    };
+    let keep_alive = KeepAlive::from_json(request.get("keep_alive")).map_err(|e| bad(&e.to_string(), path))?;
+    Ok((options, keep_alive))
+}
+
 /// A failed request build as HTTP: an unknown model is 404 in Ollama's wording (the
 /// name as the client wrote it), a bad option 400, anything else 500.
 pub(super) fn request_error(error: RequestError, given: &str, path: &str) -> ApiError {

@@ -16,7 +16,6 @@ use super::error::ApiError;
 use super::model_request;
 use super::state::AppState;
 use crate::scheduler::actor::ScheduleError;
-use crate::scheduler::keep_alive::KeepAlive;
 use crate::supervisor::upstream;
 
 /// How long one embedding call to a runner may take.
@@ -80,12 +79,7 @@ async fn run(
     path: &str,
 ) -> Result<(String, Vec<Vec<f64>>, Duration, u64), ApiError> {
     let (name_text, name) = model_request::model_name(request, true, path)?;
-    let options = match request.get("options") {
-        None | Some(Value::Null) => Map::new(),
-        Some(Value::Object(map)) => map.clone(),
-        Some(_) => return Err(bad("options must be an object", path)),
-    };
-    let keep_alive = KeepAlive::from_json(request.get("keep_alive")).map_err(|e| bad(&e.to_string(), path))?;
+    let (options, keep_alive) = model_request::options_and_keep_alive(request, path)?;
     let model_request = model_request::build(state, name, &name_text, options, keep_alive, path).await?;
     if model_request.options.embedding.is_none() {
         return Err(bad(&format!("\"{name_text}\" does not support embeddings"), path));

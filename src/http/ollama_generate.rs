@@ -111,12 +111,7 @@ struct Common {
 impl Common {
     fn parse(request: &Map<String, Value>, path: &str) -> Result<Self, ApiError> {
         let (name_text, name) = model_request::model_name(request, true, path)?;
-        let options = match request.get("options") {
-            None | Some(Value::Null) => Map::new(),
-            Some(Value::Object(map)) => map.clone(),
-            Some(_) => return Err(bad("options must be an object", path)),
-        };
-        let keep_alive = KeepAlive::from_json(request.get("keep_alive")).map_err(|e| bad(&e.to_string(), path))?;
+        let (options, keep_alive) = model_request::options_and_keep_alive(request, path)?;
         let stream = match request.get("stream") {
             None | Some(Value::Null) => true,
             Some(Value::Bool(b)) => *b,
