@@ -30,8 +30,31 @@ pub struct Config {
     pub scheduler: SchedulerConfig,
     /// `[gpu]`: the device inventory.
     pub gpu: GpuConfig,
+    /// `[dbus]`: the control interface.
+    pub dbus: DbusConfig,
     /// `[models."NAME"]`: per-model policy.
     pub models: BTreeMap<String, ModelPolicy>,
+}
+
+/// `[dbus]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DbusConfig {
+    /// Which bus serves `org.corral.Corral1`.
+    pub bus: BusKind,
+}
+
+/// A message bus to serve on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BusKind {
+    /// The system bus (`$DBUS_SYSTEM_BUS_ADDRESS`, else its standard socket).
+    #[default]
+    System,
+    /// The session bus of the user running corrald, for development and user units.
+    Session,
+    /// No D-Bus interface.
+    Off,
 }
 
 /// `[server]`.
@@ -442,7 +465,7 @@ mod tests {
     use std::fs;
     use std::time::Duration;
 
-    use super::{ConfigError, ConfigSource, ListenAddr, Loaded, Path};
+    use super::{BusKind, ConfigError, ConfigSource, ListenAddr, Loaded, Path};
 
     fn source(dir: &Path) -> ConfigSource {
         ConfigSource { file: dir.join("corral.toml"), required: false }
@@ -477,6 +500,7 @@ mod tests {
         assert!(c.server.allowed_hosts.is_empty() && c.server.api_tokens.is_empty());
         assert!(c.server.cors_origins.iter().any(|o| o == "http://localhost:*"));
         assert_eq!(c.server.max_body, 64 << 20);
+        assert_eq!(c.dbus.bus, BusKind::System);
     }
 
     #[test]
@@ -515,6 +539,8 @@ load_timeout = "10m"
 num_ctx = 8192
 num_parallel = 2
 [gpu]
+[dbus]
+bus = "session"
 [models."qwen3:8b"]
 pinned = true
 preload = true
@@ -541,6 +567,7 @@ keep_alive = "10m"
         assert_eq!(c.scheduler.keep_alive_max, Some(Duration::from_secs(86_400)));
         assert_eq!(c.scheduler.load_timeout, Duration::from_secs(600));
         assert_eq!((c.scheduler.num_ctx, c.scheduler.num_parallel), (8192, 2));
+        assert_eq!(c.dbus.bus, BusKind::Session);
         let m = &c.models["qwen3:8b"];
         assert!(m.pinned && m.preload);
         assert_eq!(m.keep_alive, Some(Duration::from_secs(600)));
@@ -584,6 +611,10 @@ keep_alive = "10m"
                 ],
             ),
             (&[("corral.toml", "[nonsense]\n")], &["corral.toml:1", "nonsense", "unknown field `nonsense`"]),
+            (
+                &[("corral.toml", "[dbus]\nbus = \"user\"\n")],
+                &["corral.toml:2", "dbus.bus", "unknown variant `user`", "`system`, `session`, `off`"],
+            ),
             (
                 &[("corral.toml", "[scheduler]\nmax_queue = \"many\"\n")],
                 &["corral.toml:2", "scheduler.max_queue", "invalid type: string \"many\", expected u32"],

@@ -16,7 +16,8 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::LogTarget;
-use crate::config::{Config, ConfigSource, Loaded};
+use crate::config::{BusKind, Config, ConfigSource, Loaded};
+use crate::dbus;
 use crate::gpu;
 use crate::http::{self, listeners};
 use crate::paths::Paths;
@@ -90,7 +91,8 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     } else {
         listeners::bind(&loaded.config.server.listen).await?
     };
-    let (scheduler, gpu_count) = start_scheduler(&loaded.config, &paths, cgroups, log_target).await?;
+    let (scheduler, inventory) = start_scheduler(&loaded.config, &paths, cgroups, log_target).await?;
+    let gpu_count = inventory.gpus.len();
     preload(&loaded.config, &store, &scheduler);
     let names: Vec<String> = listeners.iter().map(listeners::Listener::describe).collect();
     let status_of = |models: usize| format!("serving on {}; {models} models loaded", names.join(", "));
@@ -99,7 +101,10 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
 
     let shutdown = CancellationToken::new();
     let mut servers = JoinSet::new();
-    let router = http::router(app_state(&loaded.config, store.clone(), scheduler.clone())?);
+    let state = app_state(&loaded.config, store.clone(), scheduler.clone())?;
+    // Served before READY=1, so that a client started after the service finds the name.
+    let _bus = serve_dbus(&loaded.config, &state, inventory).await;
+    let router = http::router(state);
     for listener in listeners {
         servers.spawn(listener.serve(router.clone(), shutdown.clone()));
     }
@@ -173,14 +178,44 @@ fn app_state(config: &Config, store: Store, scheduler: Handle) -> anyhow::Result
     })
 }
 
+/// Serves the D-Bus interface, unless `[dbus] bus = "off"`. Without a bus (or the right
+/// to own the name) corrald still serves HTTP: D-Bus is a view, and a missing bus on a
+/// development machine must not stop the daemon.
+async fn serve_dbus(config: &Config, state: &http::AppState, inventory: gpu::Inventory) -> Option<dbus::Service> {
+    if config.dbus.bus == BusKind::Off {
+        return None;
+    }
+    let limits = limits(config, inventory.gpus.len());
+    let context = dbus::Context {
+        store: state.store.clone(),
+        scheduler: state.scheduler.clone(),
+        registry: state.registry.clone(),
+        defaults: state.defaults,
+        gpus: inventory.gpus,
+        host_memory: inventory.host.available_bytes,
+        limits,
+        read_only: config.store.read_only,
+    };
+    match dbus::serve(config.dbus.bus, context).await {
+        Ok(service) => {
+            tracing::info!(bus = ?config.dbus.bus, name = dbus::BUS_NAME, "serving D-Bus");
+            Some(service)
+        }
+        Err(e) => {
+            tracing::warn!(bus = ?config.dbus.bus, error = %e, "cannot serve D-Bus; serving HTTP only");
+            None
+        }
+    }
+}
+
 /// Starts the scheduler on the memory inventory, with llama-server runners; returns its
-/// handle and the number of GPUs found.
+/// handle and the inventory.
 async fn start_scheduler(
     config: &Config,
     paths: &Paths,
     cgroups: Option<CgroupTree>,
     log_target: LogTarget,
-) -> anyhow::Result<(Handle, usize)> {
+) -> anyhow::Result<(Handle, gpu::Inventory)> {
     let gpu_config = config.gpu.clone();
     let (probe, inventory) = tokio::task::spawn_blocking(move || {
         let probe: Arc<dyn gpu::MemoryProbe> = Arc::from(gpu::probe(&gpu_config, &gpu::Roots::system()));
@@ -225,10 +260,9 @@ async fn start_scheduler(
         inventory.host.available_bytes
     );
     let learned = Footprints::load(paths.state.join("footprints.json"));
-    let gpu_count = gpus.len();
     let (scheduler, handle) = Scheduler::new(Arc::new(backend), gpus, inventory.host.available_bytes, limits, learned);
     tokio::spawn(scheduler.run());
-    Ok((handle, gpu_count))
+    Ok((handle, inventory))
 }
 
 /// The scheduler's limits from the configuration (applied again on reload).

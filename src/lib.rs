@@ -7,6 +7,7 @@
 pub mod cli;
 pub mod config;
 pub mod daemon;
+pub mod dbus;
 pub mod demo_model;
 pub mod gguf;
 pub mod gpu;

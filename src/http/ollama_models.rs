@@ -256,20 +256,9 @@ async fn delete_model(State(state): State<AppState>, body: Bytes) -> Result<Stat
     Ok(StatusCode::OK)
 }
 
-/// `details` from a manifest's config blob; empty fields if it cannot be read (as
-/// Ollama lists a model whose config is damaged).
+/// `details` from a manifest's config blob.
 fn details_of(store: &Store, manifest: &Manifest) -> Details {
-    let path = store.blob_path(&manifest.config.digest);
-    match std::fs::read(&path)
-        .map_err(|e| e.to_string())
-        .and_then(|b| serde_json::from_slice::<ModelConfig>(&b).map_err(|e| e.to_string()))
-    {
-        Ok(config) => config.into(),
-        Err(e) => {
-            tracing::warn!(blob = %path.display(), error = %e, "cannot read a model's config blob");
-            Details::default()
-        }
-    }
+    store.model_config(manifest).into()
 }
 
 /// RFC 3339 in UTC, with nanoseconds (Go's `time.Time` JSON form, less the zone offset).

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::backend::{Backend, LiveRunner, StartRequest};
@@ -19,6 +19,7 @@ use super::footprints::Footprints;
 use super::keep_alive::{self, Clamp, KeepAlive};
 use super::policy::{self, Decision, Footprint, GpuView, Placement, RunnerId, RunnerView, Snapshot};
 use crate::supervisor::command::{LoadOptions, ModelFiles};
+use crate::supervisor::logparse::Offload;
 
 /// What a request asks for.
 #[derive(Debug, Clone)]
@@ -44,7 +45,7 @@ pub struct ModelRequest {
 }
 
 /// Scheduler limits and defaults.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
     /// Most runners at once.
     pub max_loaded: usize,
@@ -161,6 +162,93 @@ pub struct Stats {
     pub loaded: Vec<LoadedModel>,
 }
 
+/// Why a runner stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnloadReason {
+    /// Its keep-alive ran out (or was zero).
+    Expired,
+    /// It made room for another model.
+    Evicted,
+    /// Someone asked (an unload, or the model was deleted).
+    Requested,
+    /// The same weights were asked for with other load options.
+    Reloaded,
+    /// It died on its own.
+    Crashed,
+    /// The daemon is stopping.
+    Shutdown,
+}
+
+impl UnloadReason {
+    /// The reason as D-Bus and the journal name it.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Expired => "expired",
+            Self::Evicted => "evicted",
+            Self::Requested => "requested",
+            Self::Reloaded => "reloaded",
+            Self::Crashed => "crashed",
+            Self::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// What changed in the scheduler, for views that follow it (D-Bus properties and
+/// signals). Sent after the change; a view that falls behind reads [`Handle::stats`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    /// A runner started loading.
+    Loading {
+        /// The runner.
+        runner: RunnerId,
+        /// The model's display name.
+        name: String,
+    },
+    /// A runner is ready.
+    Ready {
+        /// The runner.
+        runner: RunnerId,
+        /// The model's display name.
+        name: String,
+        /// The child's pid.
+        pid: u32,
+        /// What it uses, measured (or the estimate when nothing could be measured).
+        footprint: Footprint,
+        /// The layers it placed on GPUs, as llama-server reported them.
+        offload: Option<Offload>,
+    },
+    /// A load failed; the runner is gone.
+    LoadFailed {
+        /// The runner.
+        runner: RunnerId,
+        /// The model's display name.
+        name: String,
+        /// Why.
+        reason: String,
+    },
+    /// A runner is being stopped.
+    Unloading {
+        /// The runner.
+        runner: RunnerId,
+        /// The model's display name.
+        name: String,
+    },
+    /// A runner is gone and its child reaped.
+    Unloaded {
+        /// The runner.
+        runner: RunnerId,
+        /// The model's display name.
+        name: String,
+        /// Why it stopped.
+        reason: UnloadReason,
+        /// For a crash, what happened.
+        detail: Option<String>,
+    },
+    /// New limits apply.
+    Reconfigured(Limits),
+}
+
 /// A granted runner. Dropping it ends the request's hold.
 #[derive(Debug)]
 pub struct Lease {
@@ -194,6 +282,7 @@ impl Drop for Lease {
 #[derive(Debug, Clone)]
 pub struct Handle {
     commands: mpsc::Sender<Command>,
+    notices: broadcast::Sender<Notice>,
 }
 
 impl Handle {
@@ -211,6 +300,30 @@ impl Handle {
         let (reply, answer) = oneshot::channel();
         self.send(Command::Unload { key: key.to_owned(), reply }).await?;
         answer.await.map_err(|_| ScheduleError::ShuttingDown)?
+    }
+
+    /// Unloads every runner of the model named `name` (display name); resolves once
+    /// their children are reaped. [`ScheduleError::NotLoaded`] when none runs.
+    pub async fn unload_model(&self, name: &str) -> Result<(), ScheduleError> {
+        let keys: Vec<String> =
+            self.loaded().await?.into_iter().filter(|m| m.name == name).map(|m| m.key).collect();
+        if keys.is_empty() {
+            return Err(ScheduleError::NotLoaded(name.to_owned()));
+        }
+        for key in keys {
+            match self.unload(&key).await {
+                // Gone meanwhile (expired, crashed): what was asked for holds.
+                Ok(()) | Err(ScheduleError::NotLoaded(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Notices of what changes from now on.
+    #[must_use]
+    pub fn subscribe(&self) -> broadcast::Receiver<Notice> {
+        self.notices.subscribe()
     }
 
     /// The loaded models.
@@ -286,6 +399,8 @@ struct Entry {
     keep_alive: KeepAlive,
     idle_since: Instant,
     draining: bool,
+    /// Why it is being taken out of service (the first reason given wins).
+    unload_reason: Option<UnloadReason>,
     unload_waiters: Vec<oneshot::Sender<Result<(), ScheduleError>>>,
 }
 
@@ -310,6 +425,7 @@ pub struct Scheduler {
     events_tx: mpsc::UnboundedSender<Event>,
     learned: Footprints,
     counters: Counters,
+    notices: broadcast::Sender<Notice>,
 }
 
 impl Scheduler {
@@ -325,6 +441,8 @@ impl Scheduler {
     ) -> (Self, Handle) {
         let (commands_tx, commands) = mpsc::channel(64);
         let (events_tx, events) = mpsc::unbounded_channel();
+        // Views that lag this far behind resynchronise from a snapshot.
+        let (notices, _) = broadcast::channel(256);
         let scheduler = Self {
             backend,
             gpus,
@@ -339,8 +457,9 @@ impl Scheduler {
             events_tx,
             learned,
             counters: Counters::default(),
+            notices: notices.clone(),
         };
-        (scheduler, Handle { commands: commands_tx })
+        (scheduler, Handle { commands: commands_tx, notices })
     }
 
     /// Runs until [`Handle::shutdown`] (or every handle is gone), then stops all runners.
@@ -376,7 +495,8 @@ impl Scheduler {
                 let _ = reply.send(stats);
             }
             Command::Reconfigure { limits } => {
-                self.limits = limits;
+                self.limits = limits.clone();
+                self.notify(Notice::Reconfigured(limits));
                 // A larger limit may let queued requests through.
                 self.schedule();
             }
@@ -442,19 +562,25 @@ impl Scheduler {
             .map(|(id, _)| *id)
             .collect();
         for id in stale {
-            self.retire(id);
+            self.retire(id, UnloadReason::Reloaded);
         }
         self.queue.push_back((request, reply));
         self.schedule();
     }
 
     /// Takes a runner out of service: unloads it now if idle, else once its requests end.
-    fn retire(&mut self, id: RunnerId) {
+    fn retire(&mut self, id: RunnerId, reason: UnloadReason) {
         let Some(entry) = self.runners.get_mut(&id) else { return };
         entry.draining = true;
+        entry.unload_reason.get_or_insert(reason);
         if entry.leases == 0 && matches!(entry.phase, Phase::Ready { .. }) {
-            self.begin_unload(id);
+            self.begin_unload(id, reason);
         }
+    }
+
+    /// Tells the views; nobody listening is fine.
+    fn notify(&self, notice: Notice) {
+        let _ = self.notices.send(notice);
     }
 
     /// Requests waiting for a load: queued, and joined to loads under way.
@@ -496,10 +622,11 @@ impl Scheduler {
                     for id in drain {
                         if let Some(entry) = self.runners.get_mut(&id) {
                             entry.draining = true;
+                            entry.unload_reason.get_or_insert(UnloadReason::Evicted);
                         }
                     }
                     for id in evict {
-                        self.begin_unload(id);
+                        self.begin_unload(id, UnloadReason::Evicted);
                     }
                     return;
                 }
@@ -538,9 +665,11 @@ impl Scheduler {
                 keep_alive,
                 idle_since: Instant::now(),
                 draining: false,
+                unload_reason: None,
                 unload_waiters: Vec::new(),
             },
         );
+        self.notify(Notice::Loading { runner: id, name: self.runners[&id].request.name.clone() });
         // Requests for this model queued behind others join the load now, in their order:
         // none waits for the queue's head while its model loads or runs.
         let key = self.runners[&id].request.key.clone();
@@ -567,7 +696,7 @@ impl Scheduler {
                     if entry.leases == 0 {
                         entry.idle_since = Instant::now();
                         if entry.draining || entry.keep_alive.is_zero() {
-                            self.begin_unload(runner);
+                            self.begin_unload(runner, UnloadReason::Expired);
                         }
                     }
                 }
@@ -576,7 +705,9 @@ impl Scheduler {
             Event::Stopped { runner } => {
                 if let Some(entry) = self.runners.remove(&runner) {
                     self.counters.unloads += 1;
-                    tracing::info!(corral_event = "unload", corral_model = %entry.request.name, runner, "unloaded {}", entry.request.name);
+                    let reason = entry.unload_reason.unwrap_or(UnloadReason::Requested);
+                    tracing::info!(corral_event = "unload", corral_model = %entry.request.name, runner, reason = reason.as_str(), "unloaded {} ({})", entry.request.name, reason.as_str());
+                    self.notify(Notice::Unloaded { runner, name: entry.request.name.clone(), reason, detail: None });
                     let waiters = match entry.phase {
                         Phase::Unloading { waiters } => waiters,
                         _ => Vec::new(),
@@ -591,7 +722,13 @@ impl Scheduler {
                 if let Some(entry) = self.runners.remove(&runner) {
                     self.counters.crashes += 1;
                     tracing::warn!(corral_event = "crash", corral_model = %entry.request.name, runner, "{} crashed: {reason}", entry.request.name);
-                    self.record_failure(&entry.request.key, reason);
+                    self.record_failure(&entry.request.key, reason.clone());
+                    self.notify(Notice::Unloaded {
+                        runner,
+                        name: entry.request.name.clone(),
+                        reason: UnloadReason::Crashed,
+                        detail: Some(reason),
+                    });
                     for waiter in entry.unload_waiters {
                         let _ = waiter.send(Ok(()));
                     }
@@ -615,6 +752,7 @@ impl Scheduler {
                 self.counters.load_failures += 1;
                 let entry = self.runners.remove(&id).expect("looked up above");
                 self.record_failure(&entry.request.key, reason.clone());
+                self.notify(Notice::LoadFailed { runner: id, name: entry.request.name.clone(), reason: reason.clone() });
                 for waiter in waiters {
                     let _ = waiter.send(Err(ScheduleError::LoadFailed {
                         model: entry.request.name.clone(),
@@ -633,6 +771,7 @@ impl Scheduler {
                 }
                 let socket = live.socket();
                 let pid = live.pid();
+                let offload = live.offload();
                 let (stop_tx, stop_rx) = oneshot::channel::<()>();
                 let events = self.events_tx.clone();
                 // The runner's own task: stop on request, report a crash otherwise.
@@ -649,6 +788,14 @@ impl Scheduler {
                 });
                 entry.phase = Phase::Ready { stop: stop_tx, socket: socket.clone(), pid };
                 entry.idle_since = Instant::now();
+                let ready = Notice::Ready {
+                    runner: id,
+                    name: entry.request.name.clone(),
+                    pid,
+                    footprint: entry.footprint,
+                    offload,
+                };
+                let _ = self.notices.send(ready);
                 for waiter in waiters {
                     entry.leases += 1;
                     self.counters.leases += 1;
@@ -684,11 +831,12 @@ impl Scheduler {
             return;
         };
         entry.unload_waiters.push(reply);
-        self.retire(id);
+        self.retire(id, UnloadReason::Requested);
     }
 
-    fn begin_unload(&mut self, id: RunnerId) {
+    fn begin_unload(&mut self, id: RunnerId, reason: UnloadReason) {
         let Some(entry) = self.runners.get_mut(&id) else { return };
+        entry.unload_reason.get_or_insert(reason);
         if let Phase::Ready { .. } = entry.phase {
             let Phase::Ready { stop, .. } =
                 std::mem::replace(&mut entry.phase, Phase::Unloading { waiters: Vec::new() })
@@ -696,6 +844,8 @@ impl Scheduler {
                 unreachable!("matched above")
             };
             let _ = stop.send(());
+            let name = entry.request.name.clone();
+            self.notify(Notice::Unloading { runner: id, name });
         } else {
             entry.draining = true;
         }
@@ -709,7 +859,7 @@ impl Scheduler {
         let due: Vec<RunnerId> =
             self.runners.iter().filter(|(_, e)| expiry(e).is_some_and(|at| at <= now)).map(|(id, _)| *id).collect();
         for id in due {
-            self.begin_unload(id);
+            self.begin_unload(id, UnloadReason::Expired);
         }
     }
 
@@ -762,7 +912,7 @@ impl Scheduler {
         }
         let ids: Vec<RunnerId> = self.runners.keys().copied().collect();
         for id in &ids {
-            self.begin_unload(*id);
+            self.begin_unload(*id, UnloadReason::Shutdown);
         }
         // Wait until every child is reaped (loads under way finish first, then stop).
         while !self.runners.is_empty() {
@@ -771,11 +921,13 @@ impl Scheduler {
                     live.stop().await;
                     self.runners.remove(&runner);
                 }
-                Some(
-                    Event::Started { runner, result: Err(_) }
-                    | Event::Stopped { runner }
-                    | Event::Crashed { runner, .. },
-                ) => {
+                Some(Event::Stopped { runner }) => {
+                    if let Some(entry) = self.runners.remove(&runner) {
+                        let name = entry.request.name;
+                        self.notify(Notice::Unloaded { runner, name, reason: UnloadReason::Shutdown, detail: None });
+                    }
+                }
+                Some(Event::Started { runner, result: Err(_) } | Event::Crashed { runner, .. }) => {
                     self.runners.remove(&runner);
                 }
                 Some(Event::Released { .. }) => {}

@@ -10,6 +10,7 @@ use std::time::Duration;
 use super::policy::{Footprint, Placement};
 use crate::gpu::MemoryProbe;
 use crate::supervisor::command::{self, LoadOptions, ModelFiles};
+use crate::supervisor::logparse::Offload;
 use crate::supervisor::runner::{self, Runner, RunnerSpec, SupervisorConfig};
 
 /// A boxed future, as trait objects return them.
@@ -38,6 +39,10 @@ pub trait LiveRunner: Send + 'static {
     fn measured(&self) -> Option<Footprint>;
     /// The child's process id, for reports.
     fn pid(&self) -> u32;
+    /// The layers it placed on GPUs, when it said.
+    fn offload(&self) -> Option<Offload> {
+        None
+    }
     /// Stops it; resolves once it is reaped.
     fn stop(self: Box<Self>) -> BoxFuture<'static, ()>;
     /// Resolves (with a reason) if it dies on its own.
@@ -124,6 +129,10 @@ impl LiveRunner for SupervisedRunner {
 
     fn pid(&self) -> u32 {
         self.runner.pid().as_raw().unsigned_abs()
+    }
+
+    fn offload(&self) -> Option<Offload> {
+        self.runner.report().offload()
     }
 
     fn stop(self: Box<Self>) -> BoxFuture<'static, ()> {

@@ -105,6 +105,8 @@ pub struct Listed {
 pub struct Store {
     root: PathBuf,
     pins: Arc<Mutex<HashMap<Digest, usize>>>,
+    /// Counts manifest writes and removals, for views that follow the list of models.
+    changes: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 /// Keeps blobs from being removed while an operation that will refer to them runs.
@@ -131,7 +133,7 @@ impl Drop for Pin {
 impl Store {
     /// Opens (creating if needed) the store at `root` and removes temporary files a crash left.
     pub fn open(root: &Path) -> Result<Self, StoreError> {
-        let store = Self { root: root.to_owned(), pins: Arc::default() };
+        let store = Self::at(root);
         for dir in [store.blobs_dir(), store.manifests_dir()] {
             fs::create_dir_all(&dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
         }
@@ -152,7 +154,22 @@ impl Store {
                 });
             }
         }
-        Ok(Self { root: root.to_owned(), pins: Arc::default() })
+        Ok(Self::at(root))
+    }
+
+    fn at(root: &Path) -> Self {
+        Self { root: root.to_owned(), pins: Arc::default(), changes: Arc::new(tokio::sync::watch::Sender::new(0)) }
+    }
+
+    /// A receiver that sees a new value after each change to the set of models or their
+    /// manifests (made through this store or its clones).
+    #[must_use]
+    pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    fn changed(&self) {
+        self.changes.send_modify(|n| *n += 1);
     }
 
     /// Imports every model of another store (an Ollama models directory) into this one,
@@ -363,6 +380,7 @@ impl Store {
         readable(temp.as_file())?;
         temp.persist(&path)
             .map_err(|e| StoreError::Io { context: format!("cannot write {}", path.display()), source: e.error })?;
+        self.changed();
         sync_dir(&dir)?;
         Ok(Digest::of(bytes))
     }
@@ -456,6 +474,7 @@ impl Store {
         let (manifest, _, _) = self.manifest(name)?;
         let path = self.manifest_path(name);
         fs::remove_file(&path).map_err(io_err(format!("cannot remove {}", path.display())))?;
+        self.changed();
         // Empty model and namespace directories go with their last manifest.
         let mut dir = path.parent().map(Path::to_path_buf);
         while let Some(d) = dir {

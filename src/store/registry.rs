@@ -403,6 +403,17 @@ impl Registry {
         &self.inner.config
     }
 
+    /// This client, or for a registry host it does not already speak plain HTTP to, a new
+    /// one that does (a client's `insecure` request). The new one shares no downloads.
+    pub fn allowing_insecure(&self, host: &str) -> Result<Registry, RegistryError> {
+        if self.inner.config.insecure.iter().any(|h| h == host) {
+            return Ok(self.clone());
+        }
+        let mut config = self.inner.config.clone();
+        config.insecure.push(host.to_owned());
+        Registry::new(config)
+    }
+
     /// Pulls `name` into `store` (see the module documentation), reporting progress as it
     /// goes. Returns the digest of the manifest.
     pub async fn pull(

@@ -95,6 +95,25 @@ impl Store {
     }
 }
 
+impl Store {
+    /// A model's config blob (format, family, size, quantization); empty fields if it
+    /// cannot be read, as Ollama lists a model whose config is damaged.
+    #[must_use]
+    pub fn model_config(&self, manifest: &Manifest) -> ModelConfig {
+        let path = self.blob_path(&manifest.config.digest);
+        match std::fs::read(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|b| serde_json::from_slice::<ModelConfig>(&b).map_err(|e| e.to_string()))
+        {
+            Ok(config) => config,
+            Err(e) => {
+                tracing::warn!(blob = %path.display(), error = %e, "cannot read a model's config blob");
+                ModelConfig::default()
+            }
+        }
+    }
+}
+
 impl ModelDetails {
     /// The parameters as Ollama's `/api/show` prints them: `name value` lines, aligned.
     #[must_use]

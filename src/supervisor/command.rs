@@ -115,6 +115,16 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// Its name in reports: `cuda`, `rocm` or `vulkan`.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Cuda => "cuda",
+            Self::Rocm => "rocm",
+            Self::Vulkan => "vulkan",
+        }
+    }
+
     fn visibility_variable(self) -> &'static str {
         match self {
             Self::Cuda => "CUDA_VISIBLE_DEVICES",

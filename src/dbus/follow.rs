@@ -1,0 +1,288 @@
+//! Keeps the D-Bus objects in step with the store and the scheduler: model objects come
+//! and go with manifests; their state, runner fields and the manager's `LoadedModels`
+//! follow the scheduler's notices; signals are emitted after the data changed.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::broadcast::error::RecvError;
+use zbus::Connection;
+use zbus::object_server::{InterfaceRef, SignalEmitter};
+use zbus::zvariant::ObjectPath;
+
+use super::manager::{Manager, blocking};
+use super::model::{Model, ModelData};
+use super::{ROOT_PATH, Shared, lock, model_path};
+use crate::scheduler::actor::{Notice, UnloadReason};
+use crate::scheduler::policy::RunnerId;
+
+/// Serves an object per stored model, then follows changes in a task (returned).
+pub(super) async fn start(shared: Arc<Shared>, connection: Connection) -> zbus::Result<tokio::task::JoinHandle<()>> {
+    // Subscribed before the first snapshot, so no change falls between them.
+    let mut notices = shared.context.scheduler.subscribe();
+    let mut store_changes = shared.context.store.changes();
+    let mut follower = Follower { shared, connection, runners: BTreeMap::new() };
+    follower.sync_store().await;
+    follower.sync_runners().await;
+    Ok(tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                notice = notices.recv() => match notice {
+                    Ok(notice) => follower.apply(notice).await,
+                    Err(RecvError::Lagged(_)) => follower.sync_runners().await,
+                    Err(RecvError::Closed) => break,
+                },
+                changed = store_changes.changed() => {
+                    if changed.is_err() {
+                        break;
+                    }
+                    follower.sync_store().await;
+                }
+            }
+        }
+    }))
+}
+
+/// A runner as the views know it.
+struct Runner {
+    name: String,
+    state: &'static str,
+}
+
+struct Follower {
+    shared: Arc<Shared>,
+    connection: Connection,
+    runners: BTreeMap<RunnerId, Runner>,
+}
+
+impl Follower {
+    async fn apply(&mut self, notice: Notice) {
+        match notice {
+            Notice::Loading { runner, name } => {
+                self.runners.insert(runner, Runner { name: name.clone(), state: "loading" });
+                self.update(&name, |d| d.last_error.clear()).await;
+            }
+            Notice::Ready { runner, name, pid, footprint, offload } => {
+                if let Some(r) = self.runners.get_mut(&runner) {
+                    r.state = "ready";
+                }
+                self.update(&name, |d| {
+                    d.pid = pid;
+                    d.vram_bytes = footprint.vram;
+                    d.ram_bytes = footprint.ram;
+                    d.gpu_layers = offload.map_or(0, |o| o.gpu_layers);
+                    d.total_layers = offload.map_or(0, |o| o.total_layers);
+                })
+                .await;
+                let path = model_path(&name);
+                let emitter = self.manager_emitter();
+                let _ = Manager::model_loaded(&emitter, &name, ObjectPath::from(&path), pid).await;
+                if let Some(o) = offload {
+                    let (vram, ram) = (footprint.vram, footprint.ram);
+                    let _ = Manager::offload_reported(&emitter, &name, path.as_ref(), o.gpu_layers, o.total_layers, vram, ram)
+                        .await;
+                }
+            }
+            Notice::LoadFailed { runner, name, reason } => {
+                self.runners.remove(&runner);
+                self.update(&name, |d| d.last_error = reason).await;
+            }
+            Notice::Unloading { runner, name } => {
+                if let Some(r) = self.runners.get_mut(&runner) {
+                    r.state = "unloading";
+                }
+                self.update(&name, |_| {}).await;
+            }
+            Notice::Unloaded { runner, name, reason, detail } => {
+                self.runners.remove(&runner);
+                let crashed = reason == UnloadReason::Crashed;
+                self.update(&name, |d| {
+                    if crashed {
+                        d.last_error = detail.unwrap_or_default();
+                    }
+                })
+                .await;
+                let emitter = self.manager_emitter();
+                let _ = Manager::model_unloaded(&emitter, &name, model_path(&name).as_ref(), reason.as_str()).await;
+            }
+            Notice::Reconfigured(limits) => {
+                *lock(&self.shared.limits) = limits;
+                if let Ok(iface) = self.manager().await {
+                    let manager = iface.get().await;
+                    let emitter = iface.signal_emitter();
+                    let _ = manager.max_loaded_models_changed(emitter).await;
+                    let _ = manager.max_queue_changed(emitter).await;
+                    let _ = manager.default_keep_alive_changed(emitter).await;
+                }
+            }
+        }
+    }
+
+    /// Changes a model's data (`edit`, then the runner fields from the runners now), and
+    /// signals what changed, on the model and in `LoadedModels`.
+    async fn update(&self, name: &str, edit: impl FnOnce(&mut ModelData)) {
+        let newest = self.runners.values().rev().find(|r| r.name == name);
+        let entry = lock(&self.shared.models).get(name).cloned();
+        if let Some(data) = entry {
+            let before = lock(&data).clone();
+            let after = {
+                let mut d = lock(&data);
+                edit(&mut d);
+                d.state = match newest {
+                    Some(r) => r.state,
+                    None if !d.last_error.is_empty() => "failed",
+                    None => "stopped",
+                };
+                if newest.is_none_or(|r| r.state != "ready") {
+                    (d.pid, d.gpu_layers, d.total_layers, d.vram_bytes, d.ram_bytes) = (0, 0, 0, 0, 0);
+                }
+                d.clone()
+            };
+            emit_model_changes(&self.connection, name, &before, &after).await;
+        }
+        self.update_loaded().await;
+    }
+
+    async fn update_loaded(&self) {
+        let mut names: Vec<String> = self.runners.values().map(|r| r.name.clone()).collect();
+        names.dedup();
+        names.sort();
+        names.dedup();
+        let changed = {
+            let mut loaded = lock(&self.shared.loaded);
+            let changed = *loaded != names;
+            *loaded = names;
+            changed
+        };
+        if changed && let Ok(iface) = self.manager().await {
+            let _ = iface.get().await.loaded_models_changed(iface.signal_emitter()).await;
+        }
+    }
+
+    /// Reads the runners from the scheduler (at start, and after falling behind).
+    async fn sync_runners(&mut self) {
+        let Ok(loaded) = self.shared.context.scheduler.loaded().await else { return };
+        self.runners = loaded.into_iter().map(|m| (m.id, Runner { name: m.name, state: m.state })).collect();
+        let names: Vec<String> = lock(&self.shared.models).keys().cloned().collect();
+        for name in names {
+            self.update(&name, |_| {}).await;
+        }
+        self.update_loaded().await;
+    }
+
+    /// Adds objects for new models, removes those of deleted ones, and updates the
+    /// digest, size and details of replaced ones.
+    async fn sync_store(&mut self) {
+        let store = self.shared.context.store.clone();
+        let listed = match blocking(move || {
+            store.list().map(|listed| {
+                listed
+                    .into_iter()
+                    .map(|m| {
+                        let config = store.model_config(&m.manifest);
+                        let details = HashMap::from([
+                            ("format".to_owned(), config.model_format),
+                            ("family".to_owned(), config.model_family),
+                            ("parameter_size".to_owned(), config.model_type),
+                            ("quantization_level".to_owned(), config.file_type),
+                        ]);
+                        (m.name, m.digest.to_string(), m.size, details)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .await
+        {
+            Ok(Ok(listed)) => listed,
+            Ok(Err(e)) => return tracing::warn!(error = %e, "cannot list the store for D-Bus"),
+            Err(e) => return tracing::warn!(error = ?e, "cannot list the store for D-Bus"),
+        };
+        let current: Vec<String> = listed.iter().map(|(name, ..)| name.to_string()).collect();
+        let gone: Vec<String> =
+            lock(&self.shared.models).keys().filter(|name| !current.contains(name)).cloned().collect();
+        for name in gone {
+            lock(&self.shared.models).remove(&name);
+            let _ = self.connection.object_server().remove::<Model, _>(model_path(&name)).await;
+        }
+        for (name, digest, size, details) in listed {
+            let short = name.to_string();
+            let existing = lock(&self.shared.models).get(&short).cloned();
+            if let Some(data) = existing {
+                let before = lock(&data).clone();
+                let after = {
+                    let mut d = lock(&data);
+                    (d.digest, d.size, d.details) = (digest, size, details);
+                    d.clone()
+                };
+                emit_model_changes(&self.connection, &short, &before, &after).await;
+                continue;
+            }
+            let data = Arc::new(Mutex::new(ModelData {
+                name: name.full(),
+                short_name: short.clone(),
+                digest,
+                size,
+                details,
+                state: "stopped",
+                ..ModelData::default()
+            }));
+            lock(&self.shared.models).insert(short.clone(), Arc::clone(&data));
+            let object = Model { shared: Arc::clone(&self.shared), data };
+            if let Err(e) = self.connection.object_server().at(model_path(&short), object).await {
+                tracing::warn!(model = %short, error = %e, "cannot serve a model on D-Bus");
+            }
+            // A model created while loaded (or re-created) shows its runner at once.
+            self.update(&short, |_| {}).await;
+        }
+    }
+
+    fn manager_emitter(&self) -> SignalEmitter<'static> {
+        SignalEmitter::new(&self.connection, ROOT_PATH).expect("a valid path").into_owned()
+    }
+
+    async fn manager(&self) -> zbus::Result<InterfaceRef<Manager>> {
+        self.connection.object_server().interface::<_, Manager>(ROOT_PATH).await
+    }
+}
+
+/// PropertiesChanged for each model property that differs between `before` and `after`.
+async fn emit_model_changes(connection: &Connection, name: &str, before: &ModelData, after: &ModelData) {
+    if before == after {
+        return;
+    }
+    let Ok(iface) = connection.object_server().interface::<_, Model>(model_path(name)).await else { return };
+    let model = iface.get().await;
+    let e = iface.signal_emitter();
+    // Each field its own signal: zbus emits one property per call.
+    if before.digest != after.digest {
+        let _ = model.digest_changed(e).await;
+    }
+    if before.size != after.size {
+        let _ = model.size_changed(e).await;
+    }
+    if before.details != after.details {
+        let _ = model.details_changed(e).await;
+    }
+    if before.last_error != after.last_error {
+        let _ = model.last_error_changed(e).await;
+    }
+    if before.pid != after.pid {
+        let _ = model.pid_changed(e).await;
+    }
+    if before.gpu_layers != after.gpu_layers {
+        let _ = model.gpu_layers_changed(e).await;
+    }
+    if before.total_layers != after.total_layers {
+        let _ = model.total_layers_changed(e).await;
+    }
+    if before.vram_bytes != after.vram_bytes {
+        let _ = model.vram_bytes_changed(e).await;
+    }
+    if before.ram_bytes != after.ram_bytes {
+        let _ = model.ram_bytes_changed(e).await;
+    }
+    // Last, so that a client reacting to the state reads the fields already changed.
+    if before.state != after.state {
+        let _ = model.state_changed(e).await;
+    }
+}

@@ -1,0 +1,287 @@
+//! `org.corral.Corral1.Job`: pull, push, create, copy and delete, run in the background
+//! and shown as objects at `/org/corral/Corral1/jobs/<n>` until 32 newer ones finished.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use zbus::object_server::SignalEmitter;
+use zbus::zvariant::{ObjectPath, OwnedObjectPath};
+use zbus::{Connection, interface};
+
+use super::error::Error;
+use super::manager::{Manager, blocking};
+use super::{JOBS_PATH, ROOT_PATH, Shared, lock};
+use crate::store::create::CreateSpec;
+use crate::store::name::ModelName;
+use crate::store::registry::{Progress, Registry};
+
+/// Finished jobs kept for their results.
+const KEEP_FINISHED: usize = 32;
+/// The most PropertiesChanged per second for a job's progress.
+const PROGRESS_INTERVAL: Duration = Duration::from_millis(200);
+
+/// Job numbers and the finished jobs still shown.
+#[derive(Debug, Default)]
+pub(super) struct Jobs {
+    next: u64,
+    finished: VecDeque<OwnedObjectPath>,
+}
+
+/// What a job does.
+pub(super) enum Work {
+    Pull { name: ModelName, registry: Registry },
+    Push { name: ModelName, registry: Registry },
+    Create { name: ModelName, spec: Box<CreateSpec> },
+    Copy { from: ModelName, to: ModelName },
+    Delete { name: ModelName },
+}
+
+impl Work {
+    fn kind(&self) -> &'static str {
+        match self {
+            Work::Pull { .. } => "pull",
+            Work::Push { .. } => "push",
+            Work::Create { .. } => "create",
+            Work::Copy { .. } => "copy",
+            Work::Delete { .. } => "delete",
+        }
+    }
+
+    /// Only transfers stop half-way without harm: their partial downloads are resumable
+    /// and they write the manifest last.
+    fn cancellable(&self) -> bool {
+        matches!(self, Work::Pull { .. } | Work::Push { .. })
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct JobData {
+    kind: &'static str,
+    model: String,
+    state: &'static str,
+    status: String,
+    total: u64,
+    completed: u64,
+    error: String,
+}
+
+struct Job {
+    data: Arc<Mutex<JobData>>,
+    cancel: CancellationToken,
+    cancellable: bool,
+}
+
+impl Job {
+    fn get<T>(&self, read: impl FnOnce(&JobData) -> T) -> T {
+        read(&lock(&self.data))
+    }
+}
+
+#[interface(name = "org.corral.Corral1.Job")]
+impl Job {
+    /// Stops a running pull or push.
+    fn cancel(&self) -> Result<(), Error> {
+        let state = self.get(|d| d.state);
+        if state != "running" {
+            return Err(Error::Failed(format!("the job has already ended ({state})")));
+        }
+        if !self.cancellable {
+            let kind = self.get(|d| d.kind);
+            return Err(Error::Failed(format!("a {kind} job cannot be cancelled")));
+        }
+        self.cancel.cancel();
+        Ok(())
+    }
+
+    /// The job ended.
+    #[zbus(signal)]
+    async fn finished(emitter: &SignalEmitter<'_>, success: bool, error: &str) -> zbus::Result<()>;
+
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn kind(&self) -> String {
+        self.get(|d| d.kind.to_owned())
+    }
+
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn model(&self) -> String {
+        self.get(|d| d.model.clone())
+    }
+
+    #[zbus(property)]
+    fn state(&self) -> String {
+        self.get(|d| d.state.to_owned())
+    }
+
+    #[zbus(property)]
+    fn status(&self) -> String {
+        self.get(|d| d.status.clone())
+    }
+
+    #[zbus(property)]
+    fn total(&self) -> u64 {
+        self.get(|d| d.total)
+    }
+
+    #[zbus(property)]
+    fn completed(&self) -> u64 {
+        self.get(|d| d.completed)
+    }
+
+    #[zbus(property)]
+    fn error(&self) -> String {
+        self.get(|d| d.error.clone())
+    }
+}
+
+/// Serves a new job object for `work` and starts it; returns its path at once.
+pub(super) async fn start(
+    shared: &Arc<Shared>,
+    connection: &Connection,
+    model: &str,
+    work: Work,
+) -> Result<OwnedObjectPath, Error> {
+    let number = {
+        let mut jobs = lock(&shared.jobs);
+        jobs.next += 1;
+        jobs.next
+    };
+    let path = OwnedObjectPath::try_from(format!("{JOBS_PATH}/{number}")).expect("a valid path");
+    let data = Arc::new(Mutex::new(JobData {
+        kind: work.kind(),
+        model: model.to_owned(),
+        state: "running",
+        ..JobData::default()
+    }));
+    let cancel = CancellationToken::new();
+    let job = Job { data: Arc::clone(&data), cancel: cancel.clone(), cancellable: work.cancellable() };
+    connection.object_server().at(&path, job).await?;
+    tokio::spawn(run(Arc::clone(shared), connection.clone(), path.clone(), data, cancel, work));
+    Ok(path)
+}
+
+/// Runs the work, reports progress, then the outcome; retires old jobs.
+async fn run(
+    shared: Arc<Shared>,
+    connection: Connection,
+    path: OwnedObjectPath,
+    data: Arc<Mutex<JobData>>,
+    cancel: CancellationToken,
+    work: Work,
+) {
+    let (changed_tx, changed_rx) = tokio::sync::watch::channel(());
+    let reporter = tokio::spawn(report_progress(connection.clone(), path.clone(), changed_rx));
+    let progress = {
+        let data = Arc::clone(&data);
+        move |p: Progress| {
+            {
+                let mut d = lock(&data);
+                d.status = p.status;
+                d.total = p.total.unwrap_or(0);
+                d.completed = p.completed.unwrap_or(0);
+            }
+            let _ = changed_tx.send(());
+        }
+    };
+    let outcome = tokio::select! {
+        result = perform(&shared, work, progress) => result.map_err(Some),
+        () = cancel.cancelled() => Err(None),
+    };
+    // The reporter ends once the progress callback (the sender) is gone.
+    let _ = reporter.await;
+    let (state, error) = match &outcome {
+        Ok(()) => ("succeeded", String::new()),
+        Err(Some(e)) => ("failed", e.clone()),
+        Err(None) => ("cancelled", "cancelled".to_owned()),
+    };
+    {
+        let mut d = lock(&data);
+        d.state = state;
+        d.error.clone_from(&error);
+        if outcome.is_ok() {
+            d.status = "success".into();
+        }
+    }
+    if let Err(e) = announce(&connection, &path, outcome.is_ok(), &error).await {
+        tracing::warn!(job = %path, error = %e, "cannot signal the end of a D-Bus job");
+    }
+    retire(&shared, &connection, path).await;
+}
+
+/// Emits the job's property changes, at most every [`PROGRESS_INTERVAL`].
+async fn report_progress(connection: Connection, path: OwnedObjectPath, mut changed: tokio::sync::watch::Receiver<()>) {
+    while changed.changed().await.is_ok() {
+        if let Ok(iface) = connection.object_server().interface::<_, Job>(&path).await {
+            let emitter = iface.signal_emitter();
+            let job = iface.get().await;
+            let _ = job.status_changed(emitter).await;
+            let _ = job.total_changed(emitter).await;
+            let _ = job.completed_changed(emitter).await;
+        }
+        tokio::time::sleep(PROGRESS_INTERVAL).await;
+    }
+}
+
+async fn announce(connection: &Connection, path: &OwnedObjectPath, success: bool, error: &str) -> zbus::Result<()> {
+    let iface = connection.object_server().interface::<_, Job>(path).await?;
+    let emitter = iface.signal_emitter();
+    {
+        let job = iface.get().await;
+        job.status_changed(emitter).await?;
+        job.total_changed(emitter).await?;
+        job.completed_changed(emitter).await?;
+        job.error_changed(emitter).await?;
+        job.state_changed(emitter).await?;
+    }
+    Job::finished(emitter, success, error).await?;
+    let manager = SignalEmitter::new(connection, ROOT_PATH)?;
+    Manager::job_finished(&manager, ObjectPath::from(path), success, error).await
+}
+
+/// Keeps the newest finished jobs; removes the oldest beyond [`KEEP_FINISHED`].
+async fn retire(shared: &Shared, connection: &Connection, path: OwnedObjectPath) {
+    let expired: Vec<OwnedObjectPath> = {
+        let mut jobs = lock(&shared.jobs);
+        jobs.finished.push_back(path);
+        let excess = jobs.finished.len().saturating_sub(KEEP_FINISHED);
+        jobs.finished.drain(..excess).collect()
+    };
+    for old in expired {
+        let _ = connection.object_server().remove::<Job, _>(&old).await;
+    }
+}
+
+/// Does the work; the error is the message the job shows.
+async fn perform(shared: &Shared, work: Work, progress: impl FnMut(Progress) + Send + 'static) -> Result<(), String> {
+    let store = shared.context.store.clone();
+    match work {
+        Work::Pull { name, registry } => registry.pull(&store, &name, progress).await.map(drop).map_err(|e| e.to_string()),
+        Work::Push { name, registry } => registry.push(&store, &name, progress).await.map(drop).map_err(|e| e.to_string()),
+        Work::Create { name, spec } => {
+            let mut progress = progress;
+            let result = blocking(move || {
+                store.create(&name, &spec, &mut |status| progress(Progress::step(&status))).map(drop)
+            })
+            .await;
+            flatten(result)
+        }
+        Work::Copy { from, to } => flatten(blocking(move || store.copy(&from, &to)).await),
+        Work::Delete { name } => {
+            let short = name.to_string();
+            flatten(blocking(move || store.delete(&name).map(drop)).await)?;
+            // A deleted model does not stay loaded (its runners stop once their requests end).
+            match shared.context.scheduler.unload_model(&short).await {
+                Ok(()) | Err(crate::scheduler::actor::ScheduleError::NotLoaded(_)) => Ok(()),
+                Err(e) => Err(e.to_string()),
+            }
+        }
+    }
+}
+
+fn flatten<E: std::fmt::Display>(result: Result<Result<(), E>, Error>) -> Result<(), String> {
+    match result {
+        Ok(inner) => inner.map_err(|e| e.to_string()),
+        Err(e) => Err(format!("{e:?}")),
+    }
+}

@@ -1,0 +1,265 @@
+//! `org.corral.Corral1.Manager` at `/org/corral/Corral1`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use zbus::object_server::SignalEmitter;
+use zbus::zvariant::{ObjectPath, OwnedObjectPath, OwnedValue};
+use zbus::{Connection, interface};
+
+use super::error::Error;
+use super::job::{self, Work};
+use super::{Shared, lock, model_path, options};
+use crate::scheduler::keep_alive::KeepAlive;
+use crate::scheduler::request;
+use crate::store::create::CreateSpec;
+use crate::store::modelfile::Modelfile;
+use crate::store::name::ModelName;
+
+pub(super) struct Manager {
+    shared: Arc<Shared>,
+}
+
+impl Manager {
+    pub(super) fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+}
+
+#[interface(name = "org.corral.Corral1.Manager")]
+impl Manager {
+    /// Every model in the store: (name, object path, digest, size, state).
+    #[zbus(out_args("models"))]
+    async fn list_models(&self) -> Result<Vec<(String, OwnedObjectPath, String, u64, String)>, Error> {
+        let store = self.shared.context.store.clone();
+        let listed = blocking(move || store.list()).await??;
+        let models = lock(&self.shared.models);
+        Ok(listed
+            .into_iter()
+            .map(|m| {
+                let short = m.name.to_string();
+                let state = models.get(&short).map_or("stopped", |d| lock(d).state);
+                (short.clone(), model_path(&short), m.digest.to_string(), m.size, state.to_owned())
+            })
+            .collect())
+    }
+
+    /// The object path of a stored model.
+    #[zbus(out_args("model"))]
+    async fn get_model(&self, name: &str) -> Result<OwnedObjectPath, Error> {
+        let parsed = ModelName::parse(name)?;
+        let store = self.shared.context.store.clone();
+        let short = parsed.to_string();
+        blocking(move || store.manifest(&parsed)).await??;
+        Ok(model_path(&short))
+    }
+
+    /// Loads a model; returns once it is ready.
+    #[zbus(out_args("model"))]
+    async fn load(&self, name: &str, options: HashMap<String, OwnedValue>) -> Result<OwnedObjectPath, Error> {
+        load(&self.shared, name, &options).await
+    }
+
+    /// Unloads a model; returns once its processes are reaped.
+    async fn unload(&self, name: &str) -> Result<(), Error> {
+        let short = ModelName::parse(name)?.to_string();
+        Ok(self.shared.context.scheduler.unload_model(&short).await?)
+    }
+
+    /// Starts a pull; returns the job.
+    #[zbus(out_args("job"))]
+    async fn pull(
+        &self,
+        name: &str,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<OwnedObjectPath, Error> {
+        options::only(&options, &["insecure"])?;
+        let parsed = ModelName::parse(name)?;
+        self.writable()?;
+        let registry = self.registry(&parsed, options::flag(&options, "insecure")?)?;
+        job::start(&self.shared, connection, name, Work::Pull { name: parsed, registry }).await
+    }
+
+    /// Starts a push; returns the job.
+    #[zbus(out_args("job"))]
+    async fn push(
+        &self,
+        name: &str,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<OwnedObjectPath, Error> {
+        options::only(&options, &["insecure"])?;
+        let parsed = ModelName::parse(name)?;
+        let registry = self.registry(&parsed, options::flag(&options, "insecure")?)?;
+        job::start(&self.shared, connection, name, Work::Push { name: parsed, registry }).await
+    }
+
+    /// Starts creating a model from a Modelfile; returns the job.
+    #[zbus(out_args("job"))]
+    async fn create(
+        &self,
+        name: &str,
+        modelfile: &str,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<OwnedObjectPath, Error> {
+        let parsed = ModelName::parse(name)?;
+        self.writable()?;
+        let modelfile = Modelfile::parse(modelfile).map_err(|e| Error::InvalidArgument(format!("Modelfile: {e}")))?;
+        // Relative paths would be relative to the daemon, not to the caller: there is none.
+        let spec = CreateSpec::from_modelfile(&modelfile, std::path::Path::new("/"))?;
+        job::start(&self.shared, connection, name, Work::Create { name: parsed, spec: Box::new(spec) }).await
+    }
+
+    /// Starts copying a model; returns the job.
+    #[zbus(out_args("job"))]
+    async fn copy(
+        &self,
+        source: &str,
+        destination: &str,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<OwnedObjectPath, Error> {
+        let from = ModelName::parse(source)?;
+        let to = ModelName::parse(destination)?;
+        self.writable()?;
+        job::start(&self.shared, connection, source, Work::Copy { from, to }).await
+    }
+
+    /// Starts deleting a model; returns the job.
+    #[zbus(out_args("job"))]
+    async fn delete(&self, name: &str, #[zbus(connection)] connection: &Connection) -> Result<OwnedObjectPath, Error> {
+        let parsed = ModelName::parse(name)?;
+        self.writable()?;
+        job::start(&self.shared, connection, name, Work::Delete { name: parsed }).await
+    }
+
+    /// A model became ready.
+    #[zbus(signal)]
+    pub(super) async fn model_loaded(
+        emitter: &SignalEmitter<'_>,
+        name: &str,
+        model: ObjectPath<'_>,
+        pid: u32,
+    ) -> zbus::Result<()>;
+
+    /// A model's runner stopped and was reaped.
+    #[zbus(signal)]
+    pub(super) async fn model_unloaded(
+        emitter: &SignalEmitter<'_>,
+        name: &str,
+        model: ObjectPath<'_>,
+        reason: &str,
+    ) -> zbus::Result<()>;
+
+    /// What a loaded runner placed where.
+    #[zbus(signal)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn offload_reported(
+        emitter: &SignalEmitter<'_>,
+        name: &str,
+        model: ObjectPath<'_>,
+        gpu_layers: u32,
+        total_layers: u32,
+        vram_bytes: u64,
+        ram_bytes: u64,
+    ) -> zbus::Result<()>;
+
+    /// A job ended.
+    #[zbus(signal)]
+    pub(super) async fn job_finished(
+        emitter: &SignalEmitter<'_>,
+        job: ObjectPath<'_>,
+        success: bool,
+        error: &str,
+    ) -> zbus::Result<()>;
+
+    #[zbus(property(emits_changed_signal = "const"))]
+    #[allow(clippy::unused_self)] // zbus calls getters on the object
+    fn version(&self) -> &str {
+        crate::http::VERSION
+    }
+
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn gpus(&self) -> Vec<(String, String, String, u64, u64)> {
+        self.shared
+            .context
+            .gpus
+            .iter()
+            .map(|g| (g.id.clone(), g.name.clone(), g.backend.as_str().to_owned(), g.total_bytes, g.free_bytes))
+            .collect()
+    }
+
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn host_memory(&self) -> u64 {
+        self.shared.context.host_memory
+    }
+
+    #[zbus(property)]
+    fn loaded_models(&self) -> Vec<String> {
+        lock(&self.shared.loaded).clone()
+    }
+
+    /// Asked of the scheduler on each get: it changes with every request.
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn queue_depth(&self) -> zbus::fdo::Result<u32> {
+        let stats = self.shared.context.scheduler.stats().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
+        Ok(u32::try_from(stats.queue_depth).unwrap_or(u32::MAX))
+    }
+
+    #[zbus(property)]
+    fn max_loaded_models(&self) -> u32 {
+        u32::try_from(lock(&self.shared.limits).max_loaded).unwrap_or(u32::MAX)
+    }
+
+    #[zbus(property)]
+    fn max_queue(&self) -> u32 {
+        u32::try_from(lock(&self.shared.limits).max_queue).unwrap_or(u32::MAX)
+    }
+
+    #[zbus(property)]
+    fn default_keep_alive(&self) -> i64 {
+        match lock(&self.shared.limits).default_keep_alive {
+            KeepAlive::Forever => -1,
+            KeepAlive::For(d) => i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        }
+    }
+}
+
+impl Manager {
+    fn writable(&self) -> Result<(), Error> {
+        if self.shared.context.read_only {
+            return Err(Error::ReadOnly("the model store is read-only ([store] read_only = true)".into()));
+        }
+        Ok(())
+    }
+
+    fn registry(&self, name: &ModelName, insecure: bool) -> Result<crate::store::registry::Registry, Error> {
+        let shared = &self.shared.context.registry;
+        if !insecure {
+            return Ok(shared.clone());
+        }
+        shared.allowing_insecure(name.registry()).map_err(|e| Error::Failed(e.to_string()))
+    }
+}
+
+/// Loads `given` with the caller's `options`; resolves once it is ready. Shared by the
+/// manager's and the model's Load.
+pub(super) async fn load(
+    shared: &Shared,
+    given: &str,
+    options: &HashMap<String, OwnedValue>,
+) -> Result<OwnedObjectPath, Error> {
+    let name = ModelName::parse(given)?;
+    let (options, keep_alive) = options::load_options(options)?;
+    let (store, defaults) = (shared.context.store.clone(), shared.context.defaults);
+    let request = blocking(move || request::build(&store, &name, &options, keep_alive, false, defaults)).await??;
+    let path = model_path(&request.name);
+    // The model stays loaded for its keep-alive once this lease is dropped.
+    drop(shared.context.scheduler.acquire(request).await?);
+    Ok(path)
+}
+
+/// Runs store work on the blocking pool.
+pub(super) async fn blocking<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, Error> {
+    tokio::task::spawn_blocking(work).await.map_err(|e| Error::Failed(format!("a store task failed: {e}")))
+}

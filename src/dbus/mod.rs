@@ -1,0 +1,176 @@
+//! The D-Bus control interface `org.corral.Corral1`: a view of the scheduler and the
+//! store, like the HTTP API.
+//!
+//! - [`manager`]: `org.corral.Corral1.Manager` at `/org/corral/Corral1`, beside
+//!   `org.freedesktop.DBus.ObjectManager`;
+//! - [`model`]: one `org.corral.Corral1.Model` object per stored model;
+//! - [`job`]: `org.corral.Corral1.Job` objects for pull, push, create, copy and delete;
+//! - [`follow`]: the task that keeps those objects in step with the scheduler's notices
+//!   and the store's changes, and emits the signals;
+//! - [`error`]: the named errors `org.corral.Corral1.Error.*`;
+//! - [`proxy`]: client proxies, for `corralctl` and the tests.
+//!
+//! The contract is `dbus/org.corral.Corral1.*.xml`; access is the bus policy
+//! `dbus/org.corral.Corral1.conf` (no polkit). Nothing here holds scheduling state: it
+//! sends messages to the scheduler's [`Handle`] like the HTTP handlers do.
+
+pub mod error;
+mod follow;
+mod job;
+mod manager;
+mod model;
+mod options;
+pub mod proxy;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use zbus::connection::Builder;
+use zbus::zvariant::OwnedObjectPath;
+
+use crate::config::BusKind;
+use crate::gpu::Gpu;
+use crate::scheduler::actor::{Handle, Limits};
+use crate::scheduler::request::Defaults;
+use crate::store::Store;
+use crate::store::registry::Registry;
+
+/// The well-known bus name.
+pub const BUS_NAME: &str = "org.corral.Corral1";
+/// The manager's (and the object manager's) path.
+pub const ROOT_PATH: &str = "/org/corral/Corral1";
+/// Where model objects live.
+pub const MODELS_PATH: &str = "/org/corral/Corral1/models";
+/// Where job objects live.
+pub const JOBS_PATH: &str = "/org/corral/Corral1/jobs";
+
+/// What the interface serves: handles on the daemon's parts and what it found at start.
+#[derive(Debug, Clone)]
+pub struct Context {
+    /// The model store.
+    pub store: Store,
+    /// The scheduler.
+    pub scheduler: Handle,
+    /// The registry client (shared with the HTTP API, so pulls share downloads).
+    pub registry: Registry,
+    /// Load defaults from the configuration.
+    pub defaults: Defaults,
+    /// The GPUs found at start.
+    pub gpus: Vec<Gpu>,
+    /// Host memory usable for models.
+    pub host_memory: u64,
+    /// The scheduler's limits at start (reloads arrive as notices).
+    pub limits: Limits,
+    /// Whether the store refuses writes (`[store] read_only`).
+    pub read_only: bool,
+}
+
+/// A running D-Bus service; dropping it stops following changes (the connection closes
+/// once its last clone goes).
+#[derive(Debug)]
+pub struct Service {
+    connection: zbus::Connection,
+    follower: tokio::task::JoinHandle<()>,
+}
+
+impl Service {
+    /// The bus connection.
+    pub fn connection(&self) -> &zbus::Connection {
+        &self.connection
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.follower.abort();
+    }
+}
+
+/// Connects to `bus`, serves the objects, then takes the name `org.corral.Corral1` (so a
+/// client woken by the name finds every object in place).
+pub async fn serve(bus: BusKind, context: Context) -> Result<Service, zbus::Error> {
+    let builder = match bus {
+        BusKind::System => Builder::system()?,
+        BusKind::Session => Builder::session()?,
+        BusKind::Off => return Err(zbus::Error::Unsupported),
+    };
+    let shared = Arc::new(Shared::new(context));
+    let connection = builder
+        .serve_at(ROOT_PATH, zbus::fdo::ObjectManager)?
+        .serve_at(ROOT_PATH, manager::Manager::new(Arc::clone(&shared)))?
+        .build()
+        .await?;
+    let follower = follow::start(Arc::clone(&shared), connection.clone()).await?;
+    connection.request_name(BUS_NAME).await?;
+    Ok(Service { connection, follower })
+}
+
+/// What the interface objects share.
+#[derive(Debug)]
+struct Shared {
+    context: Context,
+    /// Limits now (updated on reload).
+    limits: Mutex<Limits>,
+    /// The names of the models with a runner, in order.
+    loaded: Mutex<Vec<String>>,
+    /// The model objects by the model's short name, with their data.
+    models: Mutex<BTreeMap<String, Arc<Mutex<model::ModelData>>>>,
+    /// Job numbers, and the finished jobs still shown.
+    jobs: Mutex<job::Jobs>,
+}
+
+impl Shared {
+    fn new(context: Context) -> Self {
+        Self {
+            limits: Mutex::new(context.limits.clone()),
+            loaded: Mutex::default(),
+            models: Mutex::default(),
+            jobs: Mutex::default(),
+            context,
+        }
+    }
+}
+
+/// Locks, ignoring poisoning: the data stays consistent field by field.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The object path of the model named `name` (its short form): every byte outside
+/// `[A-Za-z0-9]` is written `_xx` in hex, as systemd escapes unit names in paths, so
+/// that the path is valid and the name can be read back.
+#[must_use]
+pub fn model_path(name: &str) -> OwnedObjectPath {
+    let mut path = String::with_capacity(MODELS_PATH.len() + 1 + name.len() * 3);
+    path.push_str(MODELS_PATH);
+    path.push('/');
+    if name.is_empty() {
+        path.push('_');
+    }
+    for byte in name.bytes() {
+        if byte.is_ascii_alphanumeric() {
+            path.push(char::from(byte));
+        } else {
+            let _ = write!(path, "_{byte:02x}");
+        }
+    }
+    OwnedObjectPath::try_from(path).expect("only [A-Za-z0-9_/] in the path")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::model_path;
+
+    #[test]
+    fn model_paths_escape_every_byte_outside_letters_and_digits() {
+        assert_eq!(model_path("tiny:latest").as_str(), "/org/corral/Corral1/models/tiny_3alatest");
+        assert_eq!(
+            model_path("me/my-model:1.0").as_str(),
+            "/org/corral/Corral1/models/me_2fmy_2dmodel_3a1_2e0"
+        );
+        assert_eq!(model_path("").as_str(), "/org/corral/Corral1/models/_");
+        // Distinct names never share a path: the escape is reversible.
+        assert_ne!(model_path("a_2f"), model_path("a/"));
+    }
+}

@@ -1,0 +1,145 @@
+//! `org.corral.Corral1.Model`: one object per stored model.
+//!
+//! The object's data lives behind a mutex that [`follow`](super::follow) updates before
+//! it emits `PropertiesChanged`; a method call in progress (a Load waiting for the model)
+//! never blocks those updates.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use zbus::interface;
+use zbus::zvariant::OwnedValue;
+
+use super::error::Error;
+use super::{Shared, lock, manager};
+
+/// What a model object shows; `State` and the runner fields follow the scheduler.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct ModelData {
+    pub name: String,
+    pub short_name: String,
+    pub digest: String,
+    pub size: u64,
+    pub details: HashMap<String, String>,
+    pub state: &'static str,
+    pub last_error: String,
+    pub pid: u32,
+    pub gpu_layers: u32,
+    pub total_layers: u32,
+    pub vram_bytes: u64,
+    pub ram_bytes: u64,
+}
+
+pub(super) struct Model {
+    pub shared: Arc<Shared>,
+    pub data: Arc<Mutex<ModelData>>,
+}
+
+impl Model {
+    fn get<T>(&self, read: impl FnOnce(&ModelData) -> T) -> T {
+        read(&lock(&self.data))
+    }
+}
+
+#[interface(name = "org.corral.Corral1.Model")]
+impl Model {
+    /// As Manager.Load for this model; returns once it is ready.
+    async fn load(&self, options: HashMap<String, OwnedValue>) -> Result<(), Error> {
+        let name = self.get(|d| d.short_name.clone());
+        manager::load(&self.shared, &name, &options).await.map(drop)
+    }
+
+    /// As Manager.Unload for this model; returns once its processes are reaped.
+    async fn unload(&self) -> Result<(), Error> {
+        let name = self.get(|d| d.short_name.clone());
+        Ok(self.shared.context.scheduler.unload_model(&name).await?)
+    }
+
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn name(&self) -> String {
+        self.get(|d| d.name.clone())
+    }
+
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn short_name(&self) -> String {
+        self.get(|d| d.short_name.clone())
+    }
+
+    #[zbus(property)]
+    fn digest(&self) -> String {
+        self.get(|d| d.digest.clone())
+    }
+
+    #[zbus(property)]
+    fn size(&self) -> u64 {
+        self.get(|d| d.size)
+    }
+
+    #[zbus(property)]
+    fn details(&self) -> HashMap<String, String> {
+        self.get(|d| d.details.clone())
+    }
+
+    #[zbus(property)]
+    fn state(&self) -> String {
+        self.get(|d| d.state.to_owned())
+    }
+
+    #[zbus(property)]
+    fn last_error(&self) -> String {
+        self.get(|d| d.last_error.clone())
+    }
+
+    #[zbus(property)]
+    fn pid(&self) -> u32 {
+        self.get(|d| d.pid)
+    }
+
+    #[zbus(property)]
+    fn gpu_layers(&self) -> u32 {
+        self.get(|d| d.gpu_layers)
+    }
+
+    #[zbus(property)]
+    fn total_layers(&self) -> u32 {
+        self.get(|d| d.total_layers)
+    }
+
+    #[zbus(property)]
+    fn vram_bytes(&self) -> u64 {
+        self.get(|d| d.vram_bytes)
+    }
+
+    #[zbus(property)]
+    fn ram_bytes(&self) -> u64 {
+        self.get(|d| d.ram_bytes)
+    }
+
+    /// Read from the scheduler on each get: it changes with every request.
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn expires_at(&self) -> zbus::fdo::Result<u64> {
+        let name = self.get(|d| d.short_name.clone());
+        let loaded = self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
+        let now = tokio::time::Instant::now();
+        let at = loaded
+            .iter()
+            .filter(|m| m.name == name)
+            .filter_map(|m| m.expires_at)
+            .min()
+            .map_or(0, |at| epoch_micros(SystemTime::now() + at.saturating_duration_since(now)));
+        Ok(at)
+    }
+
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn active_requests(&self) -> zbus::fdo::Result<u32> {
+        let name = self.get(|d| d.short_name.clone());
+        let loaded = self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
+        Ok(loaded.iter().filter(|m| m.name == name).map(|m| m.leases).sum())
+    }
+}
+
+fn epoch_micros(time: SystemTime) -> u64 {
+    let since = time.duration_since(SystemTime::UNIX_EPOCH).unwrap_or(Duration::ZERO);
+    u64::try_from(since.as_micros()).unwrap_or(u64::MAX)
+}
