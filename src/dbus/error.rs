@@ -37,6 +37,17 @@ pub enum Error {
     Failed(String),
 }
 
+impl Error {
+    /// A missing model named as the caller wrote it, not in its long form.
+    #[must_use]
+    pub fn naming(self, given: &str) -> Self {
+        match self {
+            Self::NoSuchModel(_) => Self::NoSuchModel(format!("model '{given}' not found")),
+            other => other,
+        }
+    }
+}
+
 impl From<ScheduleError> for Error {
     fn from(error: ScheduleError) -> Self {
         let message = error.to_string();

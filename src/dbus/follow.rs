@@ -21,7 +21,7 @@ pub(super) async fn start(shared: Arc<Shared>, connection: Connection) -> zbus::
     // Subscribed before the first snapshot, so no change falls between them.
     let mut notices = shared.context.scheduler.subscribe();
     let mut store_changes = shared.context.store.changes();
-    let mut follower = Follower { shared, connection, runners: BTreeMap::new() };
+    let mut follower = Follower { shared, connection };
     follower.sync_store().await;
     follower.sync_runners().await;
     Ok(tokio::spawn(async move {
@@ -43,7 +43,39 @@ pub(super) async fn start(shared: Arc<Shared>, connection: Connection) -> zbus::
     }))
 }
 
+/// The runners as the views know them.
+#[derive(Debug, Default)]
+pub(super) struct Runners {
+    by_id: BTreeMap<RunnerId, Runner>,
+    /// The highest runner id seen: a lower one that is absent has come and gone.
+    max_seen: RunnerId,
+}
+
+impl Runners {
+    /// Whether the views show runner `id` past loading (ready, unloading, or gone).
+    pub(super) fn loaded(&self, id: RunnerId) -> bool {
+        self.by_id.get(&id).map_or(id <= self.max_seen, |r| r.state != "loading")
+    }
+
+    /// Whether the views show no runner of the model `name`.
+    pub(super) fn none_of(&self, name: &str) -> bool {
+        !self.by_id.values().any(|r| r.name == name)
+    }
+
+    fn insert(&mut self, id: RunnerId, runner: Runner) {
+        self.max_seen = self.max_seen.max(id);
+        self.by_id.insert(id, runner);
+    }
+
+    fn set_state(&mut self, id: RunnerId, state: &'static str) {
+        if let Some(r) = self.by_id.get_mut(&id) {
+            r.state = state;
+        }
+    }
+}
+
 /// A runner as the views know it.
+#[derive(Debug)]
 struct Runner {
     name: String,
     state: &'static str,
@@ -52,20 +84,22 @@ struct Runner {
 struct Follower {
     shared: Arc<Shared>,
     connection: Connection,
-    runners: BTreeMap<RunnerId, Runner>,
 }
 
 impl Follower {
     async fn apply(&mut self, notice: Notice) {
+        self.apply_one(notice).await;
+        self.shared.applied.notify_waiters();
+    }
+
+    async fn apply_one(&mut self, notice: Notice) {
         match notice {
             Notice::Loading { runner, name } => {
-                self.runners.insert(runner, Runner { name: name.clone(), state: "loading" });
+                lock(&self.shared.runners).insert(runner, Runner { name: name.clone(), state: "loading" });
                 self.update(&name, |d| d.last_error.clear()).await;
             }
             Notice::Ready { runner, name, pid, footprint, offload } => {
-                if let Some(r) = self.runners.get_mut(&runner) {
-                    r.state = "ready";
-                }
+                lock(&self.shared.runners).set_state(runner, "ready");
                 self.update(&name, |d| {
                     d.pid = pid;
                     d.vram_bytes = footprint.vram;
@@ -79,22 +113,28 @@ impl Follower {
                 let _ = Manager::model_loaded(&emitter, &name, ObjectPath::from(&path), pid).await;
                 if let Some(o) = offload {
                     let (vram, ram) = (footprint.vram, footprint.ram);
-                    let _ = Manager::offload_reported(&emitter, &name, path.as_ref(), o.gpu_layers, o.total_layers, vram, ram)
-                        .await;
+                    let _ = Manager::offload_reported(
+                        &emitter,
+                        &name,
+                        path.as_ref(),
+                        o.gpu_layers,
+                        o.total_layers,
+                        vram,
+                        ram,
+                    )
+                    .await;
                 }
             }
             Notice::LoadFailed { runner, name, reason } => {
-                self.runners.remove(&runner);
+                lock(&self.shared.runners).by_id.remove(&runner);
                 self.update(&name, |d| d.last_error = reason).await;
             }
             Notice::Unloading { runner, name } => {
-                if let Some(r) = self.runners.get_mut(&runner) {
-                    r.state = "unloading";
-                }
+                lock(&self.shared.runners).set_state(runner, "unloading");
                 self.update(&name, |_| {}).await;
             }
             Notice::Unloaded { runner, name, reason, detail } => {
-                self.runners.remove(&runner);
+                lock(&self.shared.runners).by_id.remove(&runner);
                 let crashed = reason == UnloadReason::Crashed;
                 self.update(&name, |d| {
                     if crashed {
@@ -121,7 +161,7 @@ impl Follower {
     /// Changes a model's data (`edit`, then the runner fields from the runners now), and
     /// signals what changed, on the model and in `LoadedModels`.
     async fn update(&self, name: &str, edit: impl FnOnce(&mut ModelData)) {
-        let newest = self.runners.values().rev().find(|r| r.name == name);
+        let newest = lock(&self.shared.runners).by_id.values().rev().find(|r| r.name == name).map(|r| r.state);
         let entry = lock(&self.shared.models).get(name).cloned();
         if let Some(data) = entry {
             let before = lock(&data).clone();
@@ -129,11 +169,11 @@ impl Follower {
                 let mut d = lock(&data);
                 edit(&mut d);
                 d.state = match newest {
-                    Some(r) => r.state,
+                    Some(state) => state,
                     None if !d.last_error.is_empty() => "failed",
                     None => "stopped",
                 };
-                if newest.is_none_or(|r| r.state != "ready") {
+                if newest != Some("ready") {
                     (d.pid, d.gpu_layers, d.total_layers, d.vram_bytes, d.ram_bytes) = (0, 0, 0, 0, 0);
                 }
                 d.clone()
@@ -144,8 +184,7 @@ impl Follower {
     }
 
     async fn update_loaded(&self) {
-        let mut names: Vec<String> = self.runners.values().map(|r| r.name.clone()).collect();
-        names.dedup();
+        let mut names: Vec<String> = lock(&self.shared.runners).by_id.values().map(|r| r.name.clone()).collect();
         names.sort();
         names.dedup();
         let changed = {
@@ -162,7 +201,13 @@ impl Follower {
     /// Reads the runners from the scheduler (at start, and after falling behind).
     async fn sync_runners(&mut self) {
         let Ok(loaded) = self.shared.context.scheduler.loaded().await else { return };
-        self.runners = loaded.into_iter().map(|m| (m.id, Runner { name: m.name, state: m.state })).collect();
+        {
+            let mut runners = lock(&self.shared.runners);
+            runners.by_id.clear();
+            for m in loaded {
+                runners.insert(m.id, Runner { name: m.name, state: m.state });
+            }
+        }
         let names: Vec<String> = lock(&self.shared.models).keys().cloned().collect();
         for name in names {
             self.update(&name, |_| {}).await;

@@ -256,14 +256,17 @@ async fn retire(shared: &Shared, connection: &Connection, path: OwnedObjectPath)
 async fn perform(shared: &Shared, work: Work, progress: impl FnMut(Progress) + Send + 'static) -> Result<(), String> {
     let store = shared.context.store.clone();
     match work {
-        Work::Pull { name, registry } => registry.pull(&store, &name, progress).await.map(drop).map_err(|e| e.to_string()),
-        Work::Push { name, registry } => registry.push(&store, &name, progress).await.map(drop).map_err(|e| e.to_string()),
+        Work::Pull { name, registry } => {
+            registry.pull(&store, &name, progress).await.map(drop).map_err(|e| e.to_string())
+        }
+        Work::Push { name, registry } => {
+            registry.push(&store, &name, progress).await.map(drop).map_err(|e| e.to_string())
+        }
         Work::Create { name, spec } => {
             let mut progress = progress;
-            let result = blocking(move || {
-                store.create(&name, &spec, &mut |status| progress(Progress::step(&status))).map(drop)
-            })
-            .await;
+            let result =
+                blocking(move || store.create(&name, &spec, &mut |status| progress(Progress::step(&status))).map(drop))
+                    .await;
             flatten(result)
         }
         Work::Copy { from, to } => flatten(blocking(move || store.copy(&from, &to)).await),

@@ -50,7 +50,7 @@ impl Manager {
         let parsed = ModelName::parse(name)?;
         let store = self.shared.context.store.clone();
         let short = parsed.to_string();
-        blocking(move || store.manifest(&parsed)).await??;
+        blocking(move || store.manifest(&parsed)).await?.map_err(|e| Error::from(e).naming(name))?;
         Ok(model_path(&short))
     }
 
@@ -62,8 +62,7 @@ impl Manager {
 
     /// Unloads a model; returns once its processes are reaped.
     async fn unload(&self, name: &str) -> Result<(), Error> {
-        let short = ModelName::parse(name)?.to_string();
-        Ok(self.shared.context.scheduler.unload_model(&short).await?)
+        unload(&self.shared, &ModelName::parse(name)?.to_string()).await
     }
 
     /// Starts a pull; returns the job.
@@ -252,11 +251,22 @@ pub(super) async fn load(
     let name = ModelName::parse(given)?;
     let (options, keep_alive) = options::load_options(options)?;
     let (store, defaults) = (shared.context.store.clone(), shared.context.defaults);
-    let request = blocking(move || request::build(&store, &name, &options, keep_alive, false, defaults)).await??;
+    let request = blocking(move || request::build(&store, &name, &options, keep_alive, false, defaults))
+        .await?
+        .map_err(|e| Error::from(e).naming(given))?;
     let path = model_path(&request.name);
     // The model stays loaded for its keep-alive once this lease is dropped.
-    drop(shared.context.scheduler.acquire(request).await?);
+    let runner = shared.context.scheduler.acquire(request).await?.runner();
+    shared.settled(|runners| runners.loaded(runner)).await;
     Ok(path)
+}
+
+/// Unloads the model named `short`; resolves once its runners are reaped and the views
+/// show it stopped. Shared by the manager's and the model's Unload.
+pub(super) async fn unload(shared: &Shared, short: &str) -> Result<(), Error> {
+    shared.context.scheduler.unload_model(short).await?;
+    shared.settled(|runners| runners.none_of(short)).await;
+    Ok(())
 }
 
 /// Runs store work on the blocking pool.

@@ -118,6 +118,10 @@ struct Shared {
     models: Mutex<BTreeMap<String, Arc<Mutex<model::ModelData>>>>,
     /// Job numbers, and the finished jobs still shown.
     jobs: Mutex<job::Jobs>,
+    /// The runners as the views know them (the follower keeps them).
+    runners: Mutex<follow::Runners>,
+    /// Woken each time the follower applied a change.
+    applied: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -127,7 +131,27 @@ impl Shared {
             loaded: Mutex::default(),
             models: Mutex::default(),
             jobs: Mutex::default(),
+            runners: Mutex::default(),
+            applied: tokio::sync::Notify::new(),
             context,
+        }
+    }
+
+    /// Waits until the views show what `done` looks for, so that a reply never runs
+    /// ahead of the properties a client reads next. Bounded: a view that falls behind
+    /// delays a reply by a moment, never fails it.
+    async fn settled(&self, done: impl Fn(&follow::Runners) -> bool) {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let notified = self.applied.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if done(&lock(&self.runners)) {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return;
+            }
         }
     }
 }
@@ -165,10 +189,7 @@ mod tests {
     #[test]
     fn model_paths_escape_every_byte_outside_letters_and_digits() {
         assert_eq!(model_path("tiny:latest").as_str(), "/org/corral/Corral1/models/tiny_3alatest");
-        assert_eq!(
-            model_path("me/my-model:1.0").as_str(),
-            "/org/corral/Corral1/models/me_2fmy_2dmodel_3a1_2e0"
-        );
+        assert_eq!(model_path("me/my-model:1.0").as_str(), "/org/corral/Corral1/models/me_2fmy_2dmodel_3a1_2e0");
         assert_eq!(model_path("").as_str(), "/org/corral/Corral1/models/_");
         // Distinct names never share a path: the escape is reversible.
         assert_ne!(model_path("a_2f"), model_path("a/"));

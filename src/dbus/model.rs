@@ -53,7 +53,7 @@ impl Model {
     /// As Manager.Unload for this model; returns once its processes are reaped.
     async fn unload(&self) -> Result<(), Error> {
         let name = self.get(|d| d.short_name.clone());
-        Ok(self.shared.context.scheduler.unload_model(&name).await?)
+        manager::unload(&self.shared, &name).await
     }
 
     #[zbus(property(emits_changed_signal = "const"))]
@@ -120,7 +120,8 @@ impl Model {
     #[zbus(property(emits_changed_signal = "false"))]
     async fn expires_at(&self) -> zbus::fdo::Result<u64> {
         let name = self.get(|d| d.short_name.clone());
-        let loaded = self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
+        let loaded =
+            self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
         let now = tokio::time::Instant::now();
         let at = loaded
             .iter()
@@ -134,7 +135,8 @@ impl Model {
     #[zbus(property(emits_changed_signal = "false"))]
     async fn active_requests(&self) -> zbus::fdo::Result<u32> {
         let name = self.get(|d| d.short_name.clone());
-        let loaded = self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
+        let loaded =
+            self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
         Ok(loaded.iter().filter(|m| m.name == name).map(|m| m.leases).sum())
     }
 }

@@ -10,7 +10,9 @@ use super::error::Error;
 use crate::scheduler::keep_alive::KeepAlive;
 
 /// Load options (`num_ctx`, `num_gpu`, …) and the keep-alive from a Load call's options.
-pub(super) fn load_options(options: &HashMap<String, OwnedValue>) -> Result<(Map<String, Json>, Option<KeepAlive>), Error> {
+pub(super) fn load_options(
+    options: &HashMap<String, OwnedValue>,
+) -> Result<(Map<String, Json>, Option<KeepAlive>), Error> {
     let mut map = Map::new();
     for (key, value) in options {
         map.insert(key.clone(), json(key, value)?);
@@ -25,10 +27,9 @@ pub(super) fn flag(options: &HashMap<String, OwnedValue>, key: &str) -> Result<b
     match options.get(key).map(|v| &**v) {
         None => Ok(false),
         Some(Value::Bool(b)) => Ok(*b),
-        Some(other) => Err(Error::InvalidArgument(format!(
-            "option {key} must be a boolean (b), not {}",
-            other.value_signature()
-        ))),
+        Some(other) => {
+            Err(Error::InvalidArgument(format!("option {key} must be a boolean (b), not {}", other.value_signature())))
+        }
     }
 }
 
@@ -126,7 +127,10 @@ mod tests {
 
     #[test]
     fn unknown_keys_are_listed() {
-        let err = message(only(&options(&[("zeta", Value::Bool(true)), ("alpha", Value::U8(1))]), &["insecure"]).expect_err("unknown"));
+        let err = message(
+            only(&options(&[("zeta", Value::Bool(true)), ("alpha", Value::U8(1))]), &["insecure"])
+                .expect_err("unknown"),
+        );
         assert_eq!(err, "unknown option alpha, zeta; known: insecure");
         only(&options(&[("insecure", Value::Bool(true))]), &["insecure"]).expect("known");
     }

@@ -305,8 +305,7 @@ impl Handle {
     /// Unloads every runner of the model named `name` (display name); resolves once
     /// their children are reaped. [`ScheduleError::NotLoaded`] when none runs.
     pub async fn unload_model(&self, name: &str) -> Result<(), ScheduleError> {
-        let keys: Vec<String> =
-            self.loaded().await?.into_iter().filter(|m| m.name == name).map(|m| m.key).collect();
+        let keys: Vec<String> = self.loaded().await?.into_iter().filter(|m| m.name == name).map(|m| m.key).collect();
         if keys.is_empty() {
             return Err(ScheduleError::NotLoaded(name.to_owned()));
         }
@@ -752,7 +751,11 @@ impl Scheduler {
                 self.counters.load_failures += 1;
                 let entry = self.runners.remove(&id).expect("looked up above");
                 self.record_failure(&entry.request.key, reason.clone());
-                self.notify(Notice::LoadFailed { runner: id, name: entry.request.name.clone(), reason: reason.clone() });
+                self.notify(Notice::LoadFailed {
+                    runner: id,
+                    name: entry.request.name.clone(),
+                    reason: reason.clone(),
+                });
                 for waiter in waiters {
                     let _ = waiter.send(Err(ScheduleError::LoadFailed {
                         model: entry.request.name.clone(),

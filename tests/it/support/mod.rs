@@ -6,6 +6,7 @@ pub mod api;
 pub mod bus;
 pub mod container;
 pub mod corrald;
+pub mod dbus;
 pub mod http;
 pub mod journald;
 pub mod llama;

@@ -1,0 +1,238 @@
+//! The D-Bus interface against corrald serving the real llama-server: Load and Unload
+//! reply when the effect is real, and every change is signalled with its reason.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use corral::dbus::proxy::{ManagerProxy, ModelProxy};
+use futures_util::StreamExt;
+use zbus::fdo::{PropertiesChanged, PropertiesProxy};
+use zbus::proxy::CacheProperties;
+use zbus::zvariant::{ObjectPath, Value};
+
+use crate::support::dbus::BusDaemon;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(WAIT, future).await.unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+}
+
+/// A proxy that reads every property from the daemon (no cache), so that a read right
+/// after a reply shows what the daemon shows then.
+async fn model<'a>(connection: &zbus::Connection, path: &'a ObjectPath<'a>) -> ModelProxy<'a> {
+    ModelProxy::builder(connection)
+        .path(path)
+        .expect("path")
+        .cache_properties(CacheProperties::No)
+        .build()
+        .await
+        .expect("model")
+}
+
+async fn uncached_manager(connection: &zbus::Connection) -> ManagerProxy<'static> {
+    ManagerProxy::builder(connection).cache_properties(CacheProperties::No).build().await.expect("manager")
+}
+
+/// Every PropertiesChanged of `path`, in order (signals are queued; property streams are not).
+async fn changes(connection: &zbus::Connection, path: &ObjectPath<'_>) -> PropertiesChangedStream {
+    let proxy = PropertiesProxy::builder(connection)
+        .destination("org.corral.Corral1")
+        .expect("destination")
+        .path(path.to_owned())
+        .expect("path")
+        .build()
+        .await
+        .expect("properties");
+    proxy.receive_properties_changed().await.expect("subscribe")
+}
+
+type PropertiesChangedStream = zbus::fdo::PropertiesChangedStream;
+
+/// The values property `name` takes in the next changes, until `last`.
+async fn values_until(stream: &mut PropertiesChangedStream, name: &str, last: &str) -> Vec<String> {
+    let mut seen = Vec::new();
+    while seen.last().map(String::as_str) != Some(last) {
+        let signal: PropertiesChanged =
+            within(&format!("{name} to become {last}"), stream.next()).await.expect("a signal");
+        let args = signal.args().expect("args");
+        if let Some(value) = args.changed_properties().get(name) {
+            seen.push(String::try_from(value.try_clone().expect("clone")).expect("a string"));
+        }
+    }
+    seen
+}
+
+fn keep_alive(value: &str) -> HashMap<&str, Value<'_>> {
+    HashMap::from([("keep_alive", Value::from(value))])
+}
+
+/// The next value of the manager's `LoadedModels` in its PropertiesChanged.
+async fn loaded_models_change(stream: &mut PropertiesChangedStream) -> Vec<String> {
+    loop {
+        let signal = within("LoadedModels to change", stream.next()).await.expect("a signal");
+        let args = signal.args().expect("args");
+        if let Some(value) = args.changed_properties().get("LoadedModels") {
+            return Vec::<String>::try_from(value.try_clone().expect("clone")).expect("strings");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_and_unload_reply_when_done_and_signal_every_change() {
+    let daemon = BusDaemon::start("");
+    let connection = daemon.connect().await;
+    let manager = uncached_manager(&connection).await;
+    let path = manager.get_model("chat").await.expect("GetModel");
+    let model = model(&connection, &path).await;
+    assert_eq!(model.state().await.expect("State"), "stopped");
+    assert_eq!(model.name().await.expect("Name"), "registry.ollama.ai/library/chat:latest");
+    assert_eq!(model.details().await.expect("Details")["family"], "llama");
+
+    // Subscribed before acting, so that nothing is missed.
+    let mut loaded = manager.receive_model_loaded().await.expect("subscribe");
+    let mut unloaded = manager.receive_model_unloaded().await.expect("subscribe");
+    let mut offload = manager.receive_offload_reported().await.expect("subscribe");
+    let mut model_changes = changes(&connection, &path).await;
+    let mut manager_changes = changes(&connection, &ObjectPath::from_static_str_unchecked("/org/corral/Corral1")).await;
+
+    let returned = within("Load", manager.load("chat", keep_alive("10m"))).await.expect("Load");
+    assert_eq!(returned, path);
+    // The reply came once the model was ready: its runner answers now.
+    assert_eq!(model.state().await.expect("State"), "ready");
+    let pid = model.pid().await.expect("Pid");
+    assert!(pid > 0 && alive(pid), "pid {pid}");
+    let health = crate::support::http::tcp(([127, 0, 0, 1], daemon.port).into(), "GET", "/api/ps").json();
+    assert_eq!(health["models"][0]["name"], "chat:latest", "{health}");
+    assert!(model.total_layers().await.expect("TotalLayers") > 0);
+    assert!(model.vram_bytes().await.expect("VramBytes") + model.ram_bytes().await.expect("RamBytes") > 0);
+    let expires = model.expires_at().await.expect("ExpiresAt");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("epoch").as_micros();
+    let in_ten_minutes = now + 600 * 1_000_000;
+    assert!(u128::from(expires) > now && u128::from(expires) <= in_ten_minutes + 5_000_000, "{expires} vs {now}");
+    assert_eq!(model.active_requests().await.expect("ActiveRequests"), 0);
+    assert_eq!(manager.loaded_models().await.expect("LoadedModels"), ["chat:latest"]);
+
+    let signal = within("ModelLoaded", loaded.next()).await.expect("a signal");
+    let args = signal.args().expect("args");
+    assert_eq!((args.name.as_str(), args.model.as_str(), args.pid), ("chat:latest", path.as_str(), pid));
+    let signal = within("OffloadReported", offload.next()).await.expect("a signal");
+    let args = signal.args().expect("args");
+    assert_eq!(args.name, "chat:latest");
+    assert!(args.total_layers > 0 && args.gpu_layers <= args.total_layers, "{} {}", args.gpu_layers, args.total_layers);
+    assert_eq!(values_until(&mut model_changes, "State", "ready").await, ["loading", "ready"]);
+    assert_eq!(loaded_models_change(&mut manager_changes).await, ["chat:latest"]);
+
+    // Unload replies once the child is reaped.
+    within("Unload", model.unload()).await.expect("Unload");
+    assert!(!alive(pid), "llama-server {pid} still exists after Unload returned");
+    assert_eq!(model.state().await.expect("State"), "stopped");
+    assert_eq!(model.pid().await.expect("Pid"), 0);
+    let signal = within("ModelUnloaded", unloaded.next()).await.expect("a signal");
+    let args = signal.args().expect("args");
+    assert_eq!((args.name.as_str(), args.reason.as_str()), ("chat:latest", "requested"));
+    assert_eq!(values_until(&mut model_changes, "State", "stopped").await, ["unloading", "stopped"]);
+    assert!(loaded_models_change(&mut manager_changes).await.is_empty());
+    assert!(manager.loaded_models().await.expect("LoadedModels").is_empty());
+
+    // Unloading what is not loaded is an error that says so.
+    let err = model.unload().await.expect_err("not loaded");
+    assert!(err.to_string().contains("org.corral.Corral1.Error.NotLoaded"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expiry_eviction_and_crash_are_signalled_with_their_reasons() {
+    let daemon = BusDaemon::start("[scheduler]\nmax_loaded_models = 1\n");
+    let connection = daemon.connect().await;
+    let manager = uncached_manager(&connection).await;
+    let mut unloaded = manager.receive_model_unloaded().await.expect("subscribe");
+    let mut next_unload = async || {
+        let signal = within("ModelUnloaded", unloaded.next()).await.expect("a signal");
+        let args = signal.args().expect("args");
+        (args.name.clone(), args.reason.clone())
+    };
+
+    // Expiry: a keep-alive of one second.
+    manager.load("chat", keep_alive("1s")).await.expect("Load");
+    assert_eq!(next_unload().await, ("chat:latest".to_owned(), "expired".to_owned()));
+
+    // Eviction: one model at most, so loading the other evicts the first.
+    manager.load("chat", keep_alive("10m")).await.expect("Load chat");
+    let embed_path = manager.load("embed", keep_alive("10m")).await.expect("Load embed");
+    assert_eq!(next_unload().await, ("chat:latest".to_owned(), "evicted".to_owned()));
+    assert_eq!(manager.loaded_models().await.expect("LoadedModels"), ["embed:latest"]);
+
+    // A crash: the runner is killed behind corrald's back.
+    let embed = model(&connection, &embed_path).await;
+    let pid = embed.pid().await.expect("Pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("pid")),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill");
+    assert_eq!(next_unload().await, ("embed:latest".to_owned(), "crashed".to_owned()));
+    assert_eq!(embed.state().await.expect("State"), "failed");
+    let reason = embed.last_error().await.expect("LastError");
+    assert!(reason.contains("signal") || reason.contains("SIGKILL") || reason.contains("killed"), "{reason}");
+    // The next Load tries again and clears the error.
+    manager.load("embed", HashMap::new()).await.expect("Load after a crash");
+    assert_eq!(embed.state().await.expect("State"), "ready");
+    assert_eq!(embed.last_error().await.expect("LastError"), "");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_calls_get_named_errors_and_change_nothing() {
+    // Too little memory for any model: loads fail with InsufficientMemory.
+    let daemon = BusDaemon::start("[gpu]\nfixed = true\nhost_memory = \"1KiB\"\n");
+    let connection = daemon.connect().await;
+    let manager = uncached_manager(&connection).await;
+    let before = manager.list_models().await.expect("ListModels");
+    let cases: Vec<(&str, zbus::Result<_>, &str)> = vec![
+        ("unknown model", manager.load("nope", HashMap::new()).await.map(drop), "NoSuchModel: model 'nope' not found"),
+        ("invalid name", manager.load("../etc", HashMap::new()).await.map(drop), "InvalidName"),
+        ("GetModel unknown", manager.get_model("nope").await.map(drop), "NoSuchModel"),
+        (
+            "option of the wrong type",
+            manager.load("chat", HashMap::from([("num_ctx", Value::from("big"))])).await.map(drop),
+            "InvalidArgument: invalid option num_ctx",
+        ),
+        (
+            "bad keep_alive",
+            manager.load("chat", keep_alive("soon")).await.map(drop),
+            "InvalidArgument: option keep_alive",
+        ),
+        (
+            "does not fit",
+            manager.load("chat", HashMap::new()).await.map(drop),
+            "InsufficientMemory: model chat:latest needs",
+        ),
+        ("unload not loaded", manager.unload("chat").await, "NotLoaded"),
+        (
+            "unknown pull option",
+            manager.pull("chat", HashMap::from([("insecur", Value::Bool(true))])).await.map(drop),
+            "InvalidArgument: unknown option insecur; known: insecure",
+        ),
+        (
+            "pull option of the wrong type",
+            manager.pull("chat", HashMap::from([("insecure", Value::from("yes"))])).await.map(drop),
+            "InvalidArgument: option insecure must be a boolean",
+        ),
+        ("copy to an invalid name", manager.copy("chat", "a b").await.map(drop), "InvalidName"),
+        (
+            "a Modelfile without FROM",
+            manager.create("new", "SYSTEM hi\n").await.map(drop),
+            "InvalidArgument: Modelfile:",
+        ),
+    ];
+    for (what, result, expected) in cases {
+        let err = result.expect_err(what).to_string();
+        assert!(err.contains("org.corral.Corral1.Error."), "{what}: {err}");
+        assert!(err.contains(expected), "{what}: expected {expected:?} in {err}");
+    }
+    assert_eq!(manager.list_models().await.expect("ListModels"), before, "the store changed");
+    assert!(manager.loaded_models().await.expect("LoadedModels").is_empty());
+}

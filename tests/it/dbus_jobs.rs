@@ -1,0 +1,165 @@
+//! Store work over D-Bus: Create, Copy, Delete, Push and Pull return a job at once; the
+//! job's properties and signals tell how it went, and model objects follow the store.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use corral::dbus::proxy::{JobProxy, ManagerProxy};
+use futures_util::StreamExt;
+use zbus::fdo::ObjectManagerProxy;
+use zbus::zvariant::OwnedObjectPath;
+
+use crate::support::dbus::BusDaemon;
+use crate::support::registry::DockerRegistry;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Follows a job to its end; returns (success, error) from its Finished signal, checked
+/// against its properties.
+async fn finish(connection: &zbus::Connection, path: &OwnedObjectPath) -> (bool, String) {
+    let job = JobProxy::builder(connection)
+        .path(path)
+        .expect("path")
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await
+        .expect("job");
+    let mut finished = job.receive_finished().await.expect("subscribe");
+    // Subscribed first, then checked: a job that ended meanwhile is read from its state.
+    let state = job.state().await.expect("State");
+    let (success, error) = if state == "running" {
+        let signal = tokio::time::timeout(WAIT, finished.next()).await.expect("Finished in time").expect("a signal");
+        let args = signal.args().expect("args");
+        (args.success, args.error.clone())
+    } else {
+        (state == "succeeded", job.error().await.expect("Error"))
+    };
+    assert_eq!(job.state().await.expect("State"), if success { "succeeded" } else { "failed" });
+    assert_eq!(job.error().await.expect("Error"), error);
+    (success, error)
+}
+
+async fn model_paths(objects: &ObjectManagerProxy<'_>) -> Vec<String> {
+    let managed = objects.get_managed_objects().await.expect("GetManagedObjects");
+    let mut paths: Vec<String> = managed
+        .into_iter()
+        .filter(|(_, ifaces)| ifaces.keys().any(|i| i.as_str() == "org.corral.Corral1.Model"))
+        .map(|(path, _)| path.to_string())
+        .collect();
+    paths.sort();
+    paths
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_copy_and_delete_run_as_jobs_and_model_objects_follow() {
+    let daemon = BusDaemon::start("");
+    let connection = daemon.connect().await;
+    let manager = ManagerProxy::new(&connection).await.expect("manager");
+    let objects = ObjectManagerProxy::builder(&connection)
+        .destination("org.corral.Corral1")
+        .expect("destination")
+        .path("/org/corral/Corral1")
+        .expect("path")
+        .build()
+        .await
+        .expect("object manager");
+    let mut added = objects.receive_interfaces_added().await.expect("subscribe");
+    let mut removed = objects.receive_interfaces_removed().await.expect("subscribe");
+    let mut job_finished = manager.receive_job_finished().await.expect("subscribe");
+    assert_eq!(
+        model_paths(&objects).await,
+        ["/org/corral/Corral1/models/chat_3alatest", "/org/corral/Corral1/models/embed_3alatest"]
+    );
+
+    // Create from a Modelfile naming a GGUF file by its absolute path.
+    let gguf = daemon.path().join("tiny.gguf");
+    let modelfile = format!("FROM {}\nSYSTEM You are terse.\nPARAMETER temperature 0.1\n", gguf.display());
+    let job = manager.create("me/terse:v1", &modelfile).await.expect("Create");
+    assert_eq!(finish(&connection, &job).await, (true, String::new()));
+    let signal = tokio::time::timeout(WAIT, job_finished.next()).await.expect("in time").expect("JobFinished");
+    assert_eq!(signal.args().expect("args").job, job);
+    let new_path = "/org/corral/Corral1/models/me_2fterse_3av1";
+    // Jobs appear under the object manager too; the model follows.
+    loop {
+        let signal = tokio::time::timeout(WAIT, added.next()).await.expect("in time").expect("InterfacesAdded");
+        let args = signal.args().expect("args");
+        if args.object_path.as_str() == new_path {
+            assert!(args.interfaces_and_properties.contains_key("org.corral.Corral1.Model"));
+            break;
+        }
+    }
+    let listed = manager.list_models().await.expect("ListModels");
+    assert!(listed.iter().any(|(name, path, ..)| name == "me/terse:v1" && path.as_str() == new_path), "{listed:?}");
+    let job_proxy = JobProxy::builder(&connection)
+        .path(&job)
+        .expect("path")
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await
+        .expect("job");
+    assert_eq!(job_proxy.kind().await.expect("Kind"), "create");
+    assert_eq!(job_proxy.model().await.expect("Model"), "me/terse:v1");
+    assert_eq!(job_proxy.status().await.expect("Status"), "success");
+    let err = job_proxy.cancel().await.expect_err("finished");
+    assert!(err.to_string().contains("Error.Failed: the job has already ended (succeeded)"), "{err}");
+
+    // Copy, then delete the copy.
+    let job = manager.copy("me/terse:v1", "terse2").await.expect("Copy");
+    assert_eq!(finish(&connection, &job).await, (true, String::new()));
+    assert!(manager.get_model("terse2").await.is_ok());
+    let job = manager.delete("terse2").await.expect("Delete");
+    assert_eq!(finish(&connection, &job).await, (true, String::new()));
+    let err = manager.get_model("terse2").await.expect_err("deleted");
+    assert!(err.to_string().contains("NoSuchModel"), "{err}");
+    loop {
+        let signal = tokio::time::timeout(WAIT, removed.next()).await.expect("in time").expect("InterfacesRemoved");
+        if signal.args().expect("args").object_path.as_str() == "/org/corral/Corral1/models/terse2_3alatest" {
+            break;
+        }
+    }
+
+    // Failures end the job with an error and leave the store as it was.
+    let before = manager.list_models().await.expect("ListModels");
+    let missing = daemon.path().join("missing.gguf");
+    let job = manager.create("broken", &format!("FROM {}\n", missing.display())).await.expect("Create");
+    let (success, error) = finish(&connection, &job).await;
+    assert!(!success && error.contains("missing.gguf"), "{error}");
+    let job = manager.copy("nope", "nope2").await.expect("Copy");
+    let (success, error) = finish(&connection, &job).await;
+    assert!(!success && error.contains("model 'nope:latest' not found") || error.contains("nope"), "{error}");
+    let job = manager.delete("nope").await.expect("Delete");
+    assert!(!finish(&connection, &job).await.0);
+    assert_eq!(manager.list_models().await.expect("ListModels"), before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_and_pull_through_a_registry_report_progress() {
+    let registry = DockerRegistry::start();
+    let daemon = BusDaemon::with_store(&format!("insecure_registries = [\"{}\"]", registry.host()), "");
+    let connection = daemon.connect().await;
+    let manager = ManagerProxy::new(&connection).await.expect("manager");
+    let remote = format!("{}/corral/chat:v1", registry.host());
+    let job = manager.copy("chat", &remote).await.expect("Copy");
+    assert!(finish(&connection, &job).await.0);
+
+    let job = manager.push(&remote, HashMap::new()).await.expect("Push");
+    assert_eq!(finish(&connection, &job).await, (true, String::new()));
+    let job = manager.delete(&remote).await.expect("Delete");
+    assert!(finish(&connection, &job).await.0);
+
+    // Pull it back, watching the progress properties change.
+    let job = manager.pull(&remote, HashMap::new()).await.expect("Pull");
+    let proxy = JobProxy::builder(&connection).path(&job).expect("path").build().await.expect("job");
+    let mut statuses = proxy.receive_status_changed().await;
+    assert_eq!(finish(&connection, &job).await, (true, String::new()));
+    assert_eq!(proxy.kind().await.expect("Kind"), "pull");
+    assert_eq!(proxy.status().await.expect("Status"), "success");
+    let first = tokio::time::timeout(WAIT, statuses.next()).await.expect("in time").expect("a change");
+    assert!(!first.get().await.expect("value").is_empty());
+    assert!(manager.get_model(&remote).await.is_ok());
+
+    // A model the registry does not have: the job fails and says why.
+    let job = manager.pull(&format!("{}/corral/nope:v1", registry.host()), HashMap::new()).await.expect("Pull");
+    let (success, error) = finish(&connection, &job).await;
+    assert!(!success && error.contains("nope"), "{error}");
+}
