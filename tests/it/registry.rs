@@ -765,3 +765,39 @@ async fn an_api_pull_whose_client_goes_away_is_cancelled_and_resumable() {
     assert_eq!(blob_ranges(&proxy.seen(), &model.digest), parts_from(2 * PART, model.size));
     assert_eq!(snapshot(&state.store, &name), published);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_push_whose_client_goes_away_is_cancelled_before_its_manifest() {
+    let world = World::new();
+    let proxy = Proxy::start(world.registry.addr());
+    let gate = Gate::new();
+    let held = gate.clone();
+    // Every blob upload waits at the gate.
+    proxy.rule(
+        move |seen| if seen.path.contains("/blobs/uploads/") { Action::Hold(held.clone()) } else { Action::Pass },
+    );
+    let api_dir = tempfile::tempdir().expect("tempdir");
+    let mut state = crate::support::api::state(api_dir.path());
+    state.store = world.store("local");
+    state.registry = client(&[proxy.host()], |_| {});
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    create_model(&state.store, &name, "{{ .Prompt }}");
+    let request = serde_json::json!({ "model": name.to_string() }).to_string();
+    let response = crate::support::api::send(&state, "POST", "/api/push", &request).await;
+    assert_eq!(response.status(), axum::http::StatusCode::OK);
+    within("the first upload", gate.arrivals(1)).await;
+
+    // The client hangs up while a blob is on its way; then the gate opens: nothing of
+    // the push goes on, so the registry never gets the manifest.
+    drop(response);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    gate.open();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let seen = proxy.seen();
+    assert!(!seen.iter().any(|s| s.path.contains("/manifests/")), "{seen:?}");
+    let status = reqwest::get(format!("http://{}/v2/test/tiny/manifests/v1", world.registry.host()))
+        .await
+        .expect("ask the registry")
+        .status();
+    assert_eq!(status, reqwest::StatusCode::NOT_FOUND);
+}
