@@ -32,6 +32,10 @@ use crate::supervisor::upstream::{self, BodyStream};
 /// How long a runner may take to start answering a generation.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
 
+/// A constrained answer is completed from the prompt `/apply-template` renders, which
+/// has no place for images.
+const FORMAT_WITH_IMAGES: &str = "format cannot be combined with images: send one or the other";
+
 /// Which endpoint's shape the replies take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -53,6 +57,9 @@ pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response
     let mut fields = translate::think(&request, PATH)?;
     if let Some(tools) = translate::tools(&request, PATH)? {
         fields.insert("tools".into(), tools);
+    }
+    if images && schema.is_some() {
+        return Err(bad(FORMAT_WITH_IMAGES, PATH));
     }
     let common = Common::parse(&request, PATH)?;
     let prepared = prepare(&state, &common, images, PATH).await?;
@@ -87,6 +94,9 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
         return Err(bad("images are not supported with raw or template; send them without either", PATH));
     }
     let schema = translate::format(&request, PATH)?;
+    if !images.is_empty() && schema.is_some() {
+        return Err(bad(FORMAT_WITH_IMAGES, PATH));
+    }
     let fields = translate::think(&request, PATH)?;
     // Checked before anything loads, even when the prompt is empty.
     if let Some(template) = &template {
@@ -640,7 +650,7 @@ fn sampling(options: &Map<String, Value>, limit: &str, path: &str) -> Result<Map
 mod tests {
     use serde_json::{Map, Value, json};
 
-    use super::{Event, Parser, sampling};
+    use super::{Event, Parser, Route, chat_route, sampling};
 
     #[test]
     fn chat_events_split_across_reads_parse_once() {
@@ -709,6 +719,33 @@ mod tests {
             parser.flush(),
             [Event::ToolCalls(vec![json!({ "function": { "index": 0, "name": "f", "arguments": {} } })])]
         );
+    }
+
+    #[test]
+    fn chats_go_to_the_chat_endpoint_unless_a_schema_needs_the_rendered_prompt() {
+        let options: Map<String, Value> = serde_json::from_value(json!({ "num_predict": 5 })).expect("map");
+        let fields: Map<String, Value> =
+            serde_json::from_value(json!({ "chat_template_kwargs": { "enable_thinking": false }, "tools": [] }))
+                .expect("map");
+        let messages = vec![json!({ "role": "user", "content": "hi" })];
+        let (route, body) = chat_route(&options, fields.clone(), messages.clone(), None, "/api/chat").expect("ok");
+        assert!(matches!(route, Route::Chat));
+        assert_eq!(
+            Value::Object(body),
+            json!({
+                "max_tokens": 5, "chat_template_kwargs": { "enable_thinking": false }, "tools": [],
+                "messages": messages, "stream": true, "stream_options": { "include_usage": true }
+            })
+        );
+        let schema = json!({ "type": "object" });
+        let (route, body) =
+            chat_route(&options, fields, messages.clone(), Some(schema.clone()), "/api/chat").expect("ok");
+        let Route::Rendered(render) = route else { panic!("rendered: {route:?}") };
+        assert_eq!(
+            render,
+            json!({ "chat_template_kwargs": { "enable_thinking": false }, "tools": [], "messages": messages })
+        );
+        assert_eq!(Value::Object(body), json!({ "n_predict": 5, "json_schema": schema, "stream": true }));
     }
 
     #[test]

@@ -156,6 +156,12 @@ async fn bad_generation_requests_are_named_and_load_nothing() {
         ),
         (
             "/api/generate",
+            r#"{"model":"chat","prompt":"x","format":"json","images":["iVBORw0KGgo="]}"#,
+            StatusCode::BAD_REQUEST,
+            "format cannot be combined with images",
+        ),
+        (
+            "/api/generate",
             r#"{"model":"chat","prompt":"x","images":["%%%"]}"#,
             StatusCode::BAD_REQUEST,
             "invalid image 0: not base64",
