@@ -4,10 +4,11 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use axum::Router;
+use axum::{Extension, Router};
 use nix::sys::socket::{AddressFamily, SockType, SockaddrLike, SockaddrStorage, getsockname, getsockopt, sockopt};
 use tokio_util::sync::CancellationToken;
 
+use super::safety::Transport;
 use crate::config::ListenAddr;
 use crate::systemd::HTTP_FD_NAME;
 
@@ -79,9 +80,11 @@ impl Listener {
     /// Serves `router` until `shutdown` is cancelled, then finishes open requests.
     pub async fn serve(self, router: Router, shutdown: CancellationToken) -> io::Result<()> {
         let stop = async move { shutdown.cancelled().await };
+        // Every request learns its connection's kind: the Host rule depends on it.
         match self {
-            Self::Tcp(l) => axum::serve(l, router).with_graceful_shutdown(stop).await,
+            Self::Tcp(l) => axum::serve(l, router.layer(Extension(Transport::Tcp))).with_graceful_shutdown(stop).await,
             Self::Unix { listener, owned } => {
+                let router = router.layer(Extension(Transport::Unix));
                 let result = axum::serve(listener, router).with_graceful_shutdown(stop).await;
                 drop(owned);
                 result
@@ -201,6 +204,45 @@ mod tests {
         let tcp = std::net::TcpListener::bind("127.0.0.1:0").expect("tcp");
         let err = adopt(vec![("metrics".into(), OwnedFd::from(tcp))]).expect_err("name");
         assert!(matches!(err, ListenError::NoHttpSocket { .. }), "{err}");
+    }
+
+    /// The status line of the answer to `request`, sent raw on `stream`.
+    async fn status_line<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+        mut stream: S,
+        request: &str,
+    ) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        stream.write_all(request.as_bytes()).await.expect("write");
+        let mut reply = Vec::new();
+        stream.read_to_end(&mut reply).await.expect("read");
+        let reply = String::from_utf8_lossy(&reply).into_owned();
+        reply.lines().next().unwrap_or_default().to_owned()
+    }
+
+    #[tokio::test]
+    async fn http_1_1_over_tcp_needs_a_host_but_unix_sockets_do_not() {
+        let (dir, state) = crate::http::state::for_tests(crate::http::state::absent_backend());
+        let sock = dir.path().join("api.sock");
+        let listeners = bind(&[ListenAddr::Tcp("127.0.0.1:0".parse().expect("addr")), ListenAddr::Unix(sock.clone())])
+            .await
+            .expect("bind");
+        let Listener::Tcp(tcp) = &listeners[0] else { panic!("tcp first") };
+        let addr = tcp.local_addr().expect("addr");
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        for listener in listeners {
+            tokio::spawn(listener.serve(crate::http::router(state.clone()), shutdown.clone()));
+        }
+        let tcp = || async { tokio::net::TcpStream::connect(addr).await.expect("connect") };
+        let close = "Connection: close\r\n";
+        let no_host = format!("GET /api/version HTTP/1.1\r\n{close}\r\n");
+        assert_eq!(status_line(tcp().await, &no_host).await, "HTTP/1.1 400 Bad Request");
+        let with_host = format!("GET /api/version HTTP/1.1\r\nHost: localhost\r\n{close}\r\n");
+        assert_eq!(status_line(tcp().await, &with_host).await, "HTTP/1.1 200 OK");
+        let old = "GET /api/version HTTP/1.0\r\n\r\n";
+        assert_eq!(status_line(tcp().await, old).await, "HTTP/1.0 200 OK");
+        let unix = tokio::net::UnixStream::connect(&sock).await.expect("connect");
+        assert_eq!(status_line(unix, &no_host).await, "HTTP/1.1 200 OK");
+        shutdown.cancel();
     }
 
     #[tokio::test]

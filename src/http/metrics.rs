@@ -23,9 +23,9 @@ pub async fn metrics(State(app): State<AppState>) -> Result<Response, ApiError> 
     let (prompt, generated) = app.tokens.totals();
     let _ = writeln!(
         text,
-        "# HELP corral_prompt_tokens_total Prompt tokens processed for /api/chat and /api/generate.\n\
+        "# HELP corral_prompt_tokens_total Prompt tokens processed for /api/chat, /api/generate and /v1/*.\n\
          # TYPE corral_prompt_tokens_total counter\ncorral_prompt_tokens_total {prompt}\n\
-         # HELP corral_generated_tokens_total Tokens generated for /api/chat and /api/generate.\n\
+         # HELP corral_generated_tokens_total Tokens generated for /api/chat, /api/generate and /v1/*.\n\
          # TYPE corral_generated_tokens_total counter\ncorral_generated_tokens_total {generated}"
     );
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response())

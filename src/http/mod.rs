@@ -10,6 +10,7 @@ mod ollama_embed;
 mod ollama_generate;
 mod ollama_models;
 mod ollama_store;
+mod ollama_translate;
 mod openai;
 pub mod safety;
 pub mod state;

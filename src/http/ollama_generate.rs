@@ -21,6 +21,7 @@ use serde_json::{Map, Value, json};
 use super::error::ApiError;
 use super::model_request;
 use super::ollama_embed::{bad, internal, nanos, object, schedule_error};
+use super::ollama_translate::{self as translate, ToolCalls};
 use super::state::{AppState, Tokens};
 use crate::scheduler::actor::{Lease, ModelRequest, ScheduleError};
 use crate::scheduler::keep_alive::KeepAlive;
@@ -30,6 +31,10 @@ use crate::supervisor::upstream::{self, BodyStream};
 
 /// How long a runner may take to start answering a generation.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// A constrained answer is completed from the prompt `/apply-template` renders, which
+/// has no place for images.
+const FORMAT_WITH_IMAGES: &str = "format cannot be combined with images: send one or the other";
 
 /// Which endpoint's shape the replies take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,13 +48,21 @@ pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response
     const PATH: &str = "/api/chat";
     let started = Instant::now();
     let request = object(&body, PATH)?;
-    let messages = match request.get("messages") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(items)) => items.iter().map(|m| message(m, PATH)).collect::<Result<Vec<_>, _>>()?,
+    let (messages, images) = match request.get("messages") {
+        None | Some(Value::Null) => (Vec::new(), false),
+        Some(Value::Array(items)) => translate::messages(items, PATH)?,
         Some(_) => return Err(bad("messages must be a list of {role, content} objects", PATH)),
     };
+    let schema = translate::format(&request, PATH)?;
+    let mut fields = translate::think(&request, PATH)?;
+    if let Some(tools) = translate::tools(&request, PATH)? {
+        fields.insert("tools".into(), tools);
+    }
+    if images && schema.is_some() {
+        return Err(bad(FORMAT_WITH_IMAGES, PATH));
+    }
     let common = Common::parse(&request, PATH)?;
-    let prepared = prepare(&state, &common, PATH).await?;
+    let prepared = prepare(&state, &common, images, PATH).await?;
     if messages.is_empty() {
         return load_or_unload(&state, prepared.request, &common, Kind::Chat, started, PATH).await;
     }
@@ -57,11 +70,8 @@ pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response
     if let Some(system) = prepared.system.filter(|_| !messages.iter().any(|m| m["role"] == "system")) {
         messages.insert(0, json!({ "role": "system", "content": system }));
     }
-    let mut body = sampling(&prepared.options, "max_tokens", PATH)?;
-    body.insert("messages".into(), Value::Array(messages));
-    body.insert("stream".into(), Value::Bool(true));
-    body.insert("stream_options".into(), json!({ "include_usage": true }));
-    run(&state, prepared.request, "/v1/chat/completions", body, Kind::Chat, common.stream, started, PATH).await
+    let (route, body) = chat_route(&prepared.options, fields, messages, schema, PATH)?;
+    run(&state, prepared.request, route, body, Kind::Chat, common.stream, started, PATH).await
 }
 
 /// `POST /api/generate`.
@@ -71,32 +81,94 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
     let request = object(&body, PATH)?;
     let prompt = string(&request, "prompt", PATH)?.unwrap_or_default();
     let system = string(&request, "system", PATH)?;
+    let template = string(&request, "template", PATH)?.filter(|t| !t.is_empty());
     let raw = match request.get("raw") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(bad("raw must be true or false", PATH)),
     };
+    let images = translate::images(request.get("images"), PATH)?;
+    // A raw or templated prompt goes to /completion as it is.
+    let direct = raw || template.is_some();
+    if direct && !images.is_empty() {
+        return Err(bad("images are not supported with raw or template; send them without either", PATH));
+    }
+    let schema = translate::format(&request, PATH)?;
+    if !images.is_empty() && schema.is_some() {
+        return Err(bad(FORMAT_WITH_IMAGES, PATH));
+    }
+    let fields = translate::think(&request, PATH)?;
+    // Checked before anything loads, even when the prompt is empty.
+    if let Some(template) = &template {
+        translate::render_template(template, "", "", PATH)?;
+    }
     let common = Common::parse(&request, PATH)?;
-    let prepared = prepare(&state, &common, PATH).await?;
+    let prepared = prepare(&state, &common, !images.is_empty(), PATH).await?;
     if prompt.is_empty() {
         return load_or_unload(&state, prepared.request, &common, Kind::Generate, started, PATH).await;
     }
-    if raw {
+    let system = system.or(prepared.system).filter(|s| !s.is_empty());
+    if direct {
+        let prompt = match &template {
+            Some(template) if !raw => {
+                translate::render_template(template, system.as_deref().unwrap_or_default(), &prompt, PATH)?
+            }
+            _ => prompt,
+        };
         let mut body = sampling(&prepared.options, "n_predict", PATH)?;
+        if let Some(schema) = schema {
+            body.insert("json_schema".into(), schema);
+        }
         body.insert("prompt".into(), Value::String(prompt));
         body.insert("stream".into(), Value::Bool(true));
-        return run(&state, prepared.request, "/completion", body, Kind::Generate, common.stream, started, PATH).await;
+        return run(&state, prepared.request, Route::Completion, body, Kind::Generate, common.stream, started, PATH)
+            .await;
     }
     let mut messages = Vec::new();
-    if let Some(system) = system.or(prepared.system).filter(|s| !s.is_empty()) {
+    if let Some(system) = system {
         messages.push(json!({ "role": "system", "content": system }));
     }
-    messages.push(json!({ "role": "user", "content": prompt }));
-    let mut body = sampling(&prepared.options, "max_tokens", PATH)?;
+    let content = if images.is_empty() { Value::String(prompt) } else { translate::content_parts(&prompt, &images) };
+    messages.push(json!({ "role": "user", "content": content }));
+    let (route, body) = chat_route(&prepared.options, fields, messages, schema, PATH)?;
+    run(&state, prepared.request, route, body, Kind::Generate, common.stream, started, PATH).await
+}
+
+/// Where a chat goes and with what: `/v1/chat/completions`, or, with a JSON schema to
+/// follow, the model's template rendered by `/apply-template` and then `/completion`
+/// (see [`translate::format`] for why).
+fn chat_route(
+    options: &Map<String, Value>,
+    fields: Map<String, Value>,
+    messages: Vec<Value>,
+    schema: Option<Value>,
+    path: &str,
+) -> Result<(Route, Map<String, Value>), ApiError> {
+    if let Some(schema) = schema {
+        let mut render = fields;
+        render.insert("messages".into(), Value::Array(messages));
+        let mut body = sampling(options, "n_predict", path)?;
+        body.insert("json_schema".into(), schema);
+        body.insert("stream".into(), Value::Bool(true));
+        return Ok((Route::Rendered(Value::Object(render)), body));
+    }
+    let mut body = sampling(options, "max_tokens", path)?;
+    body.extend(fields);
     body.insert("messages".into(), Value::Array(messages));
     body.insert("stream".into(), Value::Bool(true));
     body.insert("stream_options".into(), json!({ "include_usage": true }));
-    run(&state, prepared.request, "/v1/chat/completions", body, Kind::Generate, common.stream, started, PATH).await
+    Ok((Route::Chat, body))
+}
+
+/// The runner endpoint a generation goes to.
+#[derive(Debug)]
+enum Route {
+    /// `/v1/chat/completions`: the model's chat template applies.
+    Chat,
+    /// `/completion` with the prompt as it is.
+    Completion,
+    /// `/completion` with the prompt `/apply-template` renders from this request body.
+    Rendered(Value),
 }
 
 /// The fields both endpoints share.
@@ -129,7 +201,7 @@ struct Prepared {
     system: Option<String>,
 }
 
-async fn prepare(state: &AppState, common: &Common, path: &str) -> Result<Prepared, ApiError> {
+async fn prepare(state: &AppState, common: &Common, images: bool, path: &str) -> Result<Prepared, ApiError> {
     let store = state.store.clone();
     let defaults = state.defaults;
     let name = common.name.clone();
@@ -147,6 +219,10 @@ async fn prepare(state: &AppState, common: &Common, path: &str) -> Result<Prepar
     let prepared = built.map_err(|e| model_request::request_error(e, &common.name_text, path))?;
     if prepared.request.options.embedding.is_some() {
         return Err(bad(&format!("\"{}\" does not support generate", common.name_text), path));
+    }
+    // Without a projector the runner cannot see images: refused before anything loads.
+    if images && prepared.request.files.projector.is_none() {
+        return Err(bad(&format!("model {} does not support images", common.name_text), path));
     }
     Ok(prepared)
 }
@@ -173,7 +249,7 @@ async fn load_or_unload(
         drop(lease);
         ("load", waited.elapsed())
     };
-    let mut reply = chunk(kind, &model, "");
+    let mut reply = chunk(kind, &model, &Delta::default());
     reply.insert("done".into(), Value::Bool(true));
     reply.insert("done_reason".into(), Value::String(reason.into()));
     reply.insert("total_duration".into(), json!(nanos(started.elapsed())));
@@ -186,8 +262,8 @@ async fn load_or_unload(
 async fn run(
     state: &AppState,
     request: ModelRequest,
-    upstream_path: &'static str,
-    body: Map<String, Value>,
+    route: Route,
+    mut body: Map<String, Value>,
     kind: Kind,
     stream: bool,
     started: Instant,
@@ -197,6 +273,24 @@ async fn run(
     let waited = Instant::now();
     let lease = state.scheduler.acquire(request).await.map_err(|e| schedule_error(&e, path))?;
     let load = waited.elapsed();
+    let upstream_path = match route {
+        Route::Chat => "/v1/chat/completions",
+        Route::Completion => "/completion",
+        Route::Rendered(render) => {
+            let render = serde_json::to_vec(&render).expect("JSON values serialize");
+            let (status, reply) = upstream::post_json(lease.socket(), "/apply-template", render, UPSTREAM_TIMEOUT)
+                .await
+                .map_err(|e| internal(&format!("the model runner did not answer: {e}"), path))?;
+            let reply: Value = serde_json::from_slice(&reply).unwrap_or(Value::Null);
+            let Some(prompt) = reply["prompt"].as_str().filter(|_| status.is_success()) else {
+                let message =
+                    reply["error"]["message"].as_str().unwrap_or("the model runner could not apply its template");
+                return Err(ApiError::new(StatusCode::BAD_REQUEST, message, path));
+            };
+            body.insert("prompt".into(), Value::String(prompt.to_owned()));
+            "/completion"
+        }
+    };
     let body = serde_json::to_vec(&Value::Object(body)).expect("JSON values serialize");
     let (status, mut upstream) = upstream::post_json_stream(lease.socket(), upstream_path, body, UPSTREAM_TIMEOUT)
         .await
@@ -241,20 +335,33 @@ async fn run(
 
 /// A non-streaming reply: the whole content and the final fields in one object.
 async fn whole(mut generation: Generation, path: &str) -> Result<Response, ApiError> {
-    let mut content = String::new();
+    let mut whole = Delta::default();
     let mut upstream = generation.upstream.take().expect("a new generation has its upstream");
-    while let Some(piece) = upstream.chunk().await {
-        let piece = piece.map_err(|e| internal(&format!("the model runner failed mid-answer: {e}"), path))?;
-        for event in generation.parser.feed(&piece) {
+    let mut last = false;
+    loop {
+        let events = match upstream.chunk().await {
+            Some(piece) => {
+                let piece = piece.map_err(|e| internal(&format!("the model runner failed mid-answer: {e}"), path))?;
+                generation.parser.feed(&piece)
+            }
+            None if !last => {
+                last = true;
+                generation.parser.flush()
+            }
+            None => break,
+        };
+        for event in events {
             match event {
-                Event::Content(text) => content.push_str(&text),
+                Event::Content(text) => whole.content.push_str(&text),
+                Event::Thinking(text) => whole.thinking.push_str(&text),
+                Event::ToolCalls(calls) => whole.tool_calls.extend(calls),
                 Event::Error(message) => return Err(internal(&message, path)),
             }
         }
     }
     drop(upstream);
     generation.lease.take();
-    let reply = generation.done(&content);
+    let reply = generation.done(&whole);
     Ok(Json(Value::Object(reply)).into_response())
 }
 
@@ -284,16 +391,17 @@ impl Generation {
             match upstream.chunk().await {
                 Some(Ok(piece)) => {
                     for event in self.parser.feed(&piece) {
-                        match event {
-                            Event::Content(text) => {
-                                push_line(&mut out, &Value::Object(chunk(self.kind, &self.model, &text)));
-                            }
+                        let delta = match event {
+                            Event::Content(content) => Delta { content, ..Delta::default() },
+                            Event::Thinking(thinking) => Delta { thinking, ..Delta::default() },
+                            Event::ToolCalls(tool_calls) => Delta { tool_calls, ..Delta::default() },
                             Event::Error(message) => {
                                 self.finish();
                                 push_line(&mut out, &json!({ "error": message }));
                                 return Some(Bytes::from(out));
                             }
-                        }
+                        };
+                        push_line(&mut out, &Value::Object(chunk(self.kind, &self.model, &delta)));
                     }
                     if !out.is_empty() {
                         return Some(Bytes::from(out));
@@ -305,8 +413,15 @@ impl Generation {
                     return Some(Bytes::from(out));
                 }
                 None => {
+                    // Tool calls the runner never closed with a finish reason go in the last line.
+                    let mut last = Delta::default();
+                    for event in self.parser.flush() {
+                        if let Event::ToolCalls(calls) = event {
+                            last.tool_calls.extend(calls);
+                        }
+                    }
                     self.finish();
-                    push_line(&mut out, &Value::Object(self.done("")));
+                    push_line(&mut out, &Value::Object(self.done(&last)));
                     return Some(Bytes::from(out));
                 }
             }
@@ -319,11 +434,11 @@ impl Generation {
         self.lease = None;
     }
 
-    /// The final object, with `content` as the message or response.
-    fn done(&self, content: &str) -> Map<String, Value> {
+    /// The final object, with `delta` as the message or response.
+    fn done(&self, delta: &Delta) -> Map<String, Value> {
         let p = &self.parser;
         self.tokens.record(p.prompt_tokens.unwrap_or(0), p.eval_tokens.unwrap_or(0));
-        let mut reply = chunk(self.kind, &self.model, content);
+        let mut reply = chunk(self.kind, &self.model, delta);
         reply.insert("done".into(), Value::Bool(true));
         let reason = if p.finish_reason.as_deref() == Some("length") { "length" } else { "stop" };
         reply.insert("done_reason".into(), Value::String(reason.into()));
@@ -337,15 +452,39 @@ impl Generation {
     }
 }
 
-/// One non-final object: `message` for chat, `response` for generate.
-fn chunk(kind: Kind, model: &str, content: &str) -> Map<String, Value> {
+/// What one reply line carries of the answer.
+#[derive(Debug, Default)]
+struct Delta {
+    content: String,
+    thinking: String,
+    tool_calls: Vec<Value>,
+}
+
+/// One non-final object: `message` for chat, `response` (and `thinking`) for generate.
+fn chunk(kind: Kind, model: &str, delta: &Delta) -> Map<String, Value> {
     let mut object = Map::new();
     object.insert("model".into(), Value::String(model.to_owned()));
     object.insert("created_at".into(), Value::String(humantime::format_rfc3339_nanos(SystemTime::now()).to_string()));
     match kind {
-        Kind::Chat => object.insert("message".into(), json!({ "role": "assistant", "content": content })),
-        Kind::Generate => object.insert("response".into(), Value::String(content.to_owned())),
-    };
+        Kind::Chat => {
+            let mut message = Map::new();
+            message.insert("role".into(), Value::String("assistant".into()));
+            message.insert("content".into(), Value::String(delta.content.clone()));
+            if !delta.thinking.is_empty() {
+                message.insert("thinking".into(), Value::String(delta.thinking.clone()));
+            }
+            if !delta.tool_calls.is_empty() {
+                message.insert("tool_calls".into(), Value::Array(delta.tool_calls.clone()));
+            }
+            object.insert("message".into(), Value::Object(message));
+        }
+        Kind::Generate => {
+            object.insert("response".into(), Value::String(delta.content.clone()));
+            if !delta.thinking.is_empty() {
+                object.insert("thinking".into(), Value::String(delta.thinking.clone()));
+            }
+        }
+    }
     object.insert("done".into(), Value::Bool(false));
     object
 }
@@ -359,6 +498,9 @@ fn push_line(out: &mut Vec<u8>, value: &Value) {
 #[derive(Debug, PartialEq)]
 enum Event {
     Content(String),
+    Thinking(String),
+    /// Tool calls, whole, in Ollama's shape: sent once the runner finished them.
+    ToolCalls(Vec<Value>),
     Error(String),
 }
 
@@ -372,9 +514,15 @@ struct Parser {
     eval_tokens: Option<u64>,
     prompt_ns: Option<u64>,
     eval_ns: Option<u64>,
+    tool_calls: ToolCalls,
 }
 
 impl Parser {
+    /// What is left at the end of the stream: tool calls without a finish reason.
+    fn flush(&mut self) -> Vec<Event> {
+        if self.tool_calls.is_empty() { Vec::new() } else { vec![Event::ToolCalls(self.tool_calls.take())] }
+    }
+
     fn feed(&mut self, bytes: &[u8]) -> Vec<Event> {
         self.pending.extend_from_slice(bytes);
         let mut events = Vec::new();
@@ -400,11 +548,17 @@ impl Parser {
         }
         // /v1/chat/completions
         if let Some(choice) = event["choices"].get(0) {
-            if let Some(text) = choice["delta"]["content"].as_str().filter(|t| !t.is_empty()) {
+            let delta = &choice["delta"];
+            if let Some(text) = delta["reasoning_content"].as_str().filter(|t| !t.is_empty()) {
+                events.push(Event::Thinking(text.to_owned()));
+            }
+            if let Some(text) = delta["content"].as_str().filter(|t| !t.is_empty()) {
                 events.push(Event::Content(text.to_owned()));
             }
+            self.tool_calls.add(&delta["tool_calls"]);
             if let Some(reason) = choice["finish_reason"].as_str() {
                 self.finish_reason = Some(reason.to_owned());
+                events.extend(self.flush());
             }
         }
         if let Some(usage) = event.get("usage").filter(|u| u.is_object()) {
@@ -435,20 +589,6 @@ impl Parser {
 #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 fn ms_to_ns(ms: f64) -> u64 {
     (ms.max(0.0) * 1e6) as u64
-}
-
-/// One chat message, reduced to what the runner needs.
-fn message(value: &Value, path: &str) -> Result<Value, ApiError> {
-    let role = value["role"].as_str().filter(|r| !r.is_empty());
-    let content = match value.get("content") {
-        None | Some(Value::Null) => Some(""),
-        Some(Value::String(s)) => Some(s.as_str()),
-        Some(_) => None,
-    };
-    match (role, content) {
-        (Some(role), Some(content)) => Ok(json!({ "role": role, "content": content })),
-        _ => Err(bad("each message must be an object with a string role and content", path)),
-    }
 }
 
 fn string(request: &Map<String, Value>, field: &str, path: &str) -> Result<Option<String>, ApiError> {
@@ -510,7 +650,7 @@ fn sampling(options: &Map<String, Value>, limit: &str, path: &str) -> Result<Map
 mod tests {
     use serde_json::{Map, Value, json};
 
-    use super::{Event, Parser, sampling};
+    use super::{Event, Parser, Route, chat_route, sampling};
 
     #[test]
     fn chat_events_split_across_reads_parse_once() {
@@ -545,6 +685,67 @@ mod tests {
         assert_eq!(events, [Event::Content("a".into()), Event::Error("boom".into())]);
         assert_eq!(parser.finish_reason.as_deref(), Some("stop"));
         assert_eq!((parser.prompt_tokens, parser.eval_tokens), (Some(5), Some(1)));
+    }
+
+    #[test]
+    fn reasoning_and_tool_call_deltas_become_thinking_and_whole_tool_calls() {
+        let mut parser = Parser::default();
+        let events = parser.feed(
+            concat!(
+                "data: {\"choices\":[{\"delta\":{\"reasoning_content\":\"let me see\"}}]}\n\n",
+                "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"x\",",
+                "\"function\":{\"name\":\"add\",\"arguments\":\"{\\\"a\\\":\"}}]}}]}\n\n",
+                "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,",
+                "\"function\":{\"arguments\":\"1}\"}}]}}]}\n\n",
+                "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\n",
+            )
+            .as_bytes(),
+        );
+        assert_eq!(
+            events,
+            [
+                Event::Thinking("let me see".into()),
+                Event::ToolCalls(vec![json!({ "function": { "index": 0, "name": "add", "arguments": { "a": 1 } } })])
+            ]
+        );
+        assert!(parser.flush().is_empty(), "tool calls are sent once");
+        // Calls the runner never closed come out at the end.
+        let mut parser = Parser::default();
+        let events = parser.feed(
+            b"data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"name\":\"f\"}}]}}]}\n\n",
+        );
+        assert!(events.is_empty());
+        assert_eq!(
+            parser.flush(),
+            [Event::ToolCalls(vec![json!({ "function": { "index": 0, "name": "f", "arguments": {} } })])]
+        );
+    }
+
+    #[test]
+    fn chats_go_to_the_chat_endpoint_unless_a_schema_needs_the_rendered_prompt() {
+        let options: Map<String, Value> = serde_json::from_value(json!({ "num_predict": 5 })).expect("map");
+        let fields: Map<String, Value> =
+            serde_json::from_value(json!({ "chat_template_kwargs": { "enable_thinking": false }, "tools": [] }))
+                .expect("map");
+        let messages = vec![json!({ "role": "user", "content": "hi" })];
+        let (route, body) = chat_route(&options, fields.clone(), messages.clone(), None, "/api/chat").expect("ok");
+        assert!(matches!(route, Route::Chat));
+        assert_eq!(
+            Value::Object(body),
+            json!({
+                "max_tokens": 5, "chat_template_kwargs": { "enable_thinking": false }, "tools": [],
+                "messages": messages, "stream": true, "stream_options": { "include_usage": true }
+            })
+        );
+        let schema = json!({ "type": "object" });
+        let (route, body) =
+            chat_route(&options, fields, messages.clone(), Some(schema.clone()), "/api/chat").expect("ok");
+        let Route::Rendered(render) = route else { panic!("rendered: {route:?}") };
+        assert_eq!(
+            render,
+            json!({ "chat_template_kwargs": { "enable_thinking": false }, "tools": [], "messages": messages })
+        );
+        assert_eq!(Value::Object(body), json!({ "n_predict": 5, "json_schema": schema, "stream": true }));
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! large). Create, pull and push answer with NDJSON progress ending in `success`, or with
 //! one JSON object when the request says `"stream": false`. An error found before
 //! anything was written is a plain JSON error with a 400 or 404; one after the stream
-//! started ends the stream with `{"error": "..."}`.
+//! started ends the stream with `{"error": "..."}`. A client that goes away during a
+//! pull or push cancels it.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -404,9 +405,20 @@ async fn transfer(state: AppState, body: &[u8], kind: Transfer) -> Response {
         let progress = move |p: Progress| {
             let _ = progress_tx.send(Event::Progress(p));
         };
-        let result = match kind {
-            Transfer::Pull => registry.pull(&store, &name, progress).await,
-            Transfer::Push => registry.push(&store, &name, progress).await,
+        let work = async {
+            match kind {
+                Transfer::Pull => registry.pull(&store, &name, progress).await,
+                Transfer::Push => registry.push(&store, &name, progress).await,
+            }
+        };
+        // The reply holds the receiver: a client that goes away drops it, and the transfer
+        // is dropped with it (a download keeps what arrived for a resume; no manifest).
+        let result = tokio::select! {
+            result = work => result,
+            () = tx.closed() => {
+                tracing::info!(model = %name, path, "the client went away: the transfer is cancelled");
+                return;
+            }
         };
         match result {
             Ok(digest) => tracing::info!(model = %name, %digest, path, "a registry transfer finished"),

@@ -8,6 +8,7 @@
 //! released when the body ends, or when the client goes away (which also closes the
 //! connection to the runner, cancelling the generation).
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use axum::Json;
@@ -21,7 +22,7 @@ use serde_json::{Map, Value};
 use super::error::ApiError;
 use super::model_request;
 use super::ollama_embed::{bad, internal, object, schedule_error};
-use super::state::AppState;
+use super::state::{AppState, Tokens};
 use crate::scheduler::actor::Lease;
 use crate::store::StoreError;
 use crate::store::name::ModelName;
@@ -69,18 +70,25 @@ async fn pass_through(state: &AppState, body: &[u8], path: &'static str, needs: 
     let (status, upstream) = upstream::post_json_stream(lease.socket(), path, body, UPSTREAM_TIMEOUT)
         .await
         .map_err(|e| internal(&format!("the model runner did not answer: {e}"), path))?;
-    // The runner answers a streaming request with server-sent events, anything else
-    // (errors included) with JSON.
-    let content_type = if stream && status.is_success() { "text/event-stream" } else { "application/json" };
-    let forwarded = Forwarded { upstream, _lease: lease };
+    // The runner's own content type; should it send none, what it sends for such a
+    // request: server-sent events for a streaming one, else (errors included) JSON.
+    let content_type = upstream.content_type().cloned().unwrap_or_else(|| {
+        HeaderValue::from_static(if stream && status.is_success() { "text/event-stream" } else { "application/json" })
+    });
+    let events = content_type.as_bytes().starts_with(b"text/event-stream");
+    let usage = Usage::new(events, Arc::clone(&state.tokens));
+    let forwarded = Forwarded { upstream, usage: status.is_success().then_some(usage), _lease: lease };
     let pieces = futures_util::stream::unfold(forwarded, |mut forwarded| async move {
         let piece = forwarded.upstream.chunk().await?;
+        if let (Ok(bytes), Some(usage)) = (&piece, &mut forwarded.usage) {
+            usage.observe(bytes);
+        }
         Some((piece, forwarded))
     });
     let mut response = Body::from_stream(pieces).into_response();
     *response.status_mut() = status;
     let headers = response.headers_mut();
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers.insert(header::CONTENT_TYPE, content_type);
     if stream {
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     }
@@ -88,10 +96,95 @@ async fn pass_through(state: &AppState, body: &[u8], path: &'static str, needs: 
 }
 
 /// The runner's answer on its way to the client; dropping it closes the connection to
-/// the runner and releases the lease.
+/// the runner, releases the lease and counts the answer's tokens.
 struct Forwarded {
     upstream: BodyStream,
+    usage: Option<Usage>,
     _lease: Lease,
+}
+
+impl Drop for Forwarded {
+    fn drop(&mut self) {
+        if let Some(usage) = self.usage.take() {
+            usage.record();
+        }
+    }
+}
+
+/// How much of a JSON answer's end is kept to find its `usage` (it comes after the
+/// choices or embeddings; only the end is needed, so large answers are not held).
+const JSON_TAIL: usize = 64 * 1024;
+
+/// Counts an answer's tokens for `/metrics` as its pieces pass by, unchanged and
+/// undelayed: from `usage` (a JSON answer's, or the one in the last event of a stream),
+/// else a stream's `timings`, else one token per streamed piece of text.
+#[derive(Debug)]
+struct Usage {
+    events: bool,
+    /// An event stream's unfinished line, or a JSON answer's last bytes.
+    pending: Vec<u8>,
+    prompt: Option<u64>,
+    completion: Option<u64>,
+    timings: Option<(u64, u64)>,
+    pieces: u64,
+    tokens: Arc<Tokens>,
+}
+
+impl Usage {
+    fn new(events: bool, tokens: Arc<Tokens>) -> Self {
+        Self { events, pending: Vec::new(), prompt: None, completion: None, timings: None, pieces: 0, tokens }
+    }
+
+    fn observe(&mut self, bytes: &[u8]) {
+        self.pending.extend_from_slice(bytes);
+        if !self.events {
+            let excess = self.pending.len().saturating_sub(JSON_TAIL);
+            self.pending.drain(..excess);
+            return;
+        }
+        while let Some(end) = self.pending.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = self.pending.drain(..=end).collect();
+            let Some(data) = line.strip_prefix(b"data:") else { continue };
+            let Ok(event) = serde_json::from_slice::<Value>(data.trim_ascii()) else { continue };
+            self.usage(&event["usage"]);
+            if let Some(timings) = event.get("timings") {
+                if let (Some(p), Some(n)) = (timings["prompt_n"].as_u64(), timings["predicted_n"].as_u64()) {
+                    self.timings = Some((p, n));
+                }
+            }
+            let choice = &event["choices"][0];
+            let text = choice["delta"]["content"].as_str().or(choice["text"].as_str());
+            if text.is_some_and(|t| !t.is_empty()) {
+                self.pieces += 1;
+            }
+        }
+    }
+
+    fn usage(&mut self, usage: &Value) {
+        if usage.is_object() {
+            self.prompt = usage["prompt_tokens"].as_u64().or(self.prompt);
+            self.completion = usage["completion_tokens"].as_u64().or(self.completion);
+        }
+    }
+
+    /// Adds the answer's tokens to the totals (once: it consumes the counter).
+    fn record(mut self) {
+        if !self.events {
+            // The last `"usage":` in the tail starts the object (a string inside the
+            // answer would be escaped, so it cannot match).
+            let tail = String::from_utf8_lossy(&self.pending).into_owned();
+            if let Some(at) = tail.rfind("\"usage\":") {
+                let rest = &tail[at + "\"usage\":".len()..];
+                if let Some(Ok(usage)) = serde_json::Deserializer::from_str(rest).into_iter::<Value>().next() {
+                    self.usage(&usage);
+                }
+            }
+        }
+        let (timed_prompt, timed_completion) = self.timings.unzip();
+        let prompt = self.prompt.or(timed_prompt).unwrap_or(0);
+        let completion = self.completion.or(timed_completion).unwrap_or(self.pieces);
+        self.tokens.record(prompt, completion);
+    }
 }
 
 /// One model in OpenAI's shape.
@@ -193,6 +286,46 @@ mod tests {
                 assert!(json["error"]["type"].is_string(), "{json}");
             }
         }
+    }
+
+    #[test]
+    fn usage_is_counted_from_events_split_anywhere_and_from_a_json_tail() {
+        use std::sync::Arc;
+
+        use super::Usage;
+        use crate::http::state::Tokens;
+
+        let stream = concat!(
+            "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"b\"}}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":9}}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let tokens = Arc::new(Tokens::default());
+        let mut usage = Usage::new(true, Arc::clone(&tokens));
+        for piece in stream.as_bytes().chunks(5) {
+            usage.observe(piece);
+        }
+        usage.record();
+        assert_eq!(tokens.totals(), (5, 9), "usage wins over counting pieces");
+
+        let tokens = Arc::new(Tokens::default());
+        let mut usage = Usage::new(true, Arc::clone(&tokens));
+        usage.observe(&stream.as_bytes()[..100]);
+        usage.record();
+        assert_eq!(tokens.totals(), (0, 2), "a stream cut short counts its pieces of text");
+
+        let tokens = Arc::new(Tokens::default());
+        let mut usage = Usage::new(false, Arc::clone(&tokens));
+        let padding = "x".repeat(200_000);
+        let body = format!(
+            "{{\"choices\":[{{\"text\":\"{padding} \\\"usage\\\":\"}}],\"usage\":{{\"prompt_tokens\":3,\"completion_tokens\":4}},\"id\":\"x\"}}"
+        );
+        for piece in body.as_bytes().chunks(4096) {
+            usage.observe(piece);
+        }
+        usage.record();
+        assert_eq!(tokens.totals(), (3, 4));
     }
 
     #[tokio::test]

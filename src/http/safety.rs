@@ -2,10 +2,11 @@
 //!
 //! 1. **Host** (against DNS rebinding): the `Host` header (or the HTTP/2 authority) must
 //!    name `localhost`, a `*.localhost` name or a loopback IP, with any port, or match
-//!    `allowed_hosts`; otherwise 403. A request without any host is let through: UNIX
-//!    socket clients and HTTP/1.0 send none, and a browser always sends one, so a
-//!    rebinding page cannot leave it out. (The middleware cannot tell the transport
-//!    apart, so "no Host over HTTP/1.1" is not refused.)
+//!    `allowed_hosts`; otherwise 403. An HTTP/1.1 request over TCP without a `Host` is
+//!    refused with 400, as HTTP/1.1 requires one (the accept loop marks each connection's
+//!    [`Transport`]); over a UNIX socket, or in HTTP/1.0, a request without any host is let
+//!    through (such clients send none, and a browser always sends one, so a rebinding page
+//!    cannot leave it out).
 //! 2. **CORS**: a preflight (`OPTIONS` with `Origin` and `Access-Control-Request-Method`)
 //!    from an origin in `cors_origins` is answered here with 204 and the allowed methods
 //!    and headers; other requests from such an origin get `Access-Control-Allow-Origin`
@@ -24,13 +25,23 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Version, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
 
 use super::ApiError;
 use crate::config::ServerConfig;
+
+/// The kind of connection a request came on, put in its extensions by the accept loop
+/// (`listeners`); requests made in-process have none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// TCP: HTTP/1.1 requests must name a host.
+    Tcp,
+    /// A UNIX socket: no host is needed.
+    Unix,
+}
 
 /// The methods a preflight is told the API allows.
 const ALLOW_METHODS: &str = "GET, HEAD, POST, PUT, DELETE, OPTIONS";
@@ -146,6 +157,12 @@ pub async fn guard(State(safety): State<Arc<Safety>>, request: Request, next: Ne
 
     match requested_host(&request) {
         Err(()) => return error(StatusCode::BAD_REQUEST, "the Host header is not valid text".into(), &path),
+        Ok(None)
+            if request.version() == Version::HTTP_11
+                && request.extensions().get::<Transport>() == Some(&Transport::Tcp) =>
+        {
+            return error(StatusCode::BAD_REQUEST, "an HTTP/1.1 request needs a Host header".into(), &path);
+        }
         Ok(Some(host)) if !safety.host_allowed(&host) => {
             let name = normalize_host(&host);
             return error(

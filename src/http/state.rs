@@ -23,7 +23,7 @@ pub struct AppState {
     pub defaults: Defaults,
     /// The registry client, shared so that concurrent pulls of a blob share one download.
     pub registry: Registry,
-    /// Tokens processed by `/api/chat` and `/api/generate`, for `/metrics`.
+    /// Tokens processed by `/api/chat`, `/api/generate` and `/v1/*`, for `/metrics`.
     pub tokens: Arc<Tokens>,
 }
 

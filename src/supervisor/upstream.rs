@@ -100,9 +100,16 @@ async fn send(
 pub struct BodyStream {
     body: hyper::body::Incoming,
     driver: tokio::task::JoinHandle<Result<(), hyper::Error>>,
+    content_type: Option<hyper::header::HeaderValue>,
 }
 
 impl BodyStream {
+    /// The runner's `Content-Type` for this body, if it sent one.
+    #[must_use]
+    pub fn content_type(&self) -> Option<&hyper::header::HeaderValue> {
+        self.content_type.as_ref()
+    }
+
     /// The next piece of the body as the runner sent it; `None` at its end.
     ///
     /// # Errors
@@ -143,7 +150,8 @@ pub async fn post_json_stream(
     let exchange = async {
         let (response, driver) = send(socket, Method::POST, path, Bytes::from(body)).await?;
         let status = response.status();
-        Ok((status, BodyStream { body: response.into_body(), driver }))
+        let content_type = response.headers().get(hyper::header::CONTENT_TYPE).cloned();
+        Ok((status, BodyStream { body: response.into_body(), driver, content_type }))
     };
     tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
 }

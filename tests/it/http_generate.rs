@@ -138,6 +138,41 @@ async fn bad_generation_requests_are_named_and_load_nothing() {
             "invalid option temperature",
         ),
         ("/api/generate", r#"{"model":"embed","prompt":"x"}"#, StatusCode::BAD_REQUEST, "does not support generate"),
+        ("/api/chat", r#"{"model":"chat","messages":[],"format":3}"#, StatusCode::BAD_REQUEST, "invalid format"),
+        ("/api/generate", r#"{"model":"chat","prompt":"x","format":"xml"}"#, StatusCode::BAD_REQUEST, "invalid format"),
+        ("/api/chat", r#"{"model":"chat","messages":[],"think":"max"}"#, StatusCode::BAD_REQUEST, "invalid think"),
+        ("/api/chat", r#"{"model":"chat","messages":[],"tools":{"a":1}}"#, StatusCode::BAD_REQUEST, "invalid tools"),
+        (
+            "/api/chat",
+            r#"{"model":"chat","messages":[{"role":"user","content":"x","images":["iVBORw0KGgo="]}]}"#,
+            StatusCode::BAD_REQUEST,
+            "model chat does not support images",
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"chat","prompt":"x","images":["iVBORw0KGgo="]}"#,
+            StatusCode::BAD_REQUEST,
+            "model chat does not support images",
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"chat","prompt":"x","format":"json","images":["iVBORw0KGgo="]}"#,
+            StatusCode::BAD_REQUEST,
+            "format cannot be combined with images",
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"chat","prompt":"x","images":["%%%"]}"#,
+            StatusCode::BAD_REQUEST,
+            "invalid image 0: not base64",
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"chat","prompt":"x","template":"{{ if .System }}"}"#,
+            StatusCode::BAD_REQUEST,
+            "invalid template",
+        ),
+        ("/api/generate", r#"{"model":"chat","prompt":"x","template":7}"#, StatusCode::BAD_REQUEST, "template must be"),
     ];
     for (path, body, status, message) in cases {
         let (got, _, reply) = post(&state, path, body).await;
@@ -170,4 +205,73 @@ async fn a_client_that_goes_away_mid_stream_releases_the_runner() {
             .await;
     assert_eq!(status, StatusCode::OK, "{lines:?}");
     assert_final(&lines[0], "length", 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn format_constrains_the_answer_to_json() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    // A closed schema: the runner's grammar leaves the random weights one way to end.
+    let schema =
+        r#"{"type":"object","properties":{"ok":{"type":"boolean"}},"required":["ok"],"additionalProperties":false}"#;
+    for (path, body) in [
+        ("/api/chat", format!(r#"{{"model":"chat","messages":[{{"role":"user","content":"hi"}}],"format":{schema}"#)),
+        ("/api/generate", format!(r#"{{"model":"chat","prompt":"hi","format":{schema}"#)),
+        ("/api/generate", format!(r#"{{"model":"chat","prompt":"hi","raw":true,"format":{schema}"#)),
+    ] {
+        let body = format!(r#"{body},"stream":false,"options":{{"num_predict":64,"seed":1}}}}"#);
+        let (status, _, lines) = post(&state, path, &body).await;
+        assert_eq!(status, StatusCode::OK, "{path} {body}: {lines:?}");
+        let text = lines[0]["message"]["content"].as_str().or(lines[0]["response"].as_str()).expect("text");
+        let parsed: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{path}: {e}: {text:?}"));
+        assert!(parsed["ok"].is_boolean(), "{path}: {parsed}");
+        assert_eq!(lines[0]["done_reason"], "stop", "{path}: the grammar ended it: {lines:?}");
+    }
+    // "json": any object; the first token is its opening brace whatever the weights say.
+    let body = r#"{"model":"chat","messages":[{"role":"user","content":"hi"}],"format":"json","stream":false,"options":{"num_predict":4}}"#;
+    let (status, _, lines) = post(&state, "/api/chat", body).await;
+    assert_eq!(status, StatusCode::OK, "{lines:?}");
+    let text = lines[0]["message"]["content"].as_str().expect("content");
+    assert!(text.trim_start().starts_with('{'), "{text:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tools_tool_results_and_think_reach_the_runner() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let body = r#"{"model":"chat","think":false,"stream":false,"options":{"num_predict":4},
+        "tools":[{"type":"function","function":{"name":"weather","description":"the weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}],
+        "messages":[{"role":"user","content":"weather in Oslo?"},
+            {"role":"assistant","content":"","tool_calls":[{"function":{"name":"weather","arguments":{"city":"Oslo"}}}]},
+            {"role":"tool","tool_name":"weather","content":"rain"}]}"#;
+    let (status, _, lines) = post(&state, "/api/chat", body).await;
+    assert_eq!(status, StatusCode::OK, "{lines:?}");
+    assert_final(&lines[0], "length", 4);
+    let streamed = body.replace(r#""stream":false"#, r#""stream":true"#);
+    let (status, _, lines) = post(&state, "/api/chat", &streamed).await;
+    assert_eq!(status, StatusCode::OK, "{lines:?}");
+    assert_final(lines.last().expect("lines"), "length", 4);
+    let (status, _, lines) = post(
+        &state,
+        "/api/generate",
+        r#"{"model":"chat","prompt":"x","think":true,"stream":false,"options":{"num_predict":2}}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{lines:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_template_renders_the_prompt() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let body = r#"{"model":"chat","prompt":"once upon","system":"be brief","stream":false,
+        "template":"{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}<|im_start|>user\n{{ .Prompt }}<|im_end|>\n<|im_start|>assistant\n",
+        "options":{"num_predict":3}}"#;
+    let (status, _, lines) = post(&state, "/api/generate", body).await;
+    assert_eq!(status, StatusCode::OK, "{lines:?}");
+    assert_final(&lines[0], "length", 3);
+    // The runner counted the rendered prompt, which is longer than the bare one.
+    let bare = r#"{"model":"chat","prompt":"once upon","raw":true,"stream":false,"options":{"num_predict":3}}"#;
+    let (_, _, bare) = post(&state, "/api/generate", bare).await;
+    assert!(lines[0]["prompt_eval_count"].as_u64() > bare[0]["prompt_eval_count"].as_u64(), "{lines:?} vs {bare:?}");
 }

@@ -172,3 +172,51 @@ async fn a_client_that_goes_away_mid_stream_releases_the_runner() {
     drop(body);
     leases_reach_zero(&state).await;
 }
+
+/// The `corral_*_tokens_total` counters.
+async fn token_totals(state: &AppState) -> (u64, u64) {
+    let (_, _, text) = call(state, "GET", "/metrics", "").await;
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    };
+    (value("corral_prompt_tokens_total "), value("corral_generated_tokens_total "))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runners_status_and_content_type_pass_through_and_tokens_are_counted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    // The runner's own header, parameter included (corral's default would be bare).
+    let request = r#"{"model":"chat","messages":[{"role":"user","content":"hi"}],"max_tokens":8}"#;
+    let (status, ctype, text) = call(&state, "POST", "/v1/chat/completions", request).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(ctype, "application/json; charset=utf-8");
+    let (prompt, generated) = token_totals(&state).await;
+    assert_eq!(generated, 8, "from the answer's usage");
+    assert!(prompt > 0);
+
+    // A stream whose last event carries usage, and one whose has only timings.
+    let streamed = r#"{"model":"chat","prompt":"once upon","max_tokens":5,"stream":true}"#;
+    let (status, ctype, text) = call(&state, "POST", "/v1/completions", streamed).await;
+    assert_eq!((status, ctype.as_str()), (StatusCode::OK, "text/event-stream"), "{text}");
+    assert_eq!(token_totals(&state).await.1, 13);
+    let chat = r#"{"model":"chat","messages":[{"role":"user","content":"hi"}],"max_tokens":3,"stream":true}"#;
+    let (status, _, text) = call(&state, "POST", "/v1/chat/completions", chat).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(token_totals(&state).await.1, 16);
+    let (status, _, text) = call(&state, "POST", "/v1/embeddings", r#"{"model":"embed","input":"a b"}"#).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let (after, generated) = token_totals(&state).await;
+    assert_eq!(generated, 16, "embeddings generate nothing");
+    assert!(after > prompt, "but their input counts");
+
+    // The runner's refusal keeps its status and type.
+    let wrong = r#"{"model":"chat","messages":"nope"}"#;
+    let (status, ctype, text) = call(&state, "POST", "/v1/chat/completions", wrong).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+    assert_eq!(ctype, "application/json; charset=utf-8");
+    assert!(text.contains("messages"), "{text}");
+    leases_reach_zero(&state).await;
+}

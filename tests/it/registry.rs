@@ -707,3 +707,97 @@ fn nix_free_bytes(path: &Path) -> u64 {
     let stat = nix::sys::statvfs::statvfs(path).expect("statvfs");
     stat.blocks_available() * stat.fragment_size()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_pull_whose_client_goes_away_is_cancelled_and_resumable() {
+    use http_body_util::BodyExt;
+
+    let world = World::new();
+    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let model = manifest.model().expect("model layer").clone();
+    let proxy = Proxy::start(world.registry.addr());
+    let gate = Gate::new();
+    let (held, digest) = (gate.clone(), model.digest.to_string());
+    proxy.rule(move |seen| {
+        if seen.is_blob_get(&digest) && seen.byte_range() == Some((2 * PART, 3 * PART - 1)) {
+            Action::Hold(held.clone())
+        } else {
+            Action::Pass
+        }
+    });
+    let api_dir = tempfile::tempdir().expect("tempdir");
+    let mut state = crate::support::api::state(api_dir.path());
+    state.store = world.store("dest");
+    state.registry = client(&[proxy.host()], |c| c.max_parts = 1);
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let request = serde_json::json!({ "model": name.to_string() }).to_string();
+    let response = crate::support::api::send(&state, "POST", "/api/pull", &request).await;
+    assert_eq!(response.status(), axum::http::StatusCode::OK);
+    let mut body = response.into_body();
+    let first = body.frame().await.expect("a first line").expect("no error").into_data().expect("data");
+    assert!(first.starts_with(b"{\"status\":\"pulling manifest\"}"), "{first:?}");
+    within("the third part's request", gate.arrivals(1)).await;
+
+    // The client hangs up: the download stops, records the two parts that arrived, and
+    // no manifest is written.
+    drop(body);
+    let record = state.store.blobs_dir().join(format!("{}-partial.json", model.digest.file_name()));
+    let recorded = serde_json::json!([[0, 2 * PART]]);
+    within("the record of what arrived", async {
+        loop {
+            let done = fs::read(&record).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+            if done.is_some_and(|d| d["done"] == recorded) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert_nothing_written(&state.store, &name, &manifest, true);
+
+    // A new pull through the API resumes from the third part.
+    proxy.rule(|_| Action::Pass);
+    gate.open();
+    proxy.clear();
+    let (status, _, text) = crate::support::api::call(&state, "POST", "/api/pull", &request).await;
+    assert_eq!(status, axum::http::StatusCode::OK, "{text}");
+    assert!(text.trim_end().ends_with("{\"status\":\"success\"}"), "{text}");
+    assert_eq!(blob_ranges(&proxy.seen(), &model.digest), parts_from(2 * PART, model.size));
+    assert_eq!(snapshot(&state.store, &name), published);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_push_whose_client_goes_away_is_cancelled_before_its_manifest() {
+    let world = World::new();
+    let proxy = Proxy::start(world.registry.addr());
+    let gate = Gate::new();
+    let held = gate.clone();
+    // Every blob upload waits at the gate.
+    proxy.rule(
+        move |seen| if seen.path.contains("/blobs/uploads/") { Action::Hold(held.clone()) } else { Action::Pass },
+    );
+    let api_dir = tempfile::tempdir().expect("tempdir");
+    let mut state = crate::support::api::state(api_dir.path());
+    state.store = world.store("local");
+    state.registry = client(&[proxy.host()], |_| {});
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    create_model(&state.store, &name, "{{ .Prompt }}");
+    let request = serde_json::json!({ "model": name.to_string() }).to_string();
+    let response = crate::support::api::send(&state, "POST", "/api/push", &request).await;
+    assert_eq!(response.status(), axum::http::StatusCode::OK);
+    within("the first upload", gate.arrivals(1)).await;
+
+    // The client hangs up while a blob is on its way; then the gate opens: nothing of
+    // the push goes on, so the registry never gets the manifest.
+    drop(response);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    gate.open();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let seen = proxy.seen();
+    assert!(!seen.iter().any(|s| s.path.contains("/manifests/")), "{seen:?}");
+    let status = reqwest::get(format!("http://{}/v2/test/tiny/manifests/v1", world.registry.host()))
+        .await
+        .expect("ask the registry")
+        .status();
+    assert_eq!(status, reqwest::StatusCode::NOT_FOUND);
+}
