@@ -347,12 +347,12 @@ fn registry_for(
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(bad("invalid type for \"insecure\": expected a boolean", path)),
     };
-    if !insecure || shared.config().insecure.iter().any(|h| h == name.registry()) {
+    if !insecure {
         return Ok(shared.clone());
     }
-    let mut config = shared.config().clone();
-    config.insecure.push(name.registry().to_owned());
-    Registry::new(config).map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), path))
+    shared
+        .allowing_insecure(name.registry())
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), path))
 }
 
 fn registry_error(error: &RegistryError, path: &str, given: &str) -> ApiError {
