@@ -236,3 +236,37 @@ async fn bad_calls_get_named_errors_and_change_nothing() {
     assert_eq!(manager.list_models().await.expect("ListModels"), before, "the store changed");
     assert!(manager.loaded_models().await.expect("LoadedModels").is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_signals_the_new_limits() {
+    let daemon = BusDaemon::start("[scheduler]\nmax_loaded_models = 1\nmax_queue = 5\nkeep_alive = \"1m\"\n");
+    let connection = daemon.connect().await;
+    let manager = uncached_manager(&connection).await;
+    assert_eq!(manager.max_loaded_models().await.expect("MaxLoadedModels"), 1);
+    assert_eq!(manager.max_queue().await.expect("MaxQueue"), 5);
+    assert_eq!(manager.default_keep_alive().await.expect("DefaultKeepAlive"), 60);
+    assert_eq!(manager.queue_depth().await.expect("QueueDepth"), 0);
+    assert!(manager.gpus().await.expect("Gpus").is_empty());
+    assert!(manager.host_memory().await.expect("HostMemory") > 0);
+    assert_eq!(manager.version().await.expect("Version"), env!("CARGO_PKG_VERSION"));
+
+    let mut manager_changes = changes(&connection, &ObjectPath::from_static_str_unchecked("/org/corral/Corral1")).await;
+    let config = daemon.path().join("corral.toml");
+    let text = std::fs::read_to_string(&config).expect("config");
+    let text = text
+        .replace("max_loaded_models = 1", "max_loaded_models = 2")
+        .replace("keep_alive = \"1m\"", "keep_alive = \"2m\"");
+    std::fs::write(&config, text).expect("write");
+    daemon.corrald.signal(nix::sys::signal::Signal::SIGHUP);
+    let mut seen = HashMap::new();
+    while !(seen.contains_key("MaxLoadedModels") && seen.contains_key("DefaultKeepAlive")) {
+        let signal = within("the new limits", manager_changes.next()).await.expect("a signal");
+        let args = signal.args().expect("args");
+        for (name, value) in args.changed_properties() {
+            seen.insert((*name).to_owned(), value.try_clone().expect("clone"));
+        }
+    }
+    assert_eq!(u32::try_from(&seen["MaxLoadedModels"]).expect("u"), 2);
+    assert_eq!(i64::try_from(&seen["DefaultKeepAlive"]).expect("x"), 120);
+    assert_eq!(manager.max_loaded_models().await.expect("MaxLoadedModels"), 2);
+}
