@@ -258,12 +258,12 @@ async fn a_reload_signals_the_new_limits() {
         .replace("keep_alive = \"1m\"", "keep_alive = \"2m\"");
     std::fs::write(&config, text).expect("write");
     daemon.corrald.signal(nix::sys::signal::Signal::SIGHUP);
-    let mut seen = HashMap::new();
+    let mut seen: HashMap<String, zbus::zvariant::OwnedValue> = HashMap::new();
     while !(seen.contains_key("MaxLoadedModels") && seen.contains_key("DefaultKeepAlive")) {
         let signal = within("the new limits", manager_changes.next()).await.expect("a signal");
         let args = signal.args().expect("args");
         for (name, value) in args.changed_properties() {
-            seen.insert((*name).to_owned(), value.try_clone().expect("clone"));
+            seen.insert(name.to_string(), value.try_clone().expect("clone"));
         }
     }
     assert_eq!(u32::try_from(&seen["MaxLoadedModels"]).expect("u"), 2);
