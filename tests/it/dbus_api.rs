@@ -263,7 +263,7 @@ async fn a_reload_signals_the_new_limits() {
         let signal = within("the new limits", manager_changes.next()).await.expect("a signal");
         let args = signal.args().expect("args");
         for (name, value) in args.changed_properties() {
-            seen.insert(name.to_string(), value.try_clone().expect("clone"));
+            seen.insert(name.to_string(), value.try_to_owned().expect("owned"));
         }
     }
     assert_eq!(u32::try_from(&seen["MaxLoadedModels"]).expect("u"), 2);
