@@ -243,3 +243,29 @@ fn a_preloaded_model_runs_in_its_own_cgroup_and_logs_to_the_journal() {
     let left = ct.exec(&["pgrep", "-x", "llama-server"]);
     assert!(String::from_utf8_lossy(&left.stdout).trim().is_empty(), "no llama-server is left");
 }
+
+/// `[server] exit_on_idle` under real systemd: corrald exits cleanly when idle, the socket
+/// stays, and the next connection starts a new instance that answers it.
+#[test]
+fn an_idle_service_exits_and_the_next_connection_starts_it_again() {
+    let ct = Container::boot("idle");
+    ct.install_corral();
+    std::fs::write(ct.share_dir().join("corral.toml"), "[server]\nexit_on_idle = \"1s\"\n").expect("config");
+    ct.run(&["install", "-D", "-m", "0644", "/srv/host/corral.toml", "/etc/corral/corral.toml"]);
+    ct.run(&["systemctl", "start", "corrald.socket"]);
+
+    assert_version(curl(&ct, &[], "http://127.0.0.1:11434/api/version"), "TCP (first connection)");
+    let first = ct.unit_property("corrald.service", "MainPID");
+    assert_ne!(first, "0");
+    let idle = wait_event(&ct, "idle");
+    assert!(idle.contains("exiting until the next connection"), "{idle}");
+    wait_active_state(&ct, "corrald.service", "inactive");
+    assert_eq!(ct.unit_property("corrald.service", "Result"), "success");
+    assert_eq!(ct.unit_property("corrald.service", "ExecMainStatus"), "0");
+    assert_eq!(ct.unit_property("corrald.socket", "SubState"), "listening");
+
+    // The request that comes after the exit waits in the socket's backlog and is answered.
+    assert_version(curl(&ct, &["--unix-socket", "/run/corral.sock"], "http://localhost/api/version"), "after idle");
+    wait_active_state(&ct, "corrald.service", "active");
+    assert_ne!(ct.unit_property("corrald.service", "MainPID"), first, "a new instance");
+}
