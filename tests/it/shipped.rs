@@ -104,3 +104,24 @@ fn the_man_page_renders_without_warnings() {
         assert!(text.contains(&option.replace('-', "\\-")), "the man page documents {option}");
     }
 }
+
+#[test]
+fn the_configuration_man_page_renders_and_documents_every_key() {
+    let page = concat!(env!("CARGO_MANIFEST_DIR"), "/packaging/man/corral.toml.5");
+    let out = Command::new("groff").args(["-man", "-ww", "-z", page]).output().expect("run groff (groff-base)");
+    let warnings = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && warnings.is_empty(), "groff: {warnings}");
+    let text = std::fs::read_to_string(page).expect("read");
+    // Every key the shipped configuration sets or shows commented out has an entry.
+    let example = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/packaging/corral.toml")).expect("read");
+    let keys: Vec<&str> = example
+        .lines()
+        .map(|l| l.trim_start_matches("# ").trim_start_matches('#'))
+        .filter_map(|l| l.split_once(" = ").map(|(k, _)| k.trim()))
+        .filter(|k| !k.is_empty() && k.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+        .collect();
+    assert!(keys.contains(&"exit_on_idle") && keys.len() > 20, "{keys:?}");
+    for key in keys {
+        assert!(text.contains(&format!("\\fB{}\\fR", key.replace('-', "\\-"))), "corral.toml(5) documents {key}");
+    }
+}

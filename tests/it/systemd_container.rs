@@ -8,10 +8,10 @@ use crate::support::container::{Container, describe, poll_until};
 use crate::support::journald::{corrald_events, field, is_corrald_event, summary};
 
 /// How long a state change of a unit may take on a busy machine.
-const SETTLE: Duration = Duration::from_secs(60);
+pub(crate) const SETTLE: Duration = Duration::from_secs(60);
 
 /// `curl` inside the container: the HTTP status and body, or curl's complaint.
-fn curl(ct: &Container, extra: &[&str], url: &str) -> Result<(u16, String), String> {
+pub(crate) fn curl(ct: &Container, extra: &[&str], url: &str) -> Result<(u16, String), String> {
     let mut args = vec!["curl", "-sS", "--max-time", "30", "-w", "\n%{http_code}"];
     args.extend_from_slice(extra);
     args.push(url);
@@ -32,7 +32,7 @@ fn assert_version(result: Result<(u16, String), String>, via: &str) {
     assert_eq!(json["version"], env!("CARGO_PKG_VERSION"), "via {via}: {body}");
 }
 
-fn wait_active_state(ct: &Container, unit: &str, want: &str) {
+pub(crate) fn wait_active_state(ct: &Container, unit: &str, want: &str) {
     poll_until(SETTLE, &format!("{unit} to be {want}"), || {
         let state = ct.unit_property(unit, "ActiveState");
         if state == want { Ok(()) } else { Err(state) }
@@ -40,7 +40,7 @@ fn wait_active_state(ct: &Container, unit: &str, want: &str) {
 }
 
 /// Waits until corrald's journal entries include `event`, and returns that entry's MESSAGE.
-fn wait_event(ct: &Container, event: &str) -> String {
+pub(crate) fn wait_event(ct: &Container, event: &str) -> String {
     poll_until(SETTLE, &format!("CORRAL_EVENT={event} in the journal of corrald.service"), || {
         let entries = ct.journal("corrald.service");
         entries
