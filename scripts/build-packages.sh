@@ -18,7 +18,7 @@ cargo build --release --locked --bin corrald >&2
 
 if [[ $what == deb || $what == all ]]; then
     bin=$(scripts/setup-packaging.sh)
-    deb=$("$bin/cargo-deb" --no-build --locked --quiet)
+    deb=$("$bin/cargo-deb" --no-build --locked --quiet --strip)
     # Tags that do not apply: corral is not in Debian (no ITP bug to close), and its
     # maintainer address is a placeholder until it has a real one.
     lintian --fail-on warning --suppress-tags initial-upload-closes-no-bugs,bogus-mail-host "$deb" >&2
