@@ -13,6 +13,6 @@ scripts/setup-packaging.sh >/dev/null
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
 cargo build --all-targets --locked
-# Both packages, lintian included; the .deb end-to-end test (package_deb) reuses this build.
+# Both packages, lintian included; the package tests (tests/it/packages.rs) reuse this build.
 scripts/build-packages.sh all >/dev/null
 cargo nextest run --profile ci --locked

@@ -15,7 +15,7 @@ mod http_openai;
 mod http_store;
 mod journald;
 mod llama_server;
-mod package_deb;
+mod packages;
 mod private_bus;
 mod registry;
 mod scheduling;

@@ -21,17 +21,20 @@ const BUILD_TIMEOUT: Duration = Duration::from_secs(1200);
 /// (The container also runs the host's own docker-registry.service on port 5000.)
 const REGISTRY: &str = "127.0.0.1:5055";
 
-/// Builds the .deb from this checkout and returns its path.
-fn build_deb() -> PathBuf {
-    let out = output_within(
-        std::process::Command::new(repo_root().join("scripts/build-packages.sh")).arg("deb"),
-        BUILD_TIMEOUT,
-    );
+/// Runs `scripts/build-packages.sh KIND` and returns the package it printed.
+fn build(kind: &str) -> PathBuf {
+    // The environment of a shell, not of cargo and nextest: their variables would make the
+    // release build's fingerprints differ from CI's own build, and rebuild it each time.
+    let mut cmd = std::process::Command::new(repo_root().join("scripts/build-packages.sh"));
+    cmd.arg(kind)
+        .env_clear()
+        .envs(std::env::vars().filter(|(k, _)| ["PATH", "HOME", "CARGO_HOME", "RUSTUP_HOME"].contains(&k.as_str())));
+    let out = output_within(&mut cmd, BUILD_TIMEOUT);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "build-packages.sh deb failed:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
-    let deb = PathBuf::from(text.trim().lines().last().unwrap_or_default());
-    assert!(deb.extension().is_some_and(|e| e == "deb") && deb.is_file(), "no .deb printed: {text}");
-    deb
+    assert!(out.status.success(), "build-packages.sh {kind} failed:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let package = PathBuf::from(text.trim().lines().last().unwrap_or_default());
+    assert!(package.extension().is_some_and(|e| e == kind) && package.is_file(), "no .{kind} printed: {text}");
+    package
 }
 
 /// `curl` with a JSON body; the status and body.
@@ -127,7 +130,7 @@ fn pull_from_a_local_registry(ct: &Container) -> String {
 
 #[test]
 fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
-    let deb = build_deb();
+    let deb = build("deb");
     let ct = Container::boot("deb");
     let digest = stage(&ct, &deb);
 
@@ -218,4 +221,48 @@ fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
     for gone in ["/var/lib/corral", "/etc/corral", "/usr/bin/corrald"] {
         assert!(!ct.exec(&["test", "-e", gone]).status.success(), "{gone} is left after purge");
     }
+}
+
+/// The .rpm from `packaging/rpm/corral.spec`: the files at Fedora's paths, the user from
+/// sysusers.d before the files land, the socket enabled on a first install, and the
+/// units stopped on removal and restarted on an upgrade.
+#[test]
+fn the_rpm_holds_the_units_and_the_scriptlets() {
+    let rpm = build("rpm");
+    let query = |args: &[&str]| {
+        let out =
+            output_within(std::process::Command::new("rpm").arg("-qp").args(args).arg(&rpm), Duration::from_secs(60));
+        assert!(out.status.success(), "rpm -qp {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let files = query(&["--list"]);
+    for file in [
+        "/usr/bin/corrald",
+        "/usr/lib/systemd/system/corrald.service",
+        "/usr/lib/systemd/system/corrald.socket",
+        "/usr/lib/systemd/system/corral.slice",
+        "/usr/lib/systemd/user/corrald.service",
+        "/usr/lib/systemd/user/corrald.socket",
+        "/usr/lib/sysusers.d/corral.conf",
+        "/usr/lib/tmpfiles.d/corral.conf",
+        "/etc/corral/corral.toml",
+        "/etc/corral/corral.toml.d",
+    ] {
+        assert!(files.lines().any(|l| l == file), "{file} missing from the rpm:\n{files}");
+    }
+    let config = query(&["--configfiles"]);
+    assert_eq!(config.trim(), "/etc/corral/corral.toml");
+    let owners = query(&["--queryformat", "[%{FILEMODES:perms} %{FILEUSERNAME}:%{FILEGROUPNAME} %{FILENAMES}\n]"]);
+    assert!(owners.contains("-rw-r----- root:corral /etc/corral/corral.toml\n"), "{owners}");
+    let scripts = query(&["--scripts"]);
+    let pre = scripts.split("postinstall scriptlet").next().unwrap_or_default();
+    assert!(
+        pre.contains("systemd-sysusers") && pre.contains("u corral -:corral"),
+        "the user exists before the files: {scripts}"
+    );
+    assert!(scripts.contains("systemctl enable --now corrald.socket"), "{scripts}");
+    assert!(scripts.contains("disable --now corrald.socket corrald.service"), "{scripts}");
+    assert!(scripts.contains("try-restart corrald.socket corrald.service"), "{scripts}");
+    let requires = query(&["--requires"]);
+    assert!(requires.lines().any(|l| l.starts_with("systemd >= 252")), "{requires}");
 }
