@@ -11,8 +11,10 @@ packages=(
     curl python3 python3-gi python3-venv procps
     # a real OCI registry for pull and push
     docker-registry
-    # checking the man page
+    # checking the man pages
     groff-base
+    # building and checking the packages (scripts/build-packages.sh)
+    lintian rpm
     # building llama-server from source
     cmake ninja-build g++ python3-pip ca-certificates
 )

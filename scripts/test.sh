@@ -8,8 +8,11 @@ cd "$(dirname "$0")/.."
 scripts/setup-system.sh
 scripts/setup-llama-server.sh >/dev/null
 scripts/setup-python-clients.sh >/dev/null
+scripts/setup-packaging.sh >/dev/null
 
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
 cargo build --all-targets --locked
+# Both packages, lintian included; the package tests (tests/it/packages.rs) reuse this build.
+scripts/build-packages.sh all >/dev/null
 cargo nextest run --profile ci --locked

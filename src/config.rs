@@ -77,6 +77,10 @@ pub struct ServerConfig {
     /// The largest request body accepted; 0 means no limit.
     #[serde(deserialize_with = "byte_size")]
     pub max_body: u64,
+    /// When socket-activated: exit after this long with no model loaded and no request
+    /// in flight (systemd keeps the sockets and starts corrald again). `None` is `"off"`.
+    #[serde(deserialize_with = "off_or_duration")]
+    pub exit_on_idle: Option<Duration>,
 }
 
 impl Default for ServerConfig {
@@ -96,6 +100,7 @@ impl Default for ServerConfig {
             cors_origins,
             api_tokens: Vec::new(),
             max_body: 64 << 20,
+            exit_on_idle: None,
         }
     }
 }
@@ -321,6 +326,20 @@ fn duration_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::
     duration(d).map(Some)
 }
 
+/// `"off"`, or a duration above zero.
+fn off_or_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    let text = String::deserialize(d)?;
+    if text == "off" {
+        return Ok(None);
+    }
+    match parse_duration(&text) {
+        Ok(d) if d.is_zero() => Err(format!("\"{text}\" is zero; say \"off\" to never exit when idle")),
+        Ok(d) => Ok(Some(d)),
+        Err(e) => Err(format!("{e}, or \"off\"")),
+    }
+    .map_err(serde::de::Error::custom)
+}
+
 fn absolute_path_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PathBuf>, D::Error> {
     let path = PathBuf::deserialize(d)?;
     if path.is_absolute() {
@@ -501,6 +520,7 @@ mod tests {
         assert!(c.server.cors_origins.iter().any(|o| o == "http://localhost:*"));
         assert_eq!(c.server.max_body, 64 << 20);
         assert_eq!(c.dbus.bus, BusKind::System);
+        assert_eq!(c.server.exit_on_idle, None);
     }
 
     #[test]
@@ -523,6 +543,7 @@ allowed_hosts = ["corral.lan", "*.example.org"]
 cors_origins = ["*"]
 api_tokens = ["s3cret"]
 max_body = "1MiB"
+exit_on_idle = "15m"
 [store]
 path = "/srv/models"
 read_only = true
@@ -556,6 +577,7 @@ keep_alive = "10m"
         assert_eq!(c.server.cors_origins, ["*"]);
         assert_eq!(c.server.api_tokens, ["s3cret"]);
         assert_eq!(c.server.max_body, 1 << 20);
+        assert_eq!(c.server.exit_on_idle, Some(Duration::from_secs(900)));
         assert_eq!(c.store.path.as_deref(), Some(Path::new("/srv/models")));
         assert!(c.store.read_only);
         assert_eq!(c.store.insecure_registries, ["localhost:5000"]);
@@ -630,6 +652,18 @@ keep_alive = "10m"
                 &["server.listen", "neither an IP address with a port"],
             ),
             (&[("corral.toml", "[server]\nlisten = \"127.0.0.1:1\"\n")], &["server.listen", "expected a sequence"]),
+            (
+                &[("corral.toml", "[server]\nexit_on_idle = \"0s\"\n")],
+                &["corral.toml:2", "server.exit_on_idle", "\"0s\" is zero", "\"off\""],
+            ),
+            (
+                &[("corral.toml", "[server]\nexit_on_idle = \"soon\"\n")],
+                &["corral.toml:2", "server.exit_on_idle", "\"soon\" is not a duration", "or \"off\""],
+            ),
+            (
+                &[("corral.toml", "[server]\nexit_on_idle = false\n")],
+                &["corral.toml:2", "server.exit_on_idle", "expected a string"],
+            ),
             (
                 &[("corral.toml", "[server]\nmax_body = \"64M\"\n")],
                 &["corral.toml:2", "server.max_body", "is not a byte size"],

@@ -19,6 +19,7 @@ mod http_openai;
 mod http_store;
 mod journald;
 mod llama_server;
+mod packages;
 mod private_bus;
 mod registry;
 mod scheduling;

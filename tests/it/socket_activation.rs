@@ -207,3 +207,77 @@ fn the_store_is_opened_at_start_and_an_unusable_one_is_a_clear_error() {
     let stderr = corrald.stderr();
     assert!(stderr.contains("cannot open the model store") && stderr.contains("corral.toml/blobs"), "{stderr}");
 }
+
+/// `[server] exit_on_idle` under socket activation: a request still in flight (a blob
+/// upload whose body is half sent) keeps corrald up past the limit; once it ends, corrald
+/// exits cleanly on its own, saying why.  (That the next connection starts it again is
+/// systemd's part, tested in `systemd_container`.)
+#[test]
+fn exit_on_idle_waits_for_requests_in_flight_then_exits_cleanly() {
+    use std::io::{Read as _, Write as _};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let notify = NotifyListener::start();
+    let tcp: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+    let config = write_config(dir.path(), "corral.toml", "[server]\nexit_on_idle = \"1s\"\n");
+    let mut corrald = Corrald::socket_activated(
+        &[tcp.to_string()],
+        &["--config", config.to_str().expect("utf-8")],
+        notify.path(),
+        &[],
+    );
+
+    let body = b"0123456789";
+    let digest = format!("sha256:{}", hex::encode(<sha2::Sha256 as sha2::Digest>::digest(body)));
+    let mut upload = http::connect("the activation socket", || std::net::TcpStream::connect(tcp));
+    let head = format!("POST /api/blobs/{digest} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 10\r\n\r\n");
+    upload.write_all(head.as_bytes()).expect("send head");
+    upload.write_all(&body[..5]).expect("send half the body");
+    notify.wait_for("READY", "1", WAIT);
+
+    // Several idle checks (every 2 s) pass the 1 s limit while the upload is open.
+    let since = std::time::Instant::now();
+    while since.elapsed() < Duration::from_secs(7) {
+        assert!(
+            !corrald.stderr().contains("corral_event=\"idle\""),
+            "exited with a request in flight:\n{}",
+            corrald.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    upload.write_all(&body[5..]).expect("send the rest");
+    let mut reply = String::new();
+    upload.read_to_string(&mut reply).expect("read the reply");
+    assert!(reply.starts_with("HTTP/1.1 201"), "the upload was answered: {reply}");
+    drop(upload);
+
+    let status = corrald.wait_exit(WAIT);
+    assert!(status.success(), "a clean exit: {status}\n{}", corrald.stderr());
+    let stderr = corrald.stderr();
+    assert!(stderr.contains("nothing loaded or in flight for 1s; exiting until the next connection"), "{stderr}");
+    let stopping = notify.wait_for("STOPPING", "1", WAIT);
+    assert!(stopping > 0);
+}
+
+/// Without sockets from systemd nothing would start corrald again, so it stays up.
+#[test]
+fn exit_on_idle_is_ignored_without_socket_activation() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let notify = NotifyListener::start();
+    let port = free_port();
+    let config = write_config(
+        dir.path(),
+        "corral.toml",
+        &format!("[server]\nlisten = [\"127.0.0.1:{port}\"]\nexit_on_idle = \"1s\"\n"),
+    );
+    let mut corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    notify.wait_for("READY", "1", WAIT);
+    corrald.wait_stderr("server.exit_on_idle applies only when systemd passes the sockets; staying up", WAIT);
+    // Three idle checks past the limit.
+    std::thread::sleep(Duration::from_secs(7));
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
+    assert_eq!(http::tcp(addr, "GET", "/api/version").status, 200, "{}", corrald.stderr());
+    assert!(!corrald.stderr().contains("corral_event=\"idle\""), "{}", corrald.stderr());
+    corrald.signal(Signal::SIGTERM);
+    assert!(corrald.wait_exit(WAIT).success());
+}

@@ -8,10 +8,10 @@ use crate::support::container::{Container, describe, poll_until};
 use crate::support::journald::{corrald_events, field, is_corrald_event, summary};
 
 /// How long a state change of a unit may take on a busy machine.
-const SETTLE: Duration = Duration::from_secs(60);
+pub(crate) const SETTLE: Duration = Duration::from_secs(60);
 
 /// `curl` inside the container: the HTTP status and body, or curl's complaint.
-fn curl(ct: &Container, extra: &[&str], url: &str) -> Result<(u16, String), String> {
+pub(crate) fn curl(ct: &Container, extra: &[&str], url: &str) -> Result<(u16, String), String> {
     let mut args = vec!["curl", "-sS", "--max-time", "30", "-w", "\n%{http_code}"];
     args.extend_from_slice(extra);
     args.push(url);
@@ -32,7 +32,7 @@ fn assert_version(result: Result<(u16, String), String>, via: &str) {
     assert_eq!(json["version"], env!("CARGO_PKG_VERSION"), "via {via}: {body}");
 }
 
-fn wait_active_state(ct: &Container, unit: &str, want: &str) {
+pub(crate) fn wait_active_state(ct: &Container, unit: &str, want: &str) {
     poll_until(SETTLE, &format!("{unit} to be {want}"), || {
         let state = ct.unit_property(unit, "ActiveState");
         if state == want { Ok(()) } else { Err(state) }
@@ -40,7 +40,7 @@ fn wait_active_state(ct: &Container, unit: &str, want: &str) {
 }
 
 /// Waits until corrald's journal entries include `event`, and returns that entry's MESSAGE.
-fn wait_event(ct: &Container, event: &str) -> String {
+pub(crate) fn wait_event(ct: &Container, event: &str) -> String {
     poll_until(SETTLE, &format!("CORRAL_EVENT={event} in the journal of corrald.service"), || {
         let entries = ct.journal("corrald.service");
         entries
@@ -242,4 +242,30 @@ fn a_preloaded_model_runs_in_its_own_cgroup_and_logs_to_the_journal() {
     assert_eq!(ct.unit_property("corrald.service", "Result"), "success");
     let left = ct.exec(&["pgrep", "-x", "llama-server"]);
     assert!(String::from_utf8_lossy(&left.stdout).trim().is_empty(), "no llama-server is left");
+}
+
+/// `[server] exit_on_idle` under real systemd: corrald exits cleanly when idle, the socket
+/// stays, and the next connection starts a new instance that answers it.
+#[test]
+fn an_idle_service_exits_and_the_next_connection_starts_it_again() {
+    let ct = Container::boot("idle");
+    ct.install_corral();
+    std::fs::write(ct.share_dir().join("corral.toml"), "[server]\nexit_on_idle = \"1s\"\n").expect("config");
+    ct.run(&["install", "-D", "-m", "0644", "/srv/host/corral.toml", "/etc/corral/corral.toml"]);
+    ct.run(&["systemctl", "start", "corrald.socket"]);
+
+    assert_version(curl(&ct, &[], "http://127.0.0.1:11434/api/version"), "TCP (first connection)");
+    let first = ct.unit_property("corrald.service", "MainPID");
+    assert_ne!(first, "0");
+    let idle = wait_event(&ct, "idle");
+    assert!(idle.contains("exiting until the next connection"), "{idle}");
+    wait_active_state(&ct, "corrald.service", "inactive");
+    assert_eq!(ct.unit_property("corrald.service", "Result"), "success");
+    assert_eq!(ct.unit_property("corrald.service", "ExecMainStatus"), "0");
+    assert_eq!(ct.unit_property("corrald.socket", "SubState"), "listening");
+
+    // The request that comes after the exit waits in the socket's backlog and is answered.
+    assert_version(curl(&ct, &["--unix-socket", "/run/corral.sock"], "http://localhost/api/version"), "after idle");
+    wait_active_state(&ct, "corrald.service", "active");
+    assert_ne!(ct.unit_property("corrald.service", "MainPID"), first, "a new instance");
 }

@@ -1,0 +1,268 @@
+//! The built .deb, end to end under real systemd 252 as PID 1: install it, let the first
+//! connection start corrald, create a model from the tiny GGUF and pull one from a local
+//! registry, chat, read the journal's offload event and the runner cgroups, restart and
+//! SIGKILL without leaving a llama-server behind, and remove and purge the package.
+//!
+//! The package is built with `scripts/build-packages.sh` (the documented command, lintian
+//! included); its release build is incremental, so once CI has built it this is quick.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use sha2::Digest as _;
+
+use crate::support::container::{Container, output_within, poll_until, repo_root};
+use crate::support::journald::field;
+use crate::systemd_container::{SETTLE, curl, wait_active_state, wait_event};
+
+/// How long building the package may take: a release build from scratch on two cores.
+const BUILD_TIMEOUT: Duration = Duration::from_secs(1200);
+/// The registry inside the container.
+/// (The container also runs the host's own docker-registry.service on port 5000.)
+const REGISTRY: &str = "127.0.0.1:5055";
+
+/// Runs `scripts/build-packages.sh KIND` and returns the package it printed.
+fn build(kind: &str) -> PathBuf {
+    // The environment of a shell, not of cargo and nextest: their variables would make the
+    // release build's fingerprints differ from CI's own build, and rebuild it each time.
+    let mut cmd = std::process::Command::new(repo_root().join("scripts/build-packages.sh"));
+    cmd.arg(kind)
+        .env_clear()
+        .envs(std::env::vars().filter(|(k, _)| ["PATH", "HOME", "CARGO_HOME", "RUSTUP_HOME"].contains(&k.as_str())));
+    let out = output_within(&mut cmd, BUILD_TIMEOUT);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "build-packages.sh {kind} failed:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let package = PathBuf::from(text.trim().lines().last().unwrap_or_default());
+    assert!(package.extension().is_some_and(|e| e == kind) && package.is_file(), "no .{kind} printed: {text}");
+    package
+}
+
+/// `curl` with a JSON body; the status and body.
+fn post(ct: &Container, path: &str, body: &serde_json::Value) -> (u16, String) {
+    let url = format!("http://127.0.0.1:11434{path}");
+    curl(ct, &["-H", "Content-Type: application/json", "-d", &body.to_string()], &url)
+        .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+}
+
+/// The pids of every llama-server in the container.
+fn llama_servers(ct: &Container) -> String {
+    let out = ct.exec(&["pgrep", "-x", "llama-server"]);
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+fn wait_no_llama_server(ct: &Container, after: &str) {
+    poll_until(SETTLE, &format!("no llama-server left after {after}"), || {
+        let left = llama_servers(ct);
+        if left.is_empty() { Ok(()) } else { Err(format!("still running: {left}")) }
+    });
+}
+
+/// Chats with `model` and returns the runner's pid (the only llama-server).
+fn chat(ct: &Container, model: &str) -> String {
+    let request = serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "stream": false,
+        "options": {"num_predict": 4},
+    });
+    let (code, body) = post(ct, "/api/chat", &request);
+    assert_eq!(code, 200, "chat with {model}: {body}");
+    let reply: serde_json::Value = serde_json::from_str(&body).expect("chat JSON");
+    assert_eq!(reply["done"], true, "{body}");
+    assert_eq!(reply["message"]["role"], "assistant", "{body}");
+    let pids = llama_servers(ct);
+    assert_eq!(pids.lines().count(), 1, "one runner: {pids}");
+    pids
+}
+
+/// Puts the package, the tiny model, llama-server and the test's configuration into the
+/// container's share; returns the model's digest.
+fn stage(ct: &Container, deb: &std::path::Path) -> String {
+    let share = ct.share_dir();
+    std::fs::copy(deb, share.join("corral.deb")).expect("stage the package");
+    let model = corral::demo_model::tiny_llama_bytes().expect("tiny llama");
+    let digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(&model)));
+    std::fs::write(share.join("tiny.gguf"), &model).expect("stage the model");
+    std::fs::copy(crate::support::llama::bin_dir().join("llama-server"), share.join("llama-server")).expect("stage");
+    std::fs::write(
+        share.join("50-test.toml"),
+        format!(
+            "[runner]\nllama_server = \"/srv/host/llama-server\"\n[store]\ninsecure_registries = [\"{REGISTRY}\"]\n\
+             [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"2GiB\"\n"
+        ),
+    )
+    .expect("config");
+    std::fs::write(
+        share.join("registry.yml"),
+        format!(
+            "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: /var/lib/test-registry\n\
+             http:\n  addr: {REGISTRY}\n"
+        ),
+    )
+    .expect("registry config");
+
+    digest
+}
+
+/// Pulls a model from a registry inside the container: pushes a copy of `tiny` there,
+/// deletes it here and pulls it back; returns its name.
+fn pull_from_a_local_registry(ct: &Container) -> String {
+    ct.run(&["systemd-run", "--unit=test-registry", "/usr/bin/docker-registry", "serve", "/srv/host/registry.yml"]);
+    poll_until(SETTLE, "the registry to answer", || curl(ct, &[], &format!("http://{REGISTRY}/v2/")));
+    let remote = format!("{REGISTRY}/corral/tiny:v1");
+    assert_eq!(post(ct, "/api/copy", &serde_json::json!({"source": "tiny", "destination": remote})).0, 200);
+    let (code, body) = post(ct, "/api/push", &serde_json::json!({"model": remote, "insecure": true, "stream": false}));
+    assert_eq!((code, body.as_str()), (200, r#"{"status":"success"}"#));
+    let (code, body) = curl(
+        ct,
+        &["-X", "DELETE", "-d", &serde_json::json!({"model": remote}).to_string()],
+        "http://127.0.0.1:11434/api/delete",
+    )
+    .expect("delete");
+    assert_eq!(code, 200, "{body}");
+    let (code, body) = post(ct, "/api/pull", &serde_json::json!({"model": remote, "insecure": true, "stream": false}));
+    assert_eq!((code, body.as_str()), (200, r#"{"status":"success"}"#));
+    let (_, tags) = curl(ct, &[], "http://127.0.0.1:11434/api/tags").expect("tags");
+    assert!(tags.contains(&remote), "{tags}");
+
+    remote
+}
+
+#[test]
+fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
+    let deb = build("deb");
+    let ct = Container::boot("deb");
+    let digest = stage(&ct, &deb);
+
+    // This host was built as a container image, whose policy-rc.d forbids maintainer
+    // scripts to start services (deb-systemd-invoke honours it); a real system has none.
+    ct.run(&["rm", "-f", "/usr/sbin/policy-rc.d"]);
+
+    // Install: the user, /etc/corral, and an enabled, listening socket; no service yet.
+    ct.run(&["dpkg", "-i", "/srv/host/corral.deb"]);
+    assert_eq!(ct.run(&["id", "-nG", "corral"]).split_whitespace().next(), Some("corral"));
+    assert_eq!(ct.run(&["stat", "-c", "%a %U %G", "/etc/corral/corral.toml"]), "640 root corral");
+    assert_eq!(ct.run(&["stat", "-c", "%a %U %G", "/etc/corral/corral.toml.d"]), "750 root corral");
+    assert_eq!(ct.run(&["systemctl", "is-enabled", "corrald.socket"]), "enabled");
+    assert_eq!(ct.unit_property("corrald.socket", "SubState"), "listening");
+    assert_eq!(ct.unit_property("corrald.service", "ActiveState"), "inactive");
+    ct.run(&["test", "-f", "/usr/share/man/man5/corral.toml.5.gz"]);
+    ct.run(&["install", "-m", "0640", "-g", "corral", "/srv/host/50-test.toml", "/etc/corral/corral.toml.d/"]);
+
+    // The first request starts the service.
+    let (code, body) = curl(&ct, &[], "http://127.0.0.1:11434/api/version").expect("first request");
+    assert_eq!(code, 200, "{body}");
+    wait_active_state(&ct, "corrald.service", "active");
+    wait_event(&ct, "ready");
+
+    // Create a model from the tiny GGUF: upload the blob, then create.
+    let blob = format!("http://127.0.0.1:11434/api/blobs/{digest}");
+    let (code, body) = curl(&ct, &["-T", "/srv/host/tiny.gguf", "-X", "POST"], &blob).expect("upload");
+    assert_eq!(code, 201, "{body}");
+    let create = serde_json::json!({"model": "tiny", "files": {"tiny.gguf": digest}, "stream": false});
+    let (code, body) = post(&ct, "/api/create", &create);
+    assert_eq!((code, body.as_str()), (200, r#"{"status":"success"}"#));
+
+    // Chat; the runner's offload event reaches the journal with its fields.
+    let runner = chat(&ct, "tiny");
+    wait_event(&ct, "offload");
+    let entries = ct.journal("corrald.service");
+    let offload =
+        entries.iter().find(|e| field(e, "CORRAL_EVENT").as_deref() == Some("offload")).expect("an offload entry");
+    assert_eq!(field(offload, "CORRAL_MODEL").as_deref(), Some("tiny:latest"), "{offload}");
+    assert_eq!(field(offload, "CORRAL_RUNNER_PID").as_deref(), Some(runner.as_str()), "{offload}");
+    for name in ["CORRAL_GPU_LAYERS", "CORRAL_TOTAL_LAYERS", "CORRAL_VRAM_BYTES", "CORRAL_RAM_BYTES"] {
+        let value = field(offload, name).unwrap_or_else(|| panic!("{name} missing: {offload}"));
+        assert!(value.parse::<u64>().is_ok(), "{name}={value}");
+    }
+
+    // systemctl status shows the daemon's leaf and the runner's own cgroup.
+    let status = ct.exec(&["systemctl", "status", "--no-pager", "-l", "corrald.service"]);
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(status.contains("├─daemon") || status.contains("─daemon"), "{status}");
+    let runner_line = status.lines().position(|l| l.contains("─runner-")).unwrap_or_else(|| panic!("{status}"));
+    let under = status.lines().nth(runner_line + 1).unwrap_or_default();
+    assert!(under.contains(&runner) && under.contains("llama-server"), "the runner under its cgroup: {status}");
+
+    let remote = pull_from_a_local_registry(&ct);
+
+    // A restart stops the runner with the old instance.
+    let main_pid = ct.unit_property("corrald.service", "MainPID");
+    ct.run(&["systemctl", "restart", "corrald.service"]);
+    wait_active_state(&ct, "corrald.service", "active");
+    assert_ne!(ct.unit_property("corrald.service", "MainPID"), main_pid);
+    wait_no_llama_server(&ct, "systemctl restart");
+
+    // SIGKILL of the main process: systemd kills the rest of the cgroup, and the
+    // socket starts a new instance on the next request.
+    let runner = chat(&ct, &remote);
+    let main_pid = ct.unit_property("corrald.service", "MainPID");
+    ct.run(&["kill", "-KILL", &main_pid]);
+    poll_until(SETTLE, "the runner to die with its daemon", || {
+        if ct.exec(&["kill", "-0", &runner]).status.success() { Err(format!("{runner} alive")) } else { Ok(()) }
+    });
+    wait_no_llama_server(&ct, "SIGKILL of corrald");
+    chat(&ct, "tiny");
+    assert_ne!(ct.unit_property("corrald.service", "MainPID"), main_pid);
+
+    // Removing the package stops everything and keeps the models.
+    ct.run(&["dpkg", "-r", "corral"]);
+    assert_eq!(ct.unit_property("corrald.socket", "ActiveState"), "inactive");
+    assert_eq!(ct.unit_property("corrald.service", "ActiveState"), "inactive");
+    wait_no_llama_server(&ct, "dpkg -r");
+    assert!(ct.exec(&["pgrep", "-x", "corrald"]).stdout.is_empty(), "no corrald after removal");
+    let blob_file = format!("/var/lib/corral/models/blobs/{}", digest.replace(':', "-"));
+    ct.run(&["test", "-f", &blob_file]);
+    ct.run(&["test", "-f", "/var/lib/corral/models/manifests/registry.ollama.ai/library/tiny/latest"]);
+    assert!(curl(&ct, &[], "http://127.0.0.1:11434/api/version").is_err(), "nothing listens after removal");
+
+    // Purging takes the models and the configuration too.
+    ct.run(&["dpkg", "-P", "corral"]);
+    for gone in ["/var/lib/corral", "/etc/corral", "/usr/bin/corrald"] {
+        assert!(!ct.exec(&["test", "-e", gone]).status.success(), "{gone} is left after purge");
+    }
+}
+
+/// The .rpm from `packaging/rpm/corral.spec`: the files at Fedora's paths, the user from
+/// sysusers.d before the files land, the socket enabled on a first install, and the
+/// units stopped on removal and restarted on an upgrade.
+#[test]
+fn the_rpm_holds_the_units_and_the_scriptlets() {
+    let rpm = build("rpm");
+    let query = |args: &[&str]| {
+        let out =
+            output_within(std::process::Command::new("rpm").arg("-qp").args(args).arg(&rpm), Duration::from_secs(60));
+        assert!(out.status.success(), "rpm -qp {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let files = query(&["--list"]);
+    for file in [
+        "/usr/bin/corrald",
+        "/usr/lib/systemd/system/corrald.service",
+        "/usr/lib/systemd/system/corrald.socket",
+        "/usr/lib/systemd/system/corral.slice",
+        "/usr/lib/systemd/user/corrald.service",
+        "/usr/lib/systemd/user/corrald.socket",
+        "/usr/lib/sysusers.d/corral.conf",
+        "/usr/lib/tmpfiles.d/corral.conf",
+        "/etc/corral/corral.toml",
+        "/etc/corral/corral.toml.d",
+    ] {
+        assert!(files.lines().any(|l| l == file), "{file} missing from the rpm:\n{files}");
+    }
+    let config = query(&["--configfiles"]);
+    assert_eq!(config.trim(), "/etc/corral/corral.toml");
+    let owners = query(&["--queryformat", "[%{FILEMODES:perms} %{FILEUSERNAME}:%{FILEGROUPNAME} %{FILENAMES}\n]"]);
+    assert!(owners.contains("-rw-r----- root:corral /etc/corral/corral.toml\n"), "{owners}");
+    let scripts = query(&["--scripts"]);
+    let pre = scripts.split("postinstall scriptlet").next().unwrap_or_default();
+    assert!(
+        pre.contains("systemd-sysusers") && pre.contains("u corral -:corral"),
+        "the user exists before the files: {scripts}"
+    );
+    assert!(scripts.contains("systemctl enable --now corrald.socket"), "{scripts}");
+    assert!(scripts.contains("disable --now corrald.socket corrald.service"), "{scripts}");
+    assert!(scripts.contains("try-restart corrald.socket corrald.service"), "{scripts}");
+    let requires = query(&["--requires"]);
+    assert!(requires.lines().any(|l| l.starts_with("systemd >= 252")), "{requires}");
+}
