@@ -87,14 +87,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
 
     // Taking the cgroup tree moves the daemon into its leaf; runners become its siblings.
     let cgroups = take_cgroup_tree();
-    let store_path = loaded.config.store.path.clone().unwrap_or_else(|| paths.default_store());
-    let read_only = loaded.config.store.read_only;
-    let store = tokio::task::spawn_blocking(move || {
-        if read_only { Store::open_read_only(&store_path) } else { Store::open(&store_path) }
-    })
-    .await
-    .context("the store check panicked")?
-    .context("cannot open the model store")?;
+    let store = open_store(&loaded.config, &paths).await?;
     // Listen before any runner starts: a start that fails to listen leaves nothing behind.
     let socket_activated = !sockets.is_empty();
     let listeners = if socket_activated {
@@ -180,6 +173,18 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     }
     tracing::info!("corrald stopped");
     Ok(())
+}
+
+/// Opens the model store (checking it, which reads the disk: off the async threads).
+async fn open_store(config: &Config, paths: &Paths) -> anyhow::Result<Store> {
+    let store_path = config.store.path.clone().unwrap_or_else(|| paths.default_store());
+    let read_only = config.store.read_only;
+    tokio::task::spawn_blocking(move || {
+        if read_only { Store::open_read_only(&store_path) } else { Store::open(&store_path) }
+    })
+    .await
+    .context("the store check panicked")?
+    .context("cannot open the model store")
 }
 
 /// The HTTP requests seen, for the idle check.
