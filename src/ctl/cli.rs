@@ -1,0 +1,139 @@
+//! Command-line options of `corralctl`. No logic beyond defaults.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use clap_complete::Shell;
+
+/// Controls corrald, the local language model manager, over D-Bus.
+///
+/// Reading (list, ps, show, status) is open to every user; loading, unloading and
+/// changing the store need root or membership of the group "corral". `run` talks to the
+/// HTTP API instead.
+#[derive(Debug, Parser)]
+#[command(name = "corralctl", version)]
+pub struct Cli {
+    /// Talk to a corrald on the session bus instead of the system bus.
+    #[arg(long, global = true)]
+    pub session: bool,
+
+    /// Print machine-readable JSON instead of tables and progress.
+    #[arg(long, global = true)]
+    pub json: bool,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// List the models in the store.
+    #[command(visible_alias = "ls")]
+    List,
+    /// List the loaded models: state, process, memory, expiry.
+    Ps,
+    /// Show one model's details and state.
+    Show {
+        /// The model's name, e.g. "tiny" or "me/model:tag".
+        model: String,
+    },
+    /// Load a model and wait until it is ready.
+    Load(LoadArgs),
+    /// Unload a model and wait until its processes are gone.
+    #[command(visible_alias = "stop")]
+    Unload {
+        /// The model's name.
+        model: String,
+    },
+    /// Pull a model from its registry, showing progress.
+    Pull(TransferArgs),
+    /// Push a model to the registry its name names, showing progress.
+    Push(TransferArgs),
+    /// Create (or replace) a model from a Modelfile.
+    Create {
+        /// The new model's name.
+        model: String,
+        /// The Modelfile; relative FROM and ADAPTER paths are taken from its directory.
+        #[arg(short = 'f', long = "file", value_name = "MODELFILE", default_value = "Modelfile")]
+        file: PathBuf,
+    },
+    /// Copy a model to a new name (blobs are shared).
+    Cp {
+        /// The model to copy.
+        source: String,
+        /// The new name.
+        destination: String,
+    },
+    /// Delete models (their runners unload first).
+    Rm {
+        /// The models' names.
+        #[arg(required = true)]
+        models: Vec<String>,
+    },
+    /// Show the daemon's version, memory, limits and what is loaded.
+    Status,
+    /// Chat with a model over the HTTP API: one PROMPT, or lines from standard input.
+    Run(RunArgs),
+    /// Print a shell completion script.
+    Completions {
+        /// The shell.
+        shell: Shell,
+    },
+}
+
+/// `load`.
+#[derive(Debug, Args)]
+pub struct LoadArgs {
+    /// The model's name.
+    pub model: String,
+    /// How long it stays loaded when idle: a duration such as "10m", or "-1" for forever.
+    #[arg(long, value_name = "DURATION", allow_hyphen_values = true)]
+    pub keep_alive: Option<String>,
+    /// Context length in tokens.
+    #[arg(long, value_name = "TOKENS")]
+    pub num_ctx: Option<i64>,
+    /// Layers to offload to GPUs.
+    #[arg(long, value_name = "LAYERS")]
+    pub num_gpu: Option<i64>,
+}
+
+/// `pull` and `push`.
+#[derive(Debug, Args)]
+pub struct TransferArgs {
+    /// The model's name, with its registry, e.g. "registry.example.org/me/model:tag".
+    pub model: String,
+    /// Allow plain HTTP to the registry.
+    #[arg(long)]
+    pub insecure: bool,
+}
+
+/// `run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The model's name.
+    pub model: String,
+    /// The message to send; without it, each line of standard input is one turn of a
+    /// conversation (`/bye` or end of input stops).
+    pub prompt: Option<String>,
+    /// corrald's HTTP API: a URL such as `http://127.0.0.1:11434`, or a UNIX socket path
+    /// such as /run/corral.sock.
+    #[arg(long, env = "CORRAL_HOST", default_value = "http://127.0.0.1:11434", value_name = "URL|SOCKET")]
+    pub host: String,
+    /// A bearer token, for a daemon with `[server] api_tokens`.
+    #[arg(long, env = "CORRAL_API_TOKEN", hide_env_values = true, value_name = "TOKEN")]
+    pub token: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+}
