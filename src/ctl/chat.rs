@@ -100,6 +100,8 @@ pub struct Chat {
     pub model: String,
     /// `--json`: one JSON object per reply instead of streamed text.
     pub json: bool,
+    /// Model options sent with each request (`options` of `/api/chat`).
+    pub options: serde_json::Map<String, serde_json::Value>,
     /// The conversation so far.
     pub history: Vec<Message>,
 }
@@ -129,7 +131,9 @@ impl Chat {
     }
 
     async fn send(&self) -> Result<String, CtlError> {
-        let body = serde_json::json!({ "model": self.model, "messages": self.history, "stream": true });
+        let body = serde_json::json!({
+            "model": self.model, "messages": self.history, "stream": true, "options": self.options,
+        });
         let mut request = Request::post("/api/chat")
             .header(hyper::header::HOST, self.host.header())
             .header(hyper::header::CONTENT_TYPE, "application/json");

@@ -121,16 +121,39 @@ pub struct RunArgs {
     /// such as /run/corral.sock.
     #[arg(long, env = "CORRAL_HOST", default_value = "http://127.0.0.1:11434", value_name = "URL|SOCKET")]
     pub host: String,
+    /// A model option for the request, such as `num_predict=64` or `temperature=0.2`
+    /// (repeatable; the value is read as JSON when it parses, else as a string).
+    #[arg(short = 'o', long = "option", value_name = "KEY=VALUE", value_parser = parse_option)]
+    pub options: Vec<(String, serde_json::Value)>,
     /// A bearer token, for a daemon with `[server] api_tokens`.
     #[arg(long, env = "CORRAL_API_TOKEN", hide_env_values = true, value_name = "TOKEN")]
     pub token: Option<String>,
+}
+
+/// `KEY=VALUE`, the value as JSON when it parses (`8`, `0.5`, `true`, `["a"]`), else a string.
+fn parse_option(text: &str) -> Result<(String, serde_json::Value), String> {
+    let (key, value) = text.split_once('=').ok_or_else(|| format!("expected KEY=VALUE, not \"{text}\""))?;
+    if key.is_empty() {
+        return Err(format!("expected KEY=VALUE, not \"{text}\""));
+    }
+    let value = serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::String(value.to_owned()));
+    Ok((key.to_owned(), value))
 }
 
 #[cfg(test)]
 mod tests {
     use clap::CommandFactory;
 
-    use super::Cli;
+    use super::{Cli, parse_option};
+
+    #[test]
+    fn options_are_json_values_or_strings() {
+        assert_eq!(parse_option("num_predict=8"), Ok(("num_predict".into(), serde_json::json!(8))));
+        assert_eq!(parse_option("stop=[\"a\"]"), Ok(("stop".into(), serde_json::json!(["a"]))));
+        assert_eq!(parse_option("x=hello world"), Ok(("x".into(), serde_json::json!("hello world"))));
+        assert!(parse_option("novalue").is_err());
+        assert!(parse_option("=1").is_err());
+    }
 
     #[test]
     fn the_command_line_is_well_formed() {

@@ -10,7 +10,7 @@ use zbus::zvariant::{OwnedObjectPath, Value};
 use super::bus::{Bus, OrBus};
 use super::cli::{LoadArgs, TransferArgs};
 use super::error::CtlError;
-use super::job::{self, Outcome, Progress};
+use super::job::{Outcome, Progress, Watch};
 use super::modelfile;
 use super::output::{self, expires, expires_rfc3339, fields, print, print_json, short_digest, size, table};
 
@@ -276,9 +276,10 @@ pub async fn transfer(bus: &Bus, style: Style, push: bool, args: &TransferArgs) 
     if args.insecure {
         options.insert("insecure", Value::from(true));
     }
+    let mut watch = Watch::start(bus).await?;
     let path = if push { manager.push(&args.model, options).await } else { manager.pull(&args.model, options).await }
         .or_bus(bus)?;
-    finish(job::follow(bus, path, style.progress(true)).await?, style)
+    finish(watch.follow(bus, path, style.progress(true)).await?, style)
 }
 
 /// `create`.
@@ -289,14 +290,16 @@ pub async fn create(bus: &Bus, style: Style, name: &str, file: &Path, home: Opti
         .map_err(|source| CtlError::Io { what: format!("cannot resolve {}", file.display()), source })?;
     let dir = file.parent().unwrap_or(Path::new("/"));
     let text = modelfile::prepare(&text, dir, home)?;
+    let mut watch = Watch::start(bus).await?;
     let path = bus.manager().await?.create(name, &text).await.or_bus(bus)?;
-    finish(job::follow(bus, path, style.progress(false)).await?, style)
+    finish(watch.follow(bus, path, style.progress(false)).await?, style)
 }
 
 /// `cp`.
 pub async fn copy(bus: &Bus, style: Style, source: &str, destination: &str) -> Result<(), CtlError> {
+    let mut watch = Watch::start(bus).await?;
     let path = bus.manager().await?.copy(source, destination).await.or_bus(bus)?;
-    let outcome = job::follow(bus, path, Progress::Quiet).await?.into_result()?;
+    let outcome = watch.follow(bus, path, Progress::Quiet).await?.into_result()?;
     if style.json {
         return print_json(&outcome);
     }
@@ -306,10 +309,11 @@ pub async fn copy(bus: &Bus, style: Style, source: &str, destination: &str) -> R
 /// `rm`: one model after another, stopping at the first failure.
 pub async fn remove(bus: &Bus, style: Style, names: &[String]) -> Result<(), CtlError> {
     let manager = bus.manager().await?;
+    let mut watch = Watch::start(bus).await?;
     let mut outcomes = Vec::new();
     for name in names {
         let path = manager.delete(name).await.or_bus(bus)?;
-        let outcome = job::follow(bus, path, Progress::Quiet).await?.into_result()?;
+        let outcome = watch.follow(bus, path, Progress::Quiet).await?.into_result()?;
         if !style.json {
             print(&format!("deleted '{name}'\n"))?;
         }
@@ -368,7 +372,7 @@ pub async fn status(bus: &Bus, style: Style) -> Result<(), CtlError> {
                 )
             })
             .collect::<Vec<_>>()
-            .join("\n                   ")
+            .join("\n                ")
     };
     let loaded = if status.loaded_models.is_empty() { "none".to_owned() } else { status.loaded_models.join(", ") };
     print(&fields(&[

@@ -2,10 +2,12 @@
 
 use std::io::Write;
 
+use std::collections::HashMap;
+
 use futures_util::StreamExt;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
-use zbus::zvariant::OwnedObjectPath;
+use zbus::zvariant::{OwnedObjectPath, OwnedValue};
 
 use super::bus::{Bus, OrBus};
 use super::error::CtlError;
@@ -48,53 +50,61 @@ impl Outcome {
     }
 }
 
-/// Follows the job at `path` until it ends, showing progress as `progress` says.
-///
-/// The signal streams are subscribed to before the job's state is first read, so that an
-/// end between the call that started it and this one is never missed.
-pub async fn follow(bus: &Bus, path: OwnedObjectPath, progress: Progress) -> Result<Outcome, CtlError> {
-    let job = bus.job(path.clone()).await?;
-    let mut finished = job.receive_finished().await.or_bus(bus)?;
-    let properties = zbus::fdo::PropertiesProxy::builder(bus.connection())
-        .destination(crate::dbus::BUS_NAME)
-        .and_then(|b| b.path(path.clone()))
-        .or_bus(bus)?
-        .cache_properties(zbus::proxy::CacheProperties::No)
-        .build()
-        .await
-        .or_bus(bus)?;
-    let mut changes = properties.receive_properties_changed().await.or_bus(bus)?;
+/// The signals of every job, subscribed to before the call that starts one, so that no
+/// progress line and no end is missed however quickly the job runs.
+pub struct Watch {
+    stream: zbus::MessageStream,
+}
 
-    let kind = job.kind().await.or_bus(bus)?;
-    let model = job.model().await.or_bus(bus)?;
-    let mut view = View::new(progress);
-    view.status(&job.status().await.or_bus(bus)?);
-    view.total(job.total().await.or_bus(bus)?);
-    view.completed(job.completed().await.or_bus(bus)?);
+impl Watch {
+    /// Subscribes to the signals under `/org/corral/Corral1/jobs`.
+    pub async fn start(bus: &Bus) -> Result<Self, CtlError> {
+        let rule = zbus::MatchRule::builder()
+            .msg_type(zbus::message::Type::Signal)
+            .path_namespace(crate::dbus::JOBS_PATH)
+            .map(zbus::match_rule::Builder::build)
+            .or_bus(bus)?;
+        let stream = zbus::MessageStream::for_match_rule(rule, bus.connection(), None).await.or_bus(bus)?;
+        Ok(Self { stream })
+    }
 
-    if job.state().await.or_bus(bus)? == "running" {
-        loop {
-            tokio::select! {
-                end = finished.next() => {
-                    if end.is_none() {
-                        return Err(CtlError::Bus("the connection to the bus closed while following the job".into()));
+    /// Follows the job at `path` until it ends, showing progress as `progress` says.
+    pub async fn follow(&mut self, bus: &Bus, path: OwnedObjectPath, progress: Progress) -> Result<Outcome, CtlError> {
+        let mut view = View::new(progress);
+        while let Some(message) = self.stream.next().await {
+            let message = message.or_bus(bus)?;
+            let header = message.header();
+            if header.path().is_none_or(|p| p.as_str() != path.as_str()) {
+                continue;
+            }
+            match (
+                header.interface().map(zbus::names::InterfaceName::as_str),
+                header.member().map(zbus::names::MemberName::as_str),
+            ) {
+                (Some("org.freedesktop.DBus.Properties"), Some("PropertiesChanged")) => {
+                    if let Ok((_, changed, _)) =
+                        message.body().deserialize::<(String, HashMap<String, OwnedValue>, Vec<String>)>()
+                    {
+                        view.changed(&changed);
                     }
-                    break;
                 }
-                Some(change) = changes.next() => {
-                    if let Ok(args) = change.args() {
-                        view.changed(&args.changed_properties);
-                    }
+                (Some("org.corral.Corral1.Job"), Some("Finished")) => {
+                    // The job object stays after its end, for its result.
+                    let job = bus.job(path.clone()).await?;
+                    view.finish();
+                    return Ok(Outcome {
+                        job: path.to_string(),
+                        kind: job.kind().await.or_bus(bus)?,
+                        model: job.model().await.or_bus(bus)?,
+                        state: job.state().await.or_bus(bus)?,
+                        error: job.error().await.or_bus(bus)?,
+                    });
                 }
+                _ => {}
             }
         }
+        Err(CtlError::Bus("the connection to the bus closed while following the job".into()))
     }
-    // The final values, rather than the signal's: one read answers both cases above.
-    let state = job.state().await.or_bus(bus)?;
-    let error = job.error().await.or_bus(bus)?;
-    view.status(&job.status().await.or_bus(bus)?);
-    view.finish();
-    Ok(Outcome { job: path.to_string(), kind, model, state, error })
 }
 
 /// What is on the screen.
@@ -135,14 +145,14 @@ impl View {
     }
 
     /// Applies a `PropertiesChanged` of the job.
-    fn changed(&mut self, changed: &std::collections::HashMap<&str, zbus::zvariant::Value<'_>>) {
-        if let Some(Ok(status)) = changed.get("Status").map(<&str>::try_from) {
+    fn changed(&mut self, changed: &HashMap<String, OwnedValue>) {
+        if let Some(Ok(status)) = changed.get("Status").map(|v| <&str>::try_from(&**v)) {
             self.status(status);
         }
-        if let Some(Ok(total)) = changed.get("Total").map(u64::try_from) {
+        if let Some(Ok(total)) = changed.get("Total").map(|v| u64::try_from(&**v)) {
             self.total(total);
         }
-        if let Some(Ok(completed)) = changed.get("Completed").map(u64::try_from) {
+        if let Some(Ok(completed)) = changed.get("Completed").map(|v| u64::try_from(&**v)) {
             self.completed(completed);
         }
     }

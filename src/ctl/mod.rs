@@ -54,6 +54,7 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
                 token: args.token,
                 model: args.model,
                 json: cli.json,
+                options: args.options.into_iter().collect(),
                 history: Vec::new(),
             };
             chat::run(chat, args.prompt.as_deref()).await

@@ -8,6 +8,7 @@ mod support;
 mod check_config;
 mod clients;
 mod containment;
+mod ctl;
 mod fake_runner;
 mod http_api;
 mod http_generate;
