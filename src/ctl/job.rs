@@ -50,6 +50,9 @@ impl Outcome {
     }
 }
 
+/// Signals held for a [`Watch`] before it reads them.
+const QUEUE: usize = 4096;
+
 /// The signals of every job, subscribed to before the call that starts one, so that no
 /// progress line and no end is missed however quickly the job runs.
 pub struct Watch {
@@ -64,7 +67,9 @@ impl Watch {
             .path_namespace(crate::dbus::JOBS_PATH)
             .map(zbus::match_rule::Builder::build)
             .or_bus(bus)?;
-        let stream = zbus::MessageStream::for_match_rule(rule, bus.connection(), None).await.or_bus(bus)?;
+        // Room for other jobs' signals while a call's reply is awaited and nothing reads
+        // the stream (a full queue holds up the connection, replies included).
+        let stream = zbus::MessageStream::for_match_rule(rule, bus.connection(), Some(QUEUE)).await.or_bus(bus)?;
         Ok(Self { stream })
     }
 

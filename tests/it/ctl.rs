@@ -292,6 +292,15 @@ fn corralctl_pushes_and_pulls_back_with_progress() {
     assert_eq!(rig.json(&["show", &remote])["digest"], digest, "the pulled model is the pushed one");
 
     rig.fails(None, &["pull", &format!("{}/me/absent:1", registry.host()), "--insecure"], 1, "failed: ");
+
+    // On a terminal (script(1) gives it one), pull draws a progress bar instead of lines.
+    rig.ok(&["rm", &remote]);
+    let on_tty =
+        rig.bus.run_as(None, &["script", "-qec", &format!("{CORRALCTL} pull {remote} --insecure"), "/dev/null"]);
+    assert!(on_tty.status.success(), "{}", describe(&on_tty));
+    let screen = text(&on_tty);
+    assert!(screen.contains('%') && screen.contains("] ") && screen.contains("success"), "no bar: {screen:?}");
+    assert_eq!(rig.json(&["show", &remote])["digest"], digest);
 }
 
 #[test]
