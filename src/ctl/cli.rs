@@ -8,8 +8,8 @@ use clap_complete::Shell;
 /// Controls corrald, the local language model manager, over D-Bus.
 ///
 /// Reading (list, ps, show, status) is open to every user; loading, unloading and
-/// changing the store need root or membership of the group "corral". `run` talks to the
-/// HTTP API instead.
+/// changing the store need root or membership of the group "corral". The run command
+/// talks to the HTTP API instead.
 #[derive(Debug, Parser)]
 #[command(name = "corralctl", version)]
 pub struct Cli {
