@@ -179,9 +179,11 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
 async fn open_store(config: &Config, paths: &Paths) -> anyhow::Result<Store> {
     let store_path = config.store.path.clone().unwrap_or_else(|| paths.default_store());
     let read_only = config.store.read_only;
-    tokio::task::spawn_blocking(move || {
-        if read_only { Store::open_read_only(&store_path) } else { Store::open(&store_path) }
-    })
+    tokio::task::spawn_blocking(
+        move || {
+            if read_only { Store::open_read_only(&store_path) } else { Store::open(&store_path) }
+        },
+    )
     .await
     .context("the store check panicked")?
     .context("cannot open the model store")

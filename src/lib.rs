@@ -6,6 +6,7 @@
 
 pub mod cli;
 pub mod config;
+pub mod ctl;
 pub mod daemon;
 pub mod dbus;
 pub mod demo_model;

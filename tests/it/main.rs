@@ -8,6 +8,7 @@ mod support;
 mod check_config;
 mod clients;
 mod containment;
+mod ctl;
 mod dbus_access;
 mod dbus_api;
 mod dbus_contract;

@@ -1,0 +1,162 @@
+//! Command-line options of `corralctl`. No logic beyond defaults.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use clap_complete::Shell;
+
+/// Controls corrald, the local language model manager, over D-Bus.
+///
+/// Reading (list, ps, show, status) is open to every user; loading, unloading and
+/// changing the store need root or membership of the group "corral". The run command
+/// talks to the HTTP API instead.
+#[derive(Debug, Parser)]
+#[command(name = "corralctl", version)]
+pub struct Cli {
+    /// Talk to a corrald on the session bus instead of the system bus.
+    #[arg(long, global = true)]
+    pub session: bool,
+
+    /// Print machine-readable JSON instead of tables and progress.
+    #[arg(long, global = true)]
+    pub json: bool,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// List the models in the store.
+    #[command(visible_alias = "ls")]
+    List,
+    /// List the loaded models: state, process, memory, expiry.
+    Ps,
+    /// Show one model's details and state.
+    Show {
+        /// The model's name, e.g. "tiny" or "me/model:tag".
+        model: String,
+    },
+    /// Load a model and wait until it is ready.
+    Load(LoadArgs),
+    /// Unload a model and wait until its processes are gone.
+    #[command(visible_alias = "stop")]
+    Unload {
+        /// The model's name.
+        model: String,
+    },
+    /// Pull a model from its registry, showing progress.
+    Pull(TransferArgs),
+    /// Push a model to the registry its name names, showing progress.
+    Push(TransferArgs),
+    /// Create (or replace) a model from a Modelfile.
+    Create {
+        /// The new model's name.
+        model: String,
+        /// The Modelfile; relative FROM and ADAPTER paths are taken from its directory.
+        #[arg(short = 'f', long = "file", value_name = "MODELFILE", default_value = "Modelfile")]
+        file: PathBuf,
+    },
+    /// Copy a model to a new name (blobs are shared).
+    Cp {
+        /// The model to copy.
+        source: String,
+        /// The new name.
+        destination: String,
+    },
+    /// Delete models (their runners unload first).
+    Rm {
+        /// The models' names.
+        #[arg(required = true)]
+        models: Vec<String>,
+    },
+    /// Show the daemon's version, memory, limits and what is loaded.
+    Status,
+    /// Chat with a model over the HTTP API: one PROMPT, or lines from standard input.
+    Run(RunArgs),
+    /// Print a shell completion script.
+    Completions {
+        /// The shell.
+        shell: Shell,
+    },
+}
+
+/// `load`.
+#[derive(Debug, Args)]
+pub struct LoadArgs {
+    /// The model's name.
+    pub model: String,
+    /// How long it stays loaded when idle: a duration such as "10m", or "-1" for forever.
+    #[arg(long, value_name = "DURATION", allow_hyphen_values = true)]
+    pub keep_alive: Option<String>,
+    /// Context length in tokens.
+    #[arg(long, value_name = "TOKENS")]
+    pub num_ctx: Option<i64>,
+    /// Layers to offload to GPUs.
+    #[arg(long, value_name = "LAYERS")]
+    pub num_gpu: Option<i64>,
+}
+
+/// `pull` and `push`.
+#[derive(Debug, Args)]
+pub struct TransferArgs {
+    /// The model's name, with its registry, e.g. "registry.example.org/me/model:tag".
+    pub model: String,
+    /// Allow plain HTTP to the registry.
+    #[arg(long)]
+    pub insecure: bool,
+}
+
+/// `run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The model's name.
+    pub model: String,
+    /// The message to send; without it, each line of standard input is one turn of a
+    /// conversation (`/bye` or end of input stops).
+    pub prompt: Option<String>,
+    /// corrald's HTTP API: a URL such as `http://127.0.0.1:11434`, or a UNIX socket path
+    /// such as /run/corral.sock.
+    #[arg(long, env = "CORRAL_HOST", default_value = "http://127.0.0.1:11434", value_name = "URL|SOCKET")]
+    pub host: String,
+    /// A model option for the request, such as `num_predict=64` or `temperature=0.2`
+    /// (repeatable; the value is read as JSON when it parses, else as a string).
+    #[arg(short = 'o', long = "option", value_name = "KEY=VALUE", value_parser = parse_option)]
+    pub options: Vec<(String, serde_json::Value)>,
+    /// A bearer token, for a daemon with `[server] api_tokens`.
+    #[arg(long, env = "CORRAL_API_TOKEN", hide_env_values = true, value_name = "TOKEN")]
+    pub token: Option<String>,
+}
+
+/// `KEY=VALUE`, the value as JSON when it parses (`8`, `0.5`, `true`, `["a"]`), else a string.
+fn parse_option(text: &str) -> Result<(String, serde_json::Value), String> {
+    let (key, value) = text.split_once('=').ok_or_else(|| format!("expected KEY=VALUE, not \"{text}\""))?;
+    if key.is_empty() {
+        return Err(format!("expected KEY=VALUE, not \"{text}\""));
+    }
+    let value = serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::String(value.to_owned()));
+    Ok((key.to_owned(), value))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::{Cli, parse_option};
+
+    #[test]
+    fn options_are_json_values_or_strings() {
+        assert_eq!(parse_option("num_predict=8"), Ok(("num_predict".into(), serde_json::json!(8))));
+        assert_eq!(parse_option("stop=[\"a\"]"), Ok(("stop".into(), serde_json::json!(["a"]))));
+        assert_eq!(parse_option("x=hello world"), Ok(("x".into(), serde_json::json!("hello world"))));
+        assert!(parse_option("novalue").is_err());
+        assert!(parse_option("=1").is_err());
+    }
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,386 @@
+//! The D-Bus commands: list, ps, show, load, unload, pull, push, create, cp, rm, status.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::time::SystemTime;
+
+use serde::Serialize;
+use zbus::zvariant::{OwnedObjectPath, Value};
+
+use super::bus::{Bus, OrBus};
+use super::cli::{LoadArgs, TransferArgs};
+use super::error::CtlError;
+use super::job::{Outcome, Progress, Watch};
+use super::modelfile;
+use super::output::{self, expires, expires_rfc3339, fields, print, print_json, short_digest, size, table};
+
+/// How results are shown.
+#[derive(Debug, Clone, Copy)]
+pub struct Style {
+    /// `--json`.
+    pub json: bool,
+    /// Whether standard output is a terminal (progress bars).
+    pub terminal: bool,
+}
+
+impl Style {
+    fn progress(self, bar: bool) -> Progress {
+        if self.json {
+            Progress::Quiet
+        } else if self.terminal && bar {
+            Progress::Bar
+        } else {
+            Progress::Lines
+        }
+    }
+}
+
+/// One stored model, as `list` shows it.
+#[derive(Debug, Serialize)]
+pub struct Listed {
+    /// Its name.
+    pub name: String,
+    /// The manifest digest.
+    pub digest: String,
+    /// Bytes of its blobs.
+    pub size: u64,
+    /// stopped, loading, ready, unloading or failed.
+    pub state: String,
+}
+
+/// A model's properties, as `show` and `ps` show them.
+#[derive(Debug, Serialize)]
+pub struct ModelInfo {
+    /// Full name.
+    pub name: String,
+    /// Name as Ollama shows it.
+    pub short_name: String,
+    /// Manifest digest.
+    pub digest: String,
+    /// Bytes of its blobs.
+    pub size: u64,
+    /// format, family, parameter size, quantization.
+    pub details: BTreeMap<String, String>,
+    /// stopped, loading, ready, unloading or failed.
+    pub state: String,
+    /// Why the last load or run failed.
+    pub last_error: String,
+    /// The llama-server process; 0 when not ready.
+    pub pid: u32,
+    /// Layers on GPUs.
+    pub gpu_layers: u32,
+    /// All layers.
+    pub total_layers: u32,
+    /// Memory on GPUs.
+    pub vram_bytes: u64,
+    /// Host memory.
+    pub ram_bytes: u64,
+    /// When an idle model unloads (RFC 3339); `None` for not at all.
+    pub expires_at: Option<String>,
+    /// Requests holding it.
+    pub active_requests: u32,
+    #[serde(skip)]
+    expires_micros: u64,
+}
+
+/// A GPU, as `status` shows it.
+#[derive(Debug, Serialize)]
+pub struct GpuInfo {
+    /// Stable id.
+    pub id: String,
+    /// Product name.
+    pub name: String,
+    /// cuda, rocm or vulkan.
+    pub driver: String,
+    /// Bytes in all.
+    pub total_bytes: u64,
+    /// Bytes corral may use at start.
+    pub usable_bytes: u64,
+}
+
+/// The daemon, as `status` shows it.
+#[derive(Debug, Serialize)]
+pub struct Status {
+    /// corrald's version.
+    pub version: String,
+    /// GPUs found at start.
+    pub gpus: Vec<GpuInfo>,
+    /// Host memory for models, in bytes.
+    pub host_memory: u64,
+    /// Models loading, ready or unloading.
+    pub loaded_models: Vec<String>,
+    /// Requests waiting for a load.
+    pub queue_depth: u32,
+    /// The most runners at once.
+    pub max_loaded_models: u32,
+    /// The most waiting requests.
+    pub max_queue: u32,
+    /// Seconds an idle model stays loaded; -1 for forever.
+    pub default_keep_alive: i64,
+}
+
+/// `list`.
+pub async fn list(bus: &Bus, style: Style) -> Result<(), CtlError> {
+    let manager = bus.manager().await?;
+    let mut models: Vec<Listed> = manager
+        .list_models()
+        .await
+        .or_bus(bus)?
+        .into_iter()
+        .map(|(name, _, digest, size, state)| Listed { name, digest, size, state })
+        .collect();
+    models.sort_by(|a, b| a.name.cmp(&b.name));
+    if style.json {
+        return print_json(&models);
+    }
+    let rows: Vec<Vec<String>> =
+        models.iter().map(|m| vec![m.name.clone(), short_digest(&m.digest), size(m.size), m.state.clone()]).collect();
+    print(&table(&["NAME", "ID", "SIZE", "STATE"], &rows))
+}
+
+/// Reads every property of the model at `path`.
+async fn model_info(bus: &Bus, path: OwnedObjectPath) -> Result<ModelInfo, CtlError> {
+    let m = bus.model(path).await?;
+    let expires_micros = m.expires_at().await.or_bus(bus)?;
+    Ok(ModelInfo {
+        name: m.name().await.or_bus(bus)?,
+        short_name: m.short_name().await.or_bus(bus)?,
+        digest: m.digest().await.or_bus(bus)?,
+        size: m.size().await.or_bus(bus)?,
+        details: m.details().await.or_bus(bus)?.into_iter().collect(),
+        state: m.state().await.or_bus(bus)?,
+        last_error: m.last_error().await.or_bus(bus)?,
+        pid: m.pid().await.or_bus(bus)?,
+        gpu_layers: m.gpu_layers().await.or_bus(bus)?,
+        total_layers: m.total_layers().await.or_bus(bus)?,
+        vram_bytes: m.vram_bytes().await.or_bus(bus)?,
+        ram_bytes: m.ram_bytes().await.or_bus(bus)?,
+        expires_at: expires_rfc3339(expires_micros),
+        active_requests: m.active_requests().await.or_bus(bus)?,
+        expires_micros,
+    })
+}
+
+/// `ps`.
+pub async fn ps(bus: &Bus, style: Style) -> Result<(), CtlError> {
+    let manager = bus.manager().await?;
+    let mut loaded = Vec::new();
+    for name in manager.loaded_models().await.or_bus(bus)? {
+        // A model unloaded between the two calls is simply not shown.
+        match manager.get_model(&name).await {
+            Ok(path) => loaded.push(model_info(bus, path).await?),
+            Err(e) => match bus.error(e) {
+                CtlError::Daemon { name, .. } if name == "NoSuchModel" => {}
+                other => return Err(other),
+            },
+        }
+    }
+    if style.json {
+        return print_json(&loaded);
+    }
+    let now = SystemTime::now();
+    let rows: Vec<Vec<String>> = loaded
+        .iter()
+        .map(|m| {
+            vec![
+                m.short_name.clone(),
+                m.state.clone(),
+                if m.pid == 0 { "-".to_owned() } else { m.pid.to_string() },
+                size(m.vram_bytes),
+                size(m.ram_bytes),
+                m.active_requests.to_string(),
+                expires(m.expires_micros, now),
+            ]
+        })
+        .collect();
+    print(&table(&["NAME", "STATE", "PID", "VRAM", "RAM", "ACTIVE", "UNTIL"], &rows))
+}
+
+/// `show`.
+pub async fn show(bus: &Bus, style: Style, name: &str) -> Result<(), CtlError> {
+    let manager = bus.manager().await?;
+    let path = manager.get_model(name).await.or_bus(bus)?;
+    let info = model_info(bus, path).await?;
+    if style.json {
+        return print_json(&info);
+    }
+    print(&describe(&info, SystemTime::now()))
+}
+
+fn describe(m: &ModelInfo, now: SystemTime) -> String {
+    let mut pairs = vec![
+        ("Name", m.name.clone()),
+        ("Short name", m.short_name.clone()),
+        ("Digest", m.digest.clone()),
+        ("Size", size(m.size)),
+    ];
+    for (key, label) in [
+        ("format", "Format"),
+        ("family", "Family"),
+        ("parameter_size", "Parameters"),
+        ("quantization_level", "Quantization"),
+    ] {
+        if let Some(value) = m.details.get(key).filter(|v| !v.is_empty()) {
+            pairs.push((label, value.clone()));
+        }
+    }
+    pairs.push(("State", m.state.clone()));
+    if !m.last_error.is_empty() {
+        pairs.push(("Last error", m.last_error.clone()));
+    }
+    if m.pid != 0 {
+        pairs.push(("Pid", m.pid.to_string()));
+        pairs.push(("GPU layers", format!("{} of {}", m.gpu_layers, m.total_layers)));
+        pairs.push(("VRAM", size(m.vram_bytes)));
+        pairs.push(("RAM", size(m.ram_bytes)));
+        pairs.push(("Active requests", m.active_requests.to_string()));
+        pairs.push(("Unloads", expires(m.expires_micros, now)));
+    }
+    fields(&pairs)
+}
+
+/// `load`.
+pub async fn load(bus: &Bus, style: Style, args: &LoadArgs) -> Result<(), CtlError> {
+    let mut options: HashMap<&str, Value<'_>> = HashMap::new();
+    if let Some(keep_alive) = &args.keep_alive {
+        options.insert("keep_alive", Value::from(keep_alive.as_str()));
+    }
+    if let Some(num_ctx) = args.num_ctx {
+        options.insert("num_ctx", Value::from(num_ctx));
+    }
+    if let Some(num_gpu) = args.num_gpu {
+        options.insert("num_gpu", Value::from(num_gpu));
+    }
+    let manager = bus.manager().await?;
+    let path = manager.load(&args.model, options).await.or_bus(bus)?;
+    let info = model_info(bus, path).await?;
+    if style.json {
+        return print_json(&info);
+    }
+    print(&format!("{} is {} (pid {})\n", info.short_name, info.state, info.pid))
+}
+
+/// `unload`.
+pub async fn unload(bus: &Bus, style: Style, name: &str) -> Result<(), CtlError> {
+    bus.manager().await?.unload(name).await.or_bus(bus)?;
+    if style.json {
+        return print_json(&serde_json::json!({ "unloaded": name }));
+    }
+    print(&format!("unloaded {name}\n"))
+}
+
+/// `pull` or `push`.
+pub async fn transfer(bus: &Bus, style: Style, push: bool, args: &TransferArgs) -> Result<(), CtlError> {
+    let manager = bus.manager().await?;
+    let mut options: HashMap<&str, Value<'_>> = HashMap::new();
+    if args.insecure {
+        options.insert("insecure", Value::from(true));
+    }
+    let mut watch = Watch::start(bus).await?;
+    let path = if push { manager.push(&args.model, options).await } else { manager.pull(&args.model, options).await }
+        .or_bus(bus)?;
+    finish(watch.follow(bus, path, style.progress(true)).await?, style)
+}
+
+/// `create`.
+pub async fn create(bus: &Bus, style: Style, name: &str, file: &Path, home: Option<&Path>) -> Result<(), CtlError> {
+    let text = std::fs::read_to_string(file)
+        .map_err(|source| CtlError::Io { what: format!("cannot read {}", file.display()), source })?;
+    let file = std::path::absolute(file)
+        .map_err(|source| CtlError::Io { what: format!("cannot resolve {}", file.display()), source })?;
+    let dir = file.parent().unwrap_or(Path::new("/"));
+    let text = modelfile::prepare(&text, dir, home)?;
+    let mut watch = Watch::start(bus).await?;
+    let path = bus.manager().await?.create(name, &text).await.or_bus(bus)?;
+    finish(watch.follow(bus, path, style.progress(false)).await?, style)
+}
+
+/// `cp`.
+pub async fn copy(bus: &Bus, style: Style, source: &str, destination: &str) -> Result<(), CtlError> {
+    let mut watch = Watch::start(bus).await?;
+    let path = bus.manager().await?.copy(source, destination).await.or_bus(bus)?;
+    let outcome = watch.follow(bus, path, Progress::Quiet).await?.into_result()?;
+    if style.json {
+        return print_json(&outcome);
+    }
+    print(&format!("copied '{source}' to '{destination}'\n"))
+}
+
+/// `rm`: one model after another, stopping at the first failure.
+pub async fn remove(bus: &Bus, style: Style, names: &[String]) -> Result<(), CtlError> {
+    let manager = bus.manager().await?;
+    let mut watch = Watch::start(bus).await?;
+    let mut outcomes = Vec::new();
+    for name in names {
+        let path = manager.delete(name).await.or_bus(bus)?;
+        let outcome = watch.follow(bus, path, Progress::Quiet).await?.into_result()?;
+        if !style.json {
+            print(&format!("deleted '{name}'\n"))?;
+        }
+        outcomes.push(outcome);
+    }
+    if style.json { print_json(&outcomes) } else { Ok(()) }
+}
+
+fn finish(outcome: Outcome, style: Style) -> Result<(), CtlError> {
+    let outcome = outcome.into_result()?;
+    if style.json { print_json(&outcome) } else { Ok(()) }
+}
+
+/// `status`.
+pub async fn status(bus: &Bus, style: Style) -> Result<(), CtlError> {
+    let m = bus.manager().await?;
+    let status = Status {
+        version: m.version().await.or_bus(bus)?,
+        gpus: m
+            .gpus()
+            .await
+            .or_bus(bus)?
+            .into_iter()
+            .map(|(id, name, driver, total_bytes, usable_bytes)| GpuInfo {
+                id,
+                name,
+                driver,
+                total_bytes,
+                usable_bytes,
+            })
+            .collect(),
+        host_memory: m.host_memory().await.or_bus(bus)?,
+        loaded_models: m.loaded_models().await.or_bus(bus)?,
+        queue_depth: m.queue_depth().await.or_bus(bus)?,
+        max_loaded_models: m.max_loaded_models().await.or_bus(bus)?,
+        max_queue: m.max_queue().await.or_bus(bus)?,
+        default_keep_alive: m.default_keep_alive().await.or_bus(bus)?,
+    };
+    if style.json {
+        return print_json(&status);
+    }
+    let gpus = if status.gpus.is_empty() {
+        "none (models run on the CPU)".to_owned()
+    } else {
+        status
+            .gpus
+            .iter()
+            .map(|g| {
+                format!(
+                    "{} {} ({}): {} of {} usable",
+                    g.id,
+                    g.name,
+                    g.driver,
+                    size(g.usable_bytes),
+                    size(g.total_bytes)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n                ")
+    };
+    let loaded = if status.loaded_models.is_empty() { "none".to_owned() } else { status.loaded_models.join(", ") };
+    print(&fields(&[
+        ("Version", status.version.clone()),
+        ("GPUs", gpus),
+        ("Host memory", size(status.host_memory)),
+        ("Loaded models", format!("{} of at most {}: {loaded}", status.loaded_models.len(), status.max_loaded_models)),
+        ("Queue depth", format!("{} of at most {}", status.queue_depth, status.max_queue)),
+        ("Keep-alive", output::keep_alive(status.default_keep_alive)),
+    ]))
+}
