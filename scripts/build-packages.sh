@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 what=${1:-deb}
 case $what in deb | rpm | all) ;; *) echo "usage: $0 [deb|rpm|all]" >&2; exit 2 ;; esac
 
-cargo build --release --locked --bin corrald >&2
+cargo build --release --locked --bin corrald --bin corralctl >&2
 
 if [[ $what == deb || $what == all ]]; then
     bin=$(scripts/setup-packaging.sh)

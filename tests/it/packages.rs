@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use sha2::Digest as _;
 
-use crate::support::container::{Container, output_within, poll_until, repo_root};
+use crate::support::container::{Container, describe, output_within, poll_until, repo_root};
 use crate::support::journald::field;
 use crate::systemd_container::{SETTLE, curl, wait_active_state, wait_event};
 
@@ -184,6 +184,8 @@ fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
     let under = status.lines().nth(runner_line + 1).unwrap_or_default();
     assert!(under.contains(&runner) && under.contains("llama-server"), "the runner under its cgroup: {status}");
 
+    d_bus_on_the_system_bus(&ct, &runner);
+
     let remote = pull_from_a_local_registry(&ct);
 
     // A restart stops the runner with the old instance.
@@ -223,6 +225,57 @@ fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
     }
 }
 
+/// `busctl` and `corralctl` on the container's real system bus, under the installed
+/// policy: the loaded model and its runner are visible to all, changes only to root and
+/// group `corral`, and a call to the name starts the service by bus activation.
+fn d_bus_on_the_system_bus(ct: &Container, runner: &str) {
+    const DEST: &str = "org.corral.Corral1";
+    const MODEL: &str = "/org/corral/Corral1/models/tiny_3alatest";
+    for file in ["Manager", "Model", "Job"] {
+        ct.run(&["test", "-f", &format!("/usr/share/dbus-1/interfaces/org.corral.Corral1.{file}.xml")]);
+    }
+    ct.run(&["test", "-f", "/usr/share/man/man1/corralctl.1.gz"]);
+    let owner = ct.run(&["busctl", "status", "--no-pager", DEST]);
+    assert!(
+        owner.contains("UID=") && owner.contains(&format!("PID={}", ct.unit_property("corrald.service", "MainPID"))),
+        "{owner}"
+    );
+    let loaded =
+        ct.run(&["busctl", "get-property", DEST, "/org/corral/Corral1", "org.corral.Corral1.Manager", "LoadedModels"]);
+    assert_eq!(loaded, r#"as 1 "tiny:latest""#);
+    let props = ct.run(&["busctl", "get-property", DEST, MODEL, "org.corral.Corral1.Model", "State", "Pid"]);
+    assert_eq!(props, format!("s \"ready\"\nu {runner}"));
+    let ps = ct.run(&["corralctl", "ps"]);
+    assert!(ps.contains("tiny:latest") && ps.contains(runner), "{ps}");
+
+    // Someone outside group corral may look but not act.
+    ct.run(&["useradd", "--system", "--no-create-home", "corral-e2e-outsider"]);
+    let as_outsider = |args: &[&str]| {
+        let mut command =
+            vec!["setpriv", "--reuid=corral-e2e-outsider", "--regid=corral-e2e-outsider", "--init-groups", "--"];
+        command.extend_from_slice(args);
+        ct.exec(&command)
+    };
+    let out = as_outsider(&["busctl", "call", DEST, "/org/corral/Corral1", "org.corral.Corral1.Manager", "ListModels"]);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("tiny:latest"), "{}", describe(&out));
+    let out = as_outsider(&["busctl", "call", DEST, MODEL, "org.corral.Corral1.Model", "Unload"]);
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("Access denied"),
+        "{}",
+        describe(&out)
+    );
+    let out = as_outsider(&["corralctl", "unload", "tiny"]);
+    assert_eq!(out.status.code(), Some(77), "{}", describe(&out));
+    assert_eq!(ct.run(&["busctl", "get-property", DEST, MODEL, "org.corral.Corral1.Model", "State"]), r#"s "ready""#);
+
+    // Bus activation: with the service stopped, a call to the name starts it.
+    ct.run(&["systemctl", "stop", "corrald.service"]);
+    wait_no_llama_server(ct, "systemctl stop");
+    let listed = ct.run(&["busctl", "call", DEST, "/org/corral/Corral1", "org.corral.Corral1.Manager", "ListModels"]);
+    assert!(listed.contains("tiny:latest") && listed.contains("stopped"), "{listed}");
+    wait_active_state(ct, "corrald.service", "active");
+}
+
 /// The .rpm from `packaging/rpm/corral.spec`: the files at Fedora's paths, the user from
 /// sysusers.d before the files land, the socket enabled on a first install, and the
 /// units stopped on removal and restarted on an upgrade.
@@ -238,6 +291,10 @@ fn the_rpm_holds_the_units_and_the_scriptlets() {
     let files = query(&["--list"]);
     for file in [
         "/usr/bin/corrald",
+        "/usr/bin/corralctl",
+        "/usr/share/dbus-1/system.d/org.corral.Corral1.conf",
+        "/usr/share/dbus-1/system-services/org.corral.Corral1.service",
+        "/usr/share/dbus-1/interfaces/org.corral.Corral1.Manager.xml",
         "/usr/lib/systemd/system/corrald.service",
         "/usr/lib/systemd/system/corrald.socket",
         "/usr/lib/systemd/system/corral.slice",
@@ -250,6 +307,7 @@ fn the_rpm_holds_the_units_and_the_scriptlets() {
     ] {
         assert!(files.lines().any(|l| l == file), "{file} missing from the rpm:\n{files}");
     }
+    assert!(files.lines().any(|l| l.starts_with("/usr/share/man/man1/corralctl.1")), "{files}");
     let config = query(&["--configfiles"]);
     assert_eq!(config.trim(), "/etc/corral/corral.toml");
     let owners = query(&["--queryformat", "[%{FILEMODES:perms} %{FILEUSERNAME}:%{FILEGROUPNAME} %{FILENAMES}\n]"]);
