@@ -2,15 +2,14 @@
 //! real llama-server) on a private system-like bus that enforces corral's own policy file
 //! (`dbus/org.corral.Corral1.conf`), run as root and as a user outside the group corral.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
 use crate::support::bus::{PrivateBus, ensure_user};
 use crate::support::container::{describe, repo_root};
-use crate::support::corrald::{CORRALD, Corrald, free_port, write_config};
-use crate::support::llama;
-use crate::support::notify::NotifyListener;
+use crate::support::corrald::free_port;
+use crate::support::dbus::BusDaemon;
 use crate::support::registry::DockerRegistry;
 
 const CORRALCTL: &str = env!("CARGO_BIN_EXE_corralctl");
@@ -21,51 +20,20 @@ const OUTSIDER: &str = "corral-it-ctl-out";
 /// corrald on a private bus, serving the demo store (`chat`, `embed`) over D-Bus, on a
 /// loopback port and on a UNIX socket.
 struct Rig {
-    corrald: Corrald,
-    bus: PrivateBus,
-    port: u16,
-    socket: PathBuf,
-    dir: tempfile::TempDir,
+    daemon: BusDaemon,
 }
 
 impl Rig {
     fn start() -> Self {
-        // The policy names the user and group corral: the bus needs them to exist.
-        ensure_user("corral", &[]);
         ensure_user(OUTSIDER, &[]);
-        let bus = PrivateBus::start(&repo_root().join("dbus/org.corral.Corral1.conf"));
-        let dir = tempfile::tempdir().expect("tempdir");
-        crate::support::api::demo_store(dir.path());
-        let port = free_port();
-        let socket = dir.path().join("corral.sock");
-        let config = write_config(
-            dir.path(),
-            "corral.toml",
-            &format!(
-                "[server]\nlisten = [\"127.0.0.1:{port}\", \"{}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
-                 [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n[dbus]\nbus = \"system\"\n",
-                socket.display(),
-                dir.path().join("models").display(),
-                llama::bin_dir().join("llama-server").display(),
-            ),
-        );
-        let notify = NotifyListener::start();
-        let mut cmd = Command::new(CORRALD);
-        cmd.args(["--log-target", "stderr", "--config", config.to_str().expect("utf-8")])
-            .env("NOTIFY_SOCKET", notify.path())
-            .env("DBUS_SYSTEM_BUS_ADDRESS", bus.address());
-        let corrald = Corrald::spawn(cmd);
-        notify.wait_for("READY", "1", WAIT);
-        let mut rig = Self { corrald, bus, port, socket, dir };
-        rig.bus.wait_for_name("org.corral.Corral1", "corrald");
-        rig
+        Self { daemon: BusDaemon::start("[scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n") }
     }
 
     /// `corralctl ARGS` as `user` (`None`: root), on the rig's bus.
     fn ctl_as(&self, user: Option<&str>, args: &[&str]) -> Output {
         let mut all = vec![CORRALCTL];
         all.extend_from_slice(args);
-        self.bus.run_as(user, &all)
+        self.daemon.bus.run_as(user, &all)
     }
 
     /// `corralctl ARGS` as root; asserts success and returns stdout.
@@ -76,7 +44,7 @@ impl Rig {
             "corralctl {}: {}\ncorrald:\n{}",
             args.join(" "),
             describe(&out),
-            self.corrald.stderr()
+            self.daemon.corrald.stderr()
         );
         String::from_utf8(out.stdout).expect("utf-8")
     }
@@ -104,7 +72,7 @@ impl Rig {
     }
 
     fn http(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        format!("http://127.0.0.1:{}", self.daemon.port)
     }
 }
 
@@ -184,7 +152,7 @@ fn corralctl_copies_creates_and_removes_models() {
 
     // A Modelfile with a relative FROM, given from another working directory: corralctl
     // makes the path absolute, since the daemon cannot know this one.
-    let work = rig.dir.path().join("work");
+    let work = rig.daemon.path().join("work");
     std::fs::create_dir_all(work.join("weights")).expect("mkdir");
     corral::demo_model::write_tiny_llama(&work.join("weights/tiny.gguf")).expect("write the tiny llama");
     std::fs::write(
@@ -220,7 +188,7 @@ fn corralctl_copies_creates_and_removes_models() {
     rig.fails(None, &["create", "bad", "-f", "/nonexistent/Modelfile"], 1, "cannot read /nonexistent/Modelfile");
     rig.fails(None, &["create", "Bad Name!", "-f", modelfile], 1, "invalid model name \"Bad Name!\"");
     rig.fails(None, &["show", "Bad Name!"], 1, "invalid model name \"Bad Name!\"");
-    rig.fails(None, &["show", "nothing-here"], 1, "model 'nothing-here:latest' not found");
+    rig.fails(None, &["show", "nothing-here"], 1, "model 'nothing-here' not found");
     rig.fails(None, &["load", "nothing-here"], 1, "not found");
     rig.fails(None, &["cp", "nothing-here", "other"], 1, "not found");
     rig.fails(None, &["rm", "nothing-here"], 1, "not found");
@@ -244,8 +212,9 @@ fn corralctl_run_chats_with_the_real_llama_server() {
     assert!(out.ends_with('\n') && out.trim().chars().count() > 0, "no reply: {out:?}");
 
     // On the UNIX socket, named by CORRAL_HOST; --json gives the whole reply as one object.
-    let socket = rig.socket.to_str().expect("utf-8");
-    let mut cmd = rig.bus.command_as(None, &[CORRALCTL, "--json", "run", "chat", "Hi", "-o", "num_predict=16"]);
+    let socket = rig.daemon.socket();
+    let socket = socket.to_str().expect("utf-8");
+    let mut cmd = rig.daemon.bus.command_as(None, &[CORRALCTL, "--json", "run", "chat", "Hi", "-o", "num_predict=16"]);
     cmd.env("CORRAL_HOST", socket);
     let json = crate::support::container::output_within(&mut cmd, WAIT);
     assert!(json.status.success(), "{}", describe(&json));
@@ -257,7 +226,7 @@ fn corralctl_run_chats_with_the_real_llama_server() {
     let script = format!(
         "printf 'Hello\\nAnd again\\n/bye\\nnever sent\\n' | {CORRALCTL} --json run chat -o num_predict=16 --host {http}"
     );
-    let conversation = rig.bus.run_as(None, &["sh", "-c", &script]);
+    let conversation = rig.daemon.bus.run_as(None, &["sh", "-c", &script]);
     assert!(conversation.status.success(), "{}", describe(&conversation));
     let turns: Vec<serde_json::Value> = serde_json::Deserializer::from_slice(&conversation.stdout)
         .into_iter()
@@ -296,7 +265,7 @@ fn corralctl_pushes_and_pulls_back_with_progress() {
     // On a terminal (script(1) gives it one), pull draws a progress bar instead of lines.
     rig.ok(&["rm", &remote]);
     let on_tty =
-        rig.bus.run_as(None, &["script", "-qec", &format!("{CORRALCTL} pull {remote} --insecure"), "/dev/null"]);
+        rig.daemon.bus.run_as(None, &["script", "-qec", &format!("{CORRALCTL} pull {remote} --insecure"), "/dev/null"]);
     assert!(on_tty.status.success(), "{}", describe(&on_tty));
     let screen = text(&on_tty);
     assert!(screen.contains('%') && screen.contains("] ") && screen.contains("success"), "no bar: {screen:?}");

@@ -24,7 +24,8 @@ pub fn ensure_users() {
     ensure_user(OUTSIDER, &[]);
 }
 
-/// A bus with the shipped policy, and corrald on it.
+/// A bus with the shipped policy, and corrald on it (HTTP on a loopback port and on
+/// `corral.sock` in its directory).
 pub struct BusDaemon {
     /// The daemon (declared first: dropped before the bus).
     pub corrald: Corrald,
@@ -51,8 +52,9 @@ impl BusDaemon {
         api::demo_store(dir.path());
         let port = free_port();
         let config = format!(
-            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{store}\"\n{store_keys}\n[runner]\nllama_server = \"{llama}\"\n\
+            "[server]\nlisten = [\"127.0.0.1:{port}\", \"{socket}\"]\n[store]\npath = \"{store}\"\n{store_keys}\n[runner]\nllama_server = \"{llama}\"\n\
              [dbus]\nbus = \"system\"\n{extra}",
+            socket = dir.path().join("corral.sock").display(),
             store = dir.path().join("models").display(),
             llama = llama::bin_dir().join("llama-server").display(),
         );
@@ -82,6 +84,11 @@ impl BusDaemon {
         let mut command = vec!["busctl", address.as_str()];
         command.extend_from_slice(args);
         self.bus.run_as(user, &command)
+    }
+
+    /// corrald's UNIX socket.
+    pub fn socket(&self) -> PathBuf {
+        self.dir.path().join("corral.sock")
     }
 
     /// The directory of the test's files.
