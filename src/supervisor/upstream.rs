@@ -1,14 +1,18 @@
 //! HTTP to a runner over its private UNIX socket.
 //!
 //! One request on a fresh connection: the readiness check, and the API's non-streaming
-//! calls. A pool of kept-alive connections for the streaming API builds on the same
-//! transport.
+//! calls. A [`Pool`] keeps connections alive between the API's requests, so that a short
+//! request does not pay for a new connection (connect, handshake, a connection task, and
+//! llama-server handing the new socket to a thread) each time.
 
-use std::path::Path;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 
@@ -64,6 +68,46 @@ async fn request(
     tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
 }
 
+type Driver = tokio::task::JoinHandle<Result<(), hyper::Error>>;
+
+/// An open connection to a runner: the request half and the task driving it.
+#[derive(Debug)]
+struct Connection {
+    sender: SendRequest<Full<Bytes>>,
+    driver: Driver,
+    /// Requests sent on it so far.
+    uses: u32,
+    /// When it last finished a request.
+    idle_since: Instant,
+}
+
+impl Connection {
+    async fn open(socket: &Path) -> Result<Self, UpstreamError> {
+        let stream = tokio::net::UnixStream::connect(socket)
+            .await
+            .map_err(|source| UpstreamError::Connect { socket: socket.display().to_string(), source })?;
+        let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        Ok(Self { sender, driver: tokio::spawn(connection), uses: 0, idle_since: Instant::now() })
+    }
+
+    async fn send(
+        &mut self,
+        method: Method,
+        path: &'static str,
+        body: Bytes,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, hyper::Error> {
+        self.uses += 1;
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "runner")
+            .header("content-type", "application/json")
+            .body(Full::new(body))
+            .expect("a literal path, method and headers make a valid request");
+        self.sender.send_request(request).await
+    }
+}
+
 /// Connects to the runner, sends one request, and returns the response (headers read,
 /// body not yet) with the task that drives the connection.
 async fn send(
@@ -71,35 +115,26 @@ async fn send(
     method: Method,
     path: &'static str,
     body: Bytes,
-) -> Result<(hyper::Response<hyper::body::Incoming>, tokio::task::JoinHandle<Result<(), hyper::Error>>), UpstreamError>
-{
-    let stream = tokio::net::UnixStream::connect(socket)
-        .await
-        .map_err(|source| UpstreamError::Connect { socket: socket.display().to_string(), source })?;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-    let driver = tokio::spawn(connection);
-    let request = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "runner")
-        .header("content-type", "application/json")
-        .body(Full::new(body))
-        .expect("a literal path, method and headers make a valid request");
-    match sender.send_request(request).await {
-        Ok(response) => Ok((response, driver)),
+) -> Result<(hyper::Response<hyper::body::Incoming>, Driver), UpstreamError> {
+    let mut connection = Connection::open(socket).await?;
+    match connection.send(method, path, body).await {
+        Ok(response) => Ok((response, connection.driver)),
         Err(e) => {
-            driver.abort();
+            connection.driver.abort();
             Err(e.into())
         }
     }
 }
 
-/// A runner's response body, read as it arrives. Dropping it closes the connection,
-/// which makes llama-server cancel the generation.
+/// A runner's response body, read as it arrives. Dropping it before its end closes the
+/// connection, which makes llama-server cancel the generation; read to its end, the
+/// connection goes back to its pool (if it came from one and may serve another request).
 #[derive(Debug)]
 pub struct BodyStream {
     body: hyper::body::Incoming,
-    driver: tokio::task::JoinHandle<Result<(), hyper::Error>>,
+    driver: Option<Driver>,
+    /// Where the connection goes back once the body ended.
+    give_back: Option<(Pool, PathBuf, SendRequest<Full<Bytes>>, u32)>,
 }
 
 impl BodyStream {
@@ -109,7 +144,11 @@ impl BodyStream {
     /// The connection failed mid-body.
     pub async fn chunk(&mut self) -> Option<Result<Bytes, hyper::Error>> {
         loop {
-            match self.body.frame().await? {
+            let Some(frame) = self.body.frame().await else {
+                self.ended();
+                return None;
+            };
+            match frame {
                 Ok(frame) => {
                     if let Ok(data) = frame.into_data() {
                         return Some(Ok(data));
@@ -122,10 +161,21 @@ impl BodyStream {
     }
 }
 
+impl BodyStream {
+    /// The whole body has arrived: the connection may serve the next request.
+    fn ended(&mut self) {
+        if let (Some((pool, socket, sender, uses)), Some(driver)) = (self.give_back.take(), self.driver.take()) {
+            pool.put(socket, Connection { sender, driver, uses, idle_since: Instant::now() });
+        }
+    }
+}
+
 impl Drop for BodyStream {
     fn drop(&mut self) {
-        // Ends the connection task, which closes the socket.
-        self.driver.abort();
+        // Before its end: ends the connection task, which closes the socket.
+        if let Some(driver) = &self.driver {
+            driver.abort();
+        }
     }
 }
 
@@ -143,7 +193,121 @@ pub async fn post_json_stream(
     let exchange = async {
         let (response, driver) = send(socket, Method::POST, path, Bytes::from(body)).await?;
         let status = response.status();
-        Ok((status, BodyStream { body: response.into_body(), driver }))
+        Ok((status, BodyStream { body: response.into_body(), driver: Some(driver), give_back: None }))
     };
     tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
+}
+
+/// Idle connections by runner socket, the most recently used last.
+type Idle = HashMap<PathBuf, Vec<Connection>>;
+
+/// Idle connections to runners, kept between requests. Cheap to clone (shared).
+///
+/// llama-server closes an idle connection after 5 s and any connection after 100
+/// requests, and closes a connection once it streamed server-sent events; a connection is
+/// therefore kept only after a plain (not `text/event-stream`) answer, reused only
+/// within [`Pool::MAX_IDLE`] and below [`Pool::MAX_USES`], and sent on only when it is ready, so a request does not go out on a connection
+/// the runner is closing.
+#[derive(Debug, Clone, Default)]
+pub struct Pool {
+    idle: Arc<Mutex<Idle>>,
+}
+
+impl Pool {
+    /// How long a connection may have been idle and still be used (llama-server: 5 s).
+    const MAX_IDLE: Duration = Duration::from_secs(2);
+    /// Requests per connection (llama-server closes after 100).
+    const MAX_USES: u32 = 90;
+    /// Idle connections kept per runner. llama-server serves each open connection on
+    /// one of its few HTTP threads (`max(parallel + 2, cores - 1)`), and an idle one holds
+    /// its thread until the 5 s timeout: with 16 kept, 8 concurrent clients fell from
+    /// about 1600 to 40 requests/s. One kept connection serves a lone client without a
+    /// new connection each time; connections beyond it close after their request.
+    const MAX_PER_RUNNER: usize = 1;
+
+    /// A kept connection to `socket` that can take a request now, if any.
+    fn take(&self, socket: &Path) -> Option<Connection> {
+        let mut idle = self.idle.lock().expect("the pool's lock is never poisoned");
+        let kept = idle.get_mut(socket)?;
+        let mut found = None;
+        while let Some(connection) = kept.pop() {
+            if connection.idle_since.elapsed() < Self::MAX_IDLE
+                && !connection.sender.is_closed()
+                && !connection.driver.is_finished()
+            {
+                found = Some(connection);
+                break;
+            }
+            connection.driver.abort();
+        }
+        if kept.is_empty() {
+            idle.remove(socket);
+        }
+        found
+    }
+
+    fn put(&self, socket: PathBuf, connection: Connection) {
+        if connection.uses >= Self::MAX_USES || connection.sender.is_closed() {
+            connection.driver.abort();
+            return;
+        }
+        let mut idle = self.idle.lock().expect("the pool's lock is never poisoned");
+        // Runners come and go: forget connections to ones that closed them.
+        idle.retain(|_, kept| {
+            kept.retain(|c| c.idle_since.elapsed() < Self::MAX_IDLE && !c.driver.is_finished());
+            !kept.is_empty()
+        });
+        let kept = idle.entry(socket).or_default();
+        if kept.len() < Self::MAX_PER_RUNNER {
+            kept.push(connection);
+        } else {
+            connection.driver.abort();
+        }
+    }
+
+    /// `POST path` with a JSON body on the runner at `socket`, on a kept connection when
+    /// one is ready, else a new one; returns the status once the headers arrive (within
+    /// `timeout`) and the body as a stream. The connection is kept for the next request
+    /// once the body was read to its end.
+    ///
+    /// # Errors
+    /// The socket refused, the exchange failed, or no headers came in time.
+    pub async fn post_json_stream(
+        &self,
+        socket: &Path,
+        path: &'static str,
+        body: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, BodyStream), UpstreamError> {
+        let exchange = async {
+            let mut kept = self.take(socket);
+            // A kept connection is ready at once unless the runner is closing it.
+            if let Some(connection) = &mut kept {
+                if connection.sender.ready().await.is_err() {
+                    connection.driver.abort();
+                    kept = None;
+                }
+            }
+            let mut connection = match kept {
+                Some(connection) => connection,
+                None => Connection::open(socket).await?,
+            };
+            let response = match connection.send(Method::POST, path, Bytes::from(body)).await {
+                Ok(response) => response,
+                Err(e) => {
+                    connection.driver.abort();
+                    return Err(e.into());
+                }
+            };
+            let status = response.status();
+            let streamed = response
+                .headers()
+                .get(hyper::header::CONTENT_TYPE)
+                .is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
+            let Connection { sender, driver, uses, .. } = connection;
+            let give_back = (!streamed).then(|| (self.clone(), socket.to_owned(), sender, uses));
+            Ok((status, BodyStream { body: response.into_body(), driver: Some(driver), give_back }))
+        };
+        tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
+    }
 }
