@@ -54,6 +54,11 @@ fn llama_bin_dir() -> PathBuf {
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
+/// `path` as a quoted TOML string.
+fn toml_string(path: &Path) -> String {
+    toml::Value::String(path.to_str().expect("a UTF-8 temporary path").to_owned()).to_string()
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
@@ -215,7 +220,7 @@ impl Client {
         let first = first.unwrap_or_else(|| panic!("{path}: no content in {}", String::from_utf8_lossy(&all)));
         let count = last_number(&all, count_key)
             .unwrap_or_else(|| panic!("{path}: no {count_key} in {}", String::from_utf8_lossy(&all)));
-        (first, total - first, count)
+        (first, total.saturating_sub(first), count)
     }
 
     async fn tiny(&mut self, body: &Bytes) {
@@ -341,10 +346,10 @@ fn main() {
     std::fs::write(
         &config,
         format!(
-            "[server]\nlisten = [\"127.0.0.1:{corral_port}\"]\n[store]\npath = {:?}\n[runner]\nllama_server = {:?}\n\
+            "[server]\nlisten = [\"127.0.0.1:{corral_port}\"]\n[store]\npath = {}\n[runner]\nllama_server = {}\n\
              [scheduler]\nkeep_alive = \"1h\"\n",
-            dir.path().join("models"),
-            llama_server,
+            toml_string(&dir.path().join("models")),
+            toml_string(&llama_server),
         ),
     )
     .expect("config");

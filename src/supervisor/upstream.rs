@@ -311,3 +311,122 @@ impl Pool {
         tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A minimal HTTP/1.1 server on a UNIX socket that answers every request on a
+    /// connection with `content_type` and counts the connections it accepted.
+    fn serve(socket: &Path, content_type: &'static str) -> Arc<AtomicUsize> {
+        let listener = tokio::net::UnixListener::bind(socket).expect("bind");
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            loop {
+                let (mut stream, _) = listener.accept().await.expect("accept");
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    loop {
+                        // One request: the head, then a body of its content-length.
+                        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            match stream.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let length: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length: "))
+                            .map_or(0, |v| v.trim().parse().expect("length"));
+                        while buf.len() < end + 4 + length {
+                            match stream.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        }
+                        buf.drain(..end + 4 + length);
+                        let answer =
+                            format!("HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: 2\r\n\r\n{{}}");
+                        if stream.write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        accepted
+    }
+
+    async fn post(pool: &Pool, socket: &Path) -> Bytes {
+        let (status, mut body) = pool
+            .post_json_stream(socket, "/v1/completions", b"{}".to_vec(), Duration::from_secs(5))
+            .await
+            .expect("post");
+        assert_eq!(status, StatusCode::OK);
+        let mut all = Vec::new();
+        while let Some(piece) = body.chunk().await {
+            all.extend_from_slice(&piece.expect("piece"));
+        }
+        Bytes::from(all)
+    }
+
+    #[tokio::test]
+    async fn a_plain_answer_read_to_its_end_leaves_the_connection_for_the_next_request() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("runner.sock");
+        let accepted = serve(&socket, "application/json");
+        let pool = Pool::default();
+        for _ in 0..5 {
+            assert_eq!(post(&pool, &socket).await, Bytes::from_static(b"{}"));
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_streamed_answer_or_one_dropped_early_does_not_leave_its_connection() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("runner.sock");
+        let accepted = serve(&socket, "text/event-stream");
+        let pool = Pool::default();
+        post(&pool, &socket).await;
+        post(&pool, &socket).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "llama-server closes a connection after a stream");
+
+        let plain = dir.path().join("plain.sock");
+        let accepted = serve(&plain, "application/json");
+        let (_, body) = pool
+            .post_json_stream(&plain, "/v1/completions", b"{}".to_vec(), Duration::from_secs(5))
+            .await
+            .expect("post");
+        drop(body);
+        post(&pool, &plain).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "a body dropped before its end closes its connection");
+    }
+
+    #[tokio::test]
+    async fn a_kept_connection_that_closed_is_replaced_by_a_new_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("runner.sock");
+        let accepted = serve(&socket, "application/json");
+        let pool = Pool::default();
+        post(&pool, &socket).await;
+        // The kept connection ends (as when llama-server closes it after 5 s idle).
+        {
+            let mut idle = pool.idle.lock().expect("lock");
+            let kept = idle.get_mut(socket.as_path()).expect("kept");
+            kept[0].driver.abort();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(post(&pool, &socket).await, Bytes::from_static(b"{}"));
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+}
