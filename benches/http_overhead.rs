@@ -23,7 +23,8 @@
 //! By default both llama-servers are pinned to the last CPU (and run with `-t 1`), and
 //! corrald and this client to CPU 0, as in the peer measurements; `CORRAL_BENCH_PIN=0`
 //! leaves every process free to use every CPU. `CORRAL_BENCH_ROUNDS` sets the rounds
-//! (default 30), `CORRAL_BENCH_TOKENS` the streamed tokens (default 256).
+//! (default 30), `CORRAL_BENCH_TOKENS` the streamed tokens (default 256), and
+//! `CORRAL_BENCH_CORRALD` another corrald binary to measure (to compare two versions).
 //!
 //! Run with `cargo bench --bench http_overhead` (after `scripts/setup-llama-server.sh`).
 
@@ -332,8 +333,10 @@ fn main() {
     let last_cpu = (cpus - 1).to_string();
 
     let llama_server = llama_bin_dir().join("llama-server");
-    // Cargo builds the binary with the benchmark (bench profile: release settings).
-    let corrald = PathBuf::from(env!("CARGO_BIN_EXE_corrald"));
+    // Cargo builds the binary with the benchmark (bench profile: release settings);
+    // CORRAL_BENCH_CORRALD names another build, to compare two versions.
+    let corrald = std::env::var_os("CORRAL_BENCH_CORRALD")
+        .map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_corrald")), PathBuf::from);
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(&dir.path().join("models")).expect("store");
     corral::demo_model::write_tiny_llama(&dir.path().join("tiny.gguf")).expect("model");
