@@ -164,8 +164,11 @@ impl BodyStream {
 impl BodyStream {
     /// The whole body has arrived: the connection may serve the next request.
     fn ended(&mut self) {
-        if let (Some((pool, socket, sender, uses)), Some(driver)) = (self.give_back.take(), self.driver.take()) {
-            pool.put(socket, Connection { sender, driver, uses, idle_since: Instant::now() });
+        // Without a pool to go back to, the driver stays for `drop` to end the connection.
+        if let Some((pool, socket, sender, uses)) = self.give_back.take() {
+            if let Some(driver) = self.driver.take() {
+                pool.put(socket, Connection { sender, driver, uses, idle_since: Instant::now() });
+            }
         }
     }
 }
@@ -321,15 +324,18 @@ mod tests {
     use super::*;
 
     /// A minimal HTTP/1.1 server on a UNIX socket that answers every request on a
-    /// connection with `content_type` and counts the connections it accepted.
-    fn serve(socket: &Path, content_type: &'static str) -> Arc<AtomicUsize> {
+    /// connection with `content_type`; counts the connections it accepted and those the
+    /// client closed.
+    fn serve(socket: &Path, content_type: &'static str) -> (Arc<AtomicUsize>, Arc<AtomicUsize>) {
         let listener = tokio::net::UnixListener::bind(socket).expect("bind");
         let accepted = Arc::new(AtomicUsize::new(0));
-        let count = Arc::clone(&accepted);
+        let closed = Arc::new(AtomicUsize::new(0));
+        let (count, ends) = (Arc::clone(&accepted), Arc::clone(&closed));
         tokio::spawn(async move {
             loop {
                 let (mut stream, _) = listener.accept().await.expect("accept");
                 count.fetch_add(1, Ordering::SeqCst);
+                let ends = Arc::clone(&ends);
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     let mut chunk = [0u8; 4096];
@@ -337,7 +343,10 @@ mod tests {
                         // One request: the head, then a body of its content-length.
                         let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
                             match stream.read(&mut chunk).await {
-                                Ok(0) | Err(_) => return,
+                                Ok(0) | Err(_) => {
+                                    ends.fetch_add(1, Ordering::SeqCst);
+                                    return;
+                                }
                                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
                             }
                             continue;
@@ -363,7 +372,7 @@ mod tests {
                 });
             }
         });
-        accepted
+        (accepted, closed)
     }
 
     async fn post(pool: &Pool, socket: &Path) -> Bytes {
@@ -383,7 +392,7 @@ mod tests {
     async fn a_plain_answer_read_to_its_end_leaves_the_connection_for_the_next_request() {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("runner.sock");
-        let accepted = serve(&socket, "application/json");
+        let (accepted, _) = serve(&socket, "application/json");
         let pool = Pool::default();
         for _ in 0..5 {
             assert_eq!(post(&pool, &socket).await, Bytes::from_static(b"{}"));
@@ -395,14 +404,20 @@ mod tests {
     async fn a_streamed_answer_or_one_dropped_early_does_not_leave_its_connection() {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("runner.sock");
-        let accepted = serve(&socket, "text/event-stream");
+        let (accepted, closed) = serve(&socket, "text/event-stream");
         let pool = Pool::default();
         post(&pool, &socket).await;
         post(&pool, &socket).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 2, "llama-server closes a connection after a stream");
+        // Nor is it left open (it would hold one of llama-server's few HTTP threads).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while closed.load(Ordering::SeqCst) < 2 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(closed.load(Ordering::SeqCst), 2, "a connection after a stream is closed");
 
         let plain = dir.path().join("plain.sock");
-        let accepted = serve(&plain, "application/json");
+        let (accepted, _) = serve(&plain, "application/json");
         let (_, body) = pool
             .post_json_stream(&plain, "/v1/completions", b"{}".to_vec(), Duration::from_secs(5))
             .await
@@ -416,7 +431,7 @@ mod tests {
     async fn a_kept_connection_that_closed_is_replaced_by_a_new_one() {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("runner.sock");
-        let accepted = serve(&socket, "application/json");
+        let (accepted, _) = serve(&socket, "application/json");
         let pool = Pool::default();
         post(&pool, &socket).await;
         // The kept connection ends (as when llama-server closes it after 5 s idle).
