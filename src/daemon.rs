@@ -303,6 +303,7 @@ fn app_state(config: &Config, store: Store, scheduler: Handle) -> anyhow::Result
         defaults: request::Defaults { num_ctx: config.scheduler.num_ctx, parallel: config.scheduler.num_parallel },
         registry,
         tokens: Arc::default(),
+        upstream: crate::supervisor::upstream::Pool::default(),
     })
 }
 

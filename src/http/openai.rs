@@ -26,7 +26,7 @@ use super::state::{AppState, Tokens};
 use crate::scheduler::actor::Lease;
 use crate::store::StoreError;
 use crate::store::name::ModelName;
-use crate::supervisor::upstream::{self, BodyStream};
+use crate::supervisor::upstream::BodyStream;
 
 /// How long a runner may take to start answering (a non-streaming reply comes whole).
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
@@ -67,7 +67,9 @@ async fn pass_through(state: &AppState, body: &[u8], path: &'static str, needs: 
     request.insert("model".into(), Value::String(model_request.name.clone()));
     let body = serde_json::to_vec(&Value::Object(request)).expect("JSON values serialize");
     let lease = state.scheduler.acquire(model_request).await.map_err(|e| schedule_error(&e, path))?;
-    let (status, upstream) = upstream::post_json_stream(lease.socket(), path, body, UPSTREAM_TIMEOUT)
+    let (status, upstream) = state
+        .upstream
+        .post_json_stream(lease.socket(), path, body, UPSTREAM_TIMEOUT)
         .await
         .map_err(|e| internal(&format!("the model runner did not answer: {e}"), path))?;
     // The runner's own content type; should it send none, what it sends for such a

@@ -25,6 +25,8 @@ pub struct AppState {
     pub registry: Registry,
     /// Tokens processed by `/api/chat`, `/api/generate` and `/v1/*`, for `/metrics`.
     pub tokens: Arc<Tokens>,
+    /// Kept-alive connections to the runners.
+    pub upstream: crate::supervisor::upstream::Pool,
 }
 
 /// Token counters since start.
@@ -54,7 +56,15 @@ impl AppState {
     pub fn for_tests(store: Store, scheduler: Handle, defaults: Defaults) -> Self {
         let safety = Arc::new(Safety::new(&crate::config::ServerConfig::default()));
         let registry = Registry::new(RegistryConfig::default()).expect("a registry client with default settings");
-        Self { store, scheduler, safety, defaults, registry, tokens: Arc::default() }
+        Self {
+            store,
+            scheduler,
+            safety,
+            defaults,
+            registry,
+            tokens: Arc::default(),
+            upstream: crate::supervisor::upstream::Pool::default(),
+        }
     }
 }
 

@@ -1,14 +1,18 @@
 //! HTTP to a runner over its private UNIX socket.
 //!
 //! One request on a fresh connection: the readiness check, and the API's non-streaming
-//! calls. A pool of kept-alive connections for the streaming API builds on the same
-//! transport.
+//! calls. A [`Pool`] keeps connections alive between the API's requests, so that a short
+//! request does not pay for a new connection (connect, handshake, a connection task, and
+//! llama-server handing the new socket to a thread) each time.
 
-use std::path::Path;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 
@@ -64,6 +68,46 @@ async fn request(
     tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
 }
 
+type Driver = tokio::task::JoinHandle<Result<(), hyper::Error>>;
+
+/// An open connection to a runner: the request half and the task driving it.
+#[derive(Debug)]
+struct Connection {
+    sender: SendRequest<Full<Bytes>>,
+    driver: Driver,
+    /// Requests sent on it so far.
+    uses: u32,
+    /// When it last finished a request.
+    idle_since: Instant,
+}
+
+impl Connection {
+    async fn open(socket: &Path) -> Result<Self, UpstreamError> {
+        let stream = tokio::net::UnixStream::connect(socket)
+            .await
+            .map_err(|source| UpstreamError::Connect { socket: socket.display().to_string(), source })?;
+        let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        Ok(Self { sender, driver: tokio::spawn(connection), uses: 0, idle_since: Instant::now() })
+    }
+
+    async fn send(
+        &mut self,
+        method: Method,
+        path: &'static str,
+        body: Bytes,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, hyper::Error> {
+        self.uses += 1;
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "runner")
+            .header("content-type", "application/json")
+            .body(Full::new(body))
+            .expect("a literal path, method and headers make a valid request");
+        self.sender.send_request(request).await
+    }
+}
+
 /// Connects to the runner, sends one request, and returns the response (headers read,
 /// body not yet) with the task that drives the connection.
 async fn send(
@@ -71,35 +115,26 @@ async fn send(
     method: Method,
     path: &'static str,
     body: Bytes,
-) -> Result<(hyper::Response<hyper::body::Incoming>, tokio::task::JoinHandle<Result<(), hyper::Error>>), UpstreamError>
-{
-    let stream = tokio::net::UnixStream::connect(socket)
-        .await
-        .map_err(|source| UpstreamError::Connect { socket: socket.display().to_string(), source })?;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-    let driver = tokio::spawn(connection);
-    let request = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "runner")
-        .header("content-type", "application/json")
-        .body(Full::new(body))
-        .expect("a literal path, method and headers make a valid request");
-    match sender.send_request(request).await {
-        Ok(response) => Ok((response, driver)),
+) -> Result<(hyper::Response<hyper::body::Incoming>, Driver), UpstreamError> {
+    let mut connection = Connection::open(socket).await?;
+    match connection.send(method, path, body).await {
+        Ok(response) => Ok((response, connection.driver)),
         Err(e) => {
-            driver.abort();
+            connection.driver.abort();
             Err(e.into())
         }
     }
 }
 
-/// A runner's response body, read as it arrives. Dropping it closes the connection,
-/// which makes llama-server cancel the generation.
+/// A runner's response body, read as it arrives. Dropping it before its end closes the
+/// connection, which makes llama-server cancel the generation; read to its end, the
+/// connection goes back to its pool (if it came from one and may serve another request).
 #[derive(Debug)]
 pub struct BodyStream {
     body: hyper::body::Incoming,
-    driver: tokio::task::JoinHandle<Result<(), hyper::Error>>,
+    driver: Option<Driver>,
+    /// Where the connection goes back once the body ended.
+    give_back: Option<(Pool, PathBuf, SendRequest<Full<Bytes>>, u32)>,
     content_type: Option<hyper::header::HeaderValue>,
 }
 
@@ -116,7 +151,11 @@ impl BodyStream {
     /// The connection failed mid-body.
     pub async fn chunk(&mut self) -> Option<Result<Bytes, hyper::Error>> {
         loop {
-            match self.body.frame().await? {
+            let Some(frame) = self.body.frame().await else {
+                self.ended();
+                return None;
+            };
+            match frame {
                 Ok(frame) => {
                     if let Ok(data) = frame.into_data() {
                         return Some(Ok(data));
@@ -129,10 +168,24 @@ impl BodyStream {
     }
 }
 
+impl BodyStream {
+    /// The whole body has arrived: the connection may serve the next request.
+    fn ended(&mut self) {
+        // Without a pool to go back to, the driver stays for `drop` to end the connection.
+        if let Some((pool, socket, sender, uses)) = self.give_back.take() {
+            if let Some(driver) = self.driver.take() {
+                pool.put(socket, Connection { sender, driver, uses, idle_since: Instant::now() });
+            }
+        }
+    }
+}
+
 impl Drop for BodyStream {
     fn drop(&mut self) {
-        // Ends the connection task, which closes the socket.
-        self.driver.abort();
+        // Before its end: ends the connection task, which closes the socket.
+        if let Some(driver) = &self.driver {
+            driver.abort();
+        }
     }
 }
 
@@ -151,7 +204,250 @@ pub async fn post_json_stream(
         let (response, driver) = send(socket, Method::POST, path, Bytes::from(body)).await?;
         let status = response.status();
         let content_type = response.headers().get(hyper::header::CONTENT_TYPE).cloned();
-        Ok((status, BodyStream { body: response.into_body(), driver, content_type }))
+        Ok((status, BodyStream { body: response.into_body(), driver: Some(driver), give_back: None, content_type }))
     };
     tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
+}
+
+/// Idle connections by runner socket, the most recently used last.
+type Idle = HashMap<PathBuf, Vec<Connection>>;
+
+/// Idle connections to runners, kept between requests. Cheap to clone (shared).
+///
+/// llama-server closes an idle connection after 5 s and any connection after 100
+/// requests, and closes a connection once it streamed server-sent events; a connection is
+/// therefore kept only after a plain (not `text/event-stream`) answer, reused only
+/// within [`Pool::MAX_IDLE`] and below [`Pool::MAX_USES`], and sent on only when it is ready, so a request does not go out on a connection
+/// the runner is closing.
+#[derive(Debug, Clone, Default)]
+pub struct Pool {
+    idle: Arc<Mutex<Idle>>,
+}
+
+impl Pool {
+    /// How long a connection may have been idle and still be used (llama-server: 5 s).
+    const MAX_IDLE: Duration = Duration::from_secs(2);
+    /// Requests per connection (llama-server closes after 100).
+    const MAX_USES: u32 = 90;
+    /// Idle connections kept per runner. llama-server serves each open connection on
+    /// one of its few HTTP threads (`max(parallel + 2, cores - 1)`), and an idle one holds
+    /// its thread until the 5 s timeout: with 16 kept, 8 concurrent clients fell from
+    /// about 1600 to 40 requests/s. One kept connection serves a lone client without a
+    /// new connection each time; connections beyond it close after their request.
+    const MAX_PER_RUNNER: usize = 1;
+
+    /// A kept connection to `socket` that can take a request now, if any.
+    fn take(&self, socket: &Path) -> Option<Connection> {
+        let mut idle = self.idle.lock().expect("the pool's lock is never poisoned");
+        let kept = idle.get_mut(socket)?;
+        let mut found = None;
+        while let Some(connection) = kept.pop() {
+            if connection.idle_since.elapsed() < Self::MAX_IDLE
+                && !connection.sender.is_closed()
+                && !connection.driver.is_finished()
+            {
+                found = Some(connection);
+                break;
+            }
+            connection.driver.abort();
+        }
+        if kept.is_empty() {
+            idle.remove(socket);
+        }
+        found
+    }
+
+    fn put(&self, socket: PathBuf, connection: Connection) {
+        if connection.uses >= Self::MAX_USES || connection.sender.is_closed() {
+            connection.driver.abort();
+            return;
+        }
+        let mut idle = self.idle.lock().expect("the pool's lock is never poisoned");
+        // Runners come and go: forget connections to ones that closed them.
+        idle.retain(|_, kept| {
+            kept.retain(|c| c.idle_since.elapsed() < Self::MAX_IDLE && !c.driver.is_finished());
+            !kept.is_empty()
+        });
+        let kept = idle.entry(socket).or_default();
+        if kept.len() < Self::MAX_PER_RUNNER {
+            kept.push(connection);
+        } else {
+            connection.driver.abort();
+        }
+    }
+
+    /// `POST path` with a JSON body on the runner at `socket`, on a kept connection when
+    /// one is ready, else a new one; returns the status once the headers arrive (within
+    /// `timeout`) and the body as a stream. The connection is kept for the next request
+    /// once the body was read to its end.
+    ///
+    /// # Errors
+    /// The socket refused, the exchange failed, or no headers came in time.
+    pub async fn post_json_stream(
+        &self,
+        socket: &Path,
+        path: &'static str,
+        body: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, BodyStream), UpstreamError> {
+        let exchange = async {
+            let mut kept = self.take(socket);
+            // A kept connection is ready at once unless the runner is closing it.
+            if let Some(connection) = &mut kept {
+                if connection.sender.ready().await.is_err() {
+                    connection.driver.abort();
+                    kept = None;
+                }
+            }
+            let mut connection = match kept {
+                Some(connection) => connection,
+                None => Connection::open(socket).await?,
+            };
+            let response = match connection.send(Method::POST, path, Bytes::from(body)).await {
+                Ok(response) => response,
+                Err(e) => {
+                    connection.driver.abort();
+                    return Err(e.into());
+                }
+            };
+            let status = response.status();
+            let content_type = response.headers().get(hyper::header::CONTENT_TYPE).cloned();
+            let streamed = content_type.as_ref().is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
+            let Connection { sender, driver, uses, .. } = connection;
+            let give_back = (!streamed).then(|| (self.clone(), socket.to_owned(), sender, uses));
+            Ok((status, BodyStream { body: response.into_body(), driver: Some(driver), give_back, content_type }))
+        };
+        tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A minimal HTTP/1.1 server on a UNIX socket that answers every request on a
+    /// connection with `content_type`; counts the connections it accepted and those the
+    /// client closed.
+    fn serve(socket: &Path, content_type: &'static str) -> (Arc<AtomicUsize>, Arc<AtomicUsize>) {
+        let listener = tokio::net::UnixListener::bind(socket).expect("bind");
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let closed = Arc::new(AtomicUsize::new(0));
+        let (count, ends) = (Arc::clone(&accepted), Arc::clone(&closed));
+        tokio::spawn(async move {
+            loop {
+                let (mut stream, _) = listener.accept().await.expect("accept");
+                count.fetch_add(1, Ordering::SeqCst);
+                let ends = Arc::clone(&ends);
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    loop {
+                        // One request: the head, then a body of its content-length.
+                        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            match stream.read(&mut chunk).await {
+                                Ok(0) | Err(_) => {
+                                    ends.fetch_add(1, Ordering::SeqCst);
+                                    return;
+                                }
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let length: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length: "))
+                            .map_or(0, |v| v.trim().parse().expect("length"));
+                        while buf.len() < end + 4 + length {
+                            match stream.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        }
+                        buf.drain(..end + 4 + length);
+                        let answer =
+                            format!("HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: 2\r\n\r\n{{}}");
+                        if stream.write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (accepted, closed)
+    }
+
+    async fn post(pool: &Pool, socket: &Path) -> Bytes {
+        let (status, mut body) = pool
+            .post_json_stream(socket, "/v1/completions", b"{}".to_vec(), Duration::from_secs(5))
+            .await
+            .expect("post");
+        assert_eq!(status, StatusCode::OK);
+        let mut all = Vec::new();
+        while let Some(piece) = body.chunk().await {
+            all.extend_from_slice(&piece.expect("piece"));
+        }
+        Bytes::from(all)
+    }
+
+    #[tokio::test]
+    async fn a_plain_answer_read_to_its_end_leaves_the_connection_for_the_next_request() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("runner.sock");
+        let (accepted, _) = serve(&socket, "application/json");
+        let pool = Pool::default();
+        for _ in 0..5 {
+            assert_eq!(post(&pool, &socket).await, Bytes::from_static(b"{}"));
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_streamed_answer_or_one_dropped_early_does_not_leave_its_connection() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("runner.sock");
+        let (accepted, closed) = serve(&socket, "text/event-stream");
+        let pool = Pool::default();
+        post(&pool, &socket).await;
+        post(&pool, &socket).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "llama-server closes a connection after a stream");
+        // Nor is it left open (it would hold one of llama-server's few HTTP threads).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while closed.load(Ordering::SeqCst) < 2 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(closed.load(Ordering::SeqCst), 2, "a connection after a stream is closed");
+
+        let plain = dir.path().join("plain.sock");
+        let (accepted, _) = serve(&plain, "application/json");
+        let (_, body) = pool
+            .post_json_stream(&plain, "/v1/completions", b"{}".to_vec(), Duration::from_secs(5))
+            .await
+            .expect("post");
+        drop(body);
+        post(&pool, &plain).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "a body dropped before its end closes its connection");
+    }
+
+    #[tokio::test]
+    async fn a_kept_connection_that_closed_is_replaced_by_a_new_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("runner.sock");
+        let (accepted, _) = serve(&socket, "application/json");
+        let pool = Pool::default();
+        post(&pool, &socket).await;
+        // The kept connection ends (as when llama-server closes it after 5 s idle).
+        {
+            let mut idle = pool.idle.lock().expect("lock");
+            let kept = idle.get_mut(socket.as_path()).expect("kept");
+            kept[0].driver.abort();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(post(&pool, &socket).await, Bytes::from_static(b"{}"));
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
 }
