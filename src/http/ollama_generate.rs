@@ -208,11 +208,11 @@ async fn prepare(state: &AppState, common: &Common, images: bool, path: &str) ->
     let options = common.options.clone();
     let keep_alive = common.keep_alive;
     let built = tokio::task::spawn_blocking(move || {
-        let details = store.show(&name, false).map_err(RequestError::Store)?;
+        let details = store.details(&name).map_err(RequestError::Store)?;
         let request = request::from_details(&store, &details, &options, keep_alive, false, defaults)?;
-        let mut merged: Map<String, Value> = details.parameters.into_iter().collect();
+        let mut merged: Map<String, Value> = details.parameters.clone().into_iter().collect();
         merged.extend(options);
-        Ok::<_, RequestError>(Prepared { request, options: merged, system: details.system })
+        Ok::<_, RequestError>(Prepared { request, options: merged, system: details.system.clone() })
     })
     .await
     .map_err(|e| internal(&format!("the request task failed: {e}"), path))?;

@@ -50,7 +50,7 @@ pub fn build(
     pinned: bool,
     defaults: Defaults,
 ) -> Result<ModelRequest, RequestError> {
-    let shown = store.show(name, false)?;
+    let shown = store.details(name)?;
     from_details(store, &shown, options, keep_alive, pinned, defaults)
 }
 

@@ -180,3 +180,22 @@ fn parameter_counts_read_like_ollamas() {
         assert_eq!(human_count(n), s);
     }
 }
+
+#[test]
+fn details_are_read_once_until_the_manifest_changes() {
+    let (dir, store) = setup();
+    create(&store, "cached", "FROM ./tiny.gguf\nSYSTEM one\n", dir.path()).expect("create");
+    let first = store.details(&name("cached")).expect("details");
+    let again = store.details(&name("cached")).expect("details");
+    assert!(std::sync::Arc::ptr_eq(&first, &again), "the second read comes from the cache");
+    assert_eq!(*first, store.show(&name("cached"), false).expect("show"), "the cache holds what show reads");
+
+    // A replaced model is read again, also through a clone of the store.
+    create(&store, "cached", "FROM ./tiny.gguf\nSYSTEM two\n", dir.path()).expect("replace");
+    let replaced = store.clone().details(&name("cached")).expect("details");
+    assert_eq!(replaced.system.as_deref(), Some("two"));
+    assert!(!std::sync::Arc::ptr_eq(&first, &replaced));
+
+    store.delete(&name("cached")).expect("delete");
+    assert!(matches!(store.details(&name("cached")), Err(StoreError::NotFound(_))));
+}

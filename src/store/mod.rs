@@ -107,6 +107,8 @@ pub struct Store {
     pins: Arc<Mutex<HashMap<Digest, usize>>>,
     /// Counts manifest writes and removals, for views that follow the list of models.
     changes: Arc<tokio::sync::watch::Sender<u64>>,
+    /// What requests read of a model, by name, with the manifest file it came from.
+    details: Arc<Mutex<HashMap<ModelName, show::Cached>>>,
 }
 
 /// Keeps blobs from being removed while an operation that will refer to them runs.
@@ -158,7 +160,12 @@ impl Store {
     }
 
     fn at(root: &Path) -> Self {
-        Self { root: root.to_owned(), pins: Arc::default(), changes: Arc::new(tokio::sync::watch::Sender::new(0)) }
+        Self {
+            root: root.to_owned(),
+            pins: Arc::default(),
+            changes: Arc::new(tokio::sync::watch::Sender::new(0)),
+            details: Arc::default(),
+        }
     }
 
     /// A receiver that sees a new value after each change to the set of models or their

@@ -3,6 +3,9 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::os::unix::fs::MetadataExt as _;
+use std::sync::{Arc, PoisonError};
+use std::time::SystemTime;
 
 use serde_json::{Map, Value};
 
@@ -41,7 +44,45 @@ pub struct ModelDetails {
     pub model_info: Map<String, Value>,
 }
 
+/// A model's details as read from one version of its manifest file.
+#[derive(Debug)]
+pub(super) struct Cached {
+    /// The manifest file's identity: inode, size and modification time.
+    file: (u64, u64, SystemTime),
+    details: Arc<ModelDetails>,
+}
+
 impl Store {
+    /// [`Store::show`] without the large metadata arrays, kept per model until its
+    /// manifest file changes: every request needs it, and reading a large model's GGUF
+    /// header each time would cost milliseconds. Blobs never change under a digest, so
+    /// the manifest file (inode, size, modification time) is all there is to check.
+    pub fn details(&self, name: &ModelName) -> Result<Arc<ModelDetails>, StoreError> {
+        let path = self.manifest_path(name);
+        let file = match std::fs::metadata(&path) {
+            Ok(m) => (m.ino(), m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(StoreError::NotFound(name.to_string()));
+            }
+            Err(e) => {
+                return Err(StoreError::Io { context: format!("cannot read {}", path.display()), source: e });
+            }
+        };
+        let cached = self
+            .details
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name)
+            .and_then(|c| (c.file == file).then(|| Arc::clone(&c.details)));
+        if let Some(hit) = cached {
+            return Ok(hit);
+        }
+        let details = Arc::new(self.show(name, false)?);
+        let entry = Cached { file, details: Arc::clone(&details) };
+        self.details.lock().unwrap_or_else(PoisonError::into_inner).insert(name.clone(), entry);
+        Ok(details)
+    }
+
     /// Gathers what is known about a model. `verbose` includes large metadata arrays
     /// (tokenizer vocabularies) in `model_info`.
     pub fn show(&self, name: &ModelName, verbose: bool) -> Result<ModelDetails, StoreError> {
