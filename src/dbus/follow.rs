@@ -17,14 +17,14 @@ use crate::scheduler::actor::{Notice, UnloadReason};
 use crate::scheduler::policy::RunnerId;
 
 /// Serves an object per stored model, then follows changes in a task (returned).
-pub(super) async fn start(shared: Arc<Shared>, connection: Connection) -> zbus::Result<tokio::task::JoinHandle<()>> {
+pub(super) async fn start(shared: Arc<Shared>, connection: Connection) -> tokio::task::JoinHandle<()> {
     // Subscribed before the first snapshot, so no change falls between them.
     let mut notices = shared.context.scheduler.subscribe();
     let mut store_changes = shared.context.store.changes();
     let mut follower = Follower { shared, connection };
     follower.sync_store().await;
     follower.sync_runners().await;
-    Ok(tokio::spawn(async move {
+    tokio::spawn(async move {
         loop {
             tokio::select! {
                 notice = notices.recv() => match notice {
@@ -39,8 +39,10 @@ pub(super) async fn start(shared: Arc<Shared>, connection: Connection) -> zbus::
                     follower.sync_store().await;
                 }
             }
+            // Replies waiting for the views to show their effect look again.
+            follower.shared.applied.notify_waiters();
         }
-    }))
+    })
 }
 
 /// The runners as the views know them.
@@ -88,11 +90,6 @@ struct Follower {
 
 impl Follower {
     async fn apply(&mut self, notice: Notice) {
-        self.apply_one(notice).await;
-        self.shared.applied.notify_waiters();
-    }
-
-    async fn apply_one(&mut self, notice: Notice) {
         match notice {
             Notice::Loading { runner, name } => {
                 lock(&self.shared.runners).insert(runner, Runner { name: name.clone(), state: "loading" });

@@ -101,7 +101,7 @@ pub async fn serve(bus: BusKind, context: Context) -> Result<Service, zbus::Erro
         .serve_at(ROOT_PATH, manager::Manager::new(Arc::clone(&shared)))?
         .build()
         .await?;
-    let follower = follow::start(Arc::clone(&shared), connection.clone()).await?;
+    let follower = follow::start(Arc::clone(&shared), connection.clone()).await;
     connection.request_name(BUS_NAME).await?;
     Ok(Service { connection, follower })
 }
