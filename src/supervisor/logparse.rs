@@ -461,12 +461,18 @@ fn event(level: Option<Level>, message: &str) -> Option<LogEvent> {
     if level == Some(Level::Error) {
         return Some(LogEvent::Error(ErrorClass::classify(message), message.to_owned()));
     }
-    if let Some(caps) = OFFLOAD.captures(message) {
+    // Each event's line holds a fixed phrase: a substring search rules most lines out
+    // before any regex runs (a runner logs a few lines per request at -lv 4).
+    if message.contains(" offloaded ")
+        && let Some(caps) = OFFLOAD.captures(message)
+    {
         let gpu_layers = caps[1].parse().ok()?;
         let total_layers = caps[2].parse().ok()?;
         return Some(LogEvent::Offload { gpu_layers, total_layers });
     }
-    if let Some(caps) = BUFFER.captures(message) {
+    if message.contains(" buffer size = ")
+        && let Some(caps) = BUFFER.captures(message)
+    {
         return Some(LogEvent::Buffer {
             component: caps[1].to_owned(),
             buffer: caps[2].to_owned(),
@@ -477,13 +483,15 @@ fn event(level: Option<Level>, message: &str) -> Option<LogEvent> {
     if message.starts_with("common_fit_params: fitting params to free memory took") {
         return Some(LogEvent::FitFinished);
     }
-    if MODEL_LOADED.is_match(message) {
+    if message.contains(": model loaded") && MODEL_LOADED.is_match(message) {
         return Some(LogEvent::ModelLoaded);
     }
-    if let Some(caps) = LISTENING.captures(message) {
+    if message.contains(": listening on ")
+        && let Some(caps) = LISTENING.captures(message)
+    {
         return Some(LogEvent::Listening { address: caps[1].to_owned() });
     }
-    if SLOTS_IDLE.is_match(message) {
+    if message.contains("all slots are idle") && SLOTS_IDLE.is_match(message) {
         return Some(LogEvent::SlotsIdle);
     }
     None
