@@ -108,7 +108,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let requests = Requests::default();
     let state = app_state(&loaded.config, store.clone(), scheduler.clone())?;
     // Served before READY=1, so that a client started after the service finds the name.
-    let _bus = serve_dbus(&loaded.config, &state, inventory).await;
+    let bus = serve_dbus(&loaded.config, &state, inventory).await;
     let router = http::router(state).layer(from_fn_with_state(requests.clone(), count_requests));
     for listener in listeners {
         servers.spawn(listener.serve(router.clone(), shutdown.clone()));
@@ -144,7 +144,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
                     notifier.status(&status);
                 }
                 let limit = loaded.config.server.exit_on_idle.filter(|_| socket_activated);
-                if idle_exit_due(&mut idle, snapshot.as_ref(), &requests, limit) {
+                if idle_exit_due(&mut idle, snapshot.as_ref(), &requests, bus.as_ref(), limit) {
                     break None;
                 }
             }
@@ -269,11 +269,18 @@ impl IdleClock {
 
 /// One idle check: true (and logged) when the daemon should exit for `limit`.  A scheduler
 /// that does not answer counts as busy.
-fn idle_exit_due(clock: &mut IdleClock, stats: Option<&Stats>, requests: &Requests, limit: Option<Duration>) -> bool {
+fn idle_exit_due(
+    clock: &mut IdleClock,
+    stats: Option<&Stats>,
+    requests: &Requests,
+    bus: Option<&dbus::Service>,
+    limit: Option<Duration>,
+) -> bool {
     let activity = Activity {
         runners: stats.map_or(usize::MAX, |s| s.loaded.len()),
         queued: stats.map_or(usize::MAX, |s| s.queue_depth),
-        in_flight: requests.in_flight.load(Ordering::Relaxed),
+        // D-Bus jobs (a pull, say) are work in flight like HTTP requests.
+        in_flight: requests.in_flight.load(Ordering::Relaxed) + bus.map_or(0, dbus::Service::jobs_running),
         started: requests.started.load(Ordering::Relaxed),
     };
     if !clock.observe(activity, limit, Instant::now()) {

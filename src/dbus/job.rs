@@ -157,6 +157,7 @@ pub(super) async fn start(
     let cancel = CancellationToken::new();
     let job = Job { data: Arc::clone(&data), cancel: cancel.clone(), cancellable: work.cancellable() };
     connection.object_server().at(&path, job).await?;
+    shared.jobs_running.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     tokio::spawn(run(Arc::clone(shared), connection.clone(), path.clone(), data, cancel, work));
     Ok(path)
 }
@@ -203,6 +204,7 @@ async fn run(
             d.status = "success".into();
         }
     }
+    shared.jobs_running.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     if let Err(e) = announce(&connection, &path, outcome.is_ok(), &error).await {
         tracing::warn!(job = %path, error = %e, "cannot signal the end of a D-Bus job");
     }

@@ -72,9 +72,17 @@ pub struct Context {
 pub struct Service {
     connection: zbus::Connection,
     follower: tokio::task::JoinHandle<()>,
+    shared: Arc<Shared>,
 }
 
 impl Service {
+    /// Jobs (pull, push, create, copy, delete) not finished yet: work in flight, for the
+    /// idle check.
+    #[must_use]
+    pub fn jobs_running(&self) -> usize {
+        self.shared.jobs_running.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The bus connection.
     pub fn connection(&self) -> &zbus::Connection {
         &self.connection
@@ -103,7 +111,7 @@ pub async fn serve(bus: BusKind, context: Context) -> Result<Service, zbus::Erro
         .await?;
     let follower = follow::start(Arc::clone(&shared), connection.clone()).await;
     connection.request_name(BUS_NAME).await?;
-    Ok(Service { connection, follower })
+    Ok(Service { connection, follower, shared })
 }
 
 /// What the interface objects share.
@@ -118,6 +126,8 @@ struct Shared {
     models: Mutex<BTreeMap<String, Arc<Mutex<model::ModelData>>>>,
     /// Job numbers, and the finished jobs still shown.
     jobs: Mutex<job::Jobs>,
+    /// Jobs not finished yet.
+    jobs_running: std::sync::atomic::AtomicUsize,
     /// The runners as the views know them (the follower keeps them).
     runners: Mutex<follow::Runners>,
     /// Woken each time the follower applied a change.
@@ -131,6 +141,7 @@ impl Shared {
             loaded: Mutex::default(),
             models: Mutex::default(),
             jobs: Mutex::default(),
+            jobs_running: std::sync::atomic::AtomicUsize::new(0),
             runners: Mutex::default(),
             applied: tokio::sync::Notify::new(),
             context,
