@@ -1,6 +1,8 @@
 //! What the model-using handlers share: reading the model's name from a request body,
 //! building the scheduler's request off the async threads, and naming what went wrong.
 
+use std::sync::Arc;
+
 use axum::http::StatusCode;
 use serde_json::{Map, Value};
 
@@ -12,6 +14,7 @@ use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request::{self, RequestError};
 use crate::store::StoreError;
 use crate::store::name::ModelName;
+use crate::store::show::ModelDetails;
 
 /// The model a request names (`model`, or Ollama's older `name` when `legacy_name`), as
 /// given and parsed.
@@ -56,7 +59,28 @@ pub(super) fn request_error(error: RequestError, given: &str, path: &str) -> Api
     }
 }
 
-/// The scheduler's request for `name`, built on the blocking pool (it reads the store).
+/// A model's details: from the store's cache on this task (one `stat`), else read on
+/// the blocking pool (a first read parses the GGUF header).
+pub(super) async fn details(
+    state: &AppState,
+    name: &ModelName,
+    given: &str,
+    path: &str,
+) -> Result<Arc<ModelDetails>, ApiError> {
+    let found = match state.store.cached_details(name) {
+        Ok(Some(hit)) => Ok(hit),
+        Ok(None) => {
+            let (store, name) = (state.store.clone(), name.clone());
+            tokio::task::spawn_blocking(move || store.details(&name))
+                .await
+                .map_err(|e| internal(&format!("the request task failed: {e}"), path))?
+        }
+        Err(e) => Err(e),
+    };
+    found.map_err(|e| request_error(RequestError::Store(e), given, path))
+}
+
+/// The scheduler's request for `name` with the client's options.
 pub(super) async fn build(
     state: &AppState,
     name: ModelName,
@@ -65,10 +89,7 @@ pub(super) async fn build(
     keep_alive: Option<KeepAlive>,
     path: &str,
 ) -> Result<ModelRequest, ApiError> {
-    let store = state.store.clone();
-    let defaults = state.defaults;
-    tokio::task::spawn_blocking(move || request::build(&store, &name, &options, keep_alive, false, defaults))
-        .await
-        .map_err(|e| internal(&format!("the request task failed: {e}"), path))?
+    let shown = details(state, &name, given, path).await?;
+    request::from_details(&state.store, &shown, &options, keep_alive, false, state.defaults)
         .map_err(|e| request_error(e, given, path))
 }

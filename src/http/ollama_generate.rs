@@ -25,7 +25,7 @@ use super::ollama_translate::{self as translate, ToolCalls};
 use super::state::{AppState, Tokens};
 use crate::scheduler::actor::{Lease, ModelRequest, ScheduleError};
 use crate::scheduler::keep_alive::KeepAlive;
-use crate::scheduler::request::{self, RequestError};
+use crate::scheduler::request;
 use crate::store::name::ModelName;
 use crate::supervisor::upstream::{self, BodyStream};
 
@@ -202,21 +202,13 @@ struct Prepared {
 }
 
 async fn prepare(state: &AppState, common: &Common, images: bool, path: &str) -> Result<Prepared, ApiError> {
-    let store = state.store.clone();
-    let defaults = state.defaults;
-    let name = common.name.clone();
-    let options = common.options.clone();
-    let keep_alive = common.keep_alive;
-    let built = tokio::task::spawn_blocking(move || {
-        let details = store.details(&name).map_err(RequestError::Store)?;
-        let request = request::from_details(&store, &details, &options, keep_alive, false, defaults)?;
-        let mut merged: Map<String, Value> = details.parameters.clone().into_iter().collect();
-        merged.extend(options);
-        Ok::<_, RequestError>(Prepared { request, options: merged, system: details.system.clone() })
-    })
-    .await
-    .map_err(|e| internal(&format!("the request task failed: {e}"), path))?;
-    let prepared = built.map_err(|e| model_request::request_error(e, &common.name_text, path))?;
+    let details = model_request::details(state, &common.name, &common.name_text, path).await?;
+    let options = &common.options;
+    let request = request::from_details(&state.store, &details, options, common.keep_alive, false, state.defaults)
+        .map_err(|e| model_request::request_error(e, &common.name_text, path))?;
+    let mut merged: Map<String, Value> = details.parameters.clone().into_iter().collect();
+    merged.extend(options.clone());
+    let prepared = Prepared { request, options: merged, system: details.system.clone() };
     if prepared.request.options.embedding.is_some() {
         return Err(bad(&format!("\"{}\" does not support generate", common.name_text), path));
     }

@@ -58,6 +58,25 @@ impl Store {
     /// header each time would cost milliseconds. Blobs never change under a digest, so
     /// the manifest file (inode, size, modification time) is all there is to check.
     pub fn details(&self, name: &ModelName) -> Result<Arc<ModelDetails>, StoreError> {
+        let (file, cached) = self.lookup(name)?;
+        if let Some(hit) = cached {
+            return Ok(hit);
+        }
+        let details = Arc::new(self.show(name, false)?);
+        let entry = Cached { file, details: Arc::clone(&details) };
+        self.details.lock().unwrap_or_else(PoisonError::into_inner).insert(name.clone(), entry);
+        Ok(details)
+    }
+
+    /// [`Store::details`] when they are cached and current: one `stat`, cheap enough for
+    /// an async task; `None` when they must be read (on the blocking pool).
+    pub fn cached_details(&self, name: &ModelName) -> Result<Option<Arc<ModelDetails>>, StoreError> {
+        self.lookup(name).map(|(_, cached)| cached)
+    }
+
+    /// The manifest file's identity, and the cached details if they came from it.
+    #[allow(clippy::type_complexity)]
+    fn lookup(&self, name: &ModelName) -> Result<((u64, u64, SystemTime), Option<Arc<ModelDetails>>), StoreError> {
         let path = self.manifest_path(name);
         let file = match std::fs::metadata(&path) {
             Ok(m) => (m.ino(), m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)),
@@ -74,13 +93,7 @@ impl Store {
             .unwrap_or_else(PoisonError::into_inner)
             .get(name)
             .and_then(|c| (c.file == file).then(|| Arc::clone(&c.details)));
-        if let Some(hit) = cached {
-            return Ok(hit);
-        }
-        let details = Arc::new(self.show(name, false)?);
-        let entry = Cached { file, details: Arc::clone(&details) };
-        self.details.lock().unwrap_or_else(PoisonError::into_inner).insert(name.clone(), entry);
-        Ok(details)
+        Ok((file, cached))
     }
 
     /// Gathers what is known about a model. `verbose` includes large metadata arrays
