@@ -73,11 +73,9 @@ impl Manager {
         options: HashMap<String, OwnedValue>,
         #[zbus(connection)] connection: &Connection,
     ) -> Result<OwnedObjectPath, Error> {
-        options::only(&options, &["insecure"])?;
-        let parsed = ModelName::parse(name)?;
         self.writable()?;
-        let registry = self.registry(&parsed, options::flag(&options, "insecure")?)?;
-        job::start(&self.shared, connection, name, Work::Pull { name: parsed, registry }).await
+        let (name_parsed, registry) = self.transfer(name, &options)?;
+        job::start(&self.shared, connection, name, Work::Pull { name: name_parsed, registry }).await
     }
 
     /// Starts a push; returns the job.
@@ -88,10 +86,8 @@ impl Manager {
         options: HashMap<String, OwnedValue>,
         #[zbus(connection)] connection: &Connection,
     ) -> Result<OwnedObjectPath, Error> {
-        options::only(&options, &["insecure"])?;
-        let parsed = ModelName::parse(name)?;
-        let registry = self.registry(&parsed, options::flag(&options, "insecure")?)?;
-        job::start(&self.shared, connection, name, Work::Push { name: parsed, registry }).await
+        let (name_parsed, registry) = self.transfer(name, &options)?;
+        job::start(&self.shared, connection, name, Work::Push { name: name_parsed, registry }).await
     }
 
     /// Starts creating a model from a Modelfile; returns the job.
@@ -232,12 +228,22 @@ impl Manager {
         Ok(())
     }
 
-    fn registry(&self, name: &ModelName, insecure: bool) -> Result<crate::store::registry::Registry, Error> {
+    /// A pull's or push's model and registry client: the shared one, or with `insecure`
+    /// one that speaks plain HTTP to the model's registry.
+    fn transfer(
+        &self,
+        name: &str,
+        options: &HashMap<String, OwnedValue>,
+    ) -> Result<(ModelName, crate::store::registry::Registry), Error> {
+        options::only(options, &["insecure"])?;
+        let parsed = ModelName::parse(name)?;
         let shared = &self.shared.context.registry;
-        if !insecure {
-            return Ok(shared.clone());
-        }
-        shared.allowing_insecure(name.registry()).map_err(|e| Error::Failed(e.to_string()))
+        let registry = if options::flag(options, "insecure")? {
+            shared.allowing_insecure(parsed.registry()).map_err(|e| Error::Failed(e.to_string()))?
+        } else {
+            shared.clone()
+        };
+        Ok((parsed, registry))
     }
 }
 
