@@ -270,3 +270,44 @@ async fn a_reload_signals_the_new_limits() {
     assert_eq!(i64::try_from(&seen["DefaultKeepAlive"]).expect("x"), 120);
     assert_eq!(manager.max_loaded_models().await.expect("MaxLoadedModels"), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_loads_a_full_queue_and_a_read_only_store_are_named() {
+    // A runner that cannot start: LoadFailed, and the model shows why.
+    let daemon = BusDaemon::with("", std::path::Path::new("/bin/false"), "");
+    let connection = daemon.connect().await;
+    let manager = uncached_manager(&connection).await;
+    let err = manager.load("chat", HashMap::new()).await.expect_err("cannot load").to_string();
+    assert!(err.contains("org.corral.Corral1.Error.LoadFailed: model chat:latest failed to load"), "{err}");
+    let path = manager.get_model("chat").await.expect("GetModel");
+    let chat = model(&connection, &path).await;
+    assert_eq!(chat.state().await.expect("State"), "failed");
+    assert!(!chat.last_error().await.expect("LastError").is_empty());
+    drop(daemon);
+
+    // No room in the queue at all: Busy.
+    let daemon = BusDaemon::start("[scheduler]\nmax_queue = 0\n");
+    let connection = daemon.connect().await;
+    let manager = uncached_manager(&connection).await;
+    let err = manager.load("chat", HashMap::new()).await.expect_err("queue full").to_string();
+    assert!(err.contains("org.corral.Corral1.Error.Busy: server busy"), "{err}");
+    assert!(manager.loaded_models().await.expect("LoadedModels").is_empty());
+    drop(daemon);
+
+    // A read-only store: every change is refused before a job starts; a push may read it.
+    let daemon = BusDaemon::with_store("read_only = true", "");
+    let connection = daemon.connect().await;
+    let manager = uncached_manager(&connection).await;
+    let before = manager.list_models().await.expect("ListModels");
+    let refused = [
+        manager.pull("chat", HashMap::new()).await,
+        manager.create("new", "FROM chat\n").await,
+        manager.copy("chat", "copy").await,
+        manager.delete("chat").await,
+    ];
+    for result in refused {
+        let err = result.expect_err("read-only").to_string();
+        assert!(err.contains("org.corral.Corral1.Error.ReadOnly: the model store is read-only"), "{err}");
+    }
+    assert_eq!(manager.list_models().await.expect("ListModels"), before);
+}

@@ -46,6 +46,11 @@ impl BusDaemon {
 
     /// [`BusDaemon::start`] with `store_keys` added to the `[store]` table.
     pub fn with_store(store_keys: &str, extra: &str) -> Self {
+        Self::with(store_keys, &llama::bin_dir().join("llama-server"), extra)
+    }
+
+    /// [`BusDaemon::with_store`] running `llama_server` as the runner.
+    pub fn with(store_keys: &str, llama_server: &Path, extra: &str) -> Self {
         ensure_users();
         let bus = PrivateBus::start(&policy());
         let dir = tempfile::tempdir().expect("tempdir");
@@ -56,7 +61,7 @@ impl BusDaemon {
              [dbus]\nbus = \"system\"\n{extra}",
             socket = dir.path().join("corral.sock").display(),
             store = dir.path().join("models").display(),
-            llama = llama::bin_dir().join("llama-server").display(),
+            llama = llama_server.display(),
         );
         let config = write_config(dir.path(), "corral.toml", &config);
         let mut cmd = Command::new(CORRALD);
