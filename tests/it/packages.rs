@@ -147,6 +147,16 @@ fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
     assert_eq!(ct.unit_property("corrald.socket", "SubState"), "listening");
     assert_eq!(ct.unit_property("corrald.service", "ActiveState"), "inactive");
     ct.run(&["test", "-f", "/usr/share/man/man5/corral.toml.5.gz"]);
+    // The installed unit, as the running systemd sees it, keeps its exposure low.
+    let security = ct.exec(&["systemd-analyze", "security", "--no-pager", "corrald.service"]);
+    let security = String::from_utf8_lossy(&security.stdout);
+    let score: f64 = security
+        .lines()
+        .find_map(|l| l.split("Overall exposure level for corrald.service:").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no exposure score in:\n{security}"));
+    assert!(score <= 2.0, "the installed corrald.service rates {score}:\n{security}");
     ct.run(&["install", "-m", "0640", "-g", "corral", "/srv/host/50-test.toml", "/etc/corral/corral.toml.d/"]);
 
     // The first request starts the service.
