@@ -4,6 +4,7 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
+use axum::serve::ListenerExt as _;
 use axum::{Extension, Router};
 use nix::sys::socket::{AddressFamily, SockType, SockaddrLike, SockaddrStorage, getsockname, getsockopt, sockopt};
 use tokio_util::sync::CancellationToken;
@@ -82,7 +83,15 @@ impl Listener {
         let stop = async move { shutdown.cancelled().await };
         // Every request learns its connection's kind: the Host rule depends on it.
         match self {
-            Self::Tcp(l) => axum::serve(l, router.layer(Extension(Transport::Tcp))).with_graceful_shutdown(stop).await,
+            Self::Tcp(l) => {
+                // Streams write small frames: each goes out at once, not after the last one's ACK.
+                let l = l.tap_io(|tcp| {
+                    if let Err(e) = tcp.set_nodelay(true) {
+                        tracing::debug!(error = %e, "cannot set TCP_NODELAY on a connection");
+                    }
+                });
+                axum::serve(l, router.layer(Extension(Transport::Tcp))).with_graceful_shutdown(stop).await
+            }
             Self::Unix { listener, owned } => {
                 let router = router.layer(Extension(Transport::Unix));
                 let result = axum::serve(listener, router).with_graceful_shutdown(stop).await;
