@@ -163,3 +163,70 @@ async fn push_and_pull_through_a_registry_report_progress() {
     let (success, error) = finish(&connection, &job).await;
     assert!(!success && error.contains("nope"), "{error}");
 }
+
+/// Exit on idle counts a D-Bus job as work in flight: a socket-activated corrald with a
+/// one-second idle limit stays up while a pull waits on its registry, and exits once
+/// the job has ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_job_keeps_an_idle_daemon_up() {
+    use crate::support::bus::PrivateBus;
+    use crate::support::corrald::{Corrald, free_port, write_config};
+    use crate::support::dbus::{ensure_users, policy};
+    use crate::support::notify::NotifyListener;
+    use crate::support::registry::{Action, Gate, Proxy};
+
+    ensure_users();
+    let bus = PrivateBus::start(&policy());
+    let registry = DockerRegistry::start();
+    let proxy = Proxy::start(registry.addr());
+    let gate = Gate::new();
+    let held = gate.clone();
+    proxy.rule(move |_| Action::Hold(held.clone()));
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = format!(
+        "[server]\nexit_on_idle = \"1s\"\n[store]\npath = \"{}\"\ninsecure_registries = [\"{}\"]\n[dbus]\nbus = \"system\"\n",
+        dir.path().join("models").display(),
+        proxy.host()
+    );
+    let config = write_config(dir.path(), "corral.toml", &config);
+    let notify = NotifyListener::start();
+    let tcp = format!("127.0.0.1:{}", free_port());
+    let mut corrald = Corrald::socket_activated(
+        std::slice::from_ref(&tcp),
+        &["--config", config.to_str().expect("utf-8")],
+        notify.path(),
+        &[("DBUS_SYSTEM_BUS_ADDRESS", bus.address())],
+    );
+    // The first connection starts it.
+    let addr: std::net::SocketAddr = tcp.parse().expect("addr");
+    let version = tokio::task::spawn_blocking(move || crate::support::http::tcp(addr, "GET", "/api/version"))
+        .await
+        .expect("request");
+    assert_eq!(version.status, 200);
+    notify.wait_for("READY", "1", WAIT);
+    corrald.wait_stderr("serving D-Bus", WAIT);
+
+    let connection = zbus::connection::Builder::address(bus.address()).expect("address").build().await.expect("bus");
+    let manager = ManagerProxy::new(&connection).await.expect("manager");
+    let job = manager.pull(&format!("{}/corral/held:v1", proxy.host()), HashMap::new()).await.expect("Pull");
+    tokio::time::timeout(WAIT, gate.arrivals(1)).await.expect("the pull reached the registry");
+
+    // Several idle checks (every 2 s) pass the 1 s limit while the job runs.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    assert!(!corrald.stderr().contains("corral_event=\"idle\""), "exited with a job running:\n{}", corrald.stderr());
+    let (success, error) = {
+        gate.open();
+        finish(&connection, &job).await
+    };
+    assert!(!success && error.contains("held"), "the registry has no such model: {error}");
+    drop(connection);
+    let status = tokio::task::spawn_blocking(move || {
+        let status = corrald.wait_exit(WAIT);
+        (status, corrald.stderr())
+    })
+    .await
+    .expect("wait");
+    assert!(status.0.success(), "a clean exit: {}\n{}", status.0, status.1);
+    assert!(status.1.contains("corral_event=\"idle\""), "{}", status.1);
+}
