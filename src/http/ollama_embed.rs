@@ -16,7 +16,6 @@ use super::error::ApiError;
 use super::model_request;
 use super::state::AppState;
 use crate::scheduler::actor::ScheduleError;
-use crate::supervisor::upstream;
 
 /// How long one embedding call to a runner may take.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
@@ -93,7 +92,9 @@ async fn run(
         return Ok((model, Vec::new(), load, 0));
     }
     let body = serde_json::to_vec(&json!({ "input": inputs })).expect("strings serialize");
-    let (status, reply) = upstream::post_json(lease.socket(), "/v1/embeddings", body, UPSTREAM_TIMEOUT)
+    let (status, reply) = state
+        .upstream
+        .post_json(lease.socket(), "/v1/embeddings", body, UPSTREAM_TIMEOUT)
         .await
         .map_err(|e| internal(&format!("the model runner did not answer: {e}"), path))?;
     drop(lease);

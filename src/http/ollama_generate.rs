@@ -27,7 +27,7 @@ use crate::scheduler::actor::{Lease, ModelRequest, ScheduleError};
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request;
 use crate::store::name::ModelName;
-use crate::supervisor::upstream::{self, BodyStream};
+use crate::supervisor::upstream::BodyStream;
 
 /// How long a runner may take to start answering a generation.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
@@ -270,7 +270,9 @@ async fn run(
         Route::Completion => "/completion",
         Route::Rendered(render) => {
             let render = serde_json::to_vec(&render).expect("JSON values serialize");
-            let (status, reply) = upstream::post_json(lease.socket(), "/apply-template", render, UPSTREAM_TIMEOUT)
+            let (status, reply) = state
+                .upstream
+                .post_json(lease.socket(), "/apply-template", render, UPSTREAM_TIMEOUT)
                 .await
                 .map_err(|e| internal(&format!("the model runner did not answer: {e}"), path))?;
             let reply: Value = serde_json::from_slice(&reply).unwrap_or(Value::Null);
@@ -284,7 +286,9 @@ async fn run(
         }
     };
     let body = serde_json::to_vec(&Value::Object(body)).expect("JSON values serialize");
-    let (status, mut upstream) = upstream::post_json_stream(lease.socket(), upstream_path, body, UPSTREAM_TIMEOUT)
+    let (status, mut upstream) = state
+        .upstream
+        .post_json_stream(lease.socket(), upstream_path, body, UPSTREAM_TIMEOUT)
         .await
         .map_err(|e| internal(&format!("the model runner did not answer: {e}"), path))?;
     if !status.is_success() {

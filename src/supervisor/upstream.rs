@@ -1,7 +1,7 @@
 //! HTTP to a runner over its private UNIX socket.
 //!
-//! One request on a fresh connection: the readiness check, and the API's non-streaming
-//! calls. A [`Pool`] keeps connections alive between the API's requests, so that a short
+//! The readiness check goes on a fresh connection ([`get`]); the API's requests go
+//! through a [`Pool`], which keeps connections alive between them, so that a short
 //! request does not pay for a new connection (connect, handshake, a connection task, and
 //! llama-server handing the new socket to a thread) each time.
 
@@ -37,29 +37,8 @@ pub enum UpstreamError {
 
 /// `GET path` on the runner at `socket`, on a new connection; returns status and body.
 pub async fn get(socket: &Path, path: &'static str, timeout: Duration) -> Result<(StatusCode, Bytes), UpstreamError> {
-    request(socket, Method::GET, path, Bytes::new(), timeout).await
-}
-
-/// `POST path` with a JSON body on the runner at `socket`, on a new connection; returns
-/// status and body.
-pub async fn post_json(
-    socket: &Path,
-    path: &'static str,
-    body: Vec<u8>,
-    timeout: Duration,
-) -> Result<(StatusCode, Bytes), UpstreamError> {
-    request(socket, Method::POST, path, Bytes::from(body), timeout).await
-}
-
-async fn request(
-    socket: &Path,
-    method: Method,
-    path: &'static str,
-    body: Bytes,
-    timeout: Duration,
-) -> Result<(StatusCode, Bytes), UpstreamError> {
     let exchange = async {
-        let (response, driver) = send(socket, method, path, body).await?;
+        let (response, driver) = send(socket, Method::GET, path, Bytes::new()).await?;
         let status = response.status();
         let body = response.into_body().collect().await?.to_bytes();
         driver.abort();
@@ -189,26 +168,6 @@ impl Drop for BodyStream {
     }
 }
 
-/// `POST path` with a JSON body on the runner at `socket`, on a new connection; returns
-/// the status once the headers arrive (within `timeout`) and the body as a stream.
-///
-/// # Errors
-/// The socket refused, the exchange failed, or no headers came in time.
-pub async fn post_json_stream(
-    socket: &Path,
-    path: &'static str,
-    body: Vec<u8>,
-    timeout: Duration,
-) -> Result<(StatusCode, BodyStream), UpstreamError> {
-    let exchange = async {
-        let (response, driver) = send(socket, Method::POST, path, Bytes::from(body)).await?;
-        let status = response.status();
-        let content_type = response.headers().get(hyper::header::CONTENT_TYPE).cloned();
-        Ok((status, BodyStream { body: response.into_body(), driver: Some(driver), give_back: None, content_type }))
-    };
-    tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
-}
-
 /// Idle connections by runner socket, the most recently used last.
 type Idle = HashMap<PathBuf, Vec<Connection>>;
 
@@ -316,6 +275,29 @@ impl Pool {
             let Connection { sender, driver, uses, .. } = connection;
             let give_back = (!streamed).then(|| (self.clone(), socket.to_owned(), sender, uses));
             Ok((status, BodyStream { body: response.into_body(), driver: Some(driver), give_back, content_type }))
+        };
+        tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
+    }
+
+    /// [`Pool::post_json_stream`] with the whole body read (which keeps the connection
+    /// for the next request); `timeout` bounds the whole exchange.
+    ///
+    /// # Errors
+    /// The socket refused, the exchange failed, or it did not end in time.
+    pub async fn post_json(
+        &self,
+        socket: &Path,
+        path: &'static str,
+        body: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), UpstreamError> {
+        let exchange = async {
+            let (status, mut stream) = self.post_json_stream(socket, path, body, timeout).await?;
+            let mut whole = Vec::new();
+            while let Some(piece) = stream.chunk().await {
+                whole.extend_from_slice(&piece?);
+            }
+            Ok((status, Bytes::from(whole)))
         };
         tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
     }
