@@ -248,11 +248,8 @@ async fn delete_model(State(state): State<AppState>, body: Bytes) -> Result<Stat
     let removed = blocking(move || store.delete(&name)).await.map_err(|e| e.into_api(PATH, &given))?;
     tracing::info!(model = %name_text, blobs_removed = removed.len(), "deleted a model");
     // A deleted model does not stay loaded: its runners unload (once their requests end).
-    if let Ok(loaded) = state.scheduler.loaded().await {
-        for runner in loaded.into_iter().filter(|m| m.name == name_text) {
-            let _ = state.scheduler.unload(&runner.key).await;
-        }
-    }
+    // None loaded is the common case, not an error.
+    let _ = state.scheduler.unload_model(&name_text).await;
     Ok(StatusCode::OK)
 }
 
