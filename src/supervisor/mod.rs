@@ -4,10 +4,13 @@
 //! - [`logparse`]: what a child prints: levels for the journal, the load's offload,
 //!   memory and failure reports;
 //! - [`runner`]: one child from spawn to reap, with readiness and a bounded stop;
+//! - [`child_log`]: a child's output, read and parsed on its own thread, in batches
+//!   once the child is ready;
 //! - [`cgroup`]: each child in its own cgroup under the service's delegated subtree;
 //! - [`upstream`]: HTTP to a child over its private UNIX socket.
 
 pub mod cgroup;
+pub mod child_log;
 pub mod command;
 pub mod logparse;
 pub mod runner;

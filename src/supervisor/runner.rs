@@ -17,16 +17,16 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
-use tokio::io::AsyncReadExt;
-use tokio::process::{Child, ChildStderr, Command};
+use tokio::process::{Child, Command};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
 use super::cgroup::{CgroupTree, MemoryUsage, RunnerCgroup};
+use super::child_log::{ChildLog, Milestone};
 use super::command::{self, Invocation, LoadOptions, ModelFiles, Placement};
-use super::logparse::{ErrorClass, LineSplitter, LoadReport, ParsedLine};
+use super::logparse::{ErrorClass, LoadReport};
 use super::upstream;
-use crate::systemd::{JournalWriter, Priority};
+use crate::systemd::JournalWriter;
 
 /// Where a child's output goes besides the parser.
 #[derive(Debug, Clone)]
@@ -324,28 +324,31 @@ async fn load_once(config: &SupervisorConfig, spec: &RunnerSpec, placement: &Pla
         Some(tree) => Some(Arc::new(tree.create_runner(spec.id, spec.memory_max).map_err(LoadError::Cgroup)?)),
         None => None,
     };
-    let mut child = spawn(&invocation, cgroup.as_deref()).map_err(|source| {
+    let spawn_error = |source| {
         if let Some(cgroup) = &cgroup {
             let _ = cgroup.remove();
         }
         LoadError::Spawn { program: invocation.program.display().to_string(), source }
-    })?;
+    };
+    let (stderr, stderr_writer) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| spawn_error(std::io::Error::from(e)))?;
+    let child = spawn(&invocation, cgroup.as_deref(), stderr_writer).map_err(spawn_error)?;
     let pid = Pid::from_raw(child.id().and_then(|id| i32::try_from(id).ok()).unwrap_or_default());
-    let stderr = child.stderr.take().expect("stderr is piped");
 
     let (ready_tx, mut ready_rx) = oneshot::channel();
     let (stop_tx, stop_rx) = oneshot::channel();
     let (exit_tx, exit_rx) = watch::channel(None);
     let (progress_tx, mut progress_rx) = watch::channel(Instant::now());
-    let watcher = ChildWatcher {
-        model: spec.model.clone(),
-        pid,
-        socket: socket.clone(),
-        sink: config.log_sink.clone(),
-        cgroup: cgroup.clone(),
-        progress: progress_tx,
+    let log = match ChildLog::start(stderr.into(), config.log_sink.clone(), spec.model.clone(), pid, progress_tx) {
+        Ok(log) => log,
+        Err(e) => {
+            // Without its reader the child would block on a full pipe: it goes at once.
+            let _ = killpg(pid, Signal::SIGKILL);
+            return Err(spawn_error(e));
+        }
     };
-    let task = tokio::spawn(watcher.run(child, stderr, ready_tx, stop_rx, exit_tx));
+    let watcher = ChildWatcher { model: spec.model.clone(), pid, socket: socket.clone(), cgroup: cgroup.clone() };
+    let task = tokio::spawn(watcher.run(child, log, ready_tx, stop_rx, exit_tx));
     let mut runner = Runner {
         id: spec.id,
         pid,
@@ -399,7 +402,11 @@ async fn load_once(config: &SupervisorConfig, spec: &RunnerSpec, placement: &Pla
 /// Spawns the child: clean environment, own process group, a parent-death signal, and
 /// (with cgroups) moved into its cgroup before it runs any code of its own.
 #[allow(unsafe_code)]
-fn spawn(invocation: &Invocation, cgroup: Option<&RunnerCgroup>) -> std::io::Result<Child> {
+fn spawn(
+    invocation: &Invocation,
+    cgroup: Option<&RunnerCgroup>,
+    stderr: std::os::fd::OwnedFd,
+) -> std::io::Result<Child> {
     let procs = cgroup.map(RunnerCgroup::procs_file).transpose()?;
     let parent = nix::unistd::getpid();
     let mut cmd = Command::new(&invocation.program);
@@ -408,7 +415,7 @@ fn spawn(invocation: &Invocation, cgroup: Option<&RunnerCgroup>) -> std::io::Res
         .envs(invocation.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+        .stderr(stderr)
         .process_group(0)
         .kill_on_drop(true);
     // SAFETY: the closure runs in the forked child before exec, so it must only make
@@ -437,64 +444,37 @@ enum ReadyError {
     Gone,
 }
 
-/// The task that owns one child: reads its output, tells the loader when it is ready,
-/// stops it on request, and publishes how it ended.
+/// The task that owns one child: tells the loader when it is ready, stops it on
+/// request, and publishes how it ended. Its output is read by a [`ChildLog`].
 struct ChildWatcher {
     model: String,
     pid: Pid,
     socket: PathBuf,
-    sink: LogSink,
     cgroup: Option<Arc<RunnerCgroup>>,
-    progress: watch::Sender<Instant>,
 }
 
 impl ChildWatcher {
     async fn run(
         self,
         mut child: Child,
-        mut stderr: ChildStderr,
+        mut log: ChildLog,
         ready: oneshot::Sender<Result<LoadReport, ReadyError>>,
         mut stop: oneshot::Receiver<Duration>,
         exit: watch::Sender<Option<Exit>>,
     ) {
         let mut ready = Some(ready);
-        let mut report = LoadReport::new();
-        let mut splitter = LineSplitter::new();
-        let mut buf = vec![0u8; 16 * 1024];
-        let mut stderr_open = true;
         let mut requested = None;
         let mut listening_since: Option<Instant> = None;
         let status = loop {
             tokio::select! {
-                read = stderr.read(&mut buf), if stderr_open => {
-                    let lines = match read {
-                        Ok(0) | Err(_) => {
-                            stderr_open = false;
-                            splitter.finish().into_iter().collect()
-                        }
-                        Ok(n) => splitter.push(&buf[..n]),
-                    };
-                    for line in lines {
-                        self.on_line(&mut report, &line);
-                        let _ = self.progress.send(Instant::now());
-                        if report.listening().is_some() && listening_since.is_none() {
-                            listening_since = Some(Instant::now());
-                        }
-                        // Ready once its task loop runs too: a SIGTERM before that is lost upstream.
-                        if ready.is_some() && report.listening().is_some() && report.task_loop_running() {
-                            let outcome = self.confirm(&report).await;
-                            if let Some(ready) = ready.take() {
-                                let _ = ready.send(outcome);
-                            }
-                        }
-                    }
-                }
+                Some(milestone) = log.milestone(), if ready.is_some() => match milestone {
+                    Milestone::Listening => listening_since = Some(Instant::now()),
+                    // Ready once its task loop runs too: a SIGTERM before that is lost upstream.
+                    Milestone::TaskLoop => self.ready(&log, &mut ready).await,
+                },
                 // A build that never prints the idle line is ready a moment after listening.
                 () = sleep_until_or_forever(listening_since.filter(|_| ready.is_some()).map(|t| t + IDLE_LINE_WAIT)) => {
-                    let outcome = self.confirm(&report).await;
-                    if let Some(ready) = ready.take() {
-                        let _ = ready.send(outcome);
-                    }
+                    self.ready(&log, &mut ready).await;
                 }
                 status = child.wait() => break status,
                 grace = &mut stop, if requested.is_none() => {
@@ -504,14 +484,8 @@ impl ChildWatcher {
                 }
             }
         };
-        // Drain what the child wrote before it ended, for its last error lines.
-        if stderr_open {
-            let mut rest = Vec::new();
-            let _ = tokio::time::timeout(Duration::from_millis(200), stderr.read_to_end(&mut rest)).await;
-            for line in splitter.push(&rest).into_iter().chain(splitter.finish()) {
-                self.on_line(&mut report, &line);
-            }
-        }
+        // What the child wrote before it ended, for its last error lines.
+        let report = log.finish(Duration::from_millis(200)).await;
         let status = status.unwrap_or_else(|_| ExitStatus::from_raw(0));
         if let Some(cgroup) = &self.cgroup {
             let cgroup = Arc::clone(cgroup);
@@ -540,6 +514,16 @@ impl ChildWatcher {
             let _ = ready.send(Err(ReadyError::Gone));
         }
         let _ = exit.send(Some(ended));
+    }
+
+    /// Confirms readiness and tells the loader, once; the log is read in batches from then on.
+    async fn ready(&self, log: &ChildLog, ready: &mut Option<oneshot::Sender<Result<LoadReport, ReadyError>>>) {
+        let report = log.report().clone();
+        let outcome = self.confirm(&report).await;
+        log.settle();
+        if let Some(ready) = ready.take() {
+            let _ = ready.send(outcome);
+        }
     }
 
     /// One `/health` after the listening line: the load is over when it answers 200.
@@ -571,11 +555,6 @@ impl ChildWatcher {
         );
     }
 
-    fn on_line(&self, report: &mut LoadReport, line: &str) {
-        let parsed = report.feed(line);
-        forward(&self.sink, &self.model, self.pid, &parsed);
-    }
-
     async fn terminate(&self, child: &mut Child, grace: Duration) -> std::io::Result<ExitStatus> {
         let _ = killpg(self.pid, Signal::SIGTERM);
         if let Ok(status) = tokio::time::timeout(grace, child.wait()).await {
@@ -593,33 +572,5 @@ async fn sleep_until_or_forever(deadline: Option<Instant>) {
     match deadline {
         Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
         None => std::future::pending().await,
-    }
-}
-
-fn forward(sink: &LogSink, model: &str, pid: Pid, line: &ParsedLine<'_>) {
-    match sink {
-        LogSink::Journal(journal) => {
-            let priority = match line.priority() {
-                0..=3 => Priority::Error,
-                4 => Priority::Warning,
-                5 => Priority::Notice,
-                6 => Priority::Info,
-                _ => Priority::Debug,
-            };
-            let pid = pid.as_raw().to_string();
-            let fields = [("SYSLOG_IDENTIFIER", "llama-server"), ("CORRAL_MODEL", model), ("CORRAL_RUNNER_PID", &pid)];
-            if let Err(e) = journal.send(priority, &line.message, &fields) {
-                tracing::debug!(error = %e, "cannot forward a llama-server line to the journal");
-            }
-        }
-        LogSink::Tracing => {
-            let (model, pid, message) = (model, pid.as_raw(), &line.message);
-            match line.priority() {
-                0..=3 => tracing::error!(target: "llama-server", corral_model = model, pid, "{message}"),
-                4 => tracing::warn!(target: "llama-server", corral_model = model, pid, "{message}"),
-                // Info lines are many at -lv 4: they go to the journal, or to stderr at debug level.
-                _ => tracing::debug!(target: "llama-server", corral_model = model, pid, "{message}"),
-            }
-        }
     }
 }
