@@ -106,7 +106,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let mut servers = JoinSet::new();
     let requests = Requests::default();
-    let state = app_state(&loaded.config, store.clone(), scheduler.clone())?;
+    let state = app_state(&loaded.config, store.clone(), scheduler.clone());
     // Served before READY=1, so that a client started after the service finds the name.
     let bus = serve_dbus(&loaded.config, &state, inventory).await;
     let router = http::router(state).layer(from_fn_with_state(requests.clone(), count_requests));
@@ -297,13 +297,12 @@ fn idle_exit_due(
 }
 
 /// What the HTTP handlers share, from the configuration at start.
-fn app_state(config: &Config, store: Store, scheduler: Handle) -> anyhow::Result<http::AppState> {
+fn app_state(config: &Config, store: Store, scheduler: Handle) -> http::AppState {
     let registry = Registry::new(RegistryConfig {
         insecure: config.store.insecure_registries.clone(),
         ..RegistryConfig::default()
-    })
-    .context("cannot set up the registry client")?;
-    Ok(http::AppState {
+    });
+    http::AppState {
         store,
         scheduler,
         safety: Arc::new(http::Safety::new(&config.server)),
@@ -311,7 +310,7 @@ fn app_state(config: &Config, store: Store, scheduler: Handle) -> anyhow::Result
         registry,
         tokens: Arc::default(),
         upstream: crate::supervisor::upstream::Pool::default(),
-    })
+    }
 }
 
 /// Serves the D-Bus interface, unless `[dbus] bus = "off"`. Without a bus (or the right

@@ -239,7 +239,7 @@ impl Manager {
         let parsed = ModelName::parse(name)?;
         let shared = &self.shared.context.registry;
         let registry = if options::flag(options, "insecure")? {
-            shared.allowing_insecure(parsed.registry()).map_err(|e| Error::Failed(e.to_string()))?
+            shared.allowing_insecure(parsed.registry())
         } else {
             shared.clone()
         };

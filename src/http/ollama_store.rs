@@ -350,9 +350,7 @@ fn registry_for(
     if !insecure {
         return Ok(shared.clone());
     }
-    shared
-        .allowing_insecure(name.registry())
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), path))
+    Ok(shared.allowing_insecure(name.registry()))
 }
 
 fn registry_error(error: &RegistryError, path: &str, given: &str) -> ApiError {

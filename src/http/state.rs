@@ -55,7 +55,7 @@ impl AppState {
     #[must_use]
     pub fn for_tests(store: Store, scheduler: Handle, defaults: Defaults) -> Self {
         let safety = Arc::new(Safety::new(&crate::config::ServerConfig::default()));
-        let registry = Registry::new(RegistryConfig::default()).expect("a registry client with default settings");
+        let registry = Registry::new(RegistryConfig::default());
         Self {
             store,
             scheduler,

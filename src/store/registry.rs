@@ -63,7 +63,7 @@ use std::io::{self, BufReader, Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures_util::{StreamExt, TryStreamExt, stream};
@@ -381,20 +381,31 @@ pub struct Registry {
 #[derive(Debug)]
 struct Inner {
     config: RegistryConfig,
-    client: Client,
+    /// Built on first use: building reads and parses every system CA certificate, which a
+    /// daemon that never pulls should not pay for at start (time, and memory it touches).
+    client: OnceLock<Result<Client, String>>,
     inflight: Mutex<Inflight>,
 }
 
+impl Inner {
+    fn client(&self) -> Result<&Client, RegistryError> {
+        let built = self.client.get_or_init(|| {
+            Client::builder()
+                .connect_timeout(self.config.connect_timeout)
+                .read_timeout(self.config.read_timeout)
+                .user_agent(concat!("corral/", env!("CARGO_PKG_VERSION")))
+                .build()
+                .map_err(|e| chain(&e))
+        });
+        built.as_ref().map_err(|e| RegistryError::Client(e.clone()))
+    }
+}
+
 impl Registry {
-    /// A client with this configuration.
-    pub fn new(config: RegistryConfig) -> Result<Self, RegistryError> {
-        let client = Client::builder()
-            .connect_timeout(config.connect_timeout)
-            .read_timeout(config.read_timeout)
-            .user_agent(concat!("corral/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|e| RegistryError::Client(chain(&e)))?;
-        Ok(Self { inner: Arc::new(Inner { config, client, inflight: Mutex::default() }) })
+    /// A client with this configuration; its HTTP client is built when first needed.
+    #[must_use]
+    pub fn new(config: RegistryConfig) -> Self {
+        Self { inner: Arc::new(Inner { config, client: OnceLock::new(), inflight: Mutex::default() }) }
     }
 
     /// The configuration.
@@ -405,13 +416,14 @@ impl Registry {
 
     /// This client, or for a registry host it does not already speak plain HTTP to, a new
     /// one that does (a client's `insecure` request). The new one shares no downloads.
-    pub fn allowing_insecure(&self, host: &str) -> Result<Registry, RegistryError> {
+    #[must_use]
+    pub fn allowing_insecure(&self, host: &str) -> Registry {
         if self.inner.config.insecure.iter().any(|h| h == host) {
-            return Ok(self.clone());
+            return self.clone();
         }
         let mut config = self.inner.config.clone();
         config.insecure.push(host.to_owned());
-        Registry::new(config)
+        Self::new(config)
     }
 
     /// Pulls `name` into `store` (see the module documentation), reporting progress as it
@@ -493,7 +505,7 @@ impl Registry {
         let response = remote
             .send(&what, || {
                 Ok(remote
-                    .client()
+                    .client()?
                     .put(url.clone())
                     .header(CONTENT_TYPE, MANIFEST_MEDIA_TYPE)
                     .body(bytes.clone())
@@ -747,7 +759,7 @@ async fn fetch_range(
     let expected = end - first;
     let url = remote.url(&format!("blobs/{}", partial.digest))?;
     let mut response = remote
-        .send(what, || Ok(remote.client().get(url.clone()).header(RANGE, format!("bytes={first}-{last}"))))
+        .send(what, || Ok(remote.client()?.get(url.clone()).header(RANGE, format!("bytes={first}-{last}"))))
         .await?;
     match response.status() {
         StatusCode::PARTIAL_CONTENT => {
@@ -1127,8 +1139,8 @@ struct TokenReply {
 }
 
 impl Remote {
-    fn client(&self) -> &Client {
-        &self.inner.client
+    fn client(&self) -> Result<&Client, RegistryError> {
+        self.inner.client()
     }
 
     fn config(&self) -> &RegistryConfig {
@@ -1213,7 +1225,7 @@ impl Remote {
                 query.append_pair("scope", scope);
             }
         }
-        let response = self.client().get(url).timeout(self.config().request_timeout).send().await.map_err(|e| {
+        let response = self.client()?.get(url).timeout(self.config().request_timeout).send().await.map_err(|e| {
             RegistryError::Transport {
                 registry: self.registry.clone(),
                 what: format!("a token for {what} from {realm}"),
@@ -1263,7 +1275,7 @@ impl Remote {
         let response = self
             .send(&what, || {
                 Ok(self
-                    .client()
+                    .client()?
                     .get(url.clone())
                     .header(ACCEPT, MANIFEST_MEDIA_TYPE)
                     .timeout(self.config().request_timeout))
@@ -1302,7 +1314,7 @@ impl Remote {
         progress(Progress::blob("pushing", digest, size, 0));
         let url = self.url(&format!("blobs/{digest}"))?;
         let timeout = self.config().request_timeout;
-        let response = self.send(&what, || Ok(self.client().head(url.clone()).timeout(timeout))).await?;
+        let response = self.send(&what, || Ok(self.client()?.head(url.clone()).timeout(timeout))).await?;
         match response.status() {
             StatusCode::OK => {
                 progress(Progress::blob("pushing", digest, size, size));
@@ -1313,7 +1325,7 @@ impl Remote {
         }
         let start = self.url("blobs/uploads/")?;
         let response = self
-            .send(&what, || Ok(self.client().post(start.clone()).header(CONTENT_LENGTH, 0).timeout(timeout)))
+            .send(&what, || Ok(self.client()?.post(start.clone()).header(CONTENT_LENGTH, 0).timeout(timeout)))
             .await?;
         let response = self.expect(&what, response, &[StatusCode::ACCEPTED]).await?;
         let location =
@@ -1332,7 +1344,7 @@ impl Remote {
             let file = File::open(&path).map_err(|_| RegistryError::from(StoreError::MissingBlob(digest)))?;
             sent.store(0, Ordering::Relaxed);
             Ok(self
-                .client()
+                .client()?
                 .put(target.clone())
                 .header(CONTENT_TYPE, "application/octet-stream")
                 .header(CONTENT_LENGTH, size)

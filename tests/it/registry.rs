@@ -86,7 +86,7 @@ fn client(hosts: &[String], tweak: impl FnOnce(&mut RegistryConfig)) -> Registry
         request_timeout: Duration::from_secs(30),
     };
     tweak(&mut config);
-    Registry::new(config).expect("registry client")
+    Registry::new(config)
 }
 
 fn name_on(host: &str, model: &str) -> ModelName {
