@@ -3,7 +3,9 @@
 //! The readiness check goes on a fresh connection ([`get`]); the API's requests go
 //! through a [`Pool`], which keeps connections alive between them, so that a short
 //! request does not pay for a new connection (connect, handshake, a connection task, and
-//! llama-server handing the new socket to a thread) each time.
+//! llama-server handing the new socket to a thread) each time. llama-server closes a
+//! connection once it streamed an answer, so the pool then opens the next one at once,
+//! off the request's path: a chat's next turn starts on a connection that is ready.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -114,6 +116,9 @@ pub struct BodyStream {
     driver: Option<Driver>,
     /// Where the connection goes back once the body ended.
     give_back: Option<(Pool, PathBuf, SendRequest<Full<Bytes>>, u32)>,
+    /// The pool that gets a new connection in place of this one once the body ended
+    /// (llama-server closes a connection after a stream).
+    replace: Option<(Pool, PathBuf)>,
     content_type: Option<hyper::header::HeaderValue>,
 }
 
@@ -156,6 +161,9 @@ impl BodyStream {
                 pool.put(socket, Connection { sender, driver, uses, idle_since: Instant::now() });
             }
         }
+        if let Some((pool, socket)) = self.replace.take() {
+            tokio::spawn(async move { pool.open_spare(socket).await });
+        }
     }
 }
 
@@ -176,8 +184,10 @@ type Idle = HashMap<PathBuf, Vec<Connection>>;
 /// llama-server closes an idle connection after 5 s and any connection after 100
 /// requests, and closes a connection once it streamed server-sent events; a connection is
 /// therefore kept only after a plain (not `text/event-stream`) answer, reused only
-/// within [`Pool::MAX_IDLE`] and below [`Pool::MAX_USES`], and sent on only when it is ready, so a request does not go out on a connection
-/// the runner is closing.
+/// within [`Pool::MAX_IDLE`] and below [`Pool::MAX_USES`], and sent on only when it is
+/// ready, so a request does not go out on a connection the runner is closing. After a
+/// streamed answer a new connection is opened in its place, so the next request (a chat's
+/// next turn) does not wait for one.
 #[derive(Debug, Clone, Default)]
 pub struct Pool {
     idle: Arc<Mutex<Idle>>,
@@ -214,6 +224,17 @@ impl Pool {
             idle.remove(socket);
         }
         found
+    }
+
+    /// Opens a connection to `socket` for the next request, unless one is kept already.
+    /// A runner that went away in the meantime simply gets none.
+    async fn open_spare(&self, socket: PathBuf) {
+        if self.idle.lock().expect("the pool's lock is never poisoned").contains_key(&socket) {
+            return;
+        }
+        if let Ok(connection) = Connection::open(&socket).await {
+            self.put(socket, connection);
+        }
     }
 
     fn put(&self, socket: PathBuf, connection: Connection) {
@@ -273,8 +294,13 @@ impl Pool {
             let content_type = response.headers().get(hyper::header::CONTENT_TYPE).cloned();
             let streamed = content_type.as_ref().is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
             let Connection { sender, driver, uses, .. } = connection;
-            let give_back = (!streamed).then(|| (self.clone(), socket.to_owned(), sender, uses));
-            Ok((status, BodyStream { body: response.into_body(), driver: Some(driver), give_back, content_type }))
+            let (give_back, replace) = if streamed {
+                (None, Some((self.clone(), socket.to_owned())))
+            } else {
+                (Some((self.clone(), socket.to_owned(), sender, uses)), None)
+            };
+            let body = response.into_body();
+            Ok((status, BodyStream { body, driver: Some(driver), give_back, replace, content_type }))
         };
         tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
     }
@@ -389,30 +415,50 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_streamed_answer_or_one_dropped_early_does_not_leave_its_connection() {
+    async fn a_streamed_answer_closes_its_connection_and_leaves_a_new_one_for_the_next_request() {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("runner.sock");
         let (accepted, closed) = serve(&socket, "text/event-stream");
         let pool = Pool::default();
         post(&pool, &socket).await;
-        post(&pool, &socket).await;
-        assert_eq!(accepted.load(Ordering::SeqCst), 2, "llama-server closes a connection after a stream");
-        // Nor is it left open (it would hold one of llama-server's few HTTP threads).
+        // Its replacement is opened after the stream, off the request's path.
         let deadline = Instant::now() + Duration::from_secs(5);
-        while closed.load(Ordering::SeqCst) < 2 && Instant::now() < deadline {
+        while (accepted.load(Ordering::SeqCst), closed.load(Ordering::SeqCst)) != (2, 1) && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        assert_eq!(closed.load(Ordering::SeqCst), 2, "a connection after a stream is closed");
+        assert_eq!(
+            (accepted.load(Ordering::SeqCst), closed.load(Ordering::SeqCst)),
+            (2, 1),
+            "the streamed connection closed (llama-server closes it) and a spare is open"
+        );
+        // The next stream goes out on the spare: no connection is opened on its path.
+        let (status, body) = pool
+            .post_json_stream(&socket, "/v1/completions", b"{}".to_vec(), Duration::from_secs(5))
+            .await
+            .expect("post");
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "the spare carried the request");
+        drop(body);
+    }
 
+    #[tokio::test]
+    async fn a_body_dropped_before_its_end_closes_its_connection_and_opens_no_other() {
+        let dir = tempfile::tempdir().expect("tempdir");
         let plain = dir.path().join("plain.sock");
-        let (accepted, _) = serve(&plain, "application/json");
+        let (accepted, closed) = serve(&plain, "application/json");
+        let pool = Pool::default();
         let (_, body) = pool
             .post_json_stream(&plain, "/v1/completions", b"{}".to_vec(), Duration::from_secs(5))
             .await
             .expect("post");
         drop(body);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while closed.load(Ordering::SeqCst) < 1 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(closed.load(Ordering::SeqCst), 1, "the dropped body's connection is closed");
         post(&pool, &plain).await;
-        assert_eq!(accepted.load(Ordering::SeqCst), 2, "a body dropped before its end closes its connection");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "the next request needed a new connection");
     }
 
     #[tokio::test]
