@@ -14,6 +14,9 @@
 //! - time to the first content-bearing frame of a streamed chat: `/v1/chat/completions`
 //!   on both sides (corral passes it through), and corral's Ollama `/api/chat` against
 //!   direct `/v1/chat/completions` (the endpoint corral calls for it);
+//! - the same first-frame time for a stream that follows a pause of [`PAUSE`] (fewer
+//!   rounds): longer than corrald keeps a spare connection to its runner, so this is a
+//!   chat's next turn after the user thought for a moment;
 //! - streaming tokens/s after the first token, with a fixed token count (`max_tokens`,
 //!   `ignore_eos`); the count reported in the usage / `eval_count` is checked on both sides;
 //! - tiny-request round trips/s: `/v1/completions` with `max_tokens: 1`, non-streaming, on
@@ -47,6 +50,10 @@ use corral::store::modelfile::Modelfile;
 use corral::store::name::ModelName;
 
 const MODEL: &str = "chat";
+
+/// The pause before each stream of the "after a pause" rows: longer than corrald keeps an
+/// idle connection to a runner (2 s).
+const PAUSE: Duration = Duration::from_millis(2500);
 
 fn llama_bin_dir() -> PathBuf {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-llama-server.sh");
@@ -451,6 +458,8 @@ fn main() {
 
     let mut ttft = Pair::new("TTFT /v1/chat/completions", "ms", false, "added <= 0.2 ms");
     let mut ttft_api = Pair::new("TTFT /api/chat (direct: /v1/chat)", "ms", false, "added <= 0.2 ms");
+    let mut ttft_paused =
+        Pair::new("TTFT /v1/chat/completions after a pause", "ms", false, "none (a new runner connection)");
     let mut rate = Pair::new("streaming /v1/chat/completions", "tok/s", true, ">= 0.99x");
     let mut rate_api = Pair::new("streaming /api/chat (direct: /v1/chat)", "tok/s", true, ">= 0.99x");
     let mut tiny1 = Pair::new("tiny /v1/completions, 1 client", "req/s", true, ">= 0.85x");
@@ -498,6 +507,22 @@ fn main() {
                 }
             }
         }
+        // Fewer rounds after a pause: each waits PAUSE.
+        for round in 0..=rounds.div_ceil(3) {
+            let order: [bool; 2] = if round % 2 == 0 { [true, false] } else { [false, true] };
+            for is_direct in order {
+                tokio::time::sleep(PAUSE).await;
+                let (first, _, count) = if is_direct {
+                    to_direct.stream("/v1/chat/completions", &direct_chat, "completion_tokens").await
+                } else {
+                    to_corral.stream("/v1/chat/completions", &corral_chat, "completion_tokens").await
+                };
+                assert_eq!(count, tokens, "streamed token count");
+                if round > 0 {
+                    if is_direct { &mut ttft_paused.direct } else { &mut ttft_paused.corral }.push(ms(first));
+                }
+            }
+        }
         // Fewer rounds of the throughput runs: each is 200 requests.
         for round in 0..=rounds.div_ceil(3) {
             let order: [bool; 2] = if round % 2 == 0 { [true, false] } else { [false, true] };
@@ -530,7 +555,7 @@ fn main() {
     );
     println!("| measure | direct (median, min..max) | corral (median, min..max) | added | corral/direct | target |");
     println!("| --- | --- | --- | --- | --- | --- |");
-    for pair in [&ttft, &ttft_api, &rate, &rate_api, &tiny1, &tiny8] {
+    for pair in [&ttft, &ttft_api, &ttft_paused, &rate, &rate_api, &tiny1, &tiny8] {
         pair.print();
     }
     println!();
