@@ -47,6 +47,8 @@ pub struct ChildLog {
     settled: Arc<AtomicBool>,
     milestones: mpsc::UnboundedReceiver<Milestone>,
     ended: oneshot::Receiver<()>,
+    /// The reading thread, to wake from its pause.
+    reader: std::thread::Thread,
 }
 
 impl ChildLog {
@@ -62,13 +64,26 @@ impl ChildLog {
         pid: Pid,
         progress: watch::Sender<Instant>,
     ) -> std::io::Result<Self> {
+        let enlarged = nix::fcntl::fcntl(&pipe, nix::fcntl::FcntlArg::F_SETPIPE_SZ(PIPE_SIZE)).is_ok();
+        let pause = if enlarged { SETTLED_PAUSE } else { Duration::ZERO };
+        Self::start_pausing(pipe, sink, model, pid, progress, pause)
+    }
+
+    /// [`ChildLog::start`] with the pause between reads once settled.
+    fn start_pausing(
+        pipe: std::fs::File,
+        sink: LogSink,
+        model: String,
+        pid: Pid,
+        progress: watch::Sender<Instant>,
+        pause: Duration,
+    ) -> std::io::Result<Self> {
         let report = Arc::new(Mutex::new(LoadReport::new()));
         let settled = Arc::new(AtomicBool::new(false));
         let (milestone_tx, milestones) = mpsc::unbounded_channel();
         let (ended_tx, ended) = oneshot::channel();
-        let enlarged = nix::fcntl::fcntl(&pipe, nix::fcntl::FcntlArg::F_SETPIPE_SZ(PIPE_SIZE)).is_ok();
         let reader = Reader {
-            pause: if enlarged { SETTLED_PAUSE } else { Duration::ZERO },
+            pause,
             report: Arc::clone(&report),
             settled: Arc::clone(&settled),
             milestones: milestone_tx,
@@ -77,11 +92,11 @@ impl ChildLog {
             pid,
             progress,
         };
-        std::thread::Builder::new().name(format!("log-{pid}")).spawn(move || {
+        let thread = std::thread::Builder::new().name(format!("log-{pid}")).spawn(move || {
             reader.run(pipe);
             drop(ended_tx);
         })?;
-        Ok(Self { report, settled, milestones, ended })
+        Ok(Self { report, settled, milestones, ended, reader: thread.thread().clone() })
     }
 
     /// The next milestone; `None` once the reader ended.
@@ -99,11 +114,15 @@ impl ChildLog {
         self.settled.store(true, Ordering::Relaxed);
     }
 
-    /// Waits up to `limit` for the reader to reach the end of the output (every holder of
-    /// the pipe closed it) and returns the report. A grandchild that keeps the pipe open
-    /// does not hold this up; the reader then ends when the runner's group is killed.
+    /// Ends the reader's pauses and waits up to `limit` for it to reach the end of the
+    /// output (every holder of the pipe closed it); returns the report. A grandchild that
+    /// keeps the pipe open does not hold this up; the reader then ends when the runner's
+    /// group is killed.
     pub async fn finish(&mut self, limit: Duration) -> LoadReport {
-        let _ = tokio::time::timeout(limit + SETTLED_PAUSE, &mut self.ended).await;
+        // The child is gone: its last lines are read at once, not after a pause.
+        self.settled.store(false, Ordering::Relaxed);
+        self.reader.unpark();
+        let _ = tokio::time::timeout(limit, &mut self.ended).await;
         self.report().clone()
     }
 }
@@ -159,7 +178,8 @@ impl Reader {
                 return;
             }
             if !self.pause.is_zero() && self.settled.load(Ordering::Relaxed) {
-                std::thread::sleep(self.pause);
+                // Woken early by `finish` (or spuriously: then it just reads sooner).
+                std::thread::park_timeout(self.pause);
             }
         }
     }
@@ -245,6 +265,31 @@ mod tests {
         let expected: Vec<String> =
             (20_000 - MAX_ERROR_LINES..20_000).map(|i| format!("srv    operator(): error {i:05}")).collect();
         assert_eq!(errors, expected);
+    }
+
+    #[tokio::test]
+    async fn finish_ends_the_pause_so_the_last_lines_are_read_at_once() {
+        let (reader, writer) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).expect("pipe");
+        let mut writer = std::fs::File::from(writer);
+        let (progress, _progress) = watch::channel(Instant::now());
+        let hour = Duration::from_secs(3600);
+        let mut log =
+            ChildLog::start_pausing(reader.into(), LogSink::Tracing, "tiny".into(), Pid::from_raw(1), progress, hour)
+                .expect("start");
+        log.settle();
+        writer.write_all(b"0.01.000.000 E srv    operator(): first\n").expect("write");
+        // Once it read the first line the reader pauses for an hour.
+        within("the first line", async {
+            while log.report().errors().count() == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await;
+        writer.write_all(b"0.01.000.001 E srv    operator(): last\n").expect("write");
+        drop(writer);
+        let report = log.finish(Duration::from_secs(5)).await;
+        let errors: Vec<&str> = report.errors().map(|e| e.message.as_str()).collect();
+        assert_eq!(errors, ["srv    operator(): first", "srv    operator(): last"]);
     }
 
     #[tokio::test]
