@@ -34,36 +34,33 @@ impl Bus {
         CtlError::from_zbus(error, self.kind)
     }
 
-    /// The manager. Properties are read fresh each time: a one-shot command gains nothing
-    /// from a cache, and some properties are not signalled.
+    /// The manager. Its properties are read fresh each time: a command reads a few of them
+    /// once, and some are not signalled.
     pub async fn manager(&self) -> Result<ManagerProxy<'static>, CtlError> {
-        ManagerProxy::builder(&self.connection)
-            .cache_properties(CacheProperties::No)
-            .build()
-            .await
-            .map_err(|e| self.error(e))
+        self.proxy(None, CacheProperties::No).await
     }
 
-    /// The model object at `path`.
+    /// The model object at `path`, with its properties read in one `GetAll` (commands read
+    /// them all; the two that are not signalled are still read on their own).
     pub async fn model(&self, path: OwnedObjectPath) -> Result<ModelProxy<'static>, CtlError> {
-        ModelProxy::builder(&self.connection)
-            .path(path)
-            .map_err(|e| self.error(e))?
-            .cache_properties(CacheProperties::No)
-            .build()
-            .await
-            .map_err(|e| self.error(e))
+        self.proxy(Some(path), CacheProperties::Yes).await
     }
 
     /// The job object at `path`.
     pub async fn job(&self, path: OwnedObjectPath) -> Result<JobProxy<'static>, CtlError> {
-        JobProxy::builder(&self.connection)
-            .path(path)
-            .map_err(|e| self.error(e))?
-            .cache_properties(CacheProperties::No)
-            .build()
-            .await
-            .map_err(|e| self.error(e))
+        self.proxy(Some(path), CacheProperties::No).await
+    }
+
+    /// A proxy of type `P` at `path` (else its default path).
+    async fn proxy<P>(&self, path: Option<OwnedObjectPath>, cache: CacheProperties) -> Result<P, CtlError>
+    where
+        P: zbus::proxy::Defaults + From<zbus::Proxy<'static>>,
+    {
+        let mut builder = zbus::proxy::Builder::<P>::new(&self.connection).cache_properties(cache);
+        if let Some(path) = path {
+            builder = builder.path(path).map_err(|e| self.error(e))?;
+        }
+        builder.build().await.map_err(|e| self.error(e))
     }
 }
 

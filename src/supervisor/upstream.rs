@@ -389,17 +389,32 @@ mod tests {
         (accepted, closed)
     }
 
-    async fn post(pool: &Pool, socket: &Path) -> Bytes {
-        let (status, mut body) = pool
+    /// Sends a request; returns once its answer's headers arrived.
+    async fn start(pool: &Pool, socket: &Path) -> BodyStream {
+        let (status, body) = pool
             .post_json_stream(socket, "/v1/completions", b"{}".to_vec(), Duration::from_secs(5))
             .await
             .expect("post");
         assert_eq!(status, StatusCode::OK);
+        body
+    }
+
+    /// Sends a request and reads its whole answer.
+    async fn post(pool: &Pool, socket: &Path) -> Bytes {
+        let mut body = start(pool, socket).await;
         let mut all = Vec::new();
         while let Some(piece) = body.chunk().await {
             all.extend_from_slice(&piece.expect("piece"));
         }
         Bytes::from(all)
+    }
+
+    /// Waits up to 5 s for `condition` (the caller then asserts it).
+    async fn until(condition: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !condition() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 
     #[tokio::test]
@@ -422,21 +437,14 @@ mod tests {
         let pool = Pool::default();
         post(&pool, &socket).await;
         // Its replacement is opened after the stream, off the request's path.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while (accepted.load(Ordering::SeqCst), closed.load(Ordering::SeqCst)) != (2, 1) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        until(|| (accepted.load(Ordering::SeqCst), closed.load(Ordering::SeqCst)) == (2, 1)).await;
         assert_eq!(
             (accepted.load(Ordering::SeqCst), closed.load(Ordering::SeqCst)),
             (2, 1),
             "the streamed connection closed (llama-server closes it) and a spare is open"
         );
         // The next stream goes out on the spare: no connection is opened on its path.
-        let (status, body) = pool
-            .post_json_stream(&socket, "/v1/completions", b"{}".to_vec(), Duration::from_secs(5))
-            .await
-            .expect("post");
-        assert_eq!(status, StatusCode::OK);
+        let body = start(&pool, &socket).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 2, "the spare carried the request");
         drop(body);
     }
@@ -447,15 +455,8 @@ mod tests {
         let plain = dir.path().join("plain.sock");
         let (accepted, closed) = serve(&plain, "application/json");
         let pool = Pool::default();
-        let (_, body) = pool
-            .post_json_stream(&plain, "/v1/completions", b"{}".to_vec(), Duration::from_secs(5))
-            .await
-            .expect("post");
-        drop(body);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while closed.load(Ordering::SeqCst) < 1 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        drop(start(&pool, &plain).await);
+        until(|| closed.load(Ordering::SeqCst) >= 1).await;
         assert_eq!(closed.load(Ordering::SeqCst), 1, "the dropped body's connection is closed");
         post(&pool, &plain).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 2, "the next request needed a new connection");

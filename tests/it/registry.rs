@@ -329,9 +329,17 @@ async fn a_pull_cut_short_fails_clearly_and_resumes_after_a_restart() {
     assert!(blob_files(&store).iter().all(|f| !f.contains("partial")), "{:?}", blob_files(&store));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pull_given_up_stops_its_download_and_keeps_what_arrived() {
-    let world = World::new();
+/// A published model behind a proxy that holds the request for its weights' third part
+/// at `gate` (downloads go one part at a time with `max_parts = 1`).
+struct Held {
+    manifest: Manifest,
+    published: Snapshot,
+    model: Layer,
+    proxy: Proxy,
+    gate: Gate,
+}
+
+async fn hold_the_third_part(world: &World) -> Held {
     let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
     let model = manifest.model().expect("model layer").clone();
     let proxy = Proxy::start(world.registry.addr());
@@ -344,18 +352,12 @@ async fn a_pull_given_up_stops_its_download_and_keeps_what_arrived() {
             Action::Pass
         }
     });
-    let store = world.store("dest");
-    let name = name_on(&proxy.host(), "test/tiny:v1");
-    let client = client(&[proxy.host()], |c| c.max_parts = 1);
-    let (sender, _events) = mpsc::unbounded_channel();
-    let pull = spawn_pull(&client, &store, &name, 1, &sender);
-    within("the third part's request", gate.arrivals(1)).await;
+    Held { manifest, published, model, proxy, gate }
+}
 
-    // The only pull goes away (a client hanging up): the download stops and records the
-    // two parts that arrived.
-    pull.abort();
-    assert!(pull.await.expect_err("aborted").is_cancelled());
-    let record = store.blobs_dir().join(format!("{}-partial.json", model.digest.file_name()));
+/// Waits until the stopped download's record in `store` says the first two parts arrived.
+async fn wait_for_the_first_two_parts(store: &Store, digest: &Digest) {
+    let record = store.blobs_dir().join(format!("{}-partial.json", digest.file_name()));
     let recorded = serde_json::json!([[0, 2 * PART]]);
     within("the record of what arrived", async {
         loop {
@@ -367,6 +369,24 @@ async fn a_pull_given_up_stops_its_download_and_keeps_what_arrived() {
         }
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_given_up_stops_its_download_and_keeps_what_arrived() {
+    let world = World::new();
+    let Held { manifest, published, model, proxy, gate } = hold_the_third_part(&world).await;
+    let store = world.store("dest");
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let client = client(&[proxy.host()], |c| c.max_parts = 1);
+    let (sender, _events) = mpsc::unbounded_channel();
+    let pull = spawn_pull(&client, &store, &name, 1, &sender);
+    within("the third part's request", gate.arrivals(1)).await;
+
+    // The only pull goes away (a client hanging up): the download stops and records the
+    // two parts that arrived.
+    pull.abort();
+    assert!(pull.await.expect_err("aborted").is_cancelled());
+    wait_for_the_first_two_parts(&store, &model.digest).await;
     assert_nothing_written(&store, &name, &manifest, true);
 
     // The next pull starts a new download (the stopped one is gone) from the third part.
@@ -713,18 +733,7 @@ async fn an_api_pull_whose_client_goes_away_is_cancelled_and_resumable() {
     use http_body_util::BodyExt;
 
     let world = World::new();
-    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
-    let model = manifest.model().expect("model layer").clone();
-    let proxy = Proxy::start(world.registry.addr());
-    let gate = Gate::new();
-    let (held, digest) = (gate.clone(), model.digest.to_string());
-    proxy.rule(move |seen| {
-        if seen.is_blob_get(&digest) && seen.byte_range() == Some((2 * PART, 3 * PART - 1)) {
-            Action::Hold(held.clone())
-        } else {
-            Action::Pass
-        }
-    });
+    let Held { manifest, published, model, proxy, gate } = hold_the_third_part(&world).await;
     let api_dir = tempfile::tempdir().expect("tempdir");
     let mut state = crate::support::api::state(api_dir.path());
     state.store = world.store("dest");
@@ -741,18 +750,7 @@ async fn an_api_pull_whose_client_goes_away_is_cancelled_and_resumable() {
     // The client hangs up: the download stops, records the two parts that arrived, and
     // no manifest is written.
     drop(body);
-    let record = state.store.blobs_dir().join(format!("{}-partial.json", model.digest.file_name()));
-    let recorded = serde_json::json!([[0, 2 * PART]]);
-    within("the record of what arrived", async {
-        loop {
-            let done = fs::read(&record).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
-            if done.is_some_and(|d| d["done"] == recorded) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
+    wait_for_the_first_two_parts(&state.store, &model.digest).await;
     assert_nothing_written(&state.store, &name, &manifest, true);
 
     // A new pull through the API resumes from the third part.
