@@ -12,6 +12,7 @@ mod ollama_models;
 mod ollama_store;
 mod ollama_translate;
 mod openai;
+pub mod parsers;
 pub mod safety;
 pub mod state;
 

@@ -137,7 +137,7 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
 /// Where a chat goes and with what: `/v1/chat/completions`, or, with a JSON schema to
 /// follow, the model's template rendered by `/apply-template` and then `/completion`
 /// (see [`translate::format`] for why).
-fn chat_route(
+pub(super) fn chat_route(
     options: &Map<String, Value>,
     fields: Map<String, Value>,
     messages: Vec<Value>,
@@ -162,7 +162,7 @@ fn chat_route(
 
 /// The runner endpoint a generation goes to.
 #[derive(Debug)]
-enum Route {
+pub(super) enum Route {
     /// `/v1/chat/completions`: the model's chat template applies.
     Chat,
     /// `/completion` with the prompt as it is.
@@ -172,16 +172,16 @@ enum Route {
 }
 
 /// The fields both endpoints share.
-struct Common {
+pub(super) struct Common {
     name_text: String,
     name: ModelName,
-    options: Map<String, Value>,
+    pub(super) options: Map<String, Value>,
     keep_alive: Option<KeepAlive>,
     stream: bool,
 }
 
 impl Common {
-    fn parse(request: &Map<String, Value>, path: &str) -> Result<Self, ApiError> {
+    pub(super) fn parse(request: &Map<String, Value>, path: &str) -> Result<Self, ApiError> {
         let (name_text, name) = model_request::model_name(request, true, path)?;
         let (options, keep_alive) = model_request::options_and_keep_alive(request, path)?;
         let stream = match request.get("stream") {
@@ -492,7 +492,7 @@ fn push_line(out: &mut Vec<u8>, value: &Value) {
 
 /// What the runner's stream said that the client sees as it comes.
 #[derive(Debug, PartialEq)]
-enum Event {
+pub(super) enum Event {
     Content(String),
     Thinking(String),
     /// Tool calls, whole, in Ollama's shape: sent once the runner finished them.
@@ -503,7 +503,7 @@ enum Event {
 /// Reads llama-server's server-sent events (from `/v1/chat/completions` or
 /// `/completion`) and keeps what the final object needs.
 #[derive(Debug, Default)]
-struct Parser {
+pub(super) struct Parser {
     pending: Vec<u8>,
     finish_reason: Option<String>,
     prompt_tokens: Option<u64>,
@@ -515,11 +515,11 @@ struct Parser {
 
 impl Parser {
     /// What is left at the end of the stream: tool calls without a finish reason.
-    fn flush(&mut self) -> Vec<Event> {
+    pub(super) fn flush(&mut self) -> Vec<Event> {
         if self.tool_calls.is_empty() { Vec::new() } else { vec![Event::ToolCalls(self.tool_calls.take())] }
     }
 
-    fn feed(&mut self, bytes: &[u8]) -> Vec<Event> {
+    pub(super) fn feed(&mut self, bytes: &[u8]) -> Vec<Event> {
         self.pending.extend_from_slice(bytes);
         let mut events = Vec::new();
         while let Some(end) = self.pending.iter().position(|b| *b == b'\n') {
@@ -587,7 +587,7 @@ fn ms_to_ns(ms: f64) -> u64 {
     (ms.max(0.0) * 1e6) as u64
 }
 
-fn string(request: &Map<String, Value>, field: &str, path: &str) -> Result<Option<String>, ApiError> {
+pub(super) fn string(request: &Map<String, Value>, field: &str, path: &str) -> Result<Option<String>, ApiError> {
     match request.get(field) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s.clone())),
@@ -597,7 +597,7 @@ fn string(request: &Map<String, Value>, field: &str, path: &str) -> Result<Optio
 
 /// Ollama's sampling options as llama-server's request fields; `limit` names the token
 /// limit (`max_tokens` on the chat endpoint, `n_predict` on `/completion`).
-fn sampling(options: &Map<String, Value>, limit: &str, path: &str) -> Result<Map<String, Value>, ApiError> {
+pub(super) fn sampling(options: &Map<String, Value>, limit: &str, path: &str) -> Result<Map<String, Value>, ApiError> {
     let invalid = |name: &str, reason: &str| bad(&format!("invalid option {name}: {reason}"), path);
     let mut body = Map::new();
     for name in ["temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"] {

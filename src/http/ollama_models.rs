@@ -307,7 +307,7 @@ fn bad_request(path: &str, message: impl Into<String>) -> ApiError {
 }
 
 /// The request body as a JSON object (no content type required, as with Ollama).
-fn json_object(path: &str, body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+pub(super) fn json_object(path: &str, body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(bad_request(path, "missing request body"));
     }
@@ -319,7 +319,7 @@ fn json_object(path: &str, body: &[u8]) -> Result<Map<String, Value>, ApiError> 
 }
 
 /// The first of `fields` that is set, as written and as a valid model name.
-fn model_name(path: &str, request: &Map<String, Value>, fields: &[&str]) -> Result<(String, ModelName), ApiError> {
+pub(super) fn model_name(path: &str, request: &Map<String, Value>, fields: &[&str]) -> Result<(String, ModelName), ApiError> {
     for field in fields {
         match request.get(*field) {
             None | Some(Value::Null) => {}

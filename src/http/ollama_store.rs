@@ -172,7 +172,7 @@ async fn reply<P: Serialize + Send + 'static>(
 }
 
 /// `stream` of a request: true unless the request says `false`.
-fn stream_flag(request: &Map<String, Value>, path: &str) -> Result<bool, ApiError> {
+pub(super) fn stream_flag(request: &Map<String, Value>, path: &str) -> Result<bool, ApiError> {
     match request.get("stream") {
         None | Some(Value::Null) => Ok(true),
         Some(Value::Bool(b)) => Ok(*b),
@@ -189,7 +189,7 @@ fn optional_string(request: &Map<String, Value>, field: &str, path: &str) -> Res
 }
 
 /// The model name of a request (`model`, or Ollama's older `name`): as given, and parsed.
-fn model_name(request: &Map<String, Value>, path: &str) -> Result<(String, ModelName), ApiError> {
+pub(super) fn model_name(request: &Map<String, Value>, path: &str) -> Result<(String, ModelName), ApiError> {
     let given = match optional_string(request, "model", path)? {
         Some(s) if !s.is_empty() => s,
         _ => optional_string(request, "name", path)?.unwrap_or_default(),
@@ -201,7 +201,7 @@ fn model_name(request: &Map<String, Value>, path: &str) -> Result<(String, Model
     Ok((given, name))
 }
 
-fn object(body: &[u8], path: &str) -> Result<Map<String, Value>, ApiError> {
+pub(super) fn object(body: &[u8], path: &str) -> Result<Map<String, Value>, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(bad("missing request body", path));
     }
@@ -230,7 +230,7 @@ fn digests(request: &Map<String, Value>, field: &str, path: &str) -> Result<Vec<
 }
 
 /// The create request as a spec; `from` is the model name as given, for messages.
-fn create_spec(request: &Map<String, Value>) -> Result<(CreateSpec, String), ApiError> {
+pub(super) fn create_spec(request: &Map<String, Value>) -> Result<(CreateSpec, String), ApiError> {
     const PATH: &str = "/api/create";
     let files = digests(request, "files", PATH)?;
     let adapters = digests(request, "adapters", PATH)?;

@@ -121,7 +121,7 @@ const JSON_TAIL: usize = 64 * 1024;
 /// undelayed: from `usage` (a JSON answer's, or the one in the last event of a stream),
 /// else a stream's `timings`, else one token per streamed piece of text.
 #[derive(Debug)]
-struct Usage {
+pub(super) struct Usage {
     events: bool,
     /// An event stream's unfinished line, or a JSON answer's last bytes.
     pending: Vec<u8>,
@@ -133,11 +133,11 @@ struct Usage {
 }
 
 impl Usage {
-    fn new(events: bool, tokens: Arc<Tokens>) -> Self {
+    pub(super) fn new(events: bool, tokens: Arc<Tokens>) -> Self {
         Self { events, pending: Vec::new(), prompt: None, completion: None, timings: None, pieces: 0, tokens }
     }
 
-    fn observe(&mut self, bytes: &[u8]) {
+    pub(super) fn observe(&mut self, bytes: &[u8]) {
         self.pending.extend_from_slice(bytes);
         if !self.events {
             let excess = self.pending.len().saturating_sub(JSON_TAIL);
@@ -170,7 +170,7 @@ impl Usage {
     }
 
     /// Adds the answer's tokens to the totals (once: it consumes the counter).
-    fn record(mut self) {
+    pub(super) fn record(mut self) {
         if !self.events {
             // The last `"usage":` in the tail starts the object (a string inside the
             // answer would be escaped, so it cannot match).

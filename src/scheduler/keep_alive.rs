@@ -66,7 +66,7 @@ impl KeepAlive {
     pub fn to_json(self) -> Value {
         match self {
             Self::Forever => Value::from(-1),
-            Self::For(d) => Value::from(humantime::format_duration(d).to_string().replace(' ', "")),
+            Self::For(d) => Value::from(format_go_duration(d)),
         }
     }
 }
@@ -104,7 +104,8 @@ pub fn resolve(
 }
 
 /// Parses a Go duration (`"1h30m"`, `"1.5h"`, `"300ms"`, `"-1m"`, `"0"`) into signed
-/// nanoseconds. Go's own rules: a unit on every number, except a bare `0`.
+/// nanoseconds. Go's own rules: a unit on every number, except a bare `0`; integer
+/// arithmetic (exact to the nanosecond), fractions truncated.
 fn parse_go_duration(s: &str) -> Result<i64, &'static str> {
     let (negative, mut rest) = match s.as_bytes().first() {
         Some(b'-') => (true, &s[1..]),
@@ -117,44 +118,78 @@ fn parse_go_duration(s: &str) -> Result<i64, &'static str> {
     if rest.is_empty() {
         return Err("empty duration");
     }
-    let mut total: f64 = 0.0;
+    let digits = |s: &str| s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let mut total: u64 = 0;
     while !rest.is_empty() {
-        let number_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
-        if number_len == 0 {
+        let (whole, after) = rest.split_at(digits(rest));
+        let (fraction, after) = match after.strip_prefix('.') {
+            Some(after) => after.split_at(digits(after)),
+            None => ("", after),
+        };
+        if whole.is_empty() && fraction.is_empty() {
             return Err("expected a number");
         }
-        let number: f64 = rest[..number_len].parse().map_err(|_| "bad number")?;
-        rest = &rest[number_len..];
-        let unit_len = rest.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len());
-        let nanos_per_unit = match &rest[..unit_len] {
-            "ns" => 1.0,
-            "us" | "µs" | "μs" => 1e3,
-            "ms" => 1e6,
-            "s" => 1e9,
-            "m" => 60e9,
-            "h" => 3600e9,
+        if after.starts_with('.') {
+            return Err("bad number");
+        }
+        let unit_len = after.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(after.len());
+        let nanos_per_unit: u64 = match &after[..unit_len] {
+            "ns" => 1,
+            "us" | "µs" | "μs" => 1_000,
+            "ms" => 1_000_000,
+            "s" => 1_000_000_000,
+            "m" => 60_000_000_000,
+            "h" => 3_600_000_000_000,
             "" => return Err("missing unit (use \"5m\", \"300s\", … or a number of seconds)"),
             _ => return Err("unknown unit (use ns, us, ms, s, m or h)"),
         };
-        total += number * nanos_per_unit;
-        rest = &rest[unit_len..];
+        let whole: u64 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| "too large")? };
+        // Digits past the 18th are below a nanosecond of any unit.
+        let (mut numerator, mut scale) = (0u128, 1u128);
+        for digit in fraction.bytes().take(18) {
+            numerator = numerator * 10 + u128::from(digit - b'0');
+            scale *= 10;
+        }
+        let part = u128::from(whole) * u128::from(nanos_per_unit) + numerator * u128::from(nanos_per_unit) / scale;
+        total = u64::try_from(part).ok().and_then(|part| total.checked_add(part)).ok_or("too large")?;
+        rest = &after[unit_len..];
     }
     // Go's durations are i64 nanoseconds (about 292 years).
-    if total > 9.2e18 {
-        return Err("too large");
-    }
-    #[allow(clippy::cast_possible_truncation, reason = "bounded just above")]
-    let nanos = total as i64;
+    let nanos = i64::try_from(total).map_err(|_| "too large")?;
     Ok(if negative { -nanos } else { nanos })
+}
+
+/// A duration as Go writes it, less the zero units (`"1h30m"`, `"24h"`, `"1.5s"` is
+/// `"1s500ms"`): what [`parse_go_duration`] reads back to the same nanosecond.
+fn format_go_duration(d: Duration) -> String {
+    use std::fmt::Write as _;
+    if d.is_zero() {
+        return "0s".to_owned();
+    }
+    let (seconds, nanos) = (d.as_secs(), d.subsec_nanos());
+    let parts = [
+        (seconds / 3600, "h"),
+        (seconds / 60 % 60, "m"),
+        (seconds % 60, "s"),
+        (u64::from(nanos / 1_000_000), "ms"),
+        (u64::from(nanos / 1_000 % 1_000), "us"),
+        (u64::from(nanos % 1_000), "ns"),
+    ];
+    let mut out = String::new();
+    for (count, unit) in parts.into_iter().filter(|(count, _)| *count > 0) {
+        let _ = write!(out, "{count}{unit}");
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
 
-    use serde_json::json;
+    use proptest::prelude::{prop_assert_eq, proptest};
+    use serde_json::{Value, json};
 
-    use super::{Clamp, KeepAlive, resolve};
+    use super::{Clamp, KeepAlive, parse_go_duration, resolve};
 
     fn parse(v: &serde_json::Value) -> Result<Option<KeepAlive>, String> {
         KeepAlive::from_json(Some(v)).map_err(|e| e.to_string())
@@ -224,5 +259,52 @@ mod tests {
         assert_eq!(KeepAlive::Forever.to_json(), json!(-1));
         assert_eq!(secs(300).to_json(), json!("5m"));
         assert_eq!(secs(5400).to_json(), json!("1h30m"));
+        assert_eq!(secs(0).to_json(), json!("0s"));
+        // Go has no unit above hours: a day is 24h (humantime's "1day" did not parse back).
+        assert_eq!(secs(86_400).to_json(), json!("24h"));
+        assert_eq!(KeepAlive::For(Duration::from_nanos(1_500_000_001)).to_json(), json!("1s500ms1ns"));
+    }
+
+    #[test]
+    fn go_durations_are_exact_to_the_nanosecond() {
+        // 3000h and 1ns: beyond f64's 53 bits of nanoseconds.
+        assert_eq!(parse_go_duration("3000h1ns"), Ok(3000 * 3_600_000_000_000 + 1));
+        assert_eq!(parse_go_duration("1.5h"), Ok(5_400_000_000_000));
+        assert_eq!(parse_go_duration(".5s"), Ok(500_000_000));
+        assert_eq!(parse_go_duration("1.s"), Ok(1_000_000_000));
+        assert_eq!(parse_go_duration("0.1234567891ms"), Ok(123_456));
+        assert_eq!(parse_go_duration("2562047h47m16.854775807s"), Ok(i64::MAX));
+        assert_eq!(parse_go_duration("2562047h47m16.854775808s"), Err("too large"));
+        assert_eq!(parse_go_duration("99999999999999999999h"), Err("too large"));
+        assert_eq!(parse_go_duration(".s"), Err("expected a number"));
+    }
+
+    proptest! {
+        /// Every duration Go can hold is written so that it reads back the same, as a
+        /// request's `keep_alive` string.
+        #[test]
+        fn formatted_durations_parse_back(nanos in 0..=i64::MAX) {
+            let d = Duration::from_nanos(nanos.unsigned_abs());
+            let text = KeepAlive::For(d).to_json();
+            prop_assert_eq!(parse_go_duration(text.as_str().expect("a string")), Ok(nanos));
+            prop_assert_eq!(KeepAlive::from_json(Some(&text)), Ok(Some(KeepAlive::For(d))));
+            let negative = Value::String(format!("-{}", text.as_str().expect("a string")));
+            let back = KeepAlive::from_json(Some(&negative)).expect("a negative duration");
+            prop_assert_eq!(back, Some(if nanos == 0 { KeepAlive::For(Duration::ZERO) } else { KeepAlive::Forever }));
+        }
+
+        /// Go's forms with their units, summed exactly.
+        #[test]
+        fn unit_sums_parse_exactly(h in 0u64..100_000, m in 0u64..1000, s in 0u64..1000, ms in 0u64..1000, ns in 0u64..1000) {
+            let text = format!("{h}h{m}m{s}s{ms}ms{ns}ns");
+            let expected = (((h * 60 + m) * 60 + s) * 1000 + ms) * 1_000_000 + ns;
+            prop_assert_eq!(parse_go_duration(&text), Ok(i64::try_from(expected).expect("in range")));
+        }
+
+        /// Any string is parsed or refused, never a panic; what parses is in Go's range.
+        #[test]
+        fn any_string_is_parsed_or_refused(text in "[-+]?[0-9.hmsuµn]{0,24}") {
+            let _ = parse_go_duration(&text);
+        }
     }
 }

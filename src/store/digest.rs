@@ -151,4 +151,28 @@ mod tests {
         assert_eq!(serde_json::to_string(&d).expect("json"), format!("\"{EMPTY}\""));
         assert!(serde_json::from_str::<Digest>(&format!("\"{}\"", EMPTY.replace(':', "-"))).is_err());
     }
+    proptest::proptest! {
+        /// A digest's two spellings, in either case, parse back to it; its file name is a
+        /// plain path component.
+        #[test]
+        fn digests_round_trip(bytes in proptest::array::uniform32(proptest::prelude::any::<u8>())) {
+            let d = Digest(bytes);
+            proptest::prop_assert_eq!(Digest::parse(&d.to_string()), Ok(d));
+            proptest::prop_assert_eq!(Digest::parse(&d.file_name()), Ok(d));
+            proptest::prop_assert_eq!(Digest::parse(&format!("sha256:{}", d.hex().to_uppercase())), Ok(d));
+            let json = serde_json::to_string(&d).expect("json");
+            proptest::prop_assert_eq!(serde_json::from_str::<Digest>(&json).expect("json"), d);
+            let name = d.file_name();
+            proptest::prop_assert!(name.len() == 71 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'));
+        }
+
+        /// Any other text is refused, and what is accepted is exactly 64 hex digits.
+        #[test]
+        fn only_64_hex_digits_are_accepted(text in "sha256[:-][0-9a-fA-Fg./]{0,70}") {
+            let hex = &text[7..];
+            let valid = hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit());
+            proptest::prop_assert_eq!(Digest::parse(&text).is_ok(), valid, "{}", text);
+        }
+    }
+}
 }

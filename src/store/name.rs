@@ -208,4 +208,63 @@ mod tests {
         assert!(ModelName::parse(&long).expect_err("long").to_string().contains("longer than 80"));
         assert!(ModelName::parse(&"x/".repeat(300)).expect_err("huge").to_string().contains("longer than 512"));
     }
+    /// A valid part: a letter or digit, then up to `max` allowed characters.
+    fn part(rest: &'static str, max: usize) -> impl proptest::strategy::Strategy<Value = String> {
+        proptest::string::string_regex(&format!("[a-zA-Z0-9][{rest}]{{0,{max}}}")).expect("a regex")
+    }
+
+    /// Every component of the manifest path is one plain name: no separator, no NUL, not
+    /// `.` or `..`, not empty.
+    fn assert_safe(name: &ModelName) {
+        let path = name.manifest_path();
+        let parts: Vec<_> = path.components().collect();
+        assert_eq!(parts.len(), 4, "{path:?}");
+        for part in parts {
+            let std::path::Component::Normal(part) = part else { panic!("{path:?}: {part:?}") };
+            let part = part.to_str().expect("UTF-8");
+            assert!(!part.is_empty() && part != "." && part != ".." && !part.contains(['/', '\\', '\0']), "{part:?}");
+        }
+    }
+
+    proptest::proptest! {
+        /// A valid name parses, its short and full forms parse back to it, and its path
+        /// is four plain components.
+        #[test]
+        fn valid_names_round_trip(
+            registry in proptest::option::of(part("a-zA-Z0-9._:-", 40)),
+            namespace in proptest::option::of(part("a-zA-Z0-9_-", 30)),
+            model in part("a-zA-Z0-9._-", 40),
+            tag in proptest::option::of(part("a-zA-Z0-9._-", 30)),
+        ) {
+            let mut text = String::new();
+            if let Some(registry) = &registry {
+                // A registry needs a namespace after it.
+                text.push_str(&format!("{registry}/{}/", namespace.as_deref().unwrap_or("library")));
+            } else if let Some(namespace) = &namespace {
+                text.push_str(&format!("{namespace}/"));
+            }
+            text.push_str(&model);
+            if let Some(tag) = &tag {
+                text.push_str(&format!(":{tag}"));
+            }
+            let name = ModelName::parse(&text).map_err(|e| proptest::test_runner::TestCaseError::fail(e.to_string()))?;
+            proptest::prop_assert_eq!(name.model(), model.as_str());
+            proptest::prop_assert_eq!(name.tag(), tag.as_deref().unwrap_or(super::DEFAULT_TAG));
+            proptest::prop_assert_eq!(&ModelName::parse(&name.to_string()).expect("short form"), &name);
+            proptest::prop_assert_eq!(&ModelName::parse(&name.full()).expect("full form"), &name);
+            proptest::prop_assert_eq!(name.to_string().parse::<ModelName>().expect("FromStr"), name.clone());
+            assert_safe(&name);
+        }
+
+        /// Whatever is accepted from any text (separators, dots, colons, NUL and non-ASCII
+        /// included) is a safe path and round-trips.
+        #[test]
+        fn anything_accepted_is_safe(text in "[a-c./:\\\\\\x00 é_-]{0,24}") {
+            if let Ok(name) = ModelName::parse(&text) {
+                assert_safe(&name);
+                proptest::prop_assert_eq!(&ModelName::parse(&name.to_string()).expect("short form"), &name);
+            }
+        }
+    }
+}
 }

@@ -846,13 +846,14 @@ fn body_error(error: &reqwest::Error, read_timeout: Duration) -> String {
     cause.to_string()
 }
 
-/// `bytes <first>-<last>/<total or *>`.
-fn parse_content_range(value: &str) -> Option<(u64, u64, Option<u64>)> {
+/// `bytes <first>-<last>/<total or *>`, a range that exists: `first <= last < total`.
+pub fn parse_content_range(value: &str) -> Option<(u64, u64, Option<u64>)> {
     let rest = value.trim().strip_prefix("bytes ")?;
     let (range, total) = rest.split_once('/')?;
     let (first, last) = range.split_once('-')?;
     let total = if total.trim() == "*" { None } else { Some(total.trim().parse().ok()?) };
-    Some((first.trim().parse().ok()?, last.trim().parse().ok()?, total))
+    let (first, last) = (first.trim().parse().ok()?, last.trim().parse().ok()?);
+    (first <= last && total.is_none_or(|total| last < total)).then_some((first, last, total))
 }
 
 /// Byte ranges `[start, end)`, sorted, disjoint and not touching.
@@ -1476,6 +1477,14 @@ impl Challenge {
     }
 }
 
+/// Parses a `WWW-Authenticate` header as the client does before it asks for a token:
+/// `(realm, service, scope)` of a Bearer challenge, `None` for anything else.  The entry
+/// point of the `registry_headers` fuzz target.
+#[must_use]
+pub fn parse_bearer_challenge(header: &str) -> Option<(String, Option<String>, Option<String>)> {
+    Challenge::parse(header).map(|c| (c.realm, c.service, c.scope))
+}
+
 #[cfg(test)]
 mod tests {
     use super::{Challenge, Progress, Ranges, parse_content_range};
@@ -1503,7 +1512,7 @@ mod tests {
     fn content_ranges_parse() {
         assert_eq!(parse_content_range("bytes 0-99/1000"), Some((0, 99, Some(1000))));
         assert_eq!(parse_content_range("bytes 5-9/*"), Some((5, 9, None)));
-        for bad in ["bytes */1000", "0-99/1000", "bytes 0-/1000", "bytes a-b/c"] {
+        for bad in ["bytes */1000", "0-99/1000", "bytes 0-/1000", "bytes a-b/c", "bytes 9-5/10", "bytes 0-10/10"] {
             assert_eq!(parse_content_range(bad), None, "{bad}");
         }
     }

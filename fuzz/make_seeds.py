@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Writes the committed seed corpus, fuzz/seeds/<target>/<name>: a handful of small real
+and hostile inputs per target.  Rerun after changing it; scripts/fuzz.sh copies the seeds
+into the (ignored) corpus directory before each run."""
+
+import json
+import pathlib
+import struct
+
+HERE = pathlib.Path(__file__).resolve().parent
+SEEDS = HERE / "seeds"
+LOGS = HERE.parent / "tests" / "data" / "logs"
+D = "sha256:" + "ab" * 32
+
+
+def gguf(kvs, tensors=0, version=3):
+    def s(text):
+        b = text.encode()
+        return struct.pack("<Q", len(b)) + b
+    out = b"GGUF" + struct.pack("<IQQ", version, tensors, len(kvs))
+    for key, kind, value in kvs:
+        out += s(key) + struct.pack("<I", kind)
+        if kind == 8:
+            out += s(value)
+        elif kind == 4:
+            out += struct.pack("<I", value)
+        elif kind == 9:  # an array of strings
+            out += struct.pack("<IQ", 8, len(value)) + b"".join(s(v) for v in value)
+    return out
+
+
+def manifest(layers, schema=2, media="application/vnd.docker.distribution.manifest.v2+json"):
+    return json.dumps({
+        "schemaVersion": schema, "mediaType": media,
+        "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "digest": D, "size": 2},
+        "layers": layers,
+    })
+
+
+def layer(media, size=1, digest=D):
+    return {"mediaType": "application/vnd.ollama.image." + media, "digest": digest, "size": size}
+
+
+def sse(*events):
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+
+# The first byte of a stream target's input chooses how the rest is cut into pieces.
+SEED = {
+    "gguf_metadata": {
+        "llama.gguf": gguf([("general.architecture", 8, "llama"), ("llama.context_length", 4, 2048),
+                            ("llama.block_count", 4, 2), ("tokenizer.ggml.tokens", 9, ["a", "b"])]),
+        "huge-counts.gguf": b"GGUF" + struct.pack("<IQQ", 3, 2**62, 2**62),
+        "huge-string.gguf": b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2**63) + b"x",
+        "version-1.gguf": b"GGUF" + struct.pack("<I", 1),
+    },
+    "modelfile": {
+        "full": 'FROM ./m.gguf\nPARAMETER temperature 0.7\nPARAMETER stop "<|end|>"\nPARAMETER stop x\n'
+                'TEMPLATE """{{ .System }}\n{{ .Prompt }}"""\nSYSTEM You are terse.\nADAPTER ./lora.gguf\n'
+                'LICENSE """MIT"""\nMESSAGE user hi\nMESSAGE assistant """hello\nthere"""\n# comment\n',
+        "from-model": "from llama3.2:3b\nparameter num_ctx 4096\n",
+        "unclosed": 'FROM x\nSYSTEM """never closed\n',
+        "two-froms": "FROM a\nFROM b\n",
+        "bad-param": "FROM a\nPARAMETER num_ctx lots\nPARAMETER nope 1\n",
+        "shadow": 'FROM x\nSYSTEM """a"""\nFROM /etc/shadow\n"""\n',
+    },
+    "model_name": {n: n for n in [
+        "llama3.2", "me/tiny:v1", "localhost:5000/me/tiny:q8", "hf.co/Org_x/Model-GGUF:Q4_K_M",
+        "../etc/passwd", "ns/..", "a/b/c/d", "model:tag/x", "m\0x", "mödel:1", "x" * 100,
+    ]},
+    "digest": {
+        "colon": D, "dash": D.replace(":", "-"), "upper": "sha256:" + "AB" * 32,
+        "json": json.dumps(D), "json-dash": json.dumps(D.replace(":", "-")), "traversal": "sha256:../../etc/passwd",
+        "short": "sha256:abc", "long": D + "0",
+    },
+    "registry_manifest": {
+        "ok": manifest([layer("model", 100), layer("template", 10), layer("params", 20)]),
+        "no-model": manifest([layer("template")]),
+        "v1": manifest([layer("model")], schema=1),
+        "oci": manifest([layer("model")], media="application/vnd.oci.image.manifest.v1+json"),
+        "bad-digest": manifest([layer("model", digest="sha256:../../x")]),
+        "huge-size": manifest([layer("model", 2**64 - 1), layer("model", 2**64 - 1)]),
+        "config": json.dumps({"model_format": "gguf", "model_family": "llama", "model_type": "3.2B",
+                              "file_type": "Q4_K_M", "rootfs": {"type": "layers", "diff_ids": [D]}}),
+    },
+    "registry_headers": {
+        "challenge": 'Bearer realm="https://auth.example/token",service="registry.example",'
+                     'scope="repository:library/m:pull"',
+        "loose": 'bearer  scope="a:b:pull,push", realm=http://h/t , x="q\\"uote"',
+        "unterminated": 'Bearer realm="unterminated',
+        "basic": 'Basic realm="x"',
+        "range": "bytes 0-99/1000",
+        "range-star": "bytes 5-9/*",
+        "range-backwards": "bytes 9-5/10",
+        "range-past-end": "bytes 0-10/10",
+        "range-huge": "bytes 0-18446744073709551615/18446744073709551615",
+    },
+    "llama_log": {
+        name: b"\x07" + (LOGS / name).read_bytes()[:6000]
+        for name in ["cpu-ngl0.log", "rpc-ngl2.log", "ctx-too-big-ulimit.log", "bind-port-in-use.log",
+                     "random-bytes.log", "truncated.log"]
+    } | {
+        "buffers": b"\x30load_tensors:   CUDA0 model buffer size = 18446744073709551615.00 MiB\n"
+                   b"load_tensors:   CUDA1 model buffer size = 18446744073709551615.00 MiB\n",
+        "long-line": b"\x05E " + "é".encode() * 400 + b"\r\n\x1b[31mE error: bad\x1b[0m\n",
+    },
+    "sse_stream": {
+        "chat": b"\x11" + sse(
+            {"choices": [{"delta": {"role": "assistant", "content": None}}]},
+            {"choices": [{"delta": {"reasoning_content": "hm", "content": "Hel"}}]},
+            {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": "{\"a\""}}]}}]},
+            {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": ":1}"}}]}}]},
+            {"choices": [{"delta": {}, "finish_reason": "length"}],
+             "timings": {"prompt_n": 3, "prompt_ms": 1.5, "predicted_n": 2, "predicted_ms": 2.0}},
+            {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}).encode(),
+        "completion": b"\x40" + sse({"content": "a"}, {"content": "b", "stop": True, "stop_type": "limit",
+                                                       "tokens_evaluated": 5, "tokens_predicted": 2}).encode(),
+        "error": b"\x03" + sse({"error": {"message": "boom"}}).encode(),
+        "json": b"\x22" + json.dumps({"choices": [{"text": "\"usage\":"}],
+                                      "usage": {"prompt_tokens": 3, "completion_tokens": 4}}).encode(),
+        "no-newline": b"\x01data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}",
+    },
+    "keep_alive": {n: n for n in ["5m", "1h30m", "-1m", "0", "300", "1.5h", "300ms", "2562047h47m16.854775807s",
+                                  "99999999999h", "1.2.3s", "5 minutes", "-1", "1e300", "null", "[1]",
+                                  "\"10s\"", "3.5"]},
+    "api_bodies": {
+        "chat": json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi", "images": ["aGk="]}],
+                            "stream": False, "format": "json", "think": True, "keep_alive": "5m",
+                            "options": {"temperature": 0.5, "stop": ["x"], "num_predict": 10, "seed": 1},
+                            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+        "chat-schema": json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                   "format": {"type": "object", "properties": {"a": {"type": "string"}}}}),
+        "chat-tool-result": json.dumps({"model": "m", "messages": [
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+            {"role": "tool", "content": "42"}]}),
+        "generate": json.dumps({"model": "m", "prompt": "hi", "system": "s", "raw": True, "images": [],
+                                "keep_alive": -1, "options": {"top_k": 4}}),
+        "embed": json.dumps({"model": "m", "input": ["a", "b"], "keep_alive": 0}),
+        "create": json.dumps({"model": "me/new:1", "from": "llama3.2", "files": {"m.gguf": D},
+                              "adapters": {"a.gguf": D}, "template": "{{ .Prompt }}", "system": "s",
+                              "license": ["MIT"], "parameters": {"num_ctx": 4096},
+                              "messages": [{"role": "user", "content": "hi"}]}),
+        "pull": json.dumps({"model": "localhost:5000/me/tiny", "insecure": True, "stream": False}),
+        "copy": json.dumps({"source": "a", "destination": "b:2"}),
+        "delete": json.dumps({"name": "a"}),
+        "traversal": json.dumps({"model": "../../etc/passwd", "source": "x/../../y", "files": {"a": "sha256:../x"}}),
+        "wrong-types": json.dumps({"model": 1, "messages": "x", "options": [], "stream": "yes", "keep_alive": {}}),
+        "nested": "[" * 200 + "]" * 200,
+        "not-json": "model=m&prompt=hi",
+    },
+}
+
+
+def main():
+    for target, seeds in SEED.items():
+        out = SEEDS / target
+        out.mkdir(parents=True, exist_ok=True)
+        for name, data in seeds.items():
+            safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)[:40] or "empty"
+            (out / safe).write_bytes(data if isinstance(data, bytes) else data.encode())
+        print(f"{target}: {len(seeds)} seeds")
+
+
+if __name__ == "__main__":
+    main()
