@@ -16,3 +16,5 @@ cargo build --all-targets --locked
 # Both packages, lintian included; the package tests (tests/it/packages.rs) reuse this build.
 scripts/build-packages.sh all >/dev/null
 cargo nextest run --profile ci --locked
+# Every fuzz target for CORRAL_FUZZ_SECONDS (20) on its seeds; a crash fails the run.
+scripts/fuzz.sh

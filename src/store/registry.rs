@@ -1542,4 +1542,49 @@ mod tests {
         let json = serde_json::to_value(Progress::step("success")).expect("json");
         assert_eq!(json, serde_json::json!({"status": "success"}));
     }
+    proptest::proptest! {
+        /// A range written as a server sends it parses back; one that does not exist
+        /// (backwards, or past the end) is refused.
+        #[test]
+        fn content_ranges_round_trip(first in 0u64..u64::MAX, len in 0u64..1 << 40, past in 1u64..1 << 40, star: bool) {
+            let last = first.saturating_add(len);
+            let total = last.checked_add(past);
+            let written = format!("bytes {first}-{last}/{}", total.map_or("*".to_owned(), |t| t.to_string()));
+            let expected = if star || total.is_none() { None } else { total };
+            let written = if star { format!("bytes {first}-{last}/*") } else { written };
+            proptest::prop_assert_eq!(parse_content_range(&written), Some((first, last, expected)));
+            if first < last {
+                proptest::prop_assert_eq!(parse_content_range(&format!("bytes {last}-{first}/*")), None);
+            }
+            proptest::prop_assert_eq!(parse_content_range(&format!("bytes {first}-{last}/{last}")), None);
+        }
+
+        /// Inserted ranges stay sorted, disjoint and not touching; what is covered and what
+        /// is missing add up to the size, and every inserted byte is covered.
+        #[test]
+        fn byte_ranges_merge_and_gaps_complete_them(
+            inserts in proptest::collection::vec((0u64..1000, 0u64..200), 0..20),
+            size in 0u64..1300,
+        ) {
+            let mut r = Ranges::default();
+            for &(start, len) in &inserts {
+                r.insert(start, start + len);
+            }
+            for pair in r.0.windows(2) {
+                proptest::prop_assert!(pair[0].0 < pair[0].1 && pair[0].1 < pair[1].0, "{:?}", r.0);
+            }
+            for &(start, len) in &inserts {
+                proptest::prop_assert!(len == 0 || r.0.iter().any(|&(s, e)| s <= start && start + len <= e));
+            }
+            let clamped = Ranges::from_record(&r.0, size);
+            let gaps = clamped.missing(size);
+            let missing: u64 = gaps.iter().map(|(s, e)| e - s).sum();
+            proptest::prop_assert_eq!(clamped.covered() + missing, size);
+            let mut whole = clamped.clone();
+            for (s, e) in gaps {
+                whole.insert(s, e);
+            }
+            proptest::prop_assert!(whole.missing(size).is_empty());
+        }
+    }
 }
