@@ -100,8 +100,8 @@ SEED = {
         for name in ["cpu-ngl0.log", "rpc-ngl2.log", "ctx-too-big-ulimit.log", "bind-port-in-use.log",
                      "random-bytes.log", "truncated.log"]
     } | {
-        "buffers": b"\x30load_tensors:   CUDA0 model buffer size = 18446744073709551615.00 MiB\n"
-                   b"load_tensors:   CUDA1 model buffer size = 18446744073709551615.00 MiB\n",
+        "buffers": b"\x30load_tensors:   CUDA0 model buffer size = 17592186044415.00 MiB\n"
+                   b"load_tensors:   CUDA1 model buffer size = 17592186044415.00 MiB\n",
         "long-line": b"\x05E " + "é".encode() * 400 + b"\r\n\x1b[31mE error: bad\x1b[0m\n",
     },
     "sse_stream": {

@@ -319,7 +319,11 @@ pub(super) fn json_object(path: &str, body: &[u8]) -> Result<Map<String, Value>,
 }
 
 /// The first of `fields` that is set, as written and as a valid model name.
-pub(super) fn model_name(path: &str, request: &Map<String, Value>, fields: &[&str]) -> Result<(String, ModelName), ApiError> {
+pub(super) fn model_name(
+    path: &str,
+    request: &Map<String, Value>,
+    fields: &[&str],
+) -> Result<(String, ModelName), ApiError> {
     for field in fields {
         match request.get(*field) {
             None | Some(Value::Null) => {}

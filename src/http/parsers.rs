@@ -112,6 +112,7 @@ pub fn transfer(body: &[u8]) -> Result<Value, ApiError> {
 }
 
 /// `POST /api/show`, `/api/copy` and `DELETE /api/delete`'s bodies: the names they name.
+#[must_use]
 pub fn model_bodies(body: &[u8]) -> Vec<Result<Value, ApiError>> {
     let names = |path: &str, fields: &[&[&str]]| -> Result<Value, ApiError> {
         let request = ollama_models::json_object(path, body)?;

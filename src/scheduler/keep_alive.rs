@@ -191,7 +191,7 @@ mod tests {
 
     use super::{Clamp, KeepAlive, parse_go_duration, resolve};
 
-    fn parse(v: &serde_json::Value) -> Result<Option<KeepAlive>, String> {
+    fn parse(v: &Value) -> Result<Option<KeepAlive>, String> {
         KeepAlive::from_json(Some(v)).map_err(|e| e.to_string())
     }
 

@@ -236,17 +236,14 @@ mod tests {
             model in part("a-zA-Z0-9._-", 40),
             tag in proptest::option::of(part("a-zA-Z0-9._-", 30)),
         ) {
-            let mut text = String::new();
-            if let Some(registry) = &registry {
+            let prefix = match (&registry, &namespace) {
                 // A registry needs a namespace after it.
-                text.push_str(&format!("{registry}/{}/", namespace.as_deref().unwrap_or("library")));
-            } else if let Some(namespace) = &namespace {
-                text.push_str(&format!("{namespace}/"));
-            }
-            text.push_str(&model);
-            if let Some(tag) = &tag {
-                text.push_str(&format!(":{tag}"));
-            }
+                (Some(registry), namespace) => format!("{registry}/{}/", namespace.as_deref().unwrap_or("library")),
+                (None, Some(namespace)) => format!("{namespace}/"),
+                (None, None) => String::new(),
+            };
+            let suffix = tag.as_ref().map(|tag| format!(":{tag}")).unwrap_or_default();
+            let text = format!("{prefix}{model}{suffix}");
             let name = ModelName::parse(&text).map_err(|e| proptest::test_runner::TestCaseError::fail(e.to_string()))?;
             proptest::prop_assert_eq!(name.model(), model.as_str());
             proptest::prop_assert_eq!(name.tag(), tag.as_deref().unwrap_or(super::DEFAULT_TAG));
@@ -266,5 +263,4 @@ mod tests {
             }
         }
     }
-}
 }

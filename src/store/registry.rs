@@ -847,6 +847,7 @@ fn body_error(error: &reqwest::Error, read_timeout: Duration) -> String {
 }
 
 /// `bytes <first>-<last>/<total or *>`, a range that exists: `first <= last < total`.
+#[must_use]
 pub fn parse_content_range(value: &str) -> Option<(u64, u64, Option<u64>)> {
     let rest = value.trim().strip_prefix("bytes ")?;
     let (range, total) = rest.split_once('/')?;
