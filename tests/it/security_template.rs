@@ -38,8 +38,8 @@ fn hostile() -> Vec<(&'static str, String, &'static str)> {
     calls.push_str(r#"{{ template "t40" }}"#);
     let deeper = "template nests deeper than 64 levels";
     vec![
-        ("nested ifs", nest("{{ if 1 }}", "x", "{{ end }}", 4000), deeper),
-        ("nested ranges", nest("{{ range $ }}", "x", "{{ end }}", 3000), deeper),
+        ("nested ifs", nest("{{ if 1 }}", "x", "{{ end }}", 2000), deeper),
+        ("nested ranges", nest("{{ range $ }}", "x", "{{ end }}", 1500), deeper),
         ("nested parentheses", format!("{{{{ {}1{} }}}}", "(print ".repeat(5000), ")".repeat(5000)), deeper),
         ("an else-if chain", format!("{{{{ if 0 }}}}{}{{{{ end }}}}", "{{ else if 0 }}".repeat(3000)), deeper),
         ("unclosed blocks", "{{ with . }}".repeat(5000), deeper),
