@@ -220,7 +220,7 @@ pub(super) fn display_len(value: &Value) -> usize {
 
 /// An upper bound on a string's `Debug` form: quotes, and at most 10 bytes per byte
 /// escaped (`\u{10ffff}`).
-pub(super) fn debug_len(s: &str) -> usize {
+fn debug_len(s: &str) -> usize {
     s.len().saturating_mul(10).saturating_add(2)
 }
 

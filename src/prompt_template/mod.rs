@@ -225,7 +225,8 @@ fn render_here(
     // The largest value a reference may copy: the root (all the fields), one field, a
     // literal, or a string a builtin built (at most the value limit, or its largest
     // argument).
-    let root: usize = fields.iter().map(|(k, v)| funcs::debug_len(k) + funcs::debug_len(v) + 8).sum();
+    // (A copy is a clone: the fields' own sizes, with some room for the map's entries.)
+    let root: usize = fields.iter().map(|(k, v)| k.len() + v.len() + 64).sum();
     let largest = root.max(MAX_VALUE).max(shape.longest_literal()) as u64;
     if cost.copies.saturating_mul(largest) > limits.copies {
         return Err(TemplateError::TooManyCopies(limits.copies));

@@ -132,3 +132,29 @@ fn alive(corrald: &Corrald) -> bool {
     std::fs::read_to_string(format!("/proc/{}/stat", corrald.pid()))
         .is_ok_and(|stat| stat.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_nested_past_serde_jsons_limit_is_a_400_in_every_field() {
+    // serde_json stops at 128 levels (its `unbounded_depth` feature is off), so no field
+    // of a body (format, tools, messages, options) reaches a recursive walk unbounded.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+    for (path, field) in [
+        ("/api/generate", "format"),
+        ("/api/generate", "options"),
+        ("/api/chat", "messages"),
+        ("/api/chat", "tools"),
+        ("/api/chat", "format"),
+    ] {
+        let body = format!(r#"{{"model":"chat","prompt":"x","{field}":{deep}}}"#);
+        let (status, _, reply) = call(&state, "POST", path, &body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {field}: {reply}");
+        assert!(reply.contains("recursion limit exceeded"), "{path} {field}: {reply}");
+    }
+    // 100 levels, within the limit, are parsed and refused for their shape, not crashed on.
+    let nested = format!("{}1{}", "{\"a\":".repeat(100), "}".repeat(100));
+    let body = format!(r#"{{"model":"chat","messages":[{{"role":"user","content":{nested}}}]}}"#);
+    let (status, _, reply) = call(&state, "POST", "/api/chat", &body).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{reply}");
+}
