@@ -636,4 +636,188 @@ mod tests {
             .expect("request");
         assert_ne!(send(&config, small).await.0.status(), StatusCode::PAYLOAD_TOO_LARGE);
     }
+
+    fn post(path: &str) -> axum::http::request::Builder {
+        Request::builder().method(Method::POST).uri(path).header(header::HOST, "localhost:11434")
+    }
+
+    async fn status_and_error(config: &ServerConfig, request: Request<Body>) -> (StatusCode, String) {
+        let (response, json) = send(config, request).await;
+        let error = json["error"].as_str().or_else(|| json["error"]["message"].as_str()).unwrap_or_default();
+        (response.status(), error.to_owned())
+    }
+
+    #[tokio::test]
+    async fn browsers_from_other_origins_may_read_but_not_change_anything() {
+        let config = ServerConfig::default();
+        for (method, path) in [
+            (Method::POST, "/api/copy"),
+            (Method::POST, "/api/pull"),
+            (Method::DELETE, "/api/delete"),
+            (Method::PUT, "/api/anything"),
+            (Method::POST, "/api/blobs/sha256:00"),
+            (Method::POST, "/api/generate"),
+            (Method::POST, "/v1/chat/completions"),
+        ] {
+            let request = Request::builder()
+                .method(method.clone())
+                .uri(path)
+                .header(header::ORIGIN, "https://evil.example")
+                .header(header::CONTENT_TYPE, "text/plain")
+                .body(Body::from("{}"))
+                .expect("request");
+            let (status, error) = status_and_error(&config, request).await;
+            assert_eq!(status, StatusCode::FORBIDDEN, "{method} {path}");
+            assert!(error.contains("\"https://evil.example\"") && error.contains("cors_origins"), "{error}");
+        }
+        // Reading is fine (CORS keeps the answer from the page), and so is an allowed origin.
+        let read = get("/api/version").header(header::ORIGIN, "https://evil.example").body(Body::empty());
+        assert_eq!(send(&config, read.expect("request")).await.0.status(), StatusCode::OK);
+        let allowed = post("/api/nope").header(header::ORIGIN, "http://localhost:3000").body(Body::empty());
+        assert_eq!(send(&config, allowed.expect("request")).await.0.status(), StatusCode::NOT_FOUND);
+        // Two origins are not one allowed origin.
+        let two = post("/api/nope")
+            .header(header::ORIGIN, "http://localhost:3000")
+            .header(header::ORIGIN, "https://evil.example")
+            .body(Body::empty());
+        let (status, error) = status_and_error(&config, two.expect("request")).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{error}");
+    }
+
+    #[tokio::test]
+    async fn sec_fetch_site_from_elsewhere_needs_an_allowed_origin() {
+        let config = ServerConfig::default();
+        for (site, expected) in [
+            ("cross-site", StatusCode::FORBIDDEN),
+            ("same-site", StatusCode::FORBIDDEN),
+            ("same-origin", StatusCode::NOT_FOUND),
+            ("none", StatusCode::NOT_FOUND),
+        ] {
+            let request = post("/api/nope").header("sec-fetch-site", site).body(Body::empty()).expect("request");
+            let (status, error) = status_and_error(&config, request).await;
+            assert_eq!(status, expected, "{site}: {error}");
+            let with_origin = post("/api/nope")
+                .header("sec-fetch-site", site)
+                .header(header::ORIGIN, "http://127.0.0.1:8080")
+                .body(Body::empty())
+                .expect("request");
+            assert_eq!(send(&config, with_origin).await.0.status(), StatusCode::NOT_FOUND, "{site} allowed origin");
+        }
+        let read = get("/api/version").header("sec-fetch-site", "cross-site").body(Body::empty()).expect("request");
+        assert_eq!(send(&config, read).await.0.status(), StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn json_routes_take_json_and_forms_only_from_clients_that_are_not_browsers() {
+        let config = ServerConfig::default();
+        let show = |content_type: Option<&str>, browser: Option<(&str, &str)>| {
+            let mut builder = post("/api/show");
+            if let Some(value) = content_type {
+                builder = builder.header(header::CONTENT_TYPE, value);
+            }
+            if let Some((name, value)) = browser {
+                builder = builder.header(name, value);
+            }
+            builder.body(Body::from("{\"model\": \"nope\"}")).expect("request")
+        };
+        // Past the content check, the missing model is a 404.
+        for accepted in [
+            None,
+            Some("application/json"),
+            Some("Application/JSON; charset=utf-8"),
+            Some("application/vnd.api+json"),
+            Some("application/x-www-form-urlencoded"),
+        ] {
+            let (status, error) = status_and_error(&config, show(accepted, None)).await;
+            assert_eq!(status, StatusCode::NOT_FOUND, "{accepted:?}: {error}");
+        }
+        let origin = Some(("origin", "http://localhost:3000"));
+        let fetch = Some(("sec-fetch-mode", "cors"));
+        for (refused, browser, named) in [
+            ("text/plain", None, "\"text/plain\""),
+            ("text/plain;charset=UTF-8", origin, "\"text/plain\""),
+            ("multipart/form-data; boundary=x", None, "\"multipart/form-data\""),
+            ("application/xml", None, "\"application/xml\""),
+            ("", None, "\"\""),
+            ("application/x-www-form-urlencoded", origin, "form body"),
+            ("application/x-www-form-urlencoded", fetch, "form body"),
+        ] {
+            let (status, error) = status_and_error(&config, show(Some(refused), browser)).await;
+            assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{refused} {browser:?}: {error}");
+            assert!(error.contains(named) && error.contains("application/json"), "{error}");
+        }
+        // Uploads are raw bytes, of any type; unknown paths and reads are not checked.
+        let upload = post("/api/blobs/sha256:00").header(header::CONTENT_TYPE, "text/plain").body(Body::from("x"));
+        assert_eq!(send(&config, upload.expect("request")).await.0.status(), StatusCode::BAD_REQUEST);
+        let unknown = post("/api/nope").header(header::CONTENT_TYPE, "text/plain").body(Body::from("x"));
+        assert_eq!(send(&config, unknown.expect("request")).await.0.status(), StatusCode::NOT_FOUND);
+        let (status, error) = status_and_error(&config, {
+            let r = post("/v1/chat/completions").header(header::CONTENT_TYPE, "text/plain").body(Body::from("{}"));
+            r.expect("request")
+        })
+        .await;
+        assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "OpenAI's shape under /v1/: {error}");
+    }
+
+    #[tokio::test]
+    async fn two_hosts_and_absolute_targets_naming_other_hosts_are_refused() {
+        let config = ServerConfig::default();
+        let two = get("/api/version").header(header::HOST, "localhost").header(header::HOST, "evil.example");
+        let (status, error) = status_and_error(&config, two.body(Body::empty()).expect("request")).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(error.contains("more than one Host"), "{error}");
+        let two_local = get("/api/version").header(header::HOST, "localhost").header(header::HOST, "localhost");
+        assert_eq!(send(&config, two_local.body(Body::empty()).expect("r")).await.0.status(), StatusCode::BAD_REQUEST);
+
+        for target in ["http://evil.example/api/version", "http://localhost@evil.example:80/api/version"] {
+            let request = get(target).header(header::HOST, "localhost").body(Body::empty()).expect("request");
+            let (status, error) = status_and_error(&config, request).await;
+            assert_eq!(status, StatusCode::FORBIDDEN, "{target}");
+            assert!(error.contains("evil.example") && error.contains("allowed_hosts"), "{error}");
+        }
+        for target in ["http://localhost:11434/api/version", "http://[::1]/api/version"] {
+            let request = get(target).header(header::HOST, "localhost").body(Body::empty()).expect("request");
+            assert_eq!(send(&config, request).await.0.status(), StatusCode::OK, "{target}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_that_sends_nothing_for_the_idle_timeout_is_a_408() {
+        let config =
+            ServerConfig { body_idle_timeout: std::time::Duration::from_millis(200), ..ServerConfig::default() };
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<axum::body::Bytes, std::io::Error>>(1);
+        tx.send(Ok(axum::body::Bytes::from_static(b"{\"model\""))).await.expect("send");
+        let body = Body::from_stream(tokio_stream_of(rx));
+        let request = post("/api/show").header(header::CONTENT_TYPE, "application/json").body(body).expect("request");
+        let started = std::time::Instant::now();
+        let (status, error) =
+            tokio::time::timeout(std::time::Duration::from_secs(30), status_and_error(&config, request))
+                .await
+                .expect("answered once the body was idle");
+        assert_eq!(status, StatusCode::REQUEST_TIMEOUT, "{error}");
+        assert!(error.contains("body_idle_timeout"), "{error}");
+        assert!(started.elapsed() >= std::time::Duration::from_millis(200));
+        drop(tx);
+    }
+
+    /// A body stream fed by `rx`.
+    fn tokio_stream_of<T: Send + 'static>(
+        rx: tokio::sync::mpsc::Receiver<T>,
+    ) -> impl futures_util::Stream<Item = T> + Send + 'static {
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) })
+    }
+
+    #[test]
+    fn uploads_beyond_the_cap_are_a_503_with_retry_after() {
+        let safety = Safety::new(&ServerConfig { max_uploads: 2, ..ServerConfig::default() });
+        let first = safety.upload_permit("/api/blobs").expect("first");
+        let _second = safety.upload_permit("/api/blobs").expect("second");
+        let refused = safety.upload_permit("/api/blobs").expect_err("third");
+        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(refused.message().contains("max_uploads"), "{}", refused.message());
+        let response = axum::response::IntoResponse::into_response(refused);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "5");
+        drop(first);
+        let _again = safety.upload_permit("/api/blobs").expect("a place is free again");
+    }
 }
