@@ -192,13 +192,11 @@ async fn blocking<T: Send + 'static>(
 }
 
 fn upload_error(error: &StoreError) -> ApiError {
-    match error {
-        StoreError::DigestMismatch { .. } => bad(error.to_string(), BLOBS),
-        _ => {
-            tracing::error!(error = %error, "cannot store an uploaded blob");
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string(), BLOBS)
-        }
+    if let StoreError::DigestMismatch { .. } = error {
+        return bad(error.to_string(), BLOBS);
     }
+    tracing::error!(error = %error, "cannot store an uploaded blob");
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string(), BLOBS)
 }
 
 /// One line of a progress stream.

@@ -193,19 +193,18 @@ fn error(status: StatusCode, message: String, path: &str) -> Response {
 }
 
 /// The Host rule (1. above): `Err` is the refusal.
-fn check_host(safety: &Safety, request: &Request, path: &str) -> Result<(), Response> {
+fn check_host(safety: &Safety, request: &Request, path: &str) -> Result<(), ApiError> {
     let mut headers = request.headers().get_all(header::HOST).iter();
     let host = headers.next();
     if headers.next().is_some() {
-        return Err(error(StatusCode::BAD_REQUEST, "the request has more than one Host header".into(), path));
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "the request has more than one Host header", path));
     }
-    let host = match host.map(HeaderValue::to_str).transpose() {
-        Ok(host) => host,
-        Err(_) => return Err(error(StatusCode::BAD_REQUEST, "the Host header is not valid text".into(), path)),
+    let Ok(host) = host.map(HeaderValue::to_str).transpose() else {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "the Host header is not valid text", path));
     };
     let refuse = |host: &str, what: &str| {
         let name = normalize_host(host);
-        error(
+        ApiError::new(
             StatusCode::FORBIDDEN,
             format!("{what} \"{host}\" is not allowed; add \"{name}\" to [server] allowed_hosts to allow it"),
             path,
@@ -223,14 +222,13 @@ fn check_host(safety: &Safety, request: &Request, path: &str) -> Result<(), Resp
     }
     match host {
         Some(host) if !safety.host_allowed(host) => Err(refuse(host, "host")),
-        Some(_) => Ok(()),
         None if target.is_none()
             && request.version() == Version::HTTP_11
             && request.extensions().get::<Transport>() == Some(&Transport::Tcp) =>
         {
-            Err(error(StatusCode::BAD_REQUEST, "an HTTP/1.1 request needs a Host header".into(), path))
+            Err(ApiError::new(StatusCode::BAD_REQUEST, "an HTTP/1.1 request needs a Host header", path))
         }
-        None => Ok(()),
+        Some(_) | None => Ok(()),
     }
 }
 
@@ -247,12 +245,12 @@ fn from_browser(headers: &HeaderMap) -> bool {
 
 /// The browser rule (2. above): `Ok` with the request's allowed origin (for CORS), or
 /// the refusal.
-fn check_browser(safety: &Safety, request: &Request, path: &str) -> Result<Option<String>, Response> {
+fn check_browser(safety: &Safety, request: &Request, path: &str) -> Result<Option<String>, ApiError> {
     let headers = request.headers();
     let mut origins = headers.get_all(header::ORIGIN).iter();
     let (origin, second) = (origins.next(), origins.next());
     let changes = may_change(request.method());
-    let refuse = |message: String| Err(error(StatusCode::FORBIDDEN, message, path));
+    let refuse = |message: String| Err(ApiError::new(StatusCode::FORBIDDEN, message, path));
     let Some(origin) = origin else {
         let site = headers.get("sec-fetch-site").map(HeaderValue::as_bytes);
         if changes && matches!(site, Some(b"cross-site" | b"same-site")) {
@@ -284,11 +282,11 @@ pub async fn guard(State(safety): State<Arc<Safety>>, request: Request, next: Ne
     let path = request.uri().path().to_owned();
 
     if let Err(refusal) = check_host(&safety, &request, &path) {
-        return refusal;
+        return refusal.into_response();
     }
     let origin = match check_browser(&safety, &request, &path) {
         Ok(origin) => origin,
-        Err(refusal) => return refusal,
+        Err(refusal) => return refusal.into_response(),
     };
     if let Some(origin) = &origin
         && request.method() == Method::OPTIONS

@@ -428,7 +428,7 @@ fn uploads_beyond_max_uploads_get_503_with_retry_after() {
 }
 
 /// A router over [`demo_store`] whose runners would use a llama-server that does not exist.
-fn in_process(dir: &Path, server: ServerConfig) -> AppState {
+fn in_process(dir: &Path, server: &ServerConfig) -> AppState {
     let store: Store = demo_store(dir);
     let backend = SupervisorBackend {
         config: SupervisorConfig {
@@ -446,7 +446,7 @@ fn in_process(dir: &Path, server: ServerConfig) -> AppState {
     let (scheduler, handle) = Scheduler::new(Arc::new(backend), Vec::new(), 4 << 30, limits(), Footprints::in_memory());
     tokio::spawn(scheduler.run());
     let mut state = AppState::for_tests(store, handle, Defaults { num_ctx: 512, parallel: 1 });
-    state.safety = Arc::new(Safety::new(&server));
+    state.safety = Arc::new(Safety::new(server));
     state
 }
 
@@ -471,7 +471,7 @@ async fn stalled_uploads_hold_no_thread_and_store_operations_still_answer() {
     let dir = tempfile::tempdir().expect("tempdir");
     let server =
         ServerConfig { max_uploads: 1000, body_idle_timeout: Duration::from_secs(600), ..ServerConfig::default() };
-    let state = in_process(dir.path(), server);
+    let state = in_process(dir.path(), &server);
     let mut senders = Vec::new();
     let mut uploads = tokio::task::JoinSet::new();
     for i in 0..STALLED {
