@@ -92,3 +92,27 @@ impl From<InvalidName> for Error {
         Self::InvalidName(public(&error))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+    use crate::scheduler::actor::ScheduleError;
+    use crate::store::StoreError;
+
+    #[test]
+    fn errors_reach_d_bus_clients_without_server_paths() {
+        let io = StoreError::Io {
+            context: "cannot write /var/lib/corral/models/blobs/.tmp-x1".into(),
+            source: std::io::Error::from_raw_os_error(28),
+        };
+        let Error::Failed(message) = Error::from(io) else { panic!("an I/O failure is Failed") };
+        assert!(message.starts_with("cannot write …/.tmp-x1: ") && !message.contains("/var/lib"), "{message}");
+
+        let load = ScheduleError::LoadFailed {
+            model: "chat".into(),
+            reason: "cannot start /opt/llama/bin/llama-server: No such file or directory".into(),
+        };
+        let Error::LoadFailed(message) = Error::from(load) else { panic!("LoadFailed") };
+        assert!(message.contains("…/llama-server") && !message.contains("/opt/llama"), "{message}");
+    }
+}
