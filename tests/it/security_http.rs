@@ -344,6 +344,8 @@ fn half_sent_headers_and_silent_connections_are_closed_within_the_header_timeout
     let mut reply = [0u8; 1024];
     let n = client.read(&mut reply).expect("answer");
     assert!(reply[..n].starts_with(b"HTTP/1.1 200 OK"), "{}", String::from_utf8_lossy(&reply[..n]));
+    // Kept alive, it is closed once it sends no next request within the timeout.
+    closed_within(&mut client, bound).expect("an idle kept-alive connection is closed");
 }
 
 #[test]
