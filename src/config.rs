@@ -81,6 +81,17 @@ pub struct ServerConfig {
     /// in flight (systemd keeps the sockets and starts corrald again). `None` is `"off"`.
     #[serde(deserialize_with = "off_or_duration")]
     pub exit_on_idle: Option<Duration>,
+    /// A connection that has not sent a whole request head (line and headers) this long
+    /// after it opened or after its last answer is closed.
+    #[serde(deserialize_with = "positive_duration")]
+    pub header_timeout: Duration,
+    /// A request body that sends nothing for this long is aborted (a blob upload's
+    /// partial file is removed).
+    #[serde(deserialize_with = "positive_duration")]
+    pub body_idle_timeout: Duration,
+    /// Blob uploads (`/api/blobs/…`) at once; more are answered 503 with `Retry-After`.
+    #[serde(deserialize_with = "positive_count")]
+    pub max_uploads: u32,
 }
 
 impl Default for ServerConfig {
@@ -101,6 +112,9 @@ impl Default for ServerConfig {
             api_tokens: Vec::new(),
             max_body: 64 << 20,
             exit_on_idle: None,
+            header_timeout: Duration::from_secs(10),
+            body_idle_timeout: Duration::from_secs(60),
+            max_uploads: 8,
         }
     }
 }
@@ -340,6 +354,24 @@ fn off_or_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, 
     .map_err(serde::de::Error::custom)
 }
 
+/// A duration above zero.
+fn positive_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(d)?;
+    match parse_duration(&text) {
+        Ok(d) if d.is_zero() => Err(format!("\"{text}\" is zero; expected a duration above zero, like \"10s\"")),
+        other => other,
+    }
+    .map_err(serde::de::Error::custom)
+}
+
+/// A count of at least one.
+fn positive_count<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+    match u32::deserialize(d)? {
+        0 => Err(serde::de::Error::custom("0 would refuse everything; expected at least 1")),
+        n => Ok(n),
+    }
+}
+
 fn absolute_path_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PathBuf>, D::Error> {
     let path = PathBuf::deserialize(d)?;
     if path.is_absolute() {
@@ -521,6 +553,9 @@ mod tests {
         assert_eq!(c.server.max_body, 64 << 20);
         assert_eq!(c.dbus.bus, BusKind::System);
         assert_eq!(c.server.exit_on_idle, None);
+        assert_eq!(c.server.header_timeout, Duration::from_secs(10));
+        assert_eq!(c.server.body_idle_timeout, Duration::from_secs(60));
+        assert_eq!(c.server.max_uploads, 8);
     }
 
     #[test]
@@ -544,6 +579,9 @@ cors_origins = ["*"]
 api_tokens = ["s3cret"]
 max_body = "1MiB"
 exit_on_idle = "15m"
+header_timeout = "5s"
+body_idle_timeout = "2m"
+max_uploads = 2
 [store]
 path = "/srv/models"
 read_only = true
@@ -578,6 +616,9 @@ keep_alive = "10m"
         assert_eq!(c.server.api_tokens, ["s3cret"]);
         assert_eq!(c.server.max_body, 1 << 20);
         assert_eq!(c.server.exit_on_idle, Some(Duration::from_secs(900)));
+        assert_eq!(c.server.header_timeout, Duration::from_secs(5));
+        assert_eq!(c.server.body_idle_timeout, Duration::from_secs(120));
+        assert_eq!(c.server.max_uploads, 2);
         assert_eq!(c.store.path.as_deref(), Some(Path::new("/srv/models")));
         assert!(c.store.read_only);
         assert_eq!(c.store.insecure_registries, ["localhost:5000"]);
@@ -669,6 +710,23 @@ keep_alive = "10m"
                 &["corral.toml:2", "server.max_body", "is not a byte size"],
             ),
             (&[("corral.toml", "[server]\napi_tokens = \"t\"\n")], &["server.api_tokens", "expected a sequence"]),
+            (
+                &[("corral.toml", "[server]\nheader_timeout = \"0s\"\n")],
+                &["corral.toml:2", "server.header_timeout", "\"0s\" is zero", "above zero"],
+            ),
+            (
+                &[("corral.toml", "[server]\nbody_idle_timeout = \"a minute\"\n")],
+                &["corral.toml:2", "server.body_idle_timeout", "is not a duration"],
+            ),
+            (
+                &[("corral.toml", "[server]\nbody_idle_timeout = 60\n")],
+                &["server.body_idle_timeout", "expected a string"],
+            ),
+            (
+                &[("corral.toml", "[server]\nmax_uploads = 0\n")],
+                &["corral.toml:2", "server.max_uploads", "expected at least 1"],
+            ),
+            (&[("corral.toml", "[server]\nmax_uploads = -2\n")], &["server.max_uploads", "-2"]),
             (&[("corral.toml", "[server]\nallowed_hosts = [1]\n")], &["server.allowed_hosts", "expected a string"]),
             (&[("corral.toml", "[store]\npath = \"models\"\n")], &["store.path", "not an absolute path"]),
             (&[("corral.toml", "[models.\"a\"]\npinned = \"yes\"\n")], &["models.a.pinned", "expected a boolean"]),

@@ -85,6 +85,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
         http::VERSION,
     );
 
+    raise_open_files_limit();
     // Taking the cgroup tree moves the daemon into its leaf; runners become its siblings.
     let cgroups = take_cgroup_tree();
     let store = open_store(&loaded.config, &paths).await?;
@@ -111,7 +112,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let bus = serve_dbus(&loaded.config, &state, inventory).await;
     let router = http::router(state).layer(from_fn_with_state(requests.clone(), count_requests));
     for listener in listeners {
-        servers.spawn(listener.serve(router.clone(), shutdown.clone()));
+        servers.spawn(listener.serve(router.clone(), loaded.config.server.header_timeout, shutdown.clone()));
     }
     // The sockets are listening and their accept loops are spawned: connections are served.
     notifier.ready(&status);
@@ -173,6 +174,21 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     }
     tracing::info!("corrald stopped");
     Ok(())
+}
+
+/// Raises the soft limit on open files to the hard one: every connection, upload and
+/// runner socket is a file, and the soft limit is often 1024 (systemd's default, kept
+/// low for programs that still use `select`; corrald uses epoll).
+fn raise_open_files_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::debug!(from = soft, to = hard, "raised the soft limit on open files"),
+            Err(e) => tracing::debug!(soft, hard, error = %e, "cannot raise the soft limit on open files"),
+        },
+        Ok((soft, _)) => tracing::debug!(limit = soft, "the soft limit on open files is already the hard one"),
+        Err(e) => tracing::debug!(error = %e, "cannot read the limit on open files"),
+    }
 }
 
 /// Opens the model store (checking it, which reads the disk: off the async threads).

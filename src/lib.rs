@@ -16,6 +16,7 @@ pub mod http;
 pub mod logging;
 pub mod paths;
 pub mod prompt_template;
+pub mod redact;
 pub mod scheduler;
 pub mod store;
 pub mod supervisor;

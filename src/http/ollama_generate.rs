@@ -31,6 +31,8 @@ use crate::supervisor::upstream::BodyStream;
 
 /// How long a runner may take to start answering a generation.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
+/// Where a streamed answer's error line is logged from when it had paths removed.
+const PATH_STREAM: &str = "/api/chat and /api/generate (stream)";
 
 /// A constrained answer is completed from the prompt `/apply-template` renders, which
 /// has no place for images.
@@ -393,7 +395,10 @@ impl Generation {
                             Event::ToolCalls(tool_calls) => Delta { tool_calls, ..Delta::default() },
                             Event::Error(message) => {
                                 self.finish();
-                                push_line(&mut out, &json!({ "error": message }));
+                                push_line(
+                                    &mut out,
+                                    &json!({ "error": crate::redact::for_client(message, PATH_STREAM) }),
+                                );
                                 return Some(Bytes::from(out));
                             }
                         };
@@ -405,7 +410,8 @@ impl Generation {
                 }
                 Some(Err(e)) => {
                     self.finish();
-                    push_line(&mut out, &json!({ "error": format!("the model runner failed mid-answer: {e}") }));
+                    let message = format!("the model runner failed mid-answer: {e}");
+                    push_line(&mut out, &json!({ "error": crate::redact::for_client(message, PATH_STREAM) }));
                     return Some(Bytes::from(out));
                 }
                 None => {

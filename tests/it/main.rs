@@ -24,6 +24,7 @@ mod packages;
 mod private_bus;
 mod registry;
 mod scheduling;
+mod security_http;
 mod security_template;
 mod shipped;
 mod socket_activation;
