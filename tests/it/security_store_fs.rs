@@ -220,7 +220,7 @@ async fn links_planted_as_partial_downloads_are_refused_by_a_pull() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blob_planted_as_a_link_is_never_pushed() {
     let world = World::new().await;
-    let (_, secret) = outside();
+    let (_elsewhere, secret) = outside();
     let proxy = Proxy::start(world.registry.addr());
     // A model of the source store, named on the proxy, whose template is a link to the secret.
     let local = world.on(&proxy);
