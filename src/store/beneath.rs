@@ -340,9 +340,6 @@ mod tests {
         let mut names: Vec<(String, Kind)> =
             root.entries().expect("entries").into_iter().map(|e| (e.name, e.kind)).collect();
         names.sort_by(|a, b| a.0.cmp(&b.0));
-        assert_eq!(
-            names,
-            [("fifo".into(), Kind::Other), ("file-link".into(), Kind::File), ("sub".into(), Kind::Dir)]
-        );
+        assert_eq!(names, [("fifo".into(), Kind::Other), ("file-link".into(), Kind::File), ("sub".into(), Kind::Dir)]);
     }
 }

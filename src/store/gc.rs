@@ -22,7 +22,7 @@ use std::time::{Duration, SystemTime};
 
 use super::beneath::{Dir, Kind};
 use super::digest::Digest;
-use super::{StoreError, Store, TEMP_PREFIX, vanished};
+use super::{Store, StoreError, TEMP_PREFIX, vanished};
 
 /// What one collection removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

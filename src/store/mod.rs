@@ -268,10 +268,8 @@ impl Store {
     /// is, perhaps on a read-only mount): listing, showing and loading work; every write
     /// fails with the file system's error.
     pub fn open_read_only(root: &Path) -> Result<Self, StoreError> {
-        let not_a_store = |source: io::Error| StoreError::Io {
-            context: format!("{} is not a model store", root.display()),
-            source,
-        };
+        let not_a_store =
+            |source: io::Error| StoreError::Io { context: format!("{} is not a model store", root.display()), source };
         let store = Self::at(root).map_err(|e| match e {
             StoreError::Io { source, .. } => not_a_store(source),
             other => other,
@@ -437,8 +435,7 @@ impl Store {
     fn temp_in(&self, dir: &Dir) -> Result<TempFile, StoreError> {
         let dir = dir.try_clone().map_err(fs_err("open", dir.path().to_owned()))?;
         for _ in 0..16 {
-            let name: String =
-                std::iter::repeat_with(fastrand::alphanumeric).take(12).collect::<String>();
+            let name: String = std::iter::repeat_with(fastrand::alphanumeric).take(12).collect::<String>();
             let name = format!("{TEMP_PREFIX}{name}");
             if !self.temps.lock().unwrap_or_else(PoisonError::into_inner).insert(name.clone()) {
                 continue;
@@ -570,7 +567,8 @@ impl Store {
         // Whatever was placed must still be what was hashed.
         let mut placed = temp.as_file();
         placed.rewind().map_err(io_err("cannot read the imported blob"))?;
-        let (actual, _) = Digest::of_reader(io::BufReader::new(placed)).map_err(io_err("cannot read the imported blob"))?;
+        let (actual, _) =
+            Digest::of_reader(io::BufReader::new(placed)).map_err(io_err("cannot read the imported blob"))?;
         if actual != digest {
             return Err(StoreError::DigestMismatch { expected: digest, actual });
         }
@@ -691,7 +689,7 @@ impl Store {
                 Ok(name) => name,
                 Err(e) => {
                     tracing::warn!(error = %e, "skipping a manifest with an invalid name");
-                    return Ok(());
+                    return;
                 }
             };
             let path = dir.rel(tag);
@@ -713,7 +711,6 @@ impl Store {
                 Err(StoreError::Io { source, .. }) if vanished(&source) => {}
                 Err(e) => tracing::warn!(error = %e, "skipping an unreadable manifest"),
             }
-            Ok(())
         })?;
         listed.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(listed)
@@ -724,10 +721,7 @@ impl Store {
     /// skipped, links are skipped with a warning, and a directory that vanishes on the
     /// way (a concurrent delete) is skipped; one that cannot be read is skipped with a
     /// warning. Only `manifests/` itself must be readable.
-    fn walk_manifests(
-        &self,
-        visit: &mut dyn FnMut(&Dir, [&str; 3], &str) -> Result<(), StoreError>,
-    ) -> Result<(), StoreError> {
+    fn walk_manifests(&self, visit: &mut dyn FnMut(&Dir, [&str; 3], &str)) -> Result<(), StoreError> {
         fn subdirs(dir: &Dir) -> Vec<(String, Dir)> {
             let entries = match dir.entries() {
                 Ok(entries) => entries,
@@ -777,7 +771,7 @@ impl Store {
                             continue;
                         }
                         match entry.kind {
-                            Kind::File => visit(&model_dir, [&registry, &namespace, &model], &entry.name)?,
+                            Kind::File => visit(&model_dir, [&registry, &namespace, &model], &entry.name),
                             Kind::Symlink => tracing::warn!(
                                 path = model_dir.rel(&entry.name),
                                 "skipping a symbolic link among the manifests"

@@ -74,9 +74,9 @@ use reqwest::{Body, Client, RequestBuilder, Response, StatusCode, Url};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use super::beneath::{self, Dir};
 use super::digest::Digest;
 use super::manifest::{Layer, MANIFEST_MEDIA_TYPE, Manifest};
-use super::beneath::{self, Dir};
 use super::name::ModelName;
 use super::{Pin, Store, StoreError};
 
@@ -958,11 +958,15 @@ impl Partial {
             match blobs.remove_file(&record_name) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(refused_or(&blobs, &record_name, e, |e| Self::write_error(&data_path, &what, layer.size, e))),
+                Err(e) => {
+                    return Err(refused_or(&blobs, &record_name, e, |e| {
+                        Self::write_error(&data_path, &what, layer.size, e)
+                    }));
+                }
             }
-            let file = blobs
-                .open_rw(&data_name, true, true)
-                .map_err(|e| refused_or(&blobs, &data_name, e, |e| Self::write_error(&data_path, &what, layer.size, e)))?;
+            let file = blobs.open_rw(&data_name, true, true).map_err(|e| {
+                refused_or(&blobs, &data_name, e, |e| Self::write_error(&data_path, &what, layer.size, e))
+            })?;
             (file, Ranges::default())
         };
         Ok(Self {
@@ -1107,7 +1111,10 @@ impl Partial {
         *finished = true;
         let blob = self.digest.file_name();
         self.blobs.rename(&self.data_name, &self.blobs, &blob).map_err(|e| {
-            RegistryError::io(format!("cannot move the download into place as {}", self.store.blob_path(&self.digest).display()), e)
+            RegistryError::io(
+                format!("cannot move the download into place as {}", self.store.blob_path(&self.digest).display()),
+                e,
+            )
         })?;
         let _ = self.blobs.remove_file(&self.record_name);
         self.blobs.sync().map_err(|e| RegistryError::io(format!("cannot sync {}", self.store.blobs_dir().display()), e))

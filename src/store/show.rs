@@ -93,9 +93,7 @@ impl Store {
         let text = |media_type: &str| -> Result<Vec<String>, StoreError> {
             manifest
                 .layers_of(media_type)
-                .map(|l| {
-                    self.read_blob(&l.digest).map(|b| String::from_utf8_lossy(&b).into_owned())
-                })
+                .map(|l| self.read_blob(&l.digest).map(|b| String::from_utf8_lossy(&b).into_owned()))
                 .collect()
         };
         let json = |media_type: &str| -> Result<Option<Value>, StoreError> {

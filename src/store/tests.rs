@@ -325,6 +325,21 @@ fn garbage_collection_removes_unused_blobs_and_stale_partials_once_old_enough() 
     drop(elsewhere);
 }
 
+/// A reader that says when it is asked for data, then waits for it.
+struct Slow(std::sync::mpsc::Receiver<Vec<u8>>, std::sync::mpsc::Sender<()>);
+impl std::io::Read for Slow {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let _ = self.1.send(());
+        match self.0.recv() {
+            Ok(chunk) => {
+                buf[..chunk.len()].copy_from_slice(&chunk);
+                Ok(chunk.len())
+            }
+            Err(_) => Ok(0),
+        }
+    }
+}
+
 #[test]
 fn garbage_collection_leaves_alone_what_a_running_upload_or_create_uses() {
     use std::sync::mpsc;
@@ -335,19 +350,6 @@ fn garbage_collection_leaves_alone_what_a_running_upload_or_create_uses() {
     let later = SystemTime::now() + Duration::from_secs(86_400);
 
     // An upload whose data is still arriving: its temporary file stays.
-    struct Slow(mpsc::Receiver<Vec<u8>>, mpsc::Sender<()>);
-    impl std::io::Read for Slow {
-        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-            let _ = self.1.send(());
-            match self.0.recv() {
-                Ok(chunk) => {
-                    buf[..chunk.len()].copy_from_slice(&chunk);
-                    Ok(chunk.len())
-                }
-                Err(_) => Ok(0),
-            }
-        }
-    }
     let (data, rx) = mpsc::channel();
     let (asked, asking) = mpsc::channel();
     let uploader = store.clone();
@@ -447,8 +449,10 @@ fn concurrent_copies_deletes_and_listings_of_models_sharing_blobs_never_fail() {
             used.insert(layer.digest.file_name());
         }
     }
-    let on_disk: std::collections::BTreeSet<String> =
-        fs::read_dir(store.blobs_dir()).expect("read").map(|e| e.expect("e").file_name().to_string_lossy().into_owned()).collect();
+    let on_disk: std::collections::BTreeSet<String> = fs::read_dir(store.blobs_dir())
+        .expect("read")
+        .map(|e| e.expect("e").file_name().to_string_lossy().into_owned())
+        .collect();
     assert_eq!(on_disk, used, "blobs left behind by deletes");
     for model in listed {
         store.delete(&model.name).expect("delete what is left");

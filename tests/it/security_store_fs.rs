@@ -85,7 +85,8 @@ async fn links_planted_in_the_store_are_refused_through_the_api() {
     assert_refused("delete chat:leak", &call(&state, "DELETE", "/api/delete", r#"{"model": "chat:leak"}"#).await);
     let copy = call(&state, "POST", "/api/copy", r#"{"source": "chat", "destination": "evil:copied"}"#).await;
     assert_refused("copy into evil", &copy);
-    let create = call(&state, "POST", "/api/create", r#"{"model": "evil:made", "from": "chat", "stream": false}"#).await;
+    let create =
+        call(&state, "POST", "/api/create", r#"{"model": "evil:made", "from": "chat", "stream": false}"#).await;
     assert!(!create.0.is_success() || create.2.contains("symbolic link"), "create into evil: {create:?}");
     assert!(create.2.contains("symbolic link"), "create into evil: {create:?}");
 
@@ -98,8 +99,10 @@ async fn links_planted_in_the_store_are_refused_through_the_api() {
     assert_eq!(names, ["chat:latest", "embed:latest", "leaky:latest"], "links are not listed");
 
     // Nothing was written, read or deleted through any link.
-    let mut planted: Vec<String> =
-        fs::read_dir(&target).expect("read").map(|e| e.expect("e").file_name().to_string_lossy().into_owned()).collect();
+    let mut planted: Vec<String> = fs::read_dir(&target)
+        .expect("read")
+        .map(|e| e.expect("e").file_name().to_string_lossy().into_owned())
+        .collect();
     planted.sort();
     assert_eq!(planted, ["latest"], "nothing was written into the linked directory");
     assert_eq!(fs::read(&secret).expect("secret"), SECRET, "the secret is untouched");
@@ -143,7 +146,7 @@ impl World {
     }
 
     /// The model's name on `proxy`.
-    fn on(&self, proxy: &Proxy) -> ModelName {
+    fn on(proxy: &Proxy) -> ModelName {
         name(&format!("{}/test/tiny:v1", proxy.host()))
     }
 }
@@ -179,15 +182,15 @@ async fn a_failed_pull_holds_only_the_bytes_that_arrived() {
     let store = world.store("dest");
     let client = client(&[proxy.host()], |c| c.part_size = 64 << 20);
 
-    let error = within("pull", client.pull(&store, &world.on(&proxy), |_| {})).await.expect_err("cut");
+    let error = within("pull", client.pull(&store, &World::on(&proxy), |_| {})).await.expect_err("cut");
     assert!(matches!(error, RegistryError::Truncated { .. }), "{error:?}");
     let meta = fs::metadata(partial_path(&store, &weights)).expect("the partial is kept for a resume");
-    assert_eq!(meta.len(), cut as u64, "the partial file is as long as what arrived, not the announced {size}");
-    assert!(meta.blocks() * 512 <= cut as u64 + (64 << 10), "{} bytes on disk", meta.blocks() * 512);
+    assert_eq!(meta.len(), cut, "the partial file is as long as what arrived, not the announced {size}");
+    assert!(meta.blocks() * 512 <= cut + (64 << 10), "{} bytes on disk", meta.blocks() * 512);
 
     // The resume completes it.
     proxy.rule(|_| Action::Pass);
-    within("resume", client.pull(&store, &world.on(&proxy), |_| {})).await.expect("resumed pull");
+    within("resume", client.pull(&store, &World::on(&proxy), |_| {})).await.expect("resumed pull");
     store.verify_blob(&weights).expect("whole");
 }
 
@@ -223,7 +226,7 @@ async fn a_blob_planted_as_a_link_is_never_pushed() {
     let (_elsewhere, secret) = outside();
     let proxy = Proxy::start(world.registry.addr());
     // A model of the source store, named on the proxy, whose template is a link to the secret.
-    let local = world.on(&proxy);
+    let local = World::on(&proxy);
     let (status, body) = {
         let modelfile = format!("FROM chat\nTEMPLATE \"{{{{ .Prompt }}}} {}\"\n", proxy.host());
         let spec = corral::store::create::CreateSpec::from_modelfile(
@@ -270,7 +273,7 @@ async fn garbage_collection_spares_a_running_pull_and_takes_its_partials_once_it
     let store = world.store("dest");
     let client = client(&[proxy.host()], |_| {});
     let pull = {
-        let (client, store, name) = (client.clone(), store.clone(), world.on(&proxy));
+        let (client, store, name) = (client.clone(), store.clone(), World::on(&proxy));
         tokio::spawn(async move { client.pull(&store, &name, |_| {}).await })
     };
     within("the third part's request", gate.arrivals(1)).await;
@@ -299,7 +302,7 @@ async fn garbage_collection_spares_a_running_pull_and_takes_its_partials_once_it
     // A new pull starts over and succeeds.
     gate.open();
     proxy.rule(|_| Action::Pass);
-    within("pull again", client.pull(&store, &world.on(&proxy), |_| {})).await.expect("pull");
+    within("pull again", client.pull(&store, &World::on(&proxy), |_| {})).await.expect("pull");
     store.verify_blob(&weights).expect("whole");
 }
 
