@@ -227,9 +227,9 @@ impl Dir {
         self.open_with(name, flags, 0o644)
     }
 
-    /// Creates a new file `name` (it must not exist), private to its owner.
-    pub(crate) fn create_new(&self, name: &str) -> io::Result<File> {
-        self.open_with(name, OFlags::RDWR | OFlags::CREATE | OFlags::EXCL, 0o600)
+    /// Creates a new file `name` (it must not exist) with `mode` (less the umask).
+    pub(crate) fn create_new(&self, name: &str, mode: u32) -> io::Result<File> {
+        self.open_with(name, OFlags::RDWR | OFlags::CREATE | OFlags::EXCL, mode)
     }
 
     /// What `name` is, without following it; `None` when it is not there.
@@ -331,7 +331,7 @@ mod tests {
         assert!(root.open("../x").is_err() && root.dir("..").is_err(), "one component only");
 
         // Renaming over a link replaces the link; removing one removes the link.
-        root.create_new("new").expect("create");
+        root.create_new("new", 0o600).expect("create");
         root.rename("new", &root, "file-link").expect("rename");
         assert_eq!(root.stat("file-link").expect("stat").expect("there").kind, Kind::File);
         root.remove_file("dir-link").expect("remove");

@@ -228,7 +228,7 @@ impl TempFile {
             Err(e) if vanished(&e) => {}
             Err(e) => return Err(e),
         }
-        self.file = self.dir.create_new(&self.name)?;
+        self.file = self.dir.create_new(&self.name, 0o600)?;
         Ok(())
     }
 }
@@ -440,7 +440,7 @@ impl Store {
             if !self.temps.lock().unwrap_or_else(PoisonError::into_inner).insert(name.clone()) {
                 continue;
             }
-            match dir.create_new(&name) {
+            match dir.create_new(&name, 0o600) {
                 Ok(file) => return Ok(TempFile { dir, name, file, temps: Arc::clone(&self.temps), placed: false }),
                 Err(e) => {
                     self.temps.lock().unwrap_or_else(PoisonError::into_inner).remove(&name);

@@ -62,7 +62,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -964,9 +964,15 @@ impl Partial {
                     }));
                 }
             }
-            let file = blobs.open_rw(&data_name, true, true).map_err(|e| {
-                refused_or(&blobs, &data_name, e, |e| Self::write_error(&data_path, &what, layer.size, e))
-            })?;
+            let fail = |e| refused_or(&blobs, &data_name, e, |e| Self::write_error(&data_path, &what, layer.size, e));
+            // A new file, never one that was there: a hard link planted under this name must
+            // not be emptied and written; a symbolic link is refused and left alone.
+            let file = match blobs.open_rw(&data_name, false, false) {
+                Ok(_) => blobs.remove_file(&data_name).and_then(|()| blobs.create_new(&data_name, 0o644)),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => blobs.create_new(&data_name, 0o644),
+                Err(e) => Err(e),
+            }
+            .map_err(fail)?;
             (file, Ranges::default())
         };
         Ok(Self {
@@ -1018,7 +1024,8 @@ impl Partial {
         let Ok(meta) = file.metadata() else { return Ok(None) };
         let done = Ranges::from_record(&record.done, layer.size);
         // The file holds at least every recorded byte, and never more than the blob.
-        if meta.len() > layer.size || done.0.last().is_some_and(|&(_, end)| end > meta.len()) {
+        // It is the store's own, too: a hard link planted here is not resumed into.
+        if meta.len() > layer.size || done.0.last().is_some_and(|&(_, end)| end > meta.len()) || meta.nlink() != 1 {
             return Ok(None);
         }
         Ok(Some((file, done)))

@@ -197,7 +197,7 @@ async fn a_failed_pull_holds_only_the_bytes_that_arrived() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn links_planted_as_partial_downloads_are_refused_by_a_pull() {
     let world = World::new().await;
-    let (weights, _) = world.weights();
+    let (weights, size) = world.weights();
     let (elsewhere, secret) = outside();
     let store = world.store("dest");
     let client = client(&[world.registry.host()], |_| {});
@@ -215,9 +215,16 @@ async fn links_planted_as_partial_downloads_are_refused_by_a_pull() {
         assert!(store.manifest(&world.name).is_err(), "no model");
         fs::remove_file(planted).expect("remove the link");
     }
-    // Without the links the pull goes through.
+    // A hard link to a file elsewhere, with a record claiming it holds data: never written
+    // into, nor resumed from; the pull starts a file of its own.
+    let victim = elsewhere.path().join("victim");
+    fs::write(&victim, SECRET).expect("victim");
+    fs::hard_link(&victim, &partial).expect("hard link");
+    let claim = serde_json::json!({ "digest": weights.to_string(), "size": size, "done": [[0, SECRET.len()]] });
+    fs::write(&record, claim.to_string()).expect("record");
     within("pull", client.pull(&store, &world.name, |_| {})).await.expect("pull");
     store.verify_blob(&weights).expect("whole");
+    assert_eq!(fs::read(&victim).expect("victim"), SECRET, "the hard-linked file is untouched");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
