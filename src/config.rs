@@ -120,7 +120,7 @@ impl Default for ServerConfig {
 }
 
 /// `[store]`.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
     /// The model store; `None` means `models/` in the state directory.
@@ -131,6 +131,27 @@ pub struct StoreConfig {
     pub read_only: bool,
     /// Registries (`host` or `host:port`) spoken to over plain HTTP instead of HTTPS.
     pub insecure_registries: Vec<String>,
+    /// How often garbage collection runs (once at start, then at this interval): blobs
+    /// no model uses and partial downloads no pull runs. `None` is `"off"`: never.
+    #[serde(deserialize_with = "off_or_duration")]
+    pub gc_interval: Option<Duration>,
+    /// How old an unused blob, a partial download or a temporary file must be before
+    /// garbage collection removes it, so that an upload followed by the create that uses
+    /// it, or a pull resumed soon after it failed, never loses its files.
+    #[serde(deserialize_with = "duration")]
+    pub gc_grace: Duration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            path: None,
+            read_only: false,
+            insecure_registries: Vec::new(),
+            gc_interval: Some(Duration::from_secs(3600)),
+            gc_grace: Duration::from_secs(3600),
+        }
+    }
 }
 
 /// `[runner]`.
@@ -347,7 +368,7 @@ fn off_or_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, 
         return Ok(None);
     }
     match parse_duration(&text) {
-        Ok(d) if d.is_zero() => Err(format!("\"{text}\" is zero; say \"off\" to never exit when idle")),
+        Ok(d) if d.is_zero() => Err(format!("\"{text}\" is zero; say \"off\" to turn it off")),
         Ok(d) => Ok(Some(d)),
         Err(e) => Err(format!("{e}, or \"off\"")),
     }
@@ -556,6 +577,8 @@ mod tests {
         assert_eq!(c.server.header_timeout, Duration::from_secs(10));
         assert_eq!(c.server.body_idle_timeout, Duration::from_secs(60));
         assert_eq!(c.server.max_uploads, 8);
+        assert_eq!(c.store.gc_interval, Some(Duration::from_secs(3600)));
+        assert_eq!(c.store.gc_grace, Duration::from_secs(3600));
     }
 
     #[test]
@@ -586,6 +609,8 @@ max_uploads = 2
 path = "/srv/models"
 read_only = true
 insecure_registries = ["localhost:5000"]
+gc_interval = "off"
+gc_grace = "10m"
 [runner]
 llama_server = "/opt/llama/bin/llama-server"
 [scheduler]
@@ -622,6 +647,7 @@ keep_alive = "10m"
         assert_eq!(c.store.path.as_deref(), Some(Path::new("/srv/models")));
         assert!(c.store.read_only);
         assert_eq!(c.store.insecure_registries, ["localhost:5000"]);
+        assert_eq!((c.store.gc_interval, c.store.gc_grace), (None, Duration::from_secs(600)));
         assert_eq!(c.runner.llama_server, Path::new("/opt/llama/bin/llama-server"));
         assert_eq!(c.scheduler.keep_alive, Duration::from_secs(5400));
         assert_eq!(c.scheduler.max_loaded_models, 4);
@@ -729,6 +755,19 @@ keep_alive = "10m"
             (&[("corral.toml", "[server]\nmax_uploads = -2\n")], &["server.max_uploads", "-2"]),
             (&[("corral.toml", "[server]\nallowed_hosts = [1]\n")], &["server.allowed_hosts", "expected a string"]),
             (&[("corral.toml", "[store]\npath = \"models\"\n")], &["store.path", "not an absolute path"]),
+            (
+                &[("corral.toml", "[store]\ngc_interval = \"0s\"\n")],
+                &["corral.toml:2", "store.gc_interval", "\"0s\" is zero", "\"off\""],
+            ),
+            (
+                &[("corral.toml", "[store]\ngc_interval = \"hourly\"\n")],
+                &["corral.toml:2", "store.gc_interval", "\"hourly\" is not a duration", "or \"off\""],
+            ),
+            (
+                &[("corral.toml", "[store]\ngc_grace = \"1\"\n")],
+                &["corral.toml:2", "store.gc_grace", "\"1\" is not a duration"],
+            ),
+            (&[("corral.toml", "[store]\ngc_grace = 60\n")], &["store.gc_grace", "expected a string"]),
             (&[("corral.toml", "[models.\"a\"]\npinned = \"yes\"\n")], &["models.a.pinned", "expected a boolean"]),
             (&[("corral.toml", "[server\n")], &["corral.toml:1", "unclosed table, expected `]`"]),
             (

@@ -89,6 +89,10 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     // Taking the cgroup tree moves the daemon into its leaf; runners become its siblings.
     let cgroups = take_cgroup_tree();
     let store = open_store(&loaded.config, &paths).await?;
+    // Unused blobs and stale partial downloads go at start, then every `[store] gc_interval`.
+    if let (false, Some(interval)) = (loaded.config.store.read_only, loaded.config.store.gc_interval) {
+        tokio::spawn(crate::store::gc::run(store.clone(), Some(interval), loaded.config.store.gc_grace));
+    }
     // Listen before any runner starts: a start that fails to listen leaves nothing behind.
     let socket_activated = !sockets.is_empty();
     let listeners = if socket_activated {

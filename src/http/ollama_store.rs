@@ -361,7 +361,7 @@ fn store_error(error: &StoreError, path: &str, from: &str) -> ApiError {
         | StoreError::Gguf { .. }
         | StoreError::Invalid(_)
         | StoreError::MissingBlob(_) => bad(error.to_string(), path),
-        StoreError::Manifest { .. } | StoreError::Io { .. } => {
+        StoreError::Manifest { .. } | StoreError::Refused { .. } | StoreError::Io { .. } => {
             tracing::error!(path, error = %error, "the model store failed");
             ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string(), path)
         }

@@ -25,6 +25,7 @@ mod private_bus;
 mod registry;
 mod scheduling;
 mod security_http;
+mod security_store_fs;
 mod security_template;
 mod shipped;
 mod socket_activation;
