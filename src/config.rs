@@ -125,11 +125,15 @@ pub struct StoreConfig {
 pub struct RunnerConfig {
     /// The llama-server executable: a bare name is looked up on `PATH`.
     pub llama_server: PathBuf,
+    /// A runner that sends nothing for this long in the middle of an answer is stopped,
+    /// and the request ends with an error.
+    #[serde(deserialize_with = "positive_duration")]
+    pub stream_idle_timeout: Duration,
 }
 
 impl Default for RunnerConfig {
     fn default() -> Self {
-        Self { llama_server: PathBuf::from("llama-server") }
+        Self { llama_server: PathBuf::from("llama-server"), stream_idle_timeout: Duration::from_secs(5 * 60) }
     }
 }
 
@@ -320,6 +324,16 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 
 fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     parse_duration(&String::deserialize(d)?).map_err(serde::de::Error::custom)
+}
+
+/// A duration above zero.
+fn positive_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(d)?;
+    match parse_duration(&text) {
+        Ok(d) if d.is_zero() => Err(format!("\"{text}\" is zero; give a duration above zero, like \"5m\"")),
+        other => other,
+    }
+    .map_err(serde::de::Error::custom)
 }
 
 fn duration_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
@@ -514,6 +528,7 @@ mod tests {
         assert_eq!(c.scheduler.max_queue, 512);
         assert_eq!(c.scheduler.max_loaded_models, 0);
         assert_eq!(c.runner.llama_server, Path::new("llama-server"));
+        assert_eq!(c.runner.stream_idle_timeout, Duration::from_secs(300));
         assert_eq!(c.store.path, None);
         assert!(c.models.is_empty());
         assert!(c.server.allowed_hosts.is_empty() && c.server.api_tokens.is_empty());
@@ -550,6 +565,7 @@ read_only = true
 insecure_registries = ["localhost:5000"]
 [runner]
 llama_server = "/opt/llama/bin/llama-server"
+stream_idle_timeout = "90s"
 [scheduler]
 keep_alive = "1h30m"
 max_loaded_models = 4
@@ -582,6 +598,7 @@ keep_alive = "10m"
         assert!(c.store.read_only);
         assert_eq!(c.store.insecure_registries, ["localhost:5000"]);
         assert_eq!(c.runner.llama_server, Path::new("/opt/llama/bin/llama-server"));
+        assert_eq!(c.runner.stream_idle_timeout, Duration::from_secs(90));
         assert_eq!(c.scheduler.keep_alive, Duration::from_secs(5400));
         assert_eq!(c.scheduler.max_loaded_models, 4);
         assert_eq!(c.scheduler.max_queue, 10);
@@ -671,6 +688,18 @@ keep_alive = "10m"
             (&[("corral.toml", "[server]\napi_tokens = \"t\"\n")], &["server.api_tokens", "expected a sequence"]),
             (&[("corral.toml", "[server]\nallowed_hosts = [1]\n")], &["server.allowed_hosts", "expected a string"]),
             (&[("corral.toml", "[store]\npath = \"models\"\n")], &["store.path", "not an absolute path"]),
+            (
+                &[("corral.toml", "[runner]\nstream_idle_timeout = \"0s\"\n")],
+                &["corral.toml:2", "runner.stream_idle_timeout", "\"0s\" is zero"],
+            ),
+            (
+                &[("corral.toml", "[runner]\nstream_idle_timeout = \"soon\"\n")],
+                &["corral.toml:2", "runner.stream_idle_timeout", "\"soon\" is not a duration"],
+            ),
+            (
+                &[("corral.toml", "[runner]\nstream_idle_timeout = 30\n")],
+                &["corral.toml:2", "runner.stream_idle_timeout", "expected a string"],
+            ),
             (&[("corral.toml", "[models.\"a\"]\npinned = \"yes\"\n")], &["models.a.pinned", "expected a boolean"]),
             (&[("corral.toml", "[server\n")], &["corral.toml:1", "unclosed table, expected `]`"]),
             (
