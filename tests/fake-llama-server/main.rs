@@ -245,6 +245,8 @@ async fn main() {
         .route("/health", get(health))
         .route("/completion", post(completion))
         .route("/v1/chat/completions", post(chat_completions))
+        // Enough of OpenAI's completions for a pass-through: llama-server's own answer.
+        .route("/v1/completions", post(completion))
         .route("/v1/embeddings", post(embeddings))
         .with_state(Arc::clone(&shared));
     tokio::spawn(async move { axum::serve(listener, router).await });
