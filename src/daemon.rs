@@ -226,7 +226,11 @@ fn task_died(task: &str, result: Result<(), tokio::task::JoinError>) -> anyhow::
         }
         Err(e) => format!("was cancelled: {e}"),
     };
-    tracing::error!(corral_event = "task_died", task, "the {task} task {why}; exiting so that systemd restarts corrald");
+    tracing::error!(
+        corral_event = "task_died",
+        task,
+        "the {task} task {why}; exiting so that systemd restarts corrald"
+    );
     anyhow::anyhow!("the {task} task {why}")
 }
 

@@ -180,7 +180,10 @@ pub fn shed(snapshot: &Snapshot) -> Option<Decision> {
         return None;
     }
     let (drain, evict): (Vec<&RunnerView>, Vec<&RunnerView>) = candidates.iter().partition(|r| r.leases > 0);
-    Some(Decision::MakeRoom { evict: evict.iter().map(|r| r.id).collect(), drain: drain.iter().map(|r| r.id).collect() })
+    Some(Decision::MakeRoom {
+        evict: evict.iter().map(|r| r.id).collect(),
+        drain: drain.iter().map(|r| r.id).collect(),
+    })
 }
 
 /// Where `need` fits next to `runners`, if anywhere: one GPU (the one with most room),

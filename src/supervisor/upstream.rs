@@ -186,9 +186,8 @@ impl BodyStream {
     /// caller drops it, which closes it).
     pub async fn chunk(&mut self) -> Option<Result<Bytes, UpstreamError>> {
         loop {
-            let frame = match tokio::time::timeout(self.idle_timeout, self.body.frame()).await {
-                Ok(frame) => frame,
-                Err(_) => return Some(Err(UpstreamError::Stalled(self.idle_timeout))),
+            let Ok(frame) = tokio::time::timeout(self.idle_timeout, self.body.frame()).await else {
+                return Some(Err(UpstreamError::Stalled(self.idle_timeout)));
             };
             let Some(frame) = frame else {
                 self.ended();
@@ -635,8 +634,10 @@ mod tests {
             })
         });
         let pool = Pool::new(Duration::from_millis(200));
-        let (status, mut body) =
-            pool.post_json_stream(&socket, "/completion", b"{}".to_vec(), Duration::from_secs(5)).await.expect("headers");
+        let (status, mut body) = pool
+            .post_json_stream(&socket, "/completion", b"{}".to_vec(), Duration::from_secs(5))
+            .await
+            .expect("headers");
         assert_eq!(status, StatusCode::OK);
         assert_eq!(body.chunk().await.expect("a piece").expect("data"), Bytes::from_static(b"hello"));
         let started = Instant::now();

@@ -419,17 +419,21 @@ async fn completion(State(shared): State<Arc<Shared>>, body: Bytes) -> Response 
             .into_response();
     }
     let silent_after = shared.behaviour.silent_after_tokens;
-    events(move |i| {
-        if i == n {
-            let last = json!({ "index": 0, "content": "", "stop": true, "tokens_predicted": n, "stop_type": "limit" });
-            return Step::Last(vec![format!("data: {last}\n\n")]);
-        }
-        if silent_after == Some(i) {
-            return Step::Silent;
-        }
-        let event = json!({ "index": 0, "content": format!(" t{i}"), "tokens": [i], "stop": false });
-        Step::Send(format!("data: {event}\n\n"))
-    }, delay)
+    events(
+        move |i| {
+            if i == n {
+                let last =
+                    json!({ "index": 0, "content": "", "stop": true, "tokens_predicted": n, "stop_type": "limit" });
+                return Step::Last(vec![format!("data: {last}\n\n")]);
+            }
+            if silent_after == Some(i) {
+                return Step::Silent;
+            }
+            let event = json!({ "index": 0, "content": format!(" t{i}"), "tokens": [i], "stop": false });
+            Step::Send(format!("data: {event}\n\n"))
+        },
+        delay,
+    )
 }
 
 #[derive(Deserialize)]
@@ -464,28 +468,32 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Res
             tokio::time::sleep(delay).await;
             let _ = write!(content, " t{i}");
         }
-        let choice = json!({ "index": 0, "message": { "role": "assistant", "content": content }, "finish_reason": "length" });
+        let choice =
+            json!({ "index": 0, "message": { "role": "assistant", "content": content }, "finish_reason": "length" });
         return Json(json!({ "object": "chat.completion", "choices": [choice], "usage": usage })).into_response();
     }
     let silent_after = shared.behaviour.silent_after_tokens;
-    events(move |i| {
-        let chunk = |delta: serde_json::Value, finish: serde_json::Value| {
-            let choice = json!({ "index": 0, "delta": delta, "finish_reason": finish });
-            format!("data: {}\n\n", json!({ "object": "chat.completion.chunk", "choices": [choice] }))
-        };
-        if i == n {
-            let usage = json!({ "object": "chat.completion.chunk", "choices": [], "usage": usage.clone() });
-            return Step::Last(vec![
-                chunk(json!({}), json!("length")),
-                format!("data: {usage}\n\n"),
-                "data: [DONE]\n\n".to_owned(),
-            ]);
-        }
-        if silent_after == Some(i) {
-            return Step::Silent;
-        }
-        Step::Send(chunk(json!({ "content": format!(" t{i}") }), serde_json::Value::Null))
-    }, delay)
+    events(
+        move |i| {
+            let chunk = |delta: serde_json::Value, finish: serde_json::Value| {
+                let choice = json!({ "index": 0, "delta": delta, "finish_reason": finish });
+                format!("data: {}\n\n", json!({ "object": "chat.completion.chunk", "choices": [choice] }))
+            };
+            if i == n {
+                let usage = json!({ "object": "chat.completion.chunk", "choices": [], "usage": usage.clone() });
+                return Step::Last(vec![
+                    chunk(json!({}), json!("length")),
+                    format!("data: {usage}\n\n"),
+                    "data: [DONE]\n\n".to_owned(),
+                ]);
+            }
+            if silent_after == Some(i) {
+                return Step::Silent;
+            }
+            Step::Send(chunk(json!({ "content": format!(" t{i}") }), serde_json::Value::Null))
+        },
+        delay,
+    )
 }
 
 /// `POST /v1/embeddings`: a vector `[i, 1]` for the `i`-th input.

@@ -115,7 +115,11 @@ fn alive(pid: i32) -> bool {
 /// Each proxied route, with a request that makes the runner generate (or embed).
 fn routes() -> Vec<(&'static str, &'static str, Value)> {
     vec![
-        ("chat", "/api/chat", json!({ "model": "chat", "messages": [{ "role": "user", "content": "hi" }], "stream": false })),
+        (
+            "chat",
+            "/api/chat",
+            json!({ "model": "chat", "messages": [{ "role": "user", "content": "hi" }], "stream": false }),
+        ),
         ("chat", "/api/generate", json!({ "model": "chat", "prompt": "hi", "stream": false })),
         ("chat", "/api/generate", json!({ "model": "chat", "prompt": "hi", "raw": true, "stream": false })),
         ("chat", "/v1/chat/completions", json!({ "model": "chat", "messages": [{ "role": "user", "content": "hi" }] })),
@@ -165,7 +169,8 @@ async fn a_request_in_the_instant_after_a_runner_was_killed_gets_a_fresh_load() 
 async fn a_runner_silent_mid_stream_ends_the_request_with_an_error_and_is_stopped() {
     let mut world = World::new(&json!({ "silent_after_tokens": 2, "first_start_only": true }), 3);
     world.state.upstream = Pool::new(Duration::from_secs(1));
-    let body = json!({ "model": "chat", "messages": [{ "role": "user", "content": "hi" }], "options": { "num_predict": 8 } });
+    let body =
+        json!({ "model": "chat", "messages": [{ "role": "user", "content": "hi" }], "options": { "num_predict": 8 } });
     let (status, text) = request(&world, "/api/chat", &body).await;
     assert_eq!(status, 200, "{text}");
     let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).expect("NDJSON")).collect();
