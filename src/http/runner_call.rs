@@ -11,6 +11,7 @@
 
 use std::time::{Duration, Instant};
 
+use axum::body::Bytes;
 use axum::http::StatusCode;
 
 use super::error::ApiError;
@@ -39,6 +40,8 @@ pub(super) async fn send(
     path: &str,
 ) -> Result<Answer, ApiError> {
     let started = Instant::now();
+    // Shared, not copied, between the two tries.
+    let body = Bytes::from(body);
     let retry = request.clone();
     let lease = state.scheduler.acquire(request).await.map_err(|e| schedule_error(&e, path))?;
     let lease = match state.upstream.post_json_stream(lease.socket(), upstream_path, body.clone(), timeout).await {

@@ -338,9 +338,10 @@ impl Pool {
         &self,
         socket: &Path,
         path: &'static str,
-        body: Vec<u8>,
+        body: impl Into<Bytes>,
         timeout: Duration,
     ) -> Result<(StatusCode, BodyStream), UpstreamError> {
+        let body: Bytes = body.into();
         let exchange = async {
             let mut kept = self.take(socket);
             // A kept connection is ready at once unless the runner is closing it.
@@ -350,7 +351,6 @@ impl Pool {
                     kept = None;
                 }
             }
-            let body = Bytes::from(body);
             let reused = kept.is_some();
             let mut connection = match kept {
                 Some(connection) => connection,
