@@ -207,3 +207,49 @@ async fn a_runner_silent_mid_stream_ends_openai_streams_with_an_error_event_and_
     assert_eq!(status, 500, "{text}");
     assert!(text.contains("sent nothing for 1s"), "{text}");
 }
+
+/// corrald with two models loaded, then a reload that lowers `max_loaded_models` to 1:
+/// the idle one beyond the limit goes at once, not when its 5-minute keep-alive ends.
+#[test]
+fn a_reload_that_lowers_max_loaded_models_unloads_idle_models_at_once() {
+    use crate::support::corrald::{Corrald, write_config};
+    use crate::support::http;
+    use crate::support::notify::NotifyListener;
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    demo_store(dir.path());
+    let socket = dir.path().join("corral.sock");
+    let config = |max_loaded: u32| {
+        format!(
+            "[server]\nlisten = [\"{}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n[scheduler]\nmax_loaded_models = {max_loaded}\n[dbus]\nbus = \"off\"\n",
+            socket.display(),
+            dir.path().join("models").display(),
+            env!("CARGO_BIN_EXE_fake-llama-server"),
+        )
+    };
+    let path = write_config(dir.path(), "corral.toml", &config(2));
+    let notify = NotifyListener::start();
+    let corrald = Corrald::start(&["--config", path.to_str().expect("utf-8")], Some(notify.path()));
+    notify.wait_for("READY", "1", DEADLINE);
+    let load = http::unix(&socket, "POST", "/api/generate", Some(r#"{"model":"chat"}"#));
+    assert_eq!(load.status, 200, "{}", load.body);
+    let load = http::unix(&socket, "POST", "/api/embed", Some(r#"{"model":"embed","input":[]}"#));
+    assert_eq!(load.status, 200, "{}", load.body);
+    let loaded = || -> Vec<String> {
+        let ps = http::unix(&socket, "GET", "/api/ps", None).json();
+        ps["models"].as_array().expect("models").iter().map(|m| m["name"].as_str().expect("name").to_owned()).collect()
+    };
+    assert_eq!(loaded().len(), 2, "{:?}", loaded());
+
+    write_config(dir.path(), "corral.toml", &config(1));
+    corrald.signal(Signal::SIGHUP);
+    corrald.wait_stderr("configuration reloaded", DEADLINE);
+    let deadline = std::time::Instant::now() + DEADLINE;
+    while loaded().len() > 1 {
+        assert!(std::time::Instant::now() < deadline, "still {:?}:\n{}", loaded(), corrald.stderr());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The least recently used one went, with the reason.
+    assert_eq!(loaded(), ["embed:latest"]);
+    assert!(corrald.stderr().contains("unloaded chat:latest (evicted)"), "{}", corrald.stderr());
+}
