@@ -160,11 +160,15 @@ impl Default for StoreConfig {
 pub struct RunnerConfig {
     /// The llama-server executable: a bare name is looked up on `PATH`.
     pub llama_server: PathBuf,
+    /// A runner that sends nothing for this long in the middle of an answer is stopped,
+    /// and the request ends with an error.
+    #[serde(deserialize_with = "positive_duration")]
+    pub stream_idle_timeout: Duration,
 }
 
 impl Default for RunnerConfig {
     fn default() -> Self {
-        Self { llama_server: PathBuf::from("llama-server") }
+        Self { llama_server: PathBuf::from("llama-server"), stream_idle_timeout: Duration::from_secs(5 * 60) }
     }
 }
 
@@ -567,6 +571,7 @@ mod tests {
         assert_eq!(c.scheduler.max_queue, 512);
         assert_eq!(c.scheduler.max_loaded_models, 0);
         assert_eq!(c.runner.llama_server, Path::new("llama-server"));
+        assert_eq!(c.runner.stream_idle_timeout, Duration::from_secs(300));
         assert_eq!(c.store.path, None);
         assert!(c.models.is_empty());
         assert!(c.server.allowed_hosts.is_empty() && c.server.api_tokens.is_empty());
@@ -613,6 +618,7 @@ gc_interval = "off"
 gc_grace = "10m"
 [runner]
 llama_server = "/opt/llama/bin/llama-server"
+stream_idle_timeout = "90s"
 [scheduler]
 keep_alive = "1h30m"
 max_loaded_models = 4
@@ -649,6 +655,7 @@ keep_alive = "10m"
         assert_eq!(c.store.insecure_registries, ["localhost:5000"]);
         assert_eq!((c.store.gc_interval, c.store.gc_grace), (None, Duration::from_secs(600)));
         assert_eq!(c.runner.llama_server, Path::new("/opt/llama/bin/llama-server"));
+        assert_eq!(c.runner.stream_idle_timeout, Duration::from_secs(90));
         assert_eq!(c.scheduler.keep_alive, Duration::from_secs(5400));
         assert_eq!(c.scheduler.max_loaded_models, 4);
         assert_eq!(c.scheduler.max_queue, 10);
@@ -768,6 +775,18 @@ keep_alive = "10m"
                 &["corral.toml:2", "store.gc_grace", "\"1\" is not a duration"],
             ),
             (&[("corral.toml", "[store]\ngc_grace = 60\n")], &["store.gc_grace", "expected a string"]),
+            (
+                &[("corral.toml", "[runner]\nstream_idle_timeout = \"0s\"\n")],
+                &["corral.toml:2", "runner.stream_idle_timeout", "\"0s\" is zero"],
+            ),
+            (
+                &[("corral.toml", "[runner]\nstream_idle_timeout = \"soon\"\n")],
+                &["corral.toml:2", "runner.stream_idle_timeout", "\"soon\" is not a duration"],
+            ),
+            (
+                &[("corral.toml", "[runner]\nstream_idle_timeout = 30\n")],
+                &["corral.toml:2", "runner.stream_idle_timeout", "expected a string"],
+            ),
             (&[("corral.toml", "[models.\"a\"]\npinned = \"yes\"\n")], &["models.a.pinned", "expected a boolean"]),
             (&[("corral.toml", "[server\n")], &["corral.toml:1", "unclosed table, expected `]`"]),
             (

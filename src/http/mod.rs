@@ -4,7 +4,7 @@
 
 mod error;
 pub mod listeners;
-mod metrics;
+pub(crate) mod metrics;
 mod model_request;
 mod ollama_embed;
 mod ollama_generate;
@@ -13,6 +13,7 @@ mod ollama_store;
 mod ollama_translate;
 mod openai;
 pub mod parsers;
+mod runner_call;
 pub mod safety;
 pub mod state;
 

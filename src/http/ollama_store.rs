@@ -116,7 +116,7 @@ struct Batch {
 
 /// A blob being uploaded: its temporary file (removed when dropped) and its hash so far.
 struct Partial {
-    file: tempfile::NamedTempFile,
+    file: crate::store::TempFile,
     hasher: Hasher,
 }
 
@@ -154,7 +154,7 @@ impl Upload {
             for chunk in &batch.chunks {
                 partial.hasher.update(chunk);
                 partial.file.write_all(chunk).map_err(|source| StoreError::Io {
-                    context: format!("cannot write {}", partial.file.path().display()),
+                    context: format!("cannot write {}", partial.file.rel()),
                     source,
                 })?;
             }

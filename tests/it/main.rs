@@ -14,6 +14,7 @@ mod dbus_api;
 mod dbus_contract;
 mod dbus_jobs;
 mod fake_runner;
+mod faults;
 mod http_api;
 mod http_generate;
 mod http_openai;

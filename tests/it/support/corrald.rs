@@ -12,6 +12,9 @@ use nix::unistd::Pid;
 /// The daemon binary under test.
 pub const CORRALD: &str = env!("CARGO_BIN_EXE_corrald");
 
+/// `RUST_LOG` that shows each idle check (see [`Corrald::idle_checks`]).
+pub const IDLE_CHECKS: &str = "info,corral::daemon=debug";
+
 /// A loopback port that was free a moment ago.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
@@ -67,7 +70,10 @@ impl Corrald {
     pub fn spawn(mut cmd: Command) -> Self {
         let dirs = tempfile::tempdir().expect("tempdir");
         cmd.env("STATE_DIRECTORY", dirs.path().join("state")).env("RUNTIME_DIRECTORY", dirs.path().join("run"));
-        cmd.env("RUST_LOG", "info").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+        if !cmd.get_envs().any(|(k, _)| k == "RUST_LOG") {
+            cmd.env("RUST_LOG", "info");
+        }
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
         let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
         let stderr = Arc::new(Mutex::new(String::new()));
         let mut pipe = child.stderr.take().expect("stderr");
@@ -109,6 +115,22 @@ impl Corrald {
         let deadline = Instant::now() + timeout;
         while !self.stderr().contains(text) {
             assert!(Instant::now() < deadline, "no {text:?} on stderr within {timeout:?}:\n{}", self.stderr());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// How many idle checks corrald logged so far (at debug level: start it with
+    /// [`IDLE_CHECKS`] as `RUST_LOG`).
+    pub fn idle_checks(&self) -> usize {
+        self.stderr().matches("corral_event=\"idle_check\"").count()
+    }
+
+    /// Waits until `n` more idle checks than `since` have run, so that a test can say
+    /// "several checks passed" without sleeping for them.
+    pub fn wait_idle_checks(&self, since: usize, n: usize, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while self.idle_checks() < since + n {
+            assert!(Instant::now() < deadline, "fewer than {n} idle checks within {timeout:?}:\n{}", self.stderr());
             std::thread::sleep(Duration::from_millis(20));
         }
     }
