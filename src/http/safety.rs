@@ -252,8 +252,8 @@ fn check_browser(safety: &Safety, request: &Request, path: &str) -> Result<Optio
     let changes = may_change(request.method());
     let refuse = |message: String| Err(ApiError::new(StatusCode::FORBIDDEN, message, path));
     let Some(origin) = origin else {
-        let site = headers.get("sec-fetch-site").map(HeaderValue::as_bytes);
-        if changes && matches!(site, Some(b"cross-site" | b"same-site")) {
+        let site = headers.get("sec-fetch-site").map(|v| v.as_bytes().to_ascii_lowercase());
+        if changes && matches!(site.as_deref(), Some(b"cross-site" | b"same-site")) {
             return refuse(format!(
                 "a {} request from a web page of another site is not allowed here (Sec-Fetch-Site without an \
                  allowed Origin)",
@@ -687,6 +687,7 @@ mod tests {
         let config = ServerConfig::default();
         for (site, expected) in [
             ("cross-site", StatusCode::FORBIDDEN),
+            ("Cross-Site", StatusCode::FORBIDDEN),
             ("same-site", StatusCode::FORBIDDEN),
             ("same-origin", StatusCode::NOT_FOUND),
             ("none", StatusCode::NOT_FOUND),
