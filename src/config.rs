@@ -695,6 +695,7 @@ keep_alive = "10m"
     type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str]);
 
     #[test]
+    #[allow(clippy::too_many_lines)] // one table of cases
     fn errors_name_the_file_the_line_the_key_and_what_was_expected() {
         let cases: &[Case<'_>] = &[
             (

@@ -75,24 +75,13 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
     let mut sighup = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
 
-    tracing::info!(
-        corral_event = "start",
-        version = http::VERSION,
-        config_files = ?loaded.files,
-        state_directory = %paths.state.display(),
-        runtime_directory = %paths.runtime.display(),
-        "corrald {} starting",
-        http::VERSION,
-    );
+    log_start(&loaded, &paths);
 
     raise_open_files_limit();
     // Taking the cgroup tree moves the daemon into its leaf; runners become its siblings.
     let cgroups = take_cgroup_tree();
     let store = open_store(&loaded.config, &paths).await?;
-    // Unused blobs and stale partial downloads go at start, then every `[store] gc_interval`.
-    if let (false, Some(interval)) = (loaded.config.store.read_only, loaded.config.store.gc_interval) {
-        tokio::spawn(crate::store::gc::run(store.clone(), Some(interval), loaded.config.store.gc_grace));
-    }
+    start_gc(&loaded.config, &store);
     // Listen before any runner starts: a start that fails to listen leaves nothing behind.
     let socket_activated = !sockets.is_empty();
     let listeners = if socket_activated {
@@ -188,6 +177,26 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     }
     tracing::info!("corrald stopped");
     Ok(())
+}
+
+/// The journal's first entry: version, configuration files and directories.
+fn log_start(loaded: &Loaded, paths: &Paths) {
+    tracing::info!(
+        corral_event = "start",
+        version = http::VERSION,
+        config_files = ?loaded.files,
+        state_directory = %paths.state.display(),
+        runtime_directory = %paths.runtime.display(),
+        "corrald {} starting",
+        http::VERSION,
+    );
+}
+
+/// Unused blobs and stale partial downloads go at start, then every `[store] gc_interval`.
+fn start_gc(config: &Config, store: &Store) {
+    if let (false, Some(interval)) = (config.store.read_only, config.store.gc_interval) {
+        tokio::spawn(crate::store::gc::run(store.clone(), Some(interval), config.store.gc_grace));
+    }
 }
 
 /// Raises the soft limit on open files to the hard one: every connection, upload and
