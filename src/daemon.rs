@@ -136,7 +136,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
             }
             // A dead background task leaves the daemon answering with errors only: exit,
             // non-zero, so that systemd restarts it.
-            death = vital.died(bus.as_mut()) => break Some(death),
+            death = vital.died(follower(bus.as_mut())) => break Some(death),
             // STATUS= follows the loaded models; the same tick watches for idleness.
             _ = status_tick.tick() => {
                 // A scheduler that does not answer counts as busy (and gets no watchdog ping).
@@ -225,18 +225,20 @@ impl Vital {
     /// Resolves once the scheduler or the D-Bus follower ended (they run until the daemon
     /// stops them, after this loop); logs which one and why, at error level, and returns
     /// it as the daemon's failure.
-    async fn died(&mut self, bus: Option<&mut dbus::Service>) -> anyhow::Error {
-        let follower = async {
-            match bus {
-                Some(bus) => bus.follower().await,
-                None => std::future::pending().await,
-            }
-        };
+    async fn died(&mut self, follower: impl Future<Output = Result<(), tokio::task::JoinError>>) -> anyhow::Error {
         let (task, result) = tokio::select! {
             result = &mut self.scheduler => ("scheduler", result),
             result = follower => ("D-Bus follower", result),
         };
         task_died(task, result)
+    }
+}
+
+/// The D-Bus follower's end, or never without D-Bus.
+async fn follower(bus: Option<&mut dbus::Service>) -> Result<(), tokio::task::JoinError> {
+    match bus {
+        Some(bus) => bus.follower().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -714,7 +716,9 @@ mod tests {
             let handle = handle.clone();
             async move { handle.acquire(request()).await }
         });
-        let error = tokio::time::timeout(Duration::from_secs(30), vital.died(None)).await.expect("noticed at once");
+        let error = tokio::time::timeout(Duration::from_secs(30), vital.died(std::future::pending()))
+            .await
+            .expect("noticed at once");
         assert_eq!(error.to_string(), "the scheduler task panicked: the test backend's runner has no socket");
         let logged = String::from_utf8(capture.0.lock().expect("lock").clone()).expect("utf-8");
         assert!(
@@ -726,6 +730,27 @@ mod tests {
         // What waited on it is told, not left hanging.
         assert_eq!(waiting.await.expect("join").expect_err("no lease"), ScheduleError::ShuttingDown);
         assert_eq!(handle.ping().await, Err(ScheduleError::ShuttingDown));
+    }
+
+    #[tokio::test]
+    async fn a_panicking_d_bus_follower_ends_the_daemon_with_an_error_naming_it() {
+        // Logs captured here too: a callsite first reached with no subscriber anywhere
+        // would stay off for the test above, which checks its entry.
+        let capture = Capture::default();
+        let writer = capture.clone();
+        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let (scheduler, handle) = scheduler(Arc::new(Panicking));
+        let mut vital = Vital { scheduler: tokio::spawn(scheduler.run()) };
+        let follower = tokio::spawn(async { panic!("a view fell over") });
+        let error = tokio::time::timeout(Duration::from_secs(30), vital.died(follower)).await.expect("noticed");
+        assert_eq!(error.to_string(), "the D-Bus follower task panicked: a view fell over");
+        let logged = String::from_utf8(capture.0.lock().expect("lock").clone()).expect("utf-8");
+        assert!(logged.contains("task=\"D-Bus follower\""), "{logged}");
+        // A follower that simply ends is as fatal: the views would freeze.
+        let error = vital.died(async { Ok(()) }).await;
+        assert_eq!(error.to_string(), "the D-Bus follower task ended unexpectedly");
+        handle.shutdown().await;
     }
 
     #[tokio::test]

@@ -340,7 +340,9 @@ impl Handle {
     }
 
     /// Applies new limits (after a configuration reload); loaded runners keep their
-    /// keep-alive until their next request.
+    /// keep-alive until their next request. A lower `max_loaded` applies at once: idle
+    /// runners beyond it unload now, busy ones take no new requests and unload when
+    /// their requests end ([`policy::shed`](super::policy::shed)).
     pub async fn reconfigure(&self, limits: Limits) {
         let _ = self.send(Command::Reconfigure { limits }).await;
     }

@@ -31,6 +31,8 @@ pub fn write_config(dir: &Path, name: &str, text: &str) -> PathBuf {
 pub struct Corrald {
     child: Child,
     stderr: Arc<Mutex<String>>,
+    /// Says when the reader reached the end of stderr.
+    stderr_done: std::sync::mpsc::Receiver<()>,
     status: Option<ExitStatus>,
     /// The state and runtime directories it was given, so that no test writes to
     /// `/var/lib/corral` or `/run/corral`.
@@ -78,6 +80,7 @@ impl Corrald {
         let stderr = Arc::new(Mutex::new(String::new()));
         let mut pipe = child.stderr.take().expect("stderr");
         let sink = Arc::clone(&stderr);
+        let (done, stderr_done) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut buf = [0u8; 4096];
             while let Ok(n) = pipe.read(&mut buf) {
@@ -86,8 +89,9 @@ impl Corrald {
                 }
                 sink.lock().expect("lock").push_str(&String::from_utf8_lossy(&buf[..n]));
             }
+            let _ = done.send(());
         });
-        Self { child, stderr, status: None, dirs }
+        Self { child, stderr, stderr_done, status: None, dirs }
     }
 
     /// The state directory it was given (`STATE_DIRECTORY`).
@@ -141,8 +145,9 @@ impl Corrald {
         loop {
             if let Some(status) = self.child.try_wait().expect("try_wait") {
                 self.status = Some(status);
-                // Let the reader thread drain the pipe's last lines.
-                std::thread::sleep(Duration::from_millis(50));
+                // The pipe's last lines are read once the reader sees its end (a child
+                // that kept the pipe open would hold it: bounded).
+                let _ = self.stderr_done.recv_timeout(Duration::from_secs(5));
                 return status;
             }
             assert!(Instant::now() < deadline, "corrald still running after {timeout:?}:\n{}", self.stderr());
