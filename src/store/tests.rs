@@ -460,3 +460,29 @@ fn concurrent_copies_deletes_and_listings_of_models_sharing_blobs_never_fail() {
     assert_eq!(fs::read_dir(store.blobs_dir()).expect("read").count(), 0);
     assert_eq!(fs::read_dir(store.manifests_dir()).expect("read").count(), 0, "empty directories go");
 }
+
+#[tokio::test(start_paused = true)]
+async fn garbage_collection_runs_at_start_and_again_every_interval() {
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    let gone = |digest: Digest| {
+        let store = store.clone();
+        async move {
+            // Real time for the deadline: the collection runs on the blocking pool.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while store.has_blob(&digest) {
+                assert!(Instant::now() < deadline, "blob {digest} was not collected");
+                // A virtual minute: the paused clock jumps to the next timer when idle.
+                tokio::time::sleep(Duration::from_secs(60)).await;
+            }
+        }
+    };
+    let (first, _) = store.write_blob(&b"unused at start"[..], None).expect("blob");
+    let task = tokio::spawn(super::gc::run(store.clone(), Some(Duration::from_secs(3600)), Duration::ZERO));
+    gone(first).await;
+    // Written after the first collection: only a later, periodic one takes it.
+    let (second, _) = store.write_blob(&b"unused later"[..], None).expect("blob");
+    gone(second).await;
+    task.abort();
+}
