@@ -253,7 +253,13 @@ fn lex_action(source: &str, bytes: &[u8], mut pos: usize, room: usize) -> Result
                 }
                 push(&mut action, Token::Other, true);
             }
-            c if c.is_ascii_whitespace() => {}
+            c if c.is_ascii_whitespace() => {
+                // gtmpl's lexer takes a run of spaces whole, line breaks included (a
+                // break only ends an action where a token would start).
+                while pos < bytes.len() && bytes[pos].is_ascii_whitespace() && !source[pos..].starts_with(" -}}") {
+                    pos += 1;
+                }
+            }
             c if is_word(c) || c == b'+' || c == b'-' => {
                 let start = pos - 1;
                 while pos < bytes.len() && (is_word(bytes[pos]) || bytes[pos] == b'.' && bytes[start].is_ascii_digit())
@@ -565,6 +571,9 @@ mod tests {
         assert!(matches!(scan("{{ print \"unterminated }}", 64), Err(ScanError::Syntax(_))));
         assert!(matches!(scan("{{ if 1 }}", 64), Err(ScanError::Syntax(m)) if m.contains("unclosed {{if}}")));
         assert!(matches!(scan("{{ end }}", 64), Err(ScanError::Syntax(_))));
+        // A line break inside an action is fine after a space, as in gtmpl.
+        assert_eq!(cost("{{ if and \n .A \n .B }}x{{ end }}").depth, 1);
+        assert!(matches!(scan("{{ if\n.A }}x{{ end }}", 64), Err(ScanError::Syntax(_))));
     }
 
     #[test]

@@ -54,6 +54,8 @@ fn real_templates_render() {
     assert!(run(llama3).expect("renders").ends_with("hi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"));
     let defined = r#"{{ define "turn" }}[{{ . }}]{{ end }}{{ template "turn" .System }}{{ block "user" .Prompt }}<{{ . }}>{{ end }}{{ printf "%s!" .Prompt }}"#;
     assert_eq!(run(defined).expect("renders"), "[be brief]<hi>hi!");
+    let multiline = "{{ if and \n    .System \n    .Prompt }}both{{ end }}";
+    assert_eq!(run(multiline).expect("renders"), "both");
     let printed = r#"{{ range $k, $v := $ }}{{ if eq $k "Prompt" }}{{ len $v }}{{ end }}{{ end }}"#;
     assert_eq!(run(printed).expect("renders"), "2");
 }
