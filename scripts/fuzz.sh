@@ -21,7 +21,7 @@ export PATH="$bin:$PATH"
 cd fuzz
 
 # The lock file must not need changes (the same rule as --locked for the main package).
-cargo metadata --locked --format-version 1 >/dev/null
+cargo fetch --locked --quiet --target x86_64-unknown-linux-gnu
 
 mapfile -t all < <(cargo fuzz list)
 targets=("${@:-${all[@]}}")
@@ -62,7 +62,9 @@ for t in "${targets[@]}"; do
     fi
     failed+=("$t")
     echo "fuzz: $t FAILED (exit $status) after ${runs:-?} inputs; the end of its log ($PWD/$log):" >&2
-    grep -v '^#[0-9]' "$log" | tail -n 40 >&2
+    # The panic's message, then the end of the log (libFuzzer's summary and the input).
+    grep -m1 -A2 'panicked at' "$log" >&2 || true
+    grep -v '^#[0-9]' "$log" | tail -n 12 >&2
     for input in "$artifacts"/crash-* "$artifacts"/timeout-* "$artifacts"/oom-* "$artifacts"/leak-*; do
         [[ -e $input ]] || continue
         echo "fuzz: $t: the input: $PWD/$input" >&2

@@ -36,6 +36,7 @@ fuzz_target!(|data: &[u8]| {
     let _ = (report.vram_bytes(), report.ram_bytes(), report.offload(), report.listening());
     let _ = (report.failure_class(), report.failure_message(), report.model_loaded(), report.task_loop_running());
     for (key, bytes) in report.buffers() {
-        assert!(report.buffer_bytes(&key.buffer, key.kind) >= bytes.min(report.vram_bytes().max(report.ram_bytes())));
+        // A buffer's total over the components that printed it includes this one.
+        assert!(report.buffer_bytes(&key.buffer, key.kind) >= bytes);
     }
 });

@@ -158,10 +158,10 @@ impl Manifest {
         self.layers.iter().filter(move |l| l.media_type == media_type)
     }
 
-    /// The total size of all blobs.
+    /// The total size of all blobs (saturating: the sizes come from a registry).
     #[must_use]
     pub fn size(&self) -> u64 {
-        self.blobs().map(|l| l.size).sum()
+        self.blobs().fold(0, |sum, l| sum.saturating_add(l.size))
     }
 }
 
@@ -200,5 +200,16 @@ mod tests {
         assert!(Manifest::parse(&v1.to_bytes()).expect_err("v1").to_string().contains("schema version 1"));
         let bad_digest = br#"{"schemaVersion":2,"mediaType":"application/vnd.docker.distribution.manifest.v2+json","config":{"mediaType":"x","digest":"sha256:../../etc","size":1},"layers":[]}"#;
         assert!(Manifest::parse(bad_digest).expect_err("digest").to_string().contains("invalid digest"));
+    }
+
+    #[test]
+    fn hostile_sizes_do_not_overflow_the_total() {
+        // Found by the registry_manifest fuzz target: the sum overflowed (a panic in debug
+        // builds, a wrapped size in release ones).
+        let mut huge = layer(MODEL, b"m");
+        huge.size = u64::MAX;
+        let m = Manifest::new(layer(super::CONFIG_MEDIA_TYPE, b"{}"), vec![huge.clone(), huge]);
+        let back = Manifest::parse(&m.to_bytes()).expect("parse");
+        assert_eq!(back.size(), u64::MAX);
     }
 }

@@ -497,6 +497,11 @@ fn event(level: Option<Level>, message: &str) -> Option<LogEvent> {
     None
 }
 
+/// The sum of buffer sizes, saturating: the sizes are whatever the child printed.
+fn saturating_sum<'a>(buffers: impl Iterator<Item = (&'a BufferKey, u64)>) -> u64 {
+    buffers.fold(0, |sum, (_, bytes)| sum.saturating_add(bytes))
+}
+
 /// `123.45` MiB in bytes, rounded to the nearest byte; `None` if it does not fit a `u64`
 /// (or has more than 18 decimals).
 fn mib_to_bytes(mib: &str) -> Option<u64> {
@@ -633,20 +638,20 @@ impl LoadReport {
     /// The bytes of one buffer type and kind, summed over the components that printed it.
     #[must_use]
     pub fn buffer_bytes(&self, buffer: &str, kind: BufferKind) -> u64 {
-        self.buffers().filter(|(key, _)| key.buffer == buffer && key.kind == kind).map(|(_, bytes)| bytes).sum()
+        saturating_sum(self.buffers().filter(|(key, _)| key.buffer == buffer && key.kind == kind))
     }
 
     /// Bytes in device buffers: everything but [`is_host_buffer`] ones.
     #[must_use]
     pub fn vram_bytes(&self) -> u64 {
-        self.buffers().filter(|(key, _)| !is_host_buffer(&key.buffer)).map(|(_, bytes)| bytes).sum()
+        saturating_sum(self.buffers().filter(|(key, _)| !is_host_buffer(&key.buffer)))
     }
 
     /// Bytes in host buffers ([`is_host_buffer`]). Mapped weights (`CPU_Mapped`) count
     /// although the page cache backs them.
     #[must_use]
     pub fn ram_bytes(&self) -> u64 {
-        self.buffers().filter(|(key, _)| is_host_buffer(&key.buffer)).map(|(_, bytes)| bytes).sum()
+        saturating_sum(self.buffers().filter(|(key, _)| is_host_buffer(&key.buffer)))
     }
 
     /// Whether `model loaded` was printed.
@@ -719,6 +724,20 @@ mod tests {
         ]
         .map(str::to_owned)
         .to_vec()
+    }
+
+    #[test]
+    fn huge_buffer_sizes_saturate_instead_of_overflowing() {
+        // Found by the llama_log fuzz target: two sizes that each fit a u64 overflowed
+        // their sum (a panic in debug builds, a wrapped size in release ones).
+        let mut report = LoadReport::new();
+        for device in ["CUDA0", "CUDA1", "CPU"] {
+            report.feed(&format!("load_tensors:   {device} model buffer size = 17592186044415.00 MiB"));
+        }
+        report.feed("load_tensors:   CPU_Mapped model buffer size = 17592186044415.00 MiB");
+        assert_eq!(report.vram_bytes(), u64::MAX);
+        assert_eq!(report.ram_bytes(), u64::MAX);
+        assert_eq!(report.buffer_bytes("CPU", BufferKind::Model), 17_592_186_044_415 << 20);
     }
 
     #[test]
