@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::io::Write;
+use std::time::SystemTime;
 
 use axum::Json;
 use axum::Router;
@@ -64,7 +65,9 @@ fn parse_digest(text: &str) -> Result<Digest, ApiError> {
 async fn head_blob(State(state): State<AppState>, Path(digest): Path<String>) -> Result<StatusCode, ApiError> {
     let digest = parse_digest(&digest)?;
     let store = state.store;
-    let present = tokio::task::spawn_blocking(move || store.has_blob(&digest)).await.map_err(|_| internal(BLOBS))?;
+    let present = tokio::task::spawn_blocking(move || store.claim_blob(&digest, SystemTime::now()))
+        .await
+        .map_err(|_| internal(BLOBS))?;
     Ok(if present { StatusCode::OK } else { StatusCode::NOT_FOUND })
 }
 
@@ -82,7 +85,7 @@ async fn post_blob(
 ) -> Result<StatusCode, ApiError> {
     let digest = parse_digest(&digest)?;
     let store = state.store;
-    if store.has_blob(&digest) {
+    if store.claim_blob(&digest, SystemTime::now()) {
         return Ok(StatusCode::OK);
     }
     let _permit = state.safety.upload_permit(BLOBS)?;

@@ -389,6 +389,22 @@ impl Store {
             .is_some_and(|meta| meta.kind == Kind::File)
     }
 
+    /// Whether the store has blob `digest`, as [`Store::has_blob`]; if it has, its
+    /// modification time becomes `now`, so garbage collection counts its grace from this
+    /// moment: a client told that a blob is present goes on to create a model from it
+    /// without uploading it again, and the blob must still be there then.
+    pub fn claim_blob(&self, digest: &Digest, now: SystemTime) -> bool {
+        match self.open_blob(digest) {
+            Ok(file) => {
+                if let Err(e) = file.set_modified(now) {
+                    tracing::warn!(%digest, error = %e, "cannot renew a blob's modification time");
+                }
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
     /// Opens a blob for reading, refusing a link or anything but a regular file.
     pub fn open_blob(&self, digest: &Digest) -> Result<File, StoreError> {
         let blobs = self.blobs()?;

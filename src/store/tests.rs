@@ -486,3 +486,22 @@ async fn garbage_collection_runs_at_start_and_again_every_interval() {
     gone(second).await;
     task.abort();
 }
+
+#[test]
+fn a_blob_claimed_by_a_client_gets_a_new_grace_before_garbage_collection() {
+    use std::time::{Duration, SystemTime};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    let (blob, _) = store.write_blob(&b"uploaded long ago, never used"[..], None).expect("upload");
+    let grace = Duration::from_secs(3600);
+    let later = SystemTime::now() + Duration::from_secs(7200);
+    // A client asks for it two hours after the upload (HEAD /api/blobs), then creates a model.
+    assert!(store.claim_blob(&blob, later), "the blob is there");
+    let collected = store.collect_garbage(grace, later + Duration::from_secs(60)).expect("gc");
+    assert_eq!(collected.blobs, 0, "a blob just claimed is kept: {collected:?}");
+    assert!(store.has_blob(&blob));
+    // Unclaimed for longer than the grace, it goes.
+    let collected = store.collect_garbage(grace, later + Duration::from_secs(2 * 3600)).expect("gc");
+    assert_eq!(collected.blobs, 1, "{collected:?}");
+    assert!(!store.claim_blob(&blob, later), "gone");
+}

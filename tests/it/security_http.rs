@@ -301,8 +301,9 @@ fn error_answers_show_no_server_paths() {
     assert_no_server_paths("/api/blobs", &upload.body, &secrets);
     let tags = raw(port, &format!("POST /api/show HTTP/1.1\r\n{host}"), br#"{"model":"chat"}"#);
     assert_no_server_paths("/api/show", &tags.body, &secrets);
-    // The journal (here stderr) keeps the whole error.
-    corrald.wait_stderr(&dir.path().join("models").display().to_string(), WAIT);
+    // The journal (here stderr) keeps the whole error (the store names its files relative
+    // to its root; llama-server's absolute path was checked above).
+    corrald.wait_stderr("refusing manifests/registry.ollama.ai/blocked in the model store", WAIT);
 }
 
 /// Reads from `stream` until the server closes it; how long that took, or `None` when it
