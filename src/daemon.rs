@@ -310,6 +310,7 @@ fn app_state(config: &Config, store: Store, scheduler: Handle) -> http::AppState
         registry,
         tokens: Arc::default(),
         upstream: crate::supervisor::upstream::Pool::default(),
+        templates: crate::prompt_template::Renderer::default(),
     }
 }
 
