@@ -126,7 +126,7 @@ pub enum TemplateError {
     /// Slower than [`Limits::time`].
     #[error("template took longer than {} ms to render", .0.as_millis())]
     Timeout(Duration),
-    /// A syntax error (gtmpl's message, or the scan's).
+    /// A syntax error (the scan's message, or gtmpl's for what the scan lets through).
     #[error("invalid template: {0}")]
     Syntax(String),
     /// An error while rendering: an undefined function, a missing template, bad arguments.
@@ -245,14 +245,9 @@ fn render_here(
         Ok(shape) => shape,
         Err(shape::ScanError::TooDeep) => return Err(TemplateError::TooDeep(limits.nesting)),
         Err(shape::ScanError::Recursive(name)) => return Err(TemplateError::Recursive(name)),
-        // The scan read the text as far as the error, with its nesting checked: gtmpl
-        // stops at the same place, and its message is the familiar one.
-        Err(shape::ScanError::Syntax(message)) => {
-            return Err(TemplateError::Syntax(match parse(source) {
-                Err(e) => e,
-                Ok(_) => message,
-            }));
-        }
+        // Not handed to gtmpl for its own message: the scan stopped at the error, and
+        // gtmpl might read on (where the scan is stricter) into unchecked nesting.
+        Err(shape::ScanError::Syntax(message)) => return Err(TemplateError::Syntax(message)),
     };
     // Only the data's root (a map of the fields) can be ranged over: no builtin makes
     // a list or a map.

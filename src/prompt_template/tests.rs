@@ -260,3 +260,14 @@ fn syntax_and_render_errors_keep_gtmpls_messages() {
     let error = run(r#"{{ template "\x61" }}"#).expect_err("escaped name");
     assert!(matches!(error, TemplateError::Syntax(_)), "{error:?}");
 }
+
+#[test]
+fn what_follows_a_syntax_error_never_reaches_gtmpl() {
+    // gtmpl accepts an escaped template name (the scan refuses it) and would parse on
+    // into the nesting after it, which the scan never read.
+    let deep = format!("{}x{}", "{{ if 1 }}".repeat(3000), "{{ end }}".repeat(3000));
+    for head in [r#"{{ define "a" }}x{{ end }}{{ template "\x61" }}"#, "{{ print \u{a0}\n 1 }}"] {
+        let error = run(&format!("{head}{deep}")).expect_err(head);
+        assert!(matches!(error, TemplateError::Syntax(_)), "{head}: {error:?}");
+    }
+}

@@ -59,6 +59,11 @@ fn hostile() -> Vec<(&'static str, String, &'static str)> {
         ("a printf width", r#"{{ printf "%99999999d" 1 }}"#.into(), "template builds a string larger than 16 KiB"),
         ("strings that double", doubling, "template builds a string larger than 16 KiB"),
         ("a huge template", "x".repeat((64 << 10) + 1), "template is larger than 64 KiB"),
+        (
+            "nesting behind an escaped name",
+            format!(r#"{{{{ define "a" }}}}x{{{{ end }}}}{{{{ template "\x61" }}}}{}"#, nest("{{ if 1 }}", "x", "{{ end }}", 2000)),
+            "template names with escapes are not supported",
+        ),
     ]
 }
 
