@@ -429,6 +429,7 @@ fn app_state(config: &Config, store: Store, scheduler: Handle) -> http::AppState
         registry,
         tokens: Arc::default(),
         upstream: crate::supervisor::upstream::Pool::new(config.runner.stream_idle_timeout),
+        templates: crate::prompt_template::Renderer::default(),
     }
 }
 

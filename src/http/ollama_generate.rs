@@ -103,7 +103,7 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
     let fields = translate::think(&request, PATH)?;
     // Checked before anything loads, even when the prompt is empty.
     if let Some(template) = &template {
-        translate::render_template(template, "", "", PATH).await?;
+        translate::render_template(&state.templates, template, "", "", PATH).await?;
     }
     let common = Common::parse(&request, PATH)?;
     let prepared = prepare(&state, &common, !images.is_empty(), PATH).await?;
@@ -114,7 +114,14 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
     if direct {
         let prompt = match &template {
             Some(template) if !raw => {
-                translate::render_template(template, system.as_deref().unwrap_or_default(), &prompt, PATH).await?
+                translate::render_template(
+                    &state.templates,
+                    template,
+                    system.as_deref().unwrap_or_default(),
+                    &prompt,
+                    PATH,
+                )
+                .await?
             }
             _ => prompt,
         };

@@ -7,12 +7,13 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use axum::http::{HeaderValue, StatusCode, header};
 use base64::Engine as _;
 use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
 use super::ollama_embed::{bad, internal};
-use crate::prompt_template::{self, TemplateError};
+use crate::prompt_template::{Renderer, TemplateError};
 
 /// `format`: `"json"` (any JSON object) or a JSON schema, as the schema for
 /// llama-server's `json_schema` on `/completion`. Absent, null or `""`: none.
@@ -272,15 +273,19 @@ impl ToolCalls {
 /// Renders a request's `template` (Go template syntax, as Ollama's: `{{ .System }}`,
 /// `{{ .Prompt }}`, `{{ .Response }}`, `if`/`range`, trim markers) off the async workers,
 /// within [`prompt_template`]'s limits. Every refusal is the request's fault (400) and
-/// names the limit, except a render thread that could not start (500).
+/// names the limit, except too many renders at once (503, retry) and a render thread
+/// that could not start (500).
 pub(super) async fn render_template(
+    renderer: &Renderer,
     template: &str,
     system: &str,
     prompt: &str,
     path: &str,
 ) -> Result<String, ApiError> {
     let fields = [("System", system), ("Prompt", prompt), ("Response", "")];
-    prompt_template::render(template, &fields, &prompt_template::Limits::default()).await.map_err(|e| match e {
+    renderer.render(template, &fields).await.map_err(|e| match e {
+        TemplateError::Busy(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string(), path)
+            .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
         TemplateError::Thread(_) => internal(&e.to_string(), path),
         e => bad(&e.to_string(), path),
     })
@@ -290,7 +295,7 @@ pub(super) async fn render_template(
 mod tests {
     use serde_json::{Map, Value, json};
 
-    use super::{ToolCalls, format, images, messages, render_template, think, tools};
+    use super::{ToolCalls, format, images, messages, think, tools};
 
     fn map(value: Value) -> Map<String, Value> {
         serde_json::from_value(value).expect("an object")
@@ -422,6 +427,13 @@ mod tests {
 
     #[tokio::test]
     async fn templates_render_ollamas_fields_and_bad_ones_are_named() {
+        let renderer = crate::prompt_template::Renderer::default();
+        let render_template = |template: &str, system: &str, prompt: &str, path: &str| {
+            let (template, system, prompt, path) =
+                (template.to_owned(), system.to_owned(), prompt.to_owned(), path.to_owned());
+            let renderer = renderer.clone();
+            async move { super::render_template(&renderer, &template, &system, &prompt, &path).await }
+        };
         let template = "{{ if .System }}<sys>{{ .System }}</sys>{{ end }}<user>{{ .Prompt }}</user>{{ .Response }}";
         assert_eq!(
             render_template(template, "be brief", "hi", "/api/generate").await.expect("renders"),

@@ -27,6 +27,8 @@ pub struct AppState {
     pub tokens: Arc<Tokens>,
     /// Kept-alive connections to the runners.
     pub upstream: crate::supervisor::upstream::Pool,
+    /// Request templates' renderer, with the slots all requests share.
+    pub templates: crate::prompt_template::Renderer,
 }
 
 /// Token counters since start.
@@ -64,6 +66,7 @@ impl AppState {
             registry,
             tokens: Arc::default(),
             upstream: crate::supervisor::upstream::Pool::default(),
+            templates: crate::prompt_template::Renderer::default(),
         }
     }
 }

@@ -13,7 +13,8 @@
 //! past [`MAX_VALUE`] that are larger than their largest argument.
 //!
 //! Rendering runs on a thread of its own with a stack sized for the nesting limit
-//! ([`STACK_SIZE`]), never on an async worker; [`render`] awaits it with the deadline.
+//! ([`STACK_SIZE`]), never on an async worker; [`Renderer::render`] awaits it with the
+//! deadline, at most [`MAX_RENDERS`] at once.
 //! A panic inside gtmpl stays on that thread and comes back as
 //! [`TemplateError::EngineFailed`].
 
@@ -23,10 +24,11 @@ mod shape;
 use std::collections::HashMap;
 use std::io;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use gtmpl::error::ExecError;
+use tokio::sync::Semaphore;
 
 /// The largest template accepted: real Ollama templates are at most about 10 KiB.
 pub const MAX_SOURCE: usize = 64 << 10;
@@ -43,8 +45,9 @@ pub const MAX_STEPS: u64 = 100_000;
 
 /// Bytes a render may copy at most, counted before it starts as the references it may
 /// evaluate times the largest value one may copy (the fields, or [`MAX_VALUE`]). gtmpl
-/// copies a value for every reference, so this bounds both its time and its memory.
-pub const MAX_COPIES: u64 = 256 << 20;
+/// copies a value for every reference, so this bounds both its time and its memory: a
+/// real template refers to its fields a few times, so prompts of megabytes still fit.
+pub const MAX_COPIES: u64 = 64 << 20;
 
 /// The largest string `print`, `printf`, `println` or `urlquery` may build, unless it is
 /// no larger than their largest argument (`printf "%s" .Prompt` is fine at any size).
@@ -55,6 +58,11 @@ pub const MAX_OUTPUT: usize = 16 << 20;
 
 /// How long a render may take; real ones take well under a millisecond.
 pub const MAX_TIME: Duration = Duration::from_secs(2);
+
+/// Renders running at once, each on its own thread; more wait (within [`MAX_TIME`]) for
+/// one to end. With the limits above this bounds the memory of all renders together to
+/// a few hundred MiB.
+pub const MAX_RENDERS: usize = 4;
 
 /// The render thread's stack: gtmpl needs about 20 KiB per nesting level in a debug
 /// build (less optimised), so [`MAX_NESTING`] levels fit many times over.
@@ -118,7 +126,7 @@ pub enum TemplateError {
     /// Slower than [`Limits::time`].
     #[error("template took longer than {} ms to render", .0.as_millis())]
     Timeout(Duration),
-    /// A syntax error (gtmpl's message, or the scan's).
+    /// A syntax error (the scan's message, or gtmpl's for what the scan lets through).
     #[error("invalid template: {0}")]
     Syntax(String),
     /// An error while rendering: an undefined function, a missing template, bad arguments.
@@ -127,28 +135,61 @@ pub enum TemplateError {
     /// gtmpl panicked on the template (contained on the render thread).
     #[error("invalid template: the template engine failed on it")]
     EngineFailed,
+    /// [`MAX_RENDERS`] renders kept running for all of [`Limits::time`].
+    #[error("too many templates are rendering at once ({0}); try again")]
+    Busy(usize),
     /// No render thread could be started.
     #[error("could not start a thread to render the template: {0}")]
     Thread(#[source] io::Error),
 }
 
-/// Renders `source` with `fields` (its `.Name`s, all strings) on a thread of its own,
-/// within `limits`; the caller's task waits without blocking its worker.
-pub async fn render(source: &str, fields: &[(&str, &str)], limits: &Limits) -> Result<String, TemplateError> {
-    let (send, receive) = tokio::sync::oneshot::channel();
-    spawn(source, fields, *limits, move |result| {
-        let _ = send.send(result);
-    })?;
-    match tokio::time::timeout(limits.time, receive).await {
-        Ok(Ok(result)) => result,
-        // The thread ends only by sending, unless it died some other way.
-        Ok(Err(_)) => Err(TemplateError::EngineFailed),
-        Err(_) => Err(TemplateError::Timeout(limits.time)),
+/// Renders templates for the async side: at most [`MAX_RENDERS`] at once, each on a
+/// thread of its own, within its limits. Cloned, it shares the same slots.
+#[derive(Debug, Clone)]
+pub struct Renderer {
+    limits: Limits,
+    slots: Arc<Semaphore>,
+}
+
+impl Default for Renderer {
+    fn default() -> Self {
+        Self::new(Limits::default())
     }
 }
 
-/// [`render`] for callers without a runtime (the fuzz target): the same thread, waited
-/// for with the same deadline.
+impl Renderer {
+    /// A renderer with these limits.
+    #[must_use]
+    pub fn new(limits: Limits) -> Self {
+        Self { limits, slots: Arc::new(Semaphore::new(MAX_RENDERS)) }
+    }
+
+    /// Renders `source` with `fields` (its `.Name`s, all strings); the caller's task
+    /// waits without blocking its worker. A render that outlives its deadline keeps its
+    /// slot until its thread ends.
+    pub async fn render(&self, source: &str, fields: &[(&str, &str)]) -> Result<String, TemplateError> {
+        let limits = self.limits;
+        if source.len() > limits.source {
+            return Err(TemplateError::TooLong(limits.source));
+        }
+        let waiting = tokio::time::timeout(limits.time, Arc::clone(&self.slots).acquire_owned());
+        let Ok(Ok(slot)) = waiting.await else { return Err(TemplateError::Busy(MAX_RENDERS)) };
+        let (send, receive) = tokio::sync::oneshot::channel();
+        spawn(source, fields, limits, move |result| {
+            let _ = send.send(result);
+            drop(slot);
+        })?;
+        match tokio::time::timeout(limits.time, receive).await {
+            Ok(Ok(result)) => result,
+            // The thread ends only by sending, unless it died some other way.
+            Ok(Err(_)) => Err(TemplateError::EngineFailed),
+            Err(_) => Err(TemplateError::Timeout(limits.time)),
+        }
+    }
+}
+
+/// [`Renderer::render`] for callers without a runtime (the fuzz target): the same
+/// thread, waited for with the same deadline, without the shared slots.
 pub fn render_blocking(source: &str, fields: &[(&str, &str)], limits: &Limits) -> Result<String, TemplateError> {
     let (send, receive) = mpsc::channel();
     spawn(source, fields, *limits, move |result| {
@@ -204,14 +245,9 @@ fn render_here(
         Ok(shape) => shape,
         Err(shape::ScanError::TooDeep) => return Err(TemplateError::TooDeep(limits.nesting)),
         Err(shape::ScanError::Recursive(name)) => return Err(TemplateError::Recursive(name)),
-        // The scan read the text as far as the error, with its nesting checked: gtmpl
-        // stops at the same place, and its message is the familiar one.
-        Err(shape::ScanError::Syntax(message)) => {
-            return Err(TemplateError::Syntax(match parse(source) {
-                Err(e) => e,
-                Ok(_) => message,
-            }));
-        }
+        // Not handed to gtmpl for its own message: the scan stopped at the error, and
+        // gtmpl might read on (where the scan is stricter) into unchecked nesting.
+        Err(shape::ScanError::Syntax(message)) => return Err(TemplateError::Syntax(message)),
     };
     // Only the data's root (a map of the fields) can be ranged over: no builtin makes
     // a list or a map.

@@ -2,8 +2,8 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use super::{
-    Limits, MAX_NESTING, MAX_OUTPUT, MAX_SOURCE, MAX_VALUE, STACK_SIZE, TemplateError, render, render_blocking,
-    render_here,
+    Limits, MAX_NESTING, MAX_OUTPUT, MAX_RENDERS, MAX_SOURCE, MAX_VALUE, Renderer, STACK_SIZE, TemplateError,
+    render_blocking, render_here,
 };
 
 const FIELDS: [(&str, &str); 3] = [("System", "be brief"), ("Prompt", "hi"), ("Response", "")];
@@ -140,15 +140,15 @@ fn ranges_and_calls_that_multiply_work_are_refused_before_rendering() {
 
 #[test]
 fn output_past_its_limit_stops_the_render() {
-    // 3^7 copies of 8 KiB: about 17 MiB, within the steps.
-    let text = "x".repeat(8 << 10);
-    let ranges = format!("{}{text}{}", "{{ range $ }}".repeat(7), "{{ end }}".repeat(7));
+    // 3^6 copies of 24 KiB: about 17 MiB, within the steps and copies.
+    let text = "x".repeat(24 << 10);
+    let ranges = format!("{}{text}{}", "{{ range $ }}".repeat(6), "{{ end }}".repeat(6));
     let error = run(&ranges).expect_err("too much output");
     assert!(matches!(error, TemplateError::OutputTooLarge(MAX_OUTPUT)), "{error:?}");
     assert_eq!(error.to_string(), "template output is larger than 16 MiB");
     // Just under: fine.
-    let ranges = format!("{}{text}{}", "{{ range $ }}".repeat(6), "{{ end }}".repeat(6));
-    assert_eq!(run(&ranges).expect("fits").len(), 729 * text.len());
+    let ranges = format!("{}{text}{}", "{{ range $ }}".repeat(5), "{{ end }}".repeat(5));
+    assert_eq!(run(&ranges).expect("fits").len(), 243 * text.len());
 }
 
 #[test]
@@ -185,7 +185,7 @@ fn references_times_large_fields_are_bounded() {
     let source = format!("{{{{ if eq {} }}}}x{{{{ end }}}}", ".Prompt ".repeat(500));
     let error = render_blocking(&source, &[("Prompt", &prompt)], &Limits::default()).expect_err("copies");
     assert!(matches!(error, TemplateError::TooManyCopies(_)), "{error:?}");
-    assert!(error.to_string().contains("more than 256 MiB"), "{error}");
+    assert!(error.to_string().contains("more than 64 MiB"), "{error}");
     // Referenced a few times, it renders.
     let source = "{{ if .Prompt }}[{{ .Prompt }}]{{ end }}";
     let out = render_blocking(source, &[("Prompt", &prompt)], &Limits::default()).expect("renders");
@@ -216,14 +216,35 @@ fn a_slow_render_is_cut_off_at_its_deadline() {
 #[tokio::test]
 async fn the_async_render_waits_off_the_runtime_with_the_same_limits() {
     // A current-thread runtime: the render must not run on it.
-    let out = render("{{ .Prompt }}", &FIELDS, &Limits::default()).await.expect("renders");
+    let out = Renderer::default().render("{{ .Prompt }}", &FIELDS).await.expect("renders");
     assert_eq!(out, "hi");
     let limits = Limits { time: Duration::from_millis(50), steps: u64::MAX, copies: u64::MAX, ..Limits::default() };
     let slow = format!("{}x{}", "{{ range $ }}".repeat(14), "{{ end }}".repeat(14));
-    let error = render(&slow, &FIELDS, &limits).await.expect_err("slow");
+    let error = Renderer::new(limits).render(&slow, &FIELDS).await.expect_err("slow");
     assert!(matches!(error, TemplateError::Timeout(_)), "{error:?}");
     let deep = nested(1000).remove(0).1;
-    assert!(matches!(render(&deep, &FIELDS, &Limits::default()).await, Err(TemplateError::TooDeep(_))));
+    assert!(matches!(Renderer::default().render(&deep, &FIELDS).await, Err(TemplateError::TooDeep(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renders_past_the_slots_wait_and_then_are_refused_as_busy() {
+    let limits = Limits { time: Duration::from_millis(50), steps: u64::MAX, copies: u64::MAX, ..Limits::default() };
+    let renderer = Renderer::new(limits);
+    // Millions of steps that write nothing (so the writer never sees the deadline): each
+    // outlives its deadline and keeps its slot until its thread ends, seconds later.
+    let silent = format!("{}{}", "{{ range $ }}".repeat(13), "{{ end }}".repeat(13));
+    let mut running = Vec::new();
+    for _ in 0..MAX_RENDERS {
+        let (renderer, silent) = (renderer.clone(), silent.clone());
+        running.push(tokio::spawn(async move { renderer.render(&silent, &FIELDS).await }));
+    }
+    for task in running {
+        let result = task.await.expect("task");
+        assert!(matches!(result, Err(TemplateError::Timeout(_))), "{result:?}");
+    }
+    let error = renderer.render("{{ .Prompt }}", &FIELDS).await.expect_err("busy");
+    assert!(matches!(error, TemplateError::Busy(MAX_RENDERS)), "{error:?}");
+    assert_eq!(error.to_string(), "too many templates are rendering at once (4); try again");
 }
 
 #[test]
@@ -238,4 +259,15 @@ fn syntax_and_render_errors_keep_gtmpls_messages() {
     assert!(error.to_string().contains("missing"), "{error}");
     let error = run(r#"{{ template "\x61" }}"#).expect_err("escaped name");
     assert!(matches!(error, TemplateError::Syntax(_)), "{error:?}");
+}
+
+#[test]
+fn what_follows_a_syntax_error_never_reaches_gtmpl() {
+    // gtmpl accepts an escaped template name (the scan refuses it) and would parse on
+    // into the nesting after it, which the scan never read.
+    let deep = format!("{}x{}", "{{ if 1 }}".repeat(3000), "{{ end }}".repeat(3000));
+    for head in [r#"{{ define "a" }}x{{ end }}{{ template "\x61" }}"#, "{{ print \u{a0}\n 1 }}"] {
+        let error = run(&format!("{head}{deep}")).expect_err(head);
+        assert!(matches!(error, TemplateError::Syntax(_)), "{head}: {error:?}");
+    }
 }
