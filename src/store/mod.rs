@@ -11,6 +11,7 @@
 
 pub mod create;
 pub mod digest;
+pub mod limits;
 pub mod manifest;
 pub mod modelfile;
 pub mod name;
@@ -70,6 +71,9 @@ pub enum StoreError {
         /// What is wrong.
         source: ManifestError,
     },
+    /// A blob or manifest is bigger than the store reads (see [`limits`]).
+    #[error(transparent)]
+    TooLarge(#[from] limits::TooLarge),
     /// The file system failed.
     #[error("{context}: {source}")]
     Io {
@@ -395,10 +399,16 @@ impl Store {
     /// A model's manifest, the digest of its bytes, and when it was written.
     pub fn manifest(&self, name: &ModelName) -> Result<(Manifest, Digest, SystemTime), StoreError> {
         let path = self.manifest_path(name);
-        let bytes = match fs::read(&path) {
+        let what = format!("the manifest of {name}");
+        let bytes = match limits::read_file(&path, limits::MANIFEST_MAX, &what, "a manifest") {
             Ok(bytes) => bytes,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(StoreError::NotFound(name.to_string())),
-            Err(e) => return Err(io_err(format!("cannot read {}", path.display()))(e)),
+            Err(limits::ReadError::Open(e)) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(StoreError::NotFound(name.to_string()));
+            }
+            Err(limits::ReadError::Open(e) | limits::ReadError::Read(e)) => {
+                return Err(io_err(format!("cannot read {}", path.display()))(e));
+            }
+            Err(limits::ReadError::TooLarge(e)) => return Err(e.into()),
         };
         let modified = fs::metadata(&path).and_then(|m| m.modified()).unwrap_or(SystemTime::UNIX_EPOCH);
         let manifest =

@@ -73,6 +73,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::digest::Digest;
+use super::limits;
 use super::manifest::{Layer, MANIFEST_MEDIA_TYPE, Manifest};
 use super::name::ModelName;
 use super::{Store, StoreError};
@@ -442,6 +443,12 @@ impl Registry {
             model: remote.model.clone(),
             reason: e.to_string(),
         })?;
+        // A text or config layer the store would refuse to read is refused before anything is stored.
+        limits::check_manifest(&manifest).map_err(|e| RegistryError::BadManifest {
+            registry: remote.registry.clone(),
+            model: remote.model.clone(),
+            reason: e.to_string(),
+        })?;
         let pin = store.pin(manifest.blobs().map(|l| l.digest));
         for layer in manifest.blobs() {
             if store.has_blob(&layer.digest) {
@@ -488,11 +495,17 @@ impl Registry {
         let remote = self.inner.remote(name)?;
         progress(Progress::step("retrieving manifest"));
         let path = store.manifest_path(name);
-        let bytes = match fs::read(&path) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(StoreError::NotFound(name.to_string()).into()),
-            Err(e) => return Err(RegistryError::io(format!("cannot read {}", path.display()), e)),
-        };
+        let bytes =
+            match limits::read_file(&path, limits::MANIFEST_MAX, &format!("the manifest of {name}"), "a manifest") {
+                Ok(bytes) => bytes,
+                Err(limits::ReadError::Open(e)) if e.kind() == io::ErrorKind::NotFound => {
+                    return Err(StoreError::NotFound(name.to_string()).into());
+                }
+                Err(limits::ReadError::Open(e) | limits::ReadError::Read(e)) => {
+                    return Err(RegistryError::io(format!("cannot read {}", path.display()), e));
+                }
+                Err(limits::ReadError::TooLarge(e)) => return Err(StoreError::from(e).into()),
+            };
         let manifest = Manifest::parse(&bytes)
             .map_err(|source| RegistryError::from(StoreError::Manifest { name: name.to_string(), source }))?;
         let _pin = store.pin(manifest.blobs().map(|l| l.digest));
