@@ -24,6 +24,7 @@ mod packages;
 mod private_bus;
 mod registry;
 mod scheduling;
+mod security_store_content;
 mod shipped;
 mod socket_activation;
 mod supervision;
