@@ -179,6 +179,13 @@ fn split_word(s: &str) -> (&str, &str) {
 impl Modelfile {
     /// Parses Modelfile text.
     pub fn parse(text: &str) -> Result<Self, ModelfileError> {
+        Self::parse_located(text).map(|(modelfile, _)| modelfile)
+    }
+
+    /// [`Modelfile::parse`], also saying on which lines the `FROM` (first) and the
+    /// `ADAPTER`s (in order) are, for messages about their files.
+    pub fn parse_located(text: &str) -> Result<(Self, Vec<usize>), ModelfileError> {
+        let mut source_lines = Vec::new();
         if text.len() > MAX_BYTES {
             return Err(ModelfileError {
                 line: 0,
@@ -210,6 +217,7 @@ impl Modelfile {
                     }
                     out.from = non_empty("FROM", value).map_err(fail)?;
                     from_line = Some(number);
+                    source_lines.insert(0, number);
                 }
                 "PARAMETER" => {
                     let (key, rest) = split_word(rest.trim_start());
@@ -236,6 +244,7 @@ impl Modelfile {
                 "ADAPTER" => {
                     let value = read_value(rest, &mut lines, number)?;
                     out.adapters.push(non_empty("ADAPTER", value).map_err(fail)?);
+                    source_lines.push(number);
                 }
                 "LICENSE" => out.licenses.push(read_value(rest, &mut lines, number)?),
                 "MESSAGE" => {
@@ -252,7 +261,7 @@ impl Modelfile {
         if from_line.is_none() {
             return Err(ModelfileError { line: lines.number.max(1), message: "no FROM instruction".to_owned() });
         }
-        Ok(out)
+        Ok((out, source_lines))
     }
 
     /// The `params` layer's JSON: the parameters as an object.
