@@ -115,8 +115,10 @@ impl Store {
         let mut read = |kind: SmallBlob, layer: &Layer| -> Result<Vec<u8>, StoreError> {
             limits::read_small_blob(&self.blob_path(&layer.digest), kind, &layer.digest, &mut budget).map_err(|e| {
                 match e {
-                    ReadError::Open(_) => StoreError::MissingBlob(layer.digest),
-                    ReadError::Read(source) => {
+                    ReadError::Open(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        StoreError::MissingBlob(layer.digest)
+                    }
+                    ReadError::Open(source) | ReadError::Read(source) => {
                         StoreError::Io { context: format!("cannot read blob {}", layer.digest), source }
                     }
                     ReadError::TooLarge(e) => StoreError::TooLarge(e),

@@ -308,6 +308,19 @@ async fn blobs_planted_in_the_store_are_read_within_their_caps() {
     let (status, reply) = post(&state, "/api/show", &json!({"model": "planted"})).await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "a config that never ends cannot be shown: {reply}");
     endless.stop();
+
+    // A manifest of 64 MiB: skipped by the listing, refused by name, never read whole.
+    let huge = state.store.manifest_path(&name("huge"));
+    fs::create_dir_all(huge.parent().expect("a directory")).expect("mkdir");
+    fs::File::create(&huge).and_then(|f| f.set_len(64 << 20)).expect("a sparse manifest");
+    let (status, bytes) = send(&state, Method::GET, "/api/tags", Body::empty()).await;
+    assert_eq!(status, StatusCode::OK);
+    let tags: Value = serde_json::from_slice(&bytes).expect("JSON");
+    assert!(tags["models"].as_array().expect("models").iter().all(|m| m["name"] != "huge:latest"), "{tags}");
+    let (status, reply) = post(&state, "/api/show", &json!({"model": "huge"})).await;
+    assert_ne!(status, StatusCode::OK);
+    let error = reply["error"].as_str().unwrap_or_default();
+    assert!(error.contains("is 64 MiB (67108864 bytes), more than the limit of 4 MiB for a manifest"), "{reply}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
