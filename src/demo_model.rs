@@ -15,7 +15,7 @@ use std::collections::HashSet;
 use std::io;
 use std::path::Path;
 
-use crate::gguf::{GgufWriter, TensorType};
+use crate::gguf::{GgufValue, GgufWriter, TensorType};
 
 /// Token types (`enum llama_token_type`).
 const NORMAL: i32 = 1;
@@ -71,6 +71,16 @@ pub fn write_tiny_bert(path: &Path) -> io::Result<()> {
 /// The bytes [`write_tiny_llama`] writes.
 pub fn tiny_llama_bytes() -> io::Result<Vec<u8>> {
     Ok(tiny_llama()?.to_bytes())
+}
+
+/// The bytes of the tiny llama with `extra` metadata pairs added (for tests of what is
+/// made of hostile metadata).
+pub fn tiny_llama_bytes_with(extra: Vec<(String, GgufValue)>) -> io::Result<Vec<u8>> {
+    let mut w = tiny_llama()?;
+    for (key, value) in extra {
+        w.add_metadata(&key, value)?;
+    }
+    Ok(w.to_bytes())
 }
 
 /// The bytes [`write_tiny_bert`] writes.

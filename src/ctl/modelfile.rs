@@ -1,7 +1,10 @@
 //! A Modelfile as sent to corrald: checked here first, with relative `FROM` and `ADAPTER`
 //! paths made absolute, since the daemon has no working directory of the caller's.
+//!
+//! The Modelfile is parsed, its paths changed, and written again by the store's writer,
+//! so the daemon reads exactly the texts the file has (a line inside a quoted value that
+//! looks like `FROM ./x` stays text); comments are not sent.
 
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use super::error::CtlError;
@@ -11,43 +14,24 @@ use crate::store::modelfile::Modelfile;
 /// `ADAPTER` path made absolute against `dir` (`~/` against `home`). A path that names no
 /// file is refused here, naming its line.
 pub fn prepare(text: &str, dir: &Path, home: Option<&Path>) -> Result<String, CtlError> {
-    Modelfile::parse(text).map_err(|e| CtlError::Invalid(format!("Modelfile: {e}")))?;
-    let mut out = String::with_capacity(text.len());
-    let mut in_block = false;
-    for (index, line) in text.split_inclusive('\n').enumerate() {
-        if in_block {
-            in_block = !line.contains("\"\"\"");
-            out.push_str(line);
-            continue;
+    let (mut modelfile, lines) = Modelfile::parse_located(text).map_err(|e| CtlError::Invalid(e.to_string()))?;
+    let sources = std::iter::once(("FROM", &mut modelfile.from))
+        .chain(modelfile.adapters.iter_mut().map(|a| ("ADAPTER", a)))
+        .zip(lines);
+    for ((instruction, value), line) in sources {
+        let Some(path) = absolute(value.trim(), dir, home) else { continue };
+        if !path.exists() {
+            return Err(CtlError::Invalid(format!(
+                "Modelfile line {line}: {instruction} {value}: no such file {}",
+                path.display()
+            )));
         }
-        let body = line.trim_end_matches(['\n', '\r']);
-        let ending = &line[body.len()..];
-        let trimmed = body.trim_start();
-        let (instruction, rest) = trimmed.split_once(char::is_whitespace).unwrap_or((trimmed, ""));
-        let rest = rest.trim();
-        if let Some(after) = rest.strip_prefix("\"\"\"") {
-            in_block = !after.contains("\"\"\"");
-        }
-        let is_source = instruction.eq_ignore_ascii_case("FROM") || instruction.eq_ignore_ascii_case("ADAPTER");
-        let value = rest.strip_prefix('"').and_then(|v| v.strip_suffix('"')).unwrap_or(rest);
-        match (is_source && !in_block && !rest.starts_with("\"\"\"")).then(|| absolute(value, dir, home)).flatten() {
-            Some(path) => {
-                if !path.exists() {
-                    return Err(CtlError::Invalid(format!(
-                        "Modelfile line {}: {instruction} {value}: no such file {}",
-                        index + 1,
-                        path.display()
-                    )));
-                }
-                let path = path.to_str().ok_or_else(|| {
-                    CtlError::Invalid(format!("Modelfile line {}: {} is not UTF-8", index + 1, path.display()))
-                })?;
-                let _ = write!(out, "{instruction} \"{path}\"{ending}");
-            }
-            None => out.push_str(line),
-        }
+        let path = path
+            .to_str()
+            .ok_or_else(|| CtlError::Invalid(format!("Modelfile line {line}: {} is not UTF-8", path.display())))?;
+        path.clone_into(value);
     }
-    Ok(out)
+    modelfile.write("").map_err(|e| CtlError::Invalid(format!("Modelfile: {e}")))
 }
 
 /// The absolute path `value` names when it is a relative path (by the daemon's rule: it
@@ -86,6 +70,7 @@ mod tests {
     use std::path::Path;
 
     use super::prepare;
+    use crate::store::modelfile::Modelfile;
 
     #[test]
     fn relative_paths_become_absolute_and_the_rest_is_kept() {
@@ -94,23 +79,23 @@ mod tests {
         std::fs::create_dir(dir.path().join("sub")).expect("mkdir");
         std::fs::write(dir.path().join("sub/lora.bin"), b"x").expect("write");
         let text = "# weights\nFROM ./w.gguf\nadapter sub/lora.bin\nTEMPLATE \"\"\"\nFROM ./nothing\n\"\"\"\n\
-                    PARAMETER temperature 0.5\n";
-        let out = prepare(text, dir.path(), None).expect("prepared");
-        let d = dir.path().display();
-        assert_eq!(
-            out,
-            format!(
-                "# weights\nFROM \"{d}/w.gguf\"\nadapter \"{d}/sub/lora.bin\"\nTEMPLATE \"\"\"\nFROM ./nothing\n\"\"\"\n\
-                 PARAMETER temperature 0.5\n"
-            )
-        );
+                    SYSTEM \"two\nFROM ./w.gguf\"\nPARAMETER temperature 0.5\n";
+        let out = Modelfile::parse(&prepare(text, dir.path(), None).expect("prepared")).expect("parses");
+        let mut expected = Modelfile::parse(text).expect("parses");
+        expected.from = format!("{}/w.gguf", dir.path().display());
+        expected.adapters = vec![format!("{}/sub/lora.bin", dir.path().display())];
+        // The lines inside quoted values are text, not instructions, and stay as written.
+        assert_eq!(expected.template.as_deref(), Some("\nFROM ./nothing\n"));
+        assert_eq!(expected.system.as_deref(), Some("two\nFROM ./w.gguf"));
+        assert_eq!(out, expected);
     }
 
     #[test]
     fn names_digests_and_absolute_paths_are_sent_as_written() {
         let dir = tempfile::tempdir().expect("tempdir");
-        for text in ["FROM llama3:8b\n", "FROM /srv/models/x.gguf\n", "FROM sha256-0123\n"] {
-            assert_eq!(prepare(text, dir.path(), None).expect("prepared"), text);
+        for from in ["llama3:8b", "/srv/models/x.gguf", "sha256-0123"] {
+            let out = prepare(&format!("FROM {from}\n"), dir.path(), None).expect("prepared");
+            assert_eq!(Modelfile::parse(&out).expect("parses").from, from);
         }
     }
 
@@ -119,10 +104,11 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::create_dir(dir.path().join("a")).expect("mkdir");
         std::fs::write(dir.path().join("w.gguf"), b"x").expect("write");
+        let expected = format!("{}/w.gguf", dir.path().display());
         let out = prepare("FROM ../w.gguf", &dir.path().join("a"), None).expect("prepared");
-        assert_eq!(out, format!("FROM \"{}/w.gguf\"", dir.path().display()));
+        assert_eq!(Modelfile::parse(&out).expect("parses").from, expected);
         let out = prepare("FROM ~/w.gguf\n", Path::new("/elsewhere"), Some(dir.path())).expect("prepared");
-        assert_eq!(out, format!("FROM \"{}/w.gguf\"\n", dir.path().display()));
+        assert_eq!(Modelfile::parse(&out).expect("parses").from, expected);
     }
 
     #[test]
@@ -132,6 +118,6 @@ mod tests {
         let text = e.to_string();
         assert!(text.starts_with("Modelfile line 2: FROM ./missing.gguf: no such file"), "{text}");
         let e = prepare("PARAMETER temperature 0.5\n", dir.path(), None).expect_err("no FROM");
-        assert!(e.to_string().contains("no FROM instruction"), "{e}");
+        assert!(e.to_string().contains("Modelfile line 1: no FROM instruction"), "{e}");
     }
 }

@@ -333,9 +333,13 @@ pub fn parameter_count(file: &GgufFile) -> u64 {
 /// The `model_info` map of Ollama's `/api/show`: every metadata pair but `general.name`
 /// and `tokenizer.chat_template` (shown elsewhere), with `general.parameter_count` set
 /// (see [`parameter_count`]).  Unless `verbose`, arrays with elements (vocabularies,
-/// merges, scores) are `null`, as Ollama shows them; empty ones stay `[]`.
+/// merges, scores) are `null`, as Ollama shows them; empty ones stay `[]`. Verbose or not,
+/// what is shown is bounded: an array longer than [`SHOWN_ARRAY_MAX`], or a value that
+/// would take the whole past [`SHOWN_BUDGET`], is `null` too (a hostile file's
+/// million-element arrays and 64 MiB strings would otherwise take gigabytes as JSON).
 #[must_use]
 pub fn model_info(file: &GgufFile, verbose: bool) -> Map<String, Value> {
+    let mut budget = SHOWN_BUDGET;
     let mut map: Map<String, Value> = file
         .metadata()
         .iter()
@@ -343,13 +347,92 @@ pub fn model_info(file: &GgufFile, verbose: bool) -> Map<String, Value> {
         .map(|(key, value)| {
             let json = match value {
                 GgufValue::Array(a) if !verbose && !a.is_empty() => Value::Null,
-                other => to_json(other),
+                // Within the limits, or left out like the arrays of a brief show.
+                other => match json_cost(other, budget) {
+                    Some(cost) => {
+                        budget -= cost;
+                        to_json(other)
+                    }
+                    None => Value::Null,
+                },
             };
             (key.clone(), json)
         })
         .collect();
     map.insert("general.parameter_count".into(), parameter_count(file).into());
     map
+}
+
+/// The most elements of one array (nested arrays count on their own) that `model_info`
+/// shows; a longer array is shown as `null`. Real vocabularies have up to ~500 000.
+pub const SHOWN_ARRAY_MAX: usize = 1 << 20;
+
+/// What the values `model_info` shows may take together, in bytes: each value's JSON
+/// text plus its size in memory (32 bytes a value, and a string's copy). A value that
+/// would go past it is shown as `null`. A 256k-token vocabulary takes about 40 MiB.
+pub const SHOWN_BUDGET: u64 = 128 << 20;
+
+/// What `value` costs as JSON (see [`SHOWN_BUDGET`]), or `None` when it costs more than
+/// `left` or holds an array longer than [`SHOWN_ARRAY_MAX`]. Stops counting as soon as
+/// it knows.
+fn json_cost(value: &GgufValue, left: u64) -> Option<u64> {
+    const VALUE: u64 = 32;
+    let cost = match value {
+        GgufValue::String(s) => string_cost(s),
+        GgufValue::Array(a) => return array_cost(a, left),
+        // The longest number is 24 characters (`-1.7976931348623157e308`).
+        _ => VALUE + 24,
+    };
+    (cost <= left).then_some(cost)
+}
+
+fn string_cost(s: &str) -> u64 {
+    // The copy, the quotes, and each character as JSON writes it (`\u001f` for a control).
+    let escaped: u64 = s
+        .bytes()
+        .map(|b| match b {
+            b'"' | b'\\' => 2,
+            0..0x20 => 6,
+            _ => 1,
+        })
+        .sum();
+    32 + s.len() as u64 + 2 + escaped
+}
+
+fn array_cost(array: &GgufArray, left: u64) -> Option<u64> {
+    fn each<T>(v: &[T], left: u64, cost: impl Fn(&T) -> Option<u64>) -> Option<u64> {
+        if v.len() > SHOWN_ARRAY_MAX {
+            return None;
+        }
+        let mut total = 34u64;
+        for x in v {
+            // The element and its comma.
+            total = total.checked_add(cost(x)? + 1)?;
+            if total > left {
+                return None;
+            }
+        }
+        (total <= left).then_some(total)
+    }
+    #[allow(clippy::unnecessary_wraps, reason = "the shape `each` takes")]
+    fn number<T>(_: &T) -> Option<u64> {
+        Some(32 + 24)
+    }
+    match array {
+        GgufArray::U8(v) => each(v, left, number),
+        GgufArray::I8(v) => each(v, left, number),
+        GgufArray::U16(v) => each(v, left, number),
+        GgufArray::I16(v) => each(v, left, number),
+        GgufArray::U32(v) => each(v, left, number),
+        GgufArray::I32(v) => each(v, left, number),
+        GgufArray::U64(v) => each(v, left, number),
+        GgufArray::I64(v) => each(v, left, number),
+        GgufArray::F32(v) => each(v, left, number),
+        GgufArray::F64(v) => each(v, left, number),
+        GgufArray::Bool(v) => each(v, left, number),
+        GgufArray::String(v) => each(v, left, |s| Some(string_cost(s))),
+        GgufArray::Array(v) => each(v, left, |a| array_cost(a, left)),
+    }
 }
 
 /// A metadata value as JSON.  An `f32` becomes the shortest decimal that reads back as it
@@ -483,7 +566,10 @@ mod tests {
 
     use super::super::reader::GgufFile;
     use super::super::{GgufArray, GgufValue, GgufWriter, TensorType};
-    use super::{HeadCount, MetadataError, ModelInfo, ModelKind, PoolingType, file_type_name, model_info, to_json};
+    use super::{
+        HeadCount, MetadataError, ModelInfo, ModelKind, PoolingType, SHOWN_ARRAY_MAX, file_type_name, model_info,
+        to_json,
+    };
 
     fn tiny(which: &str) -> GgufFile {
         let bytes = match which {
@@ -708,6 +794,33 @@ mod tests {
         assert_eq!(map["empty"], json!([]));
         assert_eq!(map["general.parameter_count"], 6);
         assert_eq!(model_info(&f, true)["nested"], json!([[1, 2], ["a"], []]));
+    }
+
+    #[test]
+    fn what_show_expands_is_bounded() {
+        let big = "x".repeat(30 << 20);
+        let f = file(&[
+            ("long", GgufArray::U8(vec![7; SHOWN_ARRAY_MAX + 1]).into()),
+            ("at_the_limit", GgufArray::I32(vec![1; SHOWN_ARRAY_MAX]).into()),
+            ("nested", GgufArray::Array(vec![GgufArray::U8(vec![1; SHOWN_ARRAY_MAX + 1])]).into()),
+            ("ok", GgufArray::U8(vec![7; 3]).into()),
+            ("s1", GgufValue::String(big.clone())),
+            ("s2", GgufValue::String(big)),
+            ("small", GgufValue::String("after the budget ran out".into())),
+        ]);
+        let verbose = model_info(&f, true);
+        assert_eq!(verbose["long"], Value::Null);
+        assert_eq!(verbose["nested"], Value::Null);
+        assert_eq!(verbose["at_the_limit"].as_array().map(Vec::len), Some(SHOWN_ARRAY_MAX));
+        assert_eq!(verbose["ok"], json!([7, 7, 7]));
+        assert_eq!(verbose["s1"].as_str().map(str::len), Some(30 << 20));
+        // 30 MiB as JSON and in memory, twice over, after the arrays: the second is past the budget.
+        assert!(verbose["s2"].is_null(), "past the budget");
+        assert_eq!(verbose["small"], "after the budget ran out");
+        // Without the arrays, both strings fit.
+        let brief = model_info(&f, false);
+        assert!(brief["long"].is_null() && brief["ok"].is_null());
+        assert_eq!(brief["s2"].as_str().map(str::len), Some(30 << 20));
     }
 
     fn file_with_arrays() -> GgufFile {

@@ -211,7 +211,12 @@ async fn show(State(state): State<AppState>, body: Bytes) -> Result<Json<Show>, 
             capabilities.push("vision");
         }
         Ok(Show {
-            modelfile: details.modelfile(&store),
+            // A model the syntax cannot express gets comments saying why, and no FROM: fed
+            // back to create, it is refused rather than read as another model.
+            modelfile: details.modelfile(&store).unwrap_or_else(|e| {
+                tracing::warn!(model = %details.name, error = %e, "cannot write a model's Modelfile");
+                e.to_string().lines().fold(String::new(), |out, line| out + "# " + line + "\n")
+            }),
             parameters: details.parameters_text(),
             template,
             details: Details::from(details.config.clone()),

@@ -363,6 +363,7 @@ fn store_error(error: &StoreError, path: &str, from: &str) -> ApiError {
         | StoreError::DigestMismatch { .. }
         | StoreError::Gguf { .. }
         | StoreError::Invalid(_)
+        | StoreError::TooLarge(_)
         | StoreError::MissingBlob(_) => bad(error.to_string(), path),
         StoreError::Manifest { .. } | StoreError::Refused { .. } | StoreError::Io { .. } => {
             tracing::error!(path, error = %error, "the model store failed");

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::digest::Digest;
+use super::limits::{self, SmallBlob};
 use super::manifest::{self, Layer, Manifest, ModelConfig, RootFs};
 use super::modelfile::{Message, Modelfile};
 use super::name::ModelName;
@@ -77,6 +78,24 @@ impl CreateSpec {
             messages: modelfile.messages.clone(),
         })
     }
+
+    /// Checks the text and JSON this spec adds against the caps the store reads them with.
+    fn check_sizes(&self) -> Result<(), StoreError> {
+        let texts = (self.template.iter().map(|t| (SmallBlob::Template, t)))
+            .chain(self.system.iter().map(|t| (SmallBlob::System, t)))
+            .chain(self.licenses.iter().map(|t| (SmallBlob::License, t)));
+        for (kind, text) in texts {
+            limits::check_data(kind, text.as_bytes())?;
+        }
+        if !self.parameters.is_empty() {
+            let json = serde_json::to_vec(&self.parameters).expect("a JSON map serializes");
+            limits::check_data(SmallBlob::Params, &json)?;
+        }
+        if !self.messages.is_empty() {
+            limits::check_data(SmallBlob::Messages, &serde_json::to_vec(&self.messages).expect("messages serialize"))?;
+        }
+        Ok(())
+    }
 }
 
 impl Store {
@@ -96,6 +115,7 @@ impl Store {
         });
         let _inputs = self.pin(blob_inputs);
         // Every input is checked before anything is written: a bad file or reference changes nothing.
+        spec.check_sizes()?;
         if let Source::Model(base) = &spec.from {
             self.manifest(base)?;
         } else {
@@ -211,6 +231,8 @@ impl Store {
             },
             layers,
         );
+        // Inherited and new layers together within the caps (what the store will read back).
+        limits::check_manifest(&manifest)?;
         progress("writing manifest".to_owned());
         let old = self.manifest(name).ok();
         let digest = self.write_manifest(name, &manifest)?;
@@ -272,7 +294,7 @@ impl Store {
     }
 
     fn read_json_blob<T: serde::de::DeserializeOwned>(&self, digest: &Digest) -> Result<T, StoreError> {
-        let bytes = self.read_blob(digest)?;
+        let bytes = self.read_blob(digest, SmallBlob::Params)?;
         serde_json::from_slice(&bytes)
             .map_err(|e| StoreError::Invalid(format!("blob {digest} is not the expected JSON: {e}")))
     }

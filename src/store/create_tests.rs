@@ -10,6 +10,7 @@ use super::digest::Digest;
 use super::manifest;
 use super::modelfile::Modelfile;
 use super::name::ModelName;
+use super::show::ModelDetails;
 use super::{Store, StoreError};
 
 fn name(s: &str) -> ModelName {
@@ -84,7 +85,7 @@ fn a_model_from_a_gguf_and_a_modelfile_shows_everything_it_was_given() {
     assert_eq!(shown.manifest.model().and_then(|l| l.from.as_deref()), Some("tiny.gguf"));
 
     // The Modelfile show prints recreates the same layers.
-    let (_, _) = create(&store, "again", &shown.modelfile(&store), dir.path()).expect("recreate");
+    let (_, _) = create(&store, "again", &shown.modelfile(&store).expect("modelfile"), dir.path()).expect("recreate");
     let again = store.show(&name("again"), false).expect("show");
     let digests = |m: &manifest::Manifest| m.layers.iter().map(|l| l.digest).collect::<Vec<_>>();
     assert_eq!(digests(&again.manifest), digests(&shown.manifest));
@@ -117,6 +118,11 @@ fn a_model_from_an_uploaded_blob() {
     assert_eq!(store.show(&name("from-blob"), false).expect("show").manifest.model().map(|l| l.digest), Some(digest));
 }
 
+/// A Modelfile whose `instruction` has a value one byte over the cap of a text layer.
+fn big_text(instruction: &str) -> String {
+    format!("FROM ./tiny.gguf\n{instruction} \"\"\"{}\"\"\"\n", "x".repeat((1 << 20) + 1))
+}
+
 #[test]
 fn bad_inputs_are_named_and_change_nothing() {
     let (dir, store) = setup();
@@ -131,6 +137,14 @@ fn bad_inputs_are_named_and_change_nothing() {
         ("FROM nosuchmodel\n", "model \"nosuchmodel:latest\" not found"),
         (&format!("FROM {}\n", Digest::of(b"never uploaded")), "is missing from the store"),
         ("FROM ./tiny.gguf\nADAPTER somemodel\n", "an adapter must be a GGUF file or a blob digest"),
+        (&big_text("SYSTEM"), "the system prompt is 1.0 MiB (1048577 bytes), more than the limit of 1 MiB"),
+        (&big_text("TEMPLATE"), "the template is 1.0 MiB (1048577 bytes)"),
+        (&big_text("LICENSE"), "the license is 1.0 MiB (1048577 bytes)"),
+        (&big_text("MESSAGE user"), "the messages is"),
+        (
+            &format!("FROM ./tiny.gguf\n{}", "LICENSE \"\"\"{}\"\"\"\n".replace("{}", &"x".repeat(1 << 20)).repeat(4)),
+            "more than the limit of 4 MiB for one model's text, JSON and config layers together",
+        ),
     ];
     for (modelfile, message) in cases {
         let err = create(&store, "new", modelfile, dir.path()).expect_err(modelfile).to_string();
@@ -188,7 +202,10 @@ fn details_are_read_once_until_the_manifest_changes() {
     let first = store.details(&name("cached")).expect("details");
     let again = store.details(&name("cached")).expect("details");
     assert!(std::sync::Arc::ptr_eq(&first, &again), "the second read comes from the cache");
-    assert_eq!(*first, store.show(&name("cached"), false).expect("show"), "the cache holds what show reads");
+    // The cache holds what show reads, but the GGUF metadata (requests do not need it).
+    let shown = store.show(&name("cached"), false).expect("show");
+    assert!(first.model_info.is_empty() && !shown.model_info.is_empty());
+    assert_eq!(*first, ModelDetails { model_info: serde_json::Map::new(), ..shown }, "the cache holds what show reads");
 
     // A replaced model is read again, also through a clone of the store.
     create(&store, "cached", "FROM ./tiny.gguf\nSYSTEM two\n", dir.path()).expect("replace");

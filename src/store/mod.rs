@@ -22,6 +22,7 @@ mod beneath;
 pub mod create;
 pub mod digest;
 pub mod gc;
+pub mod limits;
 pub mod manifest;
 pub mod modelfile;
 pub mod name;
@@ -43,10 +44,6 @@ use self::name::ModelName;
 /// Prefix of temporary files in the store; anything named so is debris from a crash
 /// (or, while corrald runs, a write in progress: those are tracked, see [`Store::temps`]).
 const TEMP_PREFIX: &str = ".tmp-";
-
-/// The most a manifest file may weigh; real ones are a few KB (the registry client has
-/// the same cap on what it accepts).
-const MAX_MANIFEST_BYTES: u64 = 4 << 20;
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -96,6 +93,9 @@ pub enum StoreError {
         /// What it is.
         reason: &'static str,
     },
+    /// A blob or manifest is bigger than the store reads (see [`limits`]).
+    #[error(transparent)]
+    TooLarge(#[from] limits::TooLarge),
     /// The file system failed.
     #[error("{context}: {source}")]
     Io {
@@ -255,7 +255,14 @@ impl Drop for TempFile {
 impl Store {
     /// Opens (creating if needed) the store at `root` and removes temporary files a crash left.
     pub fn open(root: &Path) -> Result<Self, StoreError> {
-        fs::create_dir_all(root).map_err(io_err(format!("cannot create {}", root.display())))?;
+        if let Err(source) = fs::create_dir_all(root) {
+            let context = if root.exists() && !root.is_dir() {
+                format!("{} is not a directory", root.display())
+            } else {
+                format!("cannot create {}", root.display())
+            };
+            return Err(StoreError::Io { context, source });
+        }
         let store = Self::at(root)?;
         for name in ["blobs", "manifests"] {
             let dir = store.dir.create_dir(name).map_err(fs_err("create", name.to_owned()))?;
@@ -415,12 +422,14 @@ impl Store {
     }
 
     /// A blob's bytes (for small blobs: configs, text layers).
-    pub fn read_blob(&self, digest: &Digest) -> Result<Vec<u8>, StoreError> {
-        let mut bytes = Vec::new();
-        self.open_blob(digest)?
-            .read_to_end(&mut bytes)
-            .map_err(io_err(format!("cannot read blob {digest} in the model store")))?;
-        Ok(bytes)
+    pub fn read_blob(&self, digest: &Digest, kind: limits::SmallBlob) -> Result<Vec<u8>, StoreError> {
+        let mut budget = kind.limit();
+        limits::read_small_blob(self.open_blob(digest)?, kind, digest, &mut budget).map_err(|e| match e {
+            limits::ReadError::Read(source) => {
+                StoreError::Io { context: format!("cannot read blob {digest} in the model store"), source }
+            }
+            limits::ReadError::TooLarge(e) => StoreError::TooLarge(e),
+        })
     }
 
     /// A blob's size.
@@ -826,7 +835,7 @@ impl Store {
                             Err(e) => return Err(fs_err("read", path)(e)),
                         };
                         let mut bytes = Vec::new();
-                        file.take(MAX_MANIFEST_BYTES)
+                        file.take(limits::MANIFEST_MAX)
                             .read_to_end(&mut bytes)
                             .map_err(io_err(format!("cannot read {path} in the model store")))?;
                         found.extend(digests_in(&bytes));
@@ -942,17 +951,14 @@ impl Store {
     }
 }
 
-/// Reads a manifest file (at most [`MAX_MANIFEST_BYTES`]) and its modification time.
+/// Reads a manifest file (at most [`limits::MANIFEST_MAX`]) and its modification time.
 fn read_manifest_file(file: File, path: &str) -> Result<(Vec<u8>, SystemTime), StoreError> {
-    let error = || io_err(format!("cannot read {path} in the model store"));
     let modified = file.metadata().and_then(|m| m.modified()).unwrap_or(SystemTime::UNIX_EPOCH);
-    let mut bytes = Vec::new();
-    file.take(MAX_MANIFEST_BYTES + 1).read_to_end(&mut bytes).map_err(error())?;
-    if bytes.len() as u64 > MAX_MANIFEST_BYTES {
-        return Err(StoreError::Invalid(format!(
-            "{path} in the model store is larger than {MAX_MANIFEST_BYTES} bytes: not a manifest"
-        )));
-    }
+    let what = format!("{path} in the model store");
+    let bytes = limits::read_capped(file, limits::MANIFEST_MAX, &what, "a manifest").map_err(|e| match e {
+        limits::ReadError::Read(source) => StoreError::Io { context: format!("cannot read {what}"), source },
+        limits::ReadError::TooLarge(e) => StoreError::TooLarge(e),
+    })?;
     Ok((bytes, modified))
 }
 

@@ -76,6 +76,7 @@ use tokio::sync::watch;
 
 use super::beneath::{self, Dir};
 use super::digest::Digest;
+use super::limits;
 use super::manifest::{Layer, MANIFEST_MEDIA_TYPE, Manifest};
 use super::name::ModelName;
 use super::{Pin, Store, StoreError};
@@ -441,6 +442,12 @@ impl Registry {
         progress(Progress::step("pulling manifest"));
         let bytes = remote.manifest().await?;
         let manifest = Manifest::parse(&bytes).map_err(|e| RegistryError::BadManifest {
+            registry: remote.registry.clone(),
+            model: remote.model.clone(),
+            reason: e.to_string(),
+        })?;
+        // A text or config layer the store would refuse to read is refused before anything is stored.
+        limits::check_manifest(&manifest).map_err(|e| RegistryError::BadManifest {
             registry: remote.registry.clone(),
             model: remote.model.clone(),
             reason: e.to_string(),

@@ -9,8 +9,9 @@ use std::time::SystemTime;
 use serde_json::{Map, Value};
 
 use super::digest::Digest;
-use super::manifest::{self, Manifest, ModelConfig};
-use super::modelfile::Message;
+use super::limits::{self, ReadError, SmallBlob};
+use super::manifest::{self, Layer, Manifest, ModelConfig};
+use super::modelfile::{Message, Modelfile, WriteError};
 use super::name::ModelName;
 use super::{Store, StoreError};
 use crate::gguf::metadata::{self, ModelInfo};
@@ -39,7 +40,7 @@ pub struct ModelDetails {
     pub messages: Vec<Message>,
     /// Facts from the weights' GGUF metadata.
     pub info: ModelInfo,
-    /// The GGUF metadata as JSON, as Ollama's `model_info`.
+    /// The GGUF metadata as JSON, as Ollama's `model_info`; empty in [`Store::details`].
     pub model_info: Map<String, Value>,
 }
 
@@ -61,7 +62,7 @@ impl Store {
         if let Some(hit) = cached {
             return Ok(hit);
         }
-        let details = Arc::new(self.show(name, false)?);
+        let details = Arc::new(self.read_details(name, None)?);
         let entry = Cached { file, details: Arc::clone(&details) };
         self.details.lock().unwrap_or_else(PoisonError::into_inner).insert(name.clone(), entry);
         Ok(details)
@@ -87,48 +88,76 @@ impl Store {
     }
 
     /// Gathers what is known about a model. `verbose` includes large metadata arrays
-    /// (tokenizer vocabularies) in `model_info`.
+    /// (tokenizer vocabularies) in `model_info`, within the limits of
+    /// [`metadata::model_info`].
     pub fn show(&self, name: &ModelName, verbose: bool) -> Result<ModelDetails, StoreError> {
+        self.read_details(name, Some(verbose))
+    }
+
+    /// What [`Store::show`] reads; without `model_info` when `info` is `None` (what the
+    /// cache of [`Store::details`] holds: requests need the rest, and a model's metadata
+    /// strings can be tens of megabytes).
+    fn read_details(&self, name: &ModelName, info: Option<bool>) -> Result<ModelDetails, StoreError> {
         let (manifest, digest, _) = self.manifest(name)?;
-        let text = |media_type: &str| -> Result<Vec<String>, StoreError> {
-            manifest
-                .layers_of(media_type)
-                .map(|l| self.read_blob(&l.digest).map(|b| String::from_utf8_lossy(&b).into_owned()))
-                .collect()
+        // The sizes the manifest declares first, then each read stops at its cap anyway.
+        limits::check_manifest(&manifest)?;
+        let mut budget = limits::MODEL_SMALL_BLOBS_MAX;
+        let mut read = |kind: SmallBlob, layer: &Layer| -> Result<Vec<u8>, StoreError> {
+            limits::read_small_blob(self.open_blob(&layer.digest)?, kind, &layer.digest, &mut budget).map_err(|e| {
+                match e {
+                    ReadError::Read(source) => {
+                        StoreError::Io { context: format!("cannot read blob {}", layer.digest), source }
+                    }
+                    ReadError::TooLarge(e) => StoreError::TooLarge(e),
+                }
+            })
         };
-        let json = |media_type: &str| -> Result<Option<Value>, StoreError> {
-            text(media_type)?
-                .last()
-                .map(|t| {
-                    serde_json::from_str(t)
+        let config: ModelConfig =
+            serde_json::from_slice(&read(SmallBlob::Config, &manifest.config)?).unwrap_or_default();
+        let (mut template, mut system, mut licenses, mut params, mut messages) = (None, None, Vec::new(), None, None);
+        for (kind, layer) in limits::small_blobs(&manifest).skip(1) {
+            let bytes = read(kind, layer)?;
+            let text = || String::from_utf8_lossy(&bytes).into_owned();
+            match kind {
+                SmallBlob::Template => template = Some(text()),
+                SmallBlob::System => system = Some(text()),
+                SmallBlob::License => licenses.push(text()),
+                SmallBlob::Params => params = Some((layer.media_type.clone(), bytes)),
+                SmallBlob::Messages => messages = Some((layer.media_type.clone(), bytes)),
+                SmallBlob::Config => {}
+            }
+        }
+        let json = |layer: Option<(String, Vec<u8>)>| -> Result<Option<Value>, StoreError> {
+            layer
+                .map(|(media_type, bytes)| {
+                    serde_json::from_slice(&bytes)
                         .map_err(|e| StoreError::Invalid(format!("{name}: bad {media_type} layer: {e}")))
                 })
                 .transpose()
         };
-        let config_bytes = self.read_blob(&manifest.config.digest)?;
-        let config: ModelConfig = serde_json::from_slice(&config_bytes).unwrap_or_default();
         let weights = manifest.model().expect("a parsed manifest has a model layer").digest;
         let file = std::io::BufReader::with_capacity(64 << 10, self.open_blob(&weights)?);
         let gguf = GgufFile::read_seekable(file)
             .map_err(|e| StoreError::Gguf { what: format!("{name} (blob {weights})"), message: e.to_string() })?;
+        let model_info = info.map(|verbose| metadata::model_info(&gguf, verbose)).unwrap_or_default();
         let info = ModelInfo::from_file(&gguf)
             .map_err(|e| StoreError::Gguf { what: format!("{name} (blob {weights})"), message: e.to_string() })?;
-        let parameters = match json(manifest::PARAMS)? {
+        let parameters = match json(params)? {
             Some(Value::Object(map)) => map.into_iter().collect(),
             _ => BTreeMap::new(),
         };
-        let messages = json(manifest::MESSAGES)?.and_then(|v| serde_json::from_value(v).ok()).unwrap_or_default();
+        let messages = json(messages)?.and_then(|v| serde_json::from_value(v).ok()).unwrap_or_default();
         Ok(ModelDetails {
             name: name.clone(),
             digest,
             config,
-            template: text(manifest::TEMPLATE)?.pop(),
-            system: text(manifest::SYSTEM)?.pop(),
-            licenses: text(manifest::LICENSE)?,
+            template,
+            system,
+            licenses,
             parameters,
             messages,
             info,
-            model_info: metadata::model_info(&gguf, verbose),
+            model_info,
             manifest,
         })
     }
@@ -136,12 +165,13 @@ impl Store {
 
 impl Store {
     /// A model's config blob (format, family, size, quantization); empty fields if it
-    /// cannot be read, as Ollama lists a model whose config is damaged.
+    /// cannot be read or is larger than [`limits::CONFIG_MAX`], as Ollama lists a model
+    /// whose config is damaged.
     #[must_use]
     pub fn model_config(&self, manifest: &Manifest) -> ModelConfig {
         let digest = manifest.config.digest;
         match self
-            .read_blob(&digest)
+            .read_blob(&digest, SmallBlob::Config)
             .map_err(|e| e.to_string())
             .and_then(|b| serde_json::from_slice::<ModelConfig>(&b).map_err(|e| e.to_string()))
         {
@@ -175,34 +205,24 @@ impl ModelDetails {
         out
     }
 
-    /// A Modelfile that recreates this model from its blobs.
-    #[must_use]
-    pub fn modelfile(&self, store: &Store) -> String {
-        let mut out = format!(
-            "# Modelfile generated by corral\n# To build a new Modelfile based on this one, replace FROM with:\n# FROM {}\n\n",
+    /// A Modelfile that recreates this model from its blobs: it reads back as the same
+    /// weights, adapters, template, system prompt, parameters, licenses and messages,
+    /// whatever their text (see [`Modelfile::write`]), or this is an error saying why not.
+    pub fn modelfile(&self, store: &Store) -> Result<String, WriteError> {
+        let path = |layer: &Layer| store.blob_path(&layer.digest).to_string_lossy().into_owned();
+        let modelfile = Modelfile {
+            from: self.manifest.model().map(path).unwrap_or_default(),
+            parameters: self.parameters.clone(),
+            template: self.template.clone(),
+            system: self.system.clone(),
+            adapters: self.manifest.layers_of(manifest::ADAPTER).map(path).collect(),
+            licenses: self.licenses.clone(),
+            messages: self.messages.clone(),
+        };
+        let header = format!(
+            "Modelfile generated by corral\nTo build a new Modelfile based on this one, replace FROM with:\nFROM {}",
             self.name
         );
-        if let Some(weights) = self.manifest.model() {
-            let _ = writeln!(out, "FROM {}", store.blob_path(&weights.digest).display());
-        }
-        for adapter in self.manifest.layers_of(manifest::ADAPTER) {
-            let _ = writeln!(out, "ADAPTER {}", store.blob_path(&adapter.digest).display());
-        }
-        if let Some(template) = &self.template {
-            let _ = writeln!(out, "TEMPLATE \"\"\"{template}\"\"\"");
-        }
-        if let Some(system) = &self.system {
-            let _ = writeln!(out, "SYSTEM \"\"\"{system}\"\"\"");
-        }
-        for line in self.parameters_text().lines() {
-            let _ = writeln!(out, "PARAMETER {}", line.split_whitespace().collect::<Vec<_>>().join(" "));
-        }
-        for license in &self.licenses {
-            let _ = writeln!(out, "LICENSE \"\"\"{license}\"\"\"");
-        }
-        for message in &self.messages {
-            let _ = writeln!(out, "MESSAGE {} \"\"\"{}\"\"\"", message.role, message.content);
-        }
-        out
+        modelfile.write(&header)
     }
 }

@@ -238,7 +238,7 @@ fn links_planted_in_the_store_are_refused_never_followed() {
     symlink(&secret, store.blob_path(&linked)).expect("symlink");
     assert!(!store.has_blob(&linked));
     assert_refused(store.open_blob(&linked), "open a linked blob");
-    assert_refused(store.read_blob(&linked), "read a linked blob");
+    assert_refused(store.read_blob(&linked, super::limits::SmallBlob::Config), "read a linked blob");
     assert_refused(store.verify_blob(&linked), "verify a linked blob");
     assert_refused(store.blob_file(&linked), "hand a linked blob to a runner");
     store.write_blob(&b"real data"[..], Some(&linked)).expect("write replaces the link");
@@ -269,7 +269,7 @@ fn a_fifo_planted_as_a_blob_is_refused_without_waiting() {
     let store = Store::open(dir.path()).expect("open");
     let digest = Digest::of(b"fifo");
     nix::unistd::mkfifo(&store.blob_path(&digest), nix::sys::stat::Mode::S_IRWXU).expect("fifo");
-    let e = store.read_blob(&digest).expect_err("a FIFO");
+    let e = store.read_blob(&digest, super::limits::SmallBlob::Config).expect_err("a FIFO");
     assert!(matches!(e, StoreError::Refused { .. }) && e.to_string().contains("not a regular file"), "{e}");
 }
 
@@ -362,7 +362,7 @@ fn garbage_collection_leaves_alone_what_a_running_upload_or_create_uses() {
     data.send(b"second half".to_vec()).expect("send");
     drop(data);
     let (digest, _) = upload.join().expect("join").expect("upload");
-    assert_eq!(store.read_blob(&digest).expect("blob"), b"first half, second half");
+    assert_eq!(store.read_blob(&digest, super::limits::SmallBlob::Config).expect("blob"), b"first half, second half");
 
     // Creates running beside collections that run as often as they can.
     let file = dir.path().join("tiny.gguf");

@@ -26,6 +26,7 @@ mod private_bus;
 mod registry;
 mod scheduling;
 mod security_http;
+mod security_store_content;
 mod security_store_fs;
 mod security_template;
 mod shipped;
