@@ -68,7 +68,7 @@ for t in "${targets[@]}"; do
     for input in "$artifacts"/crash-* "$artifacts"/timeout-* "$artifacts"/oom-* "$artifacts"/leak-*; do
         [[ -e $input ]] || continue
         echo "fuzz: $t: the input: $PWD/$input" >&2
-        echo "fuzz: reproduce with: (cd fuzz && cargo fuzz run ${build[*]} $t $input)" >&2
+        echo "fuzz: replay it with: (cd fuzz && PATH=$bin:\$PATH cargo fuzz run ${build[*]} $t $input)" >&2
     done
 done
 
