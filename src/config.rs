@@ -81,6 +81,17 @@ pub struct ServerConfig {
     /// in flight (systemd keeps the sockets and starts corrald again). `None` is `"off"`.
     #[serde(deserialize_with = "off_or_duration")]
     pub exit_on_idle: Option<Duration>,
+    /// A connection that has not sent a whole request head (line and headers) this long
+    /// after it opened or after its last answer is closed.
+    #[serde(deserialize_with = "positive_duration")]
+    pub header_timeout: Duration,
+    /// A request body that sends nothing for this long is aborted (a blob upload's
+    /// partial file is removed).
+    #[serde(deserialize_with = "positive_duration")]
+    pub body_idle_timeout: Duration,
+    /// Blob uploads (`/api/blobs/…`) at once; more are answered 503 with `Retry-After`.
+    #[serde(deserialize_with = "positive_count")]
+    pub max_uploads: u32,
 }
 
 impl Default for ServerConfig {
@@ -101,12 +112,15 @@ impl Default for ServerConfig {
             api_tokens: Vec::new(),
             max_body: 64 << 20,
             exit_on_idle: None,
+            header_timeout: Duration::from_secs(10),
+            body_idle_timeout: Duration::from_secs(60),
+            max_uploads: 8,
         }
     }
 }
 
 /// `[store]`.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
     /// The model store; `None` means `models/` in the state directory.
@@ -117,6 +131,27 @@ pub struct StoreConfig {
     pub read_only: bool,
     /// Registries (`host` or `host:port`) spoken to over plain HTTP instead of HTTPS.
     pub insecure_registries: Vec<String>,
+    /// How often garbage collection runs (once at start, then at this interval): blobs
+    /// no model uses and partial downloads no pull runs. `None` is `"off"`: never.
+    #[serde(deserialize_with = "off_or_duration")]
+    pub gc_interval: Option<Duration>,
+    /// How old an unused blob, a partial download or a temporary file must be before
+    /// garbage collection removes it, so that an upload followed by the create that uses
+    /// it, or a pull resumed soon after it failed, never loses its files.
+    #[serde(deserialize_with = "duration")]
+    pub gc_grace: Duration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            path: None,
+            read_only: false,
+            insecure_registries: Vec::new(),
+            gc_interval: Some(Duration::from_secs(3600)),
+            gc_grace: Duration::from_secs(3600),
+        }
+    }
 }
 
 /// `[runner]`.
@@ -125,11 +160,15 @@ pub struct StoreConfig {
 pub struct RunnerConfig {
     /// The llama-server executable: a bare name is looked up on `PATH`.
     pub llama_server: PathBuf,
+    /// A runner that sends nothing for this long in the middle of an answer is stopped,
+    /// and the request ends with an error.
+    #[serde(deserialize_with = "positive_duration")]
+    pub stream_idle_timeout: Duration,
 }
 
 impl Default for RunnerConfig {
     fn default() -> Self {
-        Self { llama_server: PathBuf::from("llama-server") }
+        Self { llama_server: PathBuf::from("llama-server"), stream_idle_timeout: Duration::from_secs(5 * 60) }
     }
 }
 
@@ -333,11 +372,29 @@ fn off_or_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, 
         return Ok(None);
     }
     match parse_duration(&text) {
-        Ok(d) if d.is_zero() => Err(format!("\"{text}\" is zero; say \"off\" to never exit when idle")),
+        Ok(d) if d.is_zero() => Err(format!("\"{text}\" is zero; say \"off\" to turn it off")),
         Ok(d) => Ok(Some(d)),
         Err(e) => Err(format!("{e}, or \"off\"")),
     }
     .map_err(serde::de::Error::custom)
+}
+
+/// A duration above zero.
+fn positive_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(d)?;
+    match parse_duration(&text) {
+        Ok(d) if d.is_zero() => Err(format!("\"{text}\" is zero; expected a duration above zero, like \"10s\"")),
+        other => other,
+    }
+    .map_err(serde::de::Error::custom)
+}
+
+/// A count of at least one.
+fn positive_count<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+    match u32::deserialize(d)? {
+        0 => Err(serde::de::Error::custom("0 would refuse everything; expected at least 1")),
+        n => Ok(n),
+    }
 }
 
 fn absolute_path_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PathBuf>, D::Error> {
@@ -514,6 +571,7 @@ mod tests {
         assert_eq!(c.scheduler.max_queue, 512);
         assert_eq!(c.scheduler.max_loaded_models, 0);
         assert_eq!(c.runner.llama_server, Path::new("llama-server"));
+        assert_eq!(c.runner.stream_idle_timeout, Duration::from_secs(300));
         assert_eq!(c.store.path, None);
         assert!(c.models.is_empty());
         assert!(c.server.allowed_hosts.is_empty() && c.server.api_tokens.is_empty());
@@ -521,6 +579,11 @@ mod tests {
         assert_eq!(c.server.max_body, 64 << 20);
         assert_eq!(c.dbus.bus, BusKind::System);
         assert_eq!(c.server.exit_on_idle, None);
+        assert_eq!(c.server.header_timeout, Duration::from_secs(10));
+        assert_eq!(c.server.body_idle_timeout, Duration::from_secs(60));
+        assert_eq!(c.server.max_uploads, 8);
+        assert_eq!(c.store.gc_interval, Some(Duration::from_secs(3600)));
+        assert_eq!(c.store.gc_grace, Duration::from_secs(3600));
     }
 
     #[test]
@@ -544,12 +607,18 @@ cors_origins = ["*"]
 api_tokens = ["s3cret"]
 max_body = "1MiB"
 exit_on_idle = "15m"
+header_timeout = "5s"
+body_idle_timeout = "2m"
+max_uploads = 2
 [store]
 path = "/srv/models"
 read_only = true
 insecure_registries = ["localhost:5000"]
+gc_interval = "off"
+gc_grace = "10m"
 [runner]
 llama_server = "/opt/llama/bin/llama-server"
+stream_idle_timeout = "90s"
 [scheduler]
 keep_alive = "1h30m"
 max_loaded_models = 4
@@ -578,10 +647,15 @@ keep_alive = "10m"
         assert_eq!(c.server.api_tokens, ["s3cret"]);
         assert_eq!(c.server.max_body, 1 << 20);
         assert_eq!(c.server.exit_on_idle, Some(Duration::from_secs(900)));
+        assert_eq!(c.server.header_timeout, Duration::from_secs(5));
+        assert_eq!(c.server.body_idle_timeout, Duration::from_secs(120));
+        assert_eq!(c.server.max_uploads, 2);
         assert_eq!(c.store.path.as_deref(), Some(Path::new("/srv/models")));
         assert!(c.store.read_only);
         assert_eq!(c.store.insecure_registries, ["localhost:5000"]);
+        assert_eq!((c.store.gc_interval, c.store.gc_grace), (None, Duration::from_secs(600)));
         assert_eq!(c.runner.llama_server, Path::new("/opt/llama/bin/llama-server"));
+        assert_eq!(c.runner.stream_idle_timeout, Duration::from_secs(90));
         assert_eq!(c.scheduler.keep_alive, Duration::from_secs(5400));
         assert_eq!(c.scheduler.max_loaded_models, 4);
         assert_eq!(c.scheduler.max_queue, 10);
@@ -621,6 +695,7 @@ keep_alive = "10m"
     type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str]);
 
     #[test]
+    #[allow(clippy::too_many_lines)] // one table of cases
     fn errors_name_the_file_the_line_the_key_and_what_was_expected() {
         let cases: &[Case<'_>] = &[
             (
@@ -669,8 +744,50 @@ keep_alive = "10m"
                 &["corral.toml:2", "server.max_body", "is not a byte size"],
             ),
             (&[("corral.toml", "[server]\napi_tokens = \"t\"\n")], &["server.api_tokens", "expected a sequence"]),
+            (
+                &[("corral.toml", "[server]\nheader_timeout = \"0s\"\n")],
+                &["corral.toml:2", "server.header_timeout", "\"0s\" is zero", "above zero"],
+            ),
+            (
+                &[("corral.toml", "[server]\nbody_idle_timeout = \"a minute\"\n")],
+                &["corral.toml:2", "server.body_idle_timeout", "is not a duration"],
+            ),
+            (
+                &[("corral.toml", "[server]\nbody_idle_timeout = 60\n")],
+                &["server.body_idle_timeout", "expected a string"],
+            ),
+            (
+                &[("corral.toml", "[server]\nmax_uploads = 0\n")],
+                &["corral.toml:2", "server.max_uploads", "expected at least 1"],
+            ),
+            (&[("corral.toml", "[server]\nmax_uploads = -2\n")], &["server.max_uploads", "-2"]),
             (&[("corral.toml", "[server]\nallowed_hosts = [1]\n")], &["server.allowed_hosts", "expected a string"]),
             (&[("corral.toml", "[store]\npath = \"models\"\n")], &["store.path", "not an absolute path"]),
+            (
+                &[("corral.toml", "[store]\ngc_interval = \"0s\"\n")],
+                &["corral.toml:2", "store.gc_interval", "\"0s\" is zero", "\"off\""],
+            ),
+            (
+                &[("corral.toml", "[store]\ngc_interval = \"hourly\"\n")],
+                &["corral.toml:2", "store.gc_interval", "\"hourly\" is not a duration", "or \"off\""],
+            ),
+            (
+                &[("corral.toml", "[store]\ngc_grace = \"1\"\n")],
+                &["corral.toml:2", "store.gc_grace", "\"1\" is not a duration"],
+            ),
+            (&[("corral.toml", "[store]\ngc_grace = 60\n")], &["store.gc_grace", "expected a string"]),
+            (
+                &[("corral.toml", "[runner]\nstream_idle_timeout = \"0s\"\n")],
+                &["corral.toml:2", "runner.stream_idle_timeout", "\"0s\" is zero"],
+            ),
+            (
+                &[("corral.toml", "[runner]\nstream_idle_timeout = \"soon\"\n")],
+                &["corral.toml:2", "runner.stream_idle_timeout", "\"soon\" is not a duration"],
+            ),
+            (
+                &[("corral.toml", "[runner]\nstream_idle_timeout = 30\n")],
+                &["corral.toml:2", "runner.stream_idle_timeout", "expected a string"],
+            ),
             (&[("corral.toml", "[models.\"a\"]\npinned = \"yes\"\n")], &["models.a.pinned", "expected a boolean"]),
             (&[("corral.toml", "[server\n")], &["corral.toml:1", "unclosed table, expected `]`"]),
             (

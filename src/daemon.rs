@@ -75,19 +75,13 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
     let mut sighup = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
 
-    tracing::info!(
-        corral_event = "start",
-        version = http::VERSION,
-        config_files = ?loaded.files,
-        state_directory = %paths.state.display(),
-        runtime_directory = %paths.runtime.display(),
-        "corrald {} starting",
-        http::VERSION,
-    );
+    log_start(&loaded, &paths);
 
+    raise_open_files_limit();
     // Taking the cgroup tree moves the daemon into its leaf; runners become its siblings.
     let cgroups = take_cgroup_tree();
     let store = open_store(&loaded.config, &paths).await?;
+    start_gc(&loaded.config, &store);
     // Listen before any runner starts: a start that fails to listen leaves nothing behind.
     let socket_activated = !sockets.is_empty();
     let listeners = if socket_activated {
@@ -95,7 +89,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     } else {
         listeners::bind(&loaded.config.server.listen).await?
     };
-    let (scheduler, inventory) = start_scheduler(&loaded.config, &paths, cgroups, log_target).await?;
+    let (scheduler, inventory, scheduler_task) = start_scheduler(&loaded.config, &paths, cgroups, log_target).await?;
     let gpu_count = inventory.gpus.len();
     preload(&loaded.config, &store, &scheduler);
     let names: Vec<String> = listeners.iter().map(listeners::Listener::describe).collect();
@@ -108,16 +102,17 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let requests = Requests::default();
     let state = app_state(&loaded.config, store.clone(), scheduler.clone());
     // Served before READY=1, so that a client started after the service finds the name.
-    let bus = serve_dbus(&loaded.config, &state, inventory).await;
+    let mut bus = serve_dbus(&loaded.config, &state, inventory).await;
     let router = http::router(state).layer(from_fn_with_state(requests.clone(), count_requests));
     for listener in listeners {
-        servers.spawn(listener.serve(router.clone(), shutdown.clone()));
+        servers.spawn(listener.serve(router.clone(), loaded.config.server.header_timeout, shutdown.clone()));
     }
     // The sockets are listening and their accept loops are spawned: connections are served.
     notifier.ready(&status);
     tracing::info!(corral_event = "ready", listeners = ?names, socket_activated, "corrald ready: {status}");
 
     let mut watchdog_tick = watchdog.map(|interval| tokio::time::interval(interval / 2));
+    let mut vital = Vital { scheduler: scheduler_task };
     let mut status_tick = tokio::time::interval(Duration::from_secs(2));
     if !socket_activated && loaded.config.server.exit_on_idle.is_some() {
         tracing::info!("server.exit_on_idle applies only when systemd passes the sockets; staying up");
@@ -133,10 +128,19 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
                 }
                 notifier.ready(&status);
             }
-            () = tick(watchdog_tick.as_mut()) => notifier.watchdog(),
+            // Pinged only once the scheduler answered, within a quarter of the interval
+            // (ticks come every half): a hung scheduler gets the daemon restarted.
+            () = tick(watchdog_tick.as_mut()) => {
+                let within = watchdog.unwrap_or_default() / 4;
+                watchdog_ping(&notifier, &scheduler, within).await;
+            }
+            // A dead background task leaves the daemon answering with errors only: exit,
+            // non-zero, so that systemd restarts it.
+            death = vital.died(follower(bus.as_mut())) => break Some(death),
             // STATUS= follows the loaded models; the same tick watches for idleness.
             _ = status_tick.tick() => {
-                let snapshot = scheduler.stats().await.ok();
+                // A scheduler that does not answer counts as busy (and gets no watchdog ping).
+                let snapshot = tokio::time::timeout(Duration::from_secs(1), scheduler.stats()).await.ok().and_then(Result::ok);
                 let now = snapshot.as_ref().map_or(models, |s| s.loaded.iter().filter(|m| m.state == "ready").count());
                 if now != models {
                     models = now;
@@ -173,6 +177,110 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     }
     tracing::info!("corrald stopped");
     Ok(())
+}
+
+/// The journal's first entry: version, configuration files and directories.
+fn log_start(loaded: &Loaded, paths: &Paths) {
+    tracing::info!(
+        corral_event = "start",
+        version = http::VERSION,
+        config_files = ?loaded.files,
+        state_directory = %paths.state.display(),
+        runtime_directory = %paths.runtime.display(),
+        "corrald {} starting",
+        http::VERSION,
+    );
+}
+
+/// Unused blobs and stale partial downloads go at start, then every `[store] gc_interval`.
+fn start_gc(config: &Config, store: &Store) {
+    if let (false, Some(interval)) = (config.store.read_only, config.store.gc_interval) {
+        tokio::spawn(crate::store::gc::run(store.clone(), Some(interval), config.store.gc_grace));
+    }
+}
+
+/// Raises the soft limit on open files to the hard one: every connection, upload and
+/// runner socket is a file, and the soft limit is often 1024 (systemd's default, kept
+/// low for programs that still use `select`; corrald uses epoll).
+fn raise_open_files_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::debug!(from = soft, to = hard, "raised the soft limit on open files"),
+            Err(e) => tracing::debug!(soft, hard, error = %e, "cannot raise the soft limit on open files"),
+        },
+        Ok((soft, _)) => tracing::debug!(limit = soft, "the soft limit on open files is already the hard one"),
+        Err(e) => tracing::debug!(error = %e, "cannot read the limit on open files"),
+    }
+}
+
+/// The background tasks the daemon cannot serve without: the scheduler (and the D-Bus
+/// follower, held by the bus service).
+#[derive(Debug)]
+struct Vital {
+    scheduler: tokio::task::JoinHandle<()>,
+}
+
+impl Vital {
+    /// Resolves once the scheduler or the D-Bus follower ended (they run until the daemon
+    /// stops them, after this loop); logs which one and why, at error level, and returns
+    /// it as the daemon's failure.
+    async fn died(&mut self, follower: impl Future<Output = Result<(), tokio::task::JoinError>>) -> anyhow::Error {
+        let (task, result) = tokio::select! {
+            result = &mut self.scheduler => ("scheduler", result),
+            result = follower => ("D-Bus follower", result),
+        };
+        task_died(task, result)
+    }
+}
+
+/// The D-Bus follower's end, or never without D-Bus.
+async fn follower(bus: Option<&mut dbus::Service>) -> Result<(), tokio::task::JoinError> {
+    match bus {
+        Some(bus) => bus.follower().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Why a vital task ended, logged; the error the daemon exits with.
+fn task_died(task: &str, result: Result<(), tokio::task::JoinError>) -> anyhow::Error {
+    let why = match result {
+        Ok(()) => "ended unexpectedly".to_owned(),
+        Err(e) if e.is_panic() => {
+            let payload = e.into_panic();
+            let message = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_owned());
+            format!("panicked: {message}")
+        }
+        Err(e) => format!("was cancelled: {e}"),
+    };
+    tracing::error!(
+        corral_event = "task_died",
+        task,
+        "the {task} task {why}; exiting so that systemd restarts corrald"
+    );
+    anyhow::anyhow!("the {task} task {why}")
+}
+
+/// Sends `WATCHDOG=1` only if the scheduler answers a round trip within `within`.
+async fn watchdog_ping(notifier: &Notifier, scheduler: &Handle, within: Duration) -> bool {
+    match tokio::time::timeout(within, scheduler.ping()).await {
+        Ok(Ok(())) => {
+            notifier.watchdog();
+            true
+        }
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "the scheduler is gone; no watchdog ping");
+            false
+        }
+        Err(_) => {
+            tracing::error!(timeout = ?within, "the scheduler did not answer within {within:?}; no watchdog ping");
+            false
+        }
+    }
 }
 
 /// Opens the model store (checking it, which reads the disk: off the async threads).
@@ -283,7 +391,18 @@ fn idle_exit_due(
         in_flight: requests.in_flight.load(Ordering::Relaxed) + bus.map_or(0, dbus::Service::jobs_running),
         started: requests.started.load(Ordering::Relaxed),
     };
-    if !clock.observe(activity, limit, Instant::now()) {
+    let due = clock.observe(activity, limit, Instant::now());
+    // Each check is observable (at debug level), so that a test can wait for checks to
+    // have run instead of sleeping to prove the daemon did not exit.
+    tracing::debug!(
+        corral_event = "idle_check",
+        runners = activity.runners,
+        queued = activity.queued,
+        in_flight = activity.in_flight,
+        due,
+        "idle check"
+    );
+    if !due {
         return false;
     }
     let limit = limit.unwrap_or_default();
@@ -309,7 +428,7 @@ fn app_state(config: &Config, store: Store, scheduler: Handle) -> http::AppState
         defaults: request::Defaults { num_ctx: config.scheduler.num_ctx, parallel: config.scheduler.num_parallel },
         registry,
         tokens: Arc::default(),
-        upstream: crate::supervisor::upstream::Pool::default(),
+        upstream: crate::supervisor::upstream::Pool::new(config.runner.stream_idle_timeout),
     }
 }
 
@@ -344,13 +463,13 @@ async fn serve_dbus(config: &Config, state: &http::AppState, inventory: gpu::Inv
 }
 
 /// Starts the scheduler on the memory inventory, with llama-server runners; returns its
-/// handle and the inventory.
+/// handle, the inventory and its task.
 async fn start_scheduler(
     config: &Config,
     paths: &Paths,
     cgroups: Option<CgroupTree>,
     log_target: LogTarget,
-) -> anyhow::Result<(Handle, gpu::Inventory)> {
+) -> anyhow::Result<(Handle, gpu::Inventory, tokio::task::JoinHandle<()>)> {
     let gpu_config = config.gpu.clone();
     let (probe, inventory) = tokio::task::spawn_blocking(move || {
         let probe: Arc<dyn gpu::MemoryProbe> = Arc::from(gpu::probe(&gpu_config, &gpu::Roots::system()));
@@ -396,8 +515,8 @@ async fn start_scheduler(
     );
     let learned = Footprints::load(paths.state.join("footprints.json"));
     let (scheduler, handle) = Scheduler::new(Arc::new(backend), gpus, inventory.host.available_bytes, limits, learned);
-    tokio::spawn(scheduler.run());
-    Ok((handle, inventory))
+    let task = tokio::spawn(scheduler.run());
+    Ok((handle, inventory, task))
 }
 
 /// The scheduler's limits from the configuration (applied again on reload).
@@ -502,11 +621,165 @@ async fn tick(interval: Option<&mut tokio::time::Interval>) {
 
 #[cfg(test)]
 mod tests {
+    use std::io::Write;
+    use std::path::PathBuf;
+    use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
     use tokio::time::Instant;
 
-    use super::{Activity, IdleClock};
+    use super::{Activity, IdleClock, Vital, watchdog_ping};
+    use crate::scheduler::actor::{Limits, ModelRequest, ScheduleError, Scheduler};
+    use crate::scheduler::backend::{Backend, BoxFuture, LiveRunner, StartRequest};
+    use crate::scheduler::footprints::Footprints;
+    use crate::scheduler::keep_alive::{Clamp, KeepAlive};
+    use crate::scheduler::policy::Footprint;
+    use crate::supervisor::command::{LoadOptions, ModelFiles};
+    use crate::systemd::Notifier;
+
+    /// A backend whose runners make the scheduler panic once ready: the only way to
+    /// make it panic, reachable from this test alone.
+    struct Panicking;
+
+    struct PanickingRunner;
+
+    impl Backend for Panicking {
+        fn start(&self, _: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, String>> {
+            Box::pin(async { Ok(Box::new(PanickingRunner) as Box<dyn LiveRunner>) })
+        }
+    }
+
+    impl LiveRunner for PanickingRunner {
+        fn socket(&self) -> PathBuf {
+            panic!("the test backend's runner has no socket")
+        }
+        fn measured(&self) -> Option<Footprint> {
+            None
+        }
+        fn pid(&self) -> u32 {
+            1
+        }
+        fn stop(self: Box<Self>) -> BoxFuture<'static, ()> {
+            Box::pin(async {})
+        }
+        fn exited(&mut self) -> BoxFuture<'_, String> {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    fn scheduler(backend: Arc<dyn Backend>) -> (Scheduler, crate::scheduler::actor::Handle) {
+        let limits = Limits {
+            max_loaded: 3,
+            max_queue: 8,
+            default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
+            clamp: Clamp::default(),
+        };
+        Scheduler::new(backend, Vec::new(), 1 << 30, limits, Footprints::in_memory())
+    }
+
+    fn request() -> ModelRequest {
+        ModelRequest {
+            key: "k".into(),
+            weights: "w".into(),
+            name: "m".into(),
+            files: ModelFiles { model: PathBuf::from("/blobs/m"), projector: None, adapters: Vec::new() },
+            options: LoadOptions::default(),
+            need: Footprint { vram: 0, ram: 1 << 20 },
+            keep_alive: None,
+            pinned: false,
+        }
+    }
+
+    /// Log lines, captured.
+    #[derive(Clone, Default)]
+    struct Capture(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Capture {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("lock").extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_panicking_scheduler_ends_the_daemon_with_an_error_naming_it_and_the_panic() {
+        let capture = Capture::default();
+        let writer = capture.clone();
+        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let (scheduler, handle) = scheduler(Arc::new(Panicking));
+        let mut vital = Vital { scheduler: tokio::spawn(scheduler.run()) };
+        let waiting = tokio::spawn({
+            let handle = handle.clone();
+            async move { handle.acquire(request()).await }
+        });
+        let error = tokio::time::timeout(Duration::from_secs(30), vital.died(std::future::pending()))
+            .await
+            .expect("noticed at once");
+        assert_eq!(error.to_string(), "the scheduler task panicked: the test backend's runner has no socket");
+        let logged = String::from_utf8(capture.0.lock().expect("lock").clone()).expect("utf-8");
+        assert!(
+            logged.lines().any(|l| l.contains("ERROR")
+                && l.contains("task=\"scheduler\"")
+                && l.contains("the scheduler task panicked: the test backend's runner has no socket")),
+            "{logged}"
+        );
+        // What waited on it is told, not left hanging.
+        assert_eq!(waiting.await.expect("join").expect_err("no lease"), ScheduleError::ShuttingDown);
+        assert_eq!(handle.ping().await, Err(ScheduleError::ShuttingDown));
+    }
+
+    #[tokio::test]
+    async fn a_panicking_d_bus_follower_ends_the_daemon_with_an_error_naming_it() {
+        // Logs captured here too: a callsite first reached with no subscriber anywhere
+        // would stay off for the test above, which checks its entry.
+        let capture = Capture::default();
+        let writer = capture.clone();
+        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let (scheduler, handle) = scheduler(Arc::new(Panicking));
+        let mut vital = Vital { scheduler: tokio::spawn(scheduler.run()) };
+        let follower = tokio::spawn(async { panic!("a view fell over") });
+        let error = tokio::time::timeout(Duration::from_secs(30), vital.died(follower)).await.expect("noticed");
+        assert_eq!(error.to_string(), "the D-Bus follower task panicked: a view fell over");
+        let logged = String::from_utf8(capture.0.lock().expect("lock").clone()).expect("utf-8");
+        assert!(logged.contains("task=\"D-Bus follower\""), "{logged}");
+        // A follower that simply ends is as fatal: the views would freeze.
+        let error = vital.died(async { Ok(()) }).await;
+        assert_eq!(error.to_string(), "the D-Bus follower task ended unexpectedly");
+        handle.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn the_watchdog_is_pinged_only_after_the_scheduler_answered() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("notify.sock");
+        let manager = std::os::unix::net::UnixDatagram::bind(&path).expect("bind");
+        manager.set_nonblocking(true).expect("nonblocking");
+        let notifier = Notifier::new(Some(path.into_os_string()));
+        let mut buf = [0u8; 256];
+
+        // A scheduler whose loop does not run (as when it hangs): no ping.
+        let (_hung, hung_handle) = scheduler(Arc::new(Panicking));
+        assert!(!watchdog_ping(&notifier, &hung_handle, Duration::from_millis(100)).await);
+        let nothing = manager.recv(&mut buf).expect_err("no message");
+        assert_eq!(nothing.kind(), std::io::ErrorKind::WouldBlock, "no WATCHDOG=1 for a hung scheduler");
+
+        // A dead one: no ping either.
+        let (dead, dead_handle) = scheduler(Arc::new(Panicking));
+        drop(dead);
+        assert!(!watchdog_ping(&notifier, &dead_handle, Duration::from_secs(5)).await);
+        assert!(manager.recv(&mut buf).is_err());
+
+        let (running, handle) = scheduler(Arc::new(Panicking));
+        tokio::spawn(running.run());
+        assert!(watchdog_ping(&notifier, &handle, Duration::from_secs(30)).await);
+        let n = manager.recv(&mut buf).expect("a message");
+        assert_eq!(&buf[..n], b"WATCHDOG=1\n");
+    }
 
     const QUIET: Activity = Activity { runners: 0, queued: 0, in_flight: 0, started: 0 };
     const LIMIT: Option<Duration> = Some(Duration::from_secs(60));

@@ -15,6 +15,8 @@ pub mod gpu;
 pub mod http;
 pub mod logging;
 pub mod paths;
+pub mod prompt_template;
+pub mod redact;
 pub mod scheduler;
 pub mod store;
 pub mod supervisor;

@@ -1,7 +1,8 @@
 //! The named errors of `org.corral.Corral1`, and how core errors map onto them.
 //!
 //! Only here do scheduler, store and registry errors become D-Bus error names; each
-//! carries the core error's message, which says what to do.
+//! carries the core error's message, which says what to do, without the server's paths
+//! (`crate::redact`; the journal gets the original).
 
 use crate::scheduler::actor::ScheduleError;
 use crate::scheduler::request::RequestError;
@@ -48,9 +49,14 @@ impl Error {
     }
 }
 
+/// The message of an error on its way to a D-Bus client.
+fn public(error: &impl std::fmt::Display) -> String {
+    crate::redact::for_client(error.to_string(), "D-Bus")
+}
+
 impl From<ScheduleError> for Error {
     fn from(error: ScheduleError) -> Self {
-        let message = error.to_string();
+        let message = public(&error);
         match error {
             ScheduleError::QueueFull(_) => Self::Busy(message),
             ScheduleError::InsufficientMemory { .. } => Self::InsufficientMemory(message),
@@ -63,7 +69,7 @@ impl From<ScheduleError> for Error {
 
 impl From<StoreError> for Error {
     fn from(error: StoreError) -> Self {
-        let message = error.to_string();
+        let message = public(&error);
         match error {
             StoreError::NotFound(name) => Self::NoSuchModel(format!("model '{name}' not found")),
             StoreError::Invalid(_) => Self::InvalidArgument(message),
@@ -76,13 +82,37 @@ impl From<RequestError> for Error {
     fn from(error: RequestError) -> Self {
         match error {
             RequestError::Store(e) => e.into(),
-            e @ RequestError::InvalidOption { .. } => Self::InvalidArgument(e.to_string()),
+            e @ RequestError::InvalidOption { .. } => Self::InvalidArgument(public(&e)),
         }
     }
 }
 
 impl From<InvalidName> for Error {
     fn from(error: InvalidName) -> Self {
-        Self::InvalidName(error.to_string())
+        Self::InvalidName(public(&error))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+    use crate::scheduler::actor::ScheduleError;
+    use crate::store::StoreError;
+
+    #[test]
+    fn errors_reach_d_bus_clients_without_server_paths() {
+        let io = StoreError::Io {
+            context: "cannot write /var/lib/corral/models/blobs/.tmp-x1".into(),
+            source: std::io::Error::from_raw_os_error(28),
+        };
+        let Error::Failed(message) = Error::from(io) else { panic!("an I/O failure is Failed") };
+        assert!(message.starts_with("cannot write …/.tmp-x1: ") && !message.contains("/var/lib"), "{message}");
+
+        let load = ScheduleError::LoadFailed {
+            model: "chat".into(),
+            reason: "cannot start /opt/llama/bin/llama-server: No such file or directory".into(),
+        };
+        let Error::LoadFailed(message) = Error::from(load) else { panic!("LoadFailed") };
+        assert!(message.contains("…/llama-server") && !message.contains("/opt/llama"), "{message}");
     }
 }

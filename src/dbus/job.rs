@@ -186,7 +186,8 @@ async fn run(
         }
     };
     let outcome = tokio::select! {
-        result = perform(&shared, work, progress) => result.map_err(Some),
+        // The job's error is shown to D-Bus clients: without the server's paths.
+        result = perform(&shared, work, progress) => result.map_err(|e| Some(crate::redact::for_client(e, "D-Bus job"))),
         () = cancel.cancelled() => Err(None),
     };
     // The reporter ends once the progress callback (the sender) is gone.

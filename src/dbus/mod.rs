@@ -87,6 +87,15 @@ impl Service {
     pub fn connection(&self) -> &zbus::Connection {
         &self.connection
     }
+
+    /// Resolves when the task that keeps the objects in step with the scheduler ends
+    /// (it runs while the scheduler does; its end, or its panic, means the views froze).
+    ///
+    /// # Errors
+    /// The task panicked.
+    pub async fn follower(&mut self) -> Result<(), tokio::task::JoinError> {
+        (&mut self.follower).await
+    }
 }
 
 impl Drop for Service {

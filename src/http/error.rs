@@ -1,6 +1,10 @@
 //! Errors as HTTP responses, in the shape the client expects: Ollama's
 //! `{"error": "..."}` on `/api/*` and elsewhere, OpenAI's
 //! `{"error": {"message", "type", "code"}}` on `/v1/*`.
+//!
+//! Every message passes [`crate::redact::for_client`] on its way out: core errors name
+//! the files they failed on, which is for the journal (where the original is logged),
+//! not for clients.
 
 use axum::Json;
 use axum::http::{HeaderName, HeaderValue, StatusCode};
@@ -19,7 +23,26 @@ pub struct ApiError {
 impl ApiError {
     /// An error for a request to `path`, whose prefix decides the body's shape.
     pub fn new(status: StatusCode, message: impl Into<String>, path: &str) -> Self {
+        let message = crate::redact::for_client(message.into(), path);
+        Self { status, message, openai: path.starts_with("/v1/"), header: None }
+    }
+
+    /// An error whose message holds nothing of the server's but the request's own URL
+    /// path (404, 405), which is shown as sent.
+    pub fn about_url(status: StatusCode, message: impl Into<String>, path: &str) -> Self {
         Self { status, message: message.into(), openai: path.starts_with("/v1/"), header: None }
+    }
+
+    /// The status.
+    #[must_use]
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The message the client sees.
+    #[must_use]
+    pub fn message(&self) -> &str {
+        &self.message
     }
 
     /// Adds a header to the reply (`Retry-After` on a busy server).

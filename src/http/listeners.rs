@@ -4,10 +4,16 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
+use std::time::Duration;
+
+use axum::body::Body;
 use axum::serve::ListenerExt as _;
 use axum::{Extension, Router};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use nix::sys::socket::{AddressFamily, SockType, SockaddrLike, SockaddrStorage, getsockname, getsockopt, sockopt};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower::ServiceExt as _;
 
 use super::safety::Transport;
 use crate::config::ListenAddr;
@@ -79,8 +85,9 @@ impl Listener {
     }
 
     /// Serves `router` until `shutdown` is cancelled, then finishes open requests.
-    pub async fn serve(self, router: Router, shutdown: CancellationToken) -> io::Result<()> {
-        let stop = async move { shutdown.cancelled().await };
+    /// A connection that has not sent a whole request head `header_timeout` after it
+    /// opened (or after its last answer) is closed.
+    pub async fn serve(self, router: Router, header_timeout: Duration, shutdown: CancellationToken) -> io::Result<()> {
         // Every request learns its connection's kind: the Host rule depends on it.
         match self {
             Self::Tcp(l) => {
@@ -90,16 +97,56 @@ impl Listener {
                         tracing::debug!(error = %e, "cannot set TCP_NODELAY on a connection");
                     }
                 });
-                axum::serve(l, router.layer(Extension(Transport::Tcp))).with_graceful_shutdown(stop).await
+                serve_on(l, router.layer(Extension(Transport::Tcp)), header_timeout, shutdown).await;
             }
             Self::Unix { listener, owned } => {
-                let router = router.layer(Extension(Transport::Unix));
-                let result = axum::serve(listener, router).with_graceful_shutdown(stop).await;
+                serve_on(listener, router.layer(Extension(Transport::Unix)), header_timeout, shutdown).await;
                 drop(owned);
-                result
             }
         }
+        Ok(())
     }
+}
+
+/// The accept loop: one task per connection, served by hyper's HTTP/1 with a timer for
+/// the header timeout (which `axum::serve` does not set). On `shutdown` it stops
+/// accepting, asks every connection to finish its request in progress, and waits.
+async fn serve_on<L>(mut listener: L, router: Router, header_timeout: Duration, shutdown: CancellationToken)
+where
+    L: axum::serve::Listener,
+{
+    let connections = TaskTracker::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(header_timeout);
+    loop {
+        // Accept errors are logged and retried by `accept` (after a second when out of files).
+        let (io, _) = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = shutdown.cancelled() => break,
+        };
+        let router = router.clone();
+        let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+            router.clone().oneshot(request.map(Body::new))
+        });
+        let connection = http.serve_connection(TokioIo::new(io), service);
+        let shutdown = shutdown.clone();
+        connections.spawn(async move {
+            let mut connection = std::pin::pin!(connection);
+            let result = tokio::select! {
+                result = connection.as_mut() => result,
+                () = shutdown.cancelled() => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "an HTTP connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    connections.close();
+    connections.wait().await;
 }
 
 /// Turns the sockets systemd passed into listeners: all those named `http`, TCP or UNIX.
@@ -239,7 +286,11 @@ mod tests {
         let addr = tcp.local_addr().expect("addr");
         let shutdown = tokio_util::sync::CancellationToken::new();
         for listener in listeners {
-            tokio::spawn(listener.serve(crate::http::router(state.clone()), shutdown.clone()));
+            tokio::spawn(listener.serve(
+                crate::http::router(state.clone()),
+                std::time::Duration::from_secs(10),
+                shutdown.clone(),
+            ));
         }
         let tcp = || async { tokio::net::TcpStream::connect(addr).await.expect("connect") };
         let close = "Connection: close\r\n";

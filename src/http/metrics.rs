@@ -1,6 +1,9 @@
 //! `GET /metrics`: the scheduler's state and counters in Prometheus' text format.
 //!
-//! Names start with `corral_`; per-runner series carry `model` and `state` labels.
+//! Names start with `corral_`; per-runner series carry `model`, `state` and `runner`
+//! labels. The runner's id keeps each series unique: a model can have two runners at
+//! once (one draining beside its replacement after its load options changed, or two
+//! load-option variants), and a scrape must never show one series twice.
 
 use std::fmt::Write as _;
 
@@ -71,7 +74,13 @@ pub fn render(stats: &Stats) -> String {
                 "runner_ram_bytes" => m.footprint.ram,
                 _ => u64::from(m.leases),
             };
-            let _ = writeln!(out, "corral_{name}{{model=\"{}\",state=\"{}\"}} {value}", escape(&m.name), m.state);
+            let _ = writeln!(
+                out,
+                "corral_{name}{{model=\"{}\",state=\"{}\",runner=\"{}\"}} {value}",
+                escape(&m.name),
+                m.state,
+                m.id
+            );
         }
     }
     out
@@ -132,8 +141,8 @@ mod tests {
             "corral_requests_refused_total 4",
             "corral_loaded_models{state=\"ready\"} 1",
             "corral_loaded_models{state=\"loading\"} 0",
-            "corral_runner_ram_bytes{model=\"tiny:latest\",state=\"ready\"} 5000000",
-            "corral_runner_active_requests{model=\"tiny:latest\",state=\"ready\"} 2",
+            "corral_runner_ram_bytes{model=\"tiny:latest\",state=\"ready\",runner=\"1\"} 5000000",
+            "corral_runner_active_requests{model=\"tiny:latest\",state=\"ready\",runner=\"1\"} 2",
             "# TYPE corral_loads_total counter",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");

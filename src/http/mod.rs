@@ -4,7 +4,7 @@
 
 mod error;
 pub mod listeners;
-mod metrics;
+pub(crate) mod metrics;
 mod model_request;
 mod ollama_embed;
 mod ollama_generate;
@@ -13,6 +13,7 @@ mod ollama_store;
 mod ollama_translate;
 mod openai;
 pub mod parsers;
+mod runner_call;
 pub mod safety;
 pub mod state;
 
@@ -20,7 +21,7 @@ use axum::Json;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::http::{StatusCode, Uri};
-use axum::middleware::from_fn_with_state;
+use axum::middleware::{from_fn, from_fn_with_state};
 use axum::routing::{get, post};
 use serde::Serialize;
 
@@ -50,6 +51,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/embeddings", post(openai::embeddings))
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{*model}", get(openai::model))
+        // Every body above is JSON; uploads (merged below) are raw bytes.
+        .route_layer(from_fn(safety::json_only))
+        .merge(ollama_store::blob_routes())
         // Last: it applies to the routes registered before it.
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -73,11 +77,11 @@ async fn version() -> Json<Version> {
 }
 
 async fn not_found(uri: Uri) -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, format!("path {} not found", uri.path()), uri.path())
+    ApiError::about_url(StatusCode::NOT_FOUND, format!("path {} not found", uri.path()), uri.path())
 }
 
 async fn method_not_allowed(uri: Uri) -> ApiError {
-    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, format!("method not allowed on {}", uri.path()), uri.path())
+    ApiError::about_url(StatusCode::METHOD_NOT_ALLOWED, format!("method not allowed on {}", uri.path()), uri.path())
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
 use super::model_request;
+use super::runner_call;
 use super::state::AppState;
 use crate::scheduler::actor::ScheduleError;
 
@@ -84,19 +85,26 @@ async fn run(
         return Err(bad(&format!("\"{name_text}\" does not support embeddings"), path));
     }
     let model = model_request.name.clone();
-    let waited = Instant::now();
-    let lease = state.scheduler.acquire(model_request).await.map_err(|e| schedule_error(&e, path))?;
-    let load = waited.elapsed();
     if inputs.is_empty() {
         // Ollama's way to load a model without using it.
-        return Ok((model, Vec::new(), load, 0));
+        let waited = Instant::now();
+        drop(state.scheduler.acquire(model_request).await.map_err(|e| schedule_error(&e, path))?);
+        return Ok((model, Vec::new(), waited.elapsed(), 0));
     }
     let body = serde_json::to_vec(&json!({ "input": inputs })).expect("strings serialize");
-    let (status, reply) = state
-        .upstream
-        .post_json(lease.socket(), "/v1/embeddings", body, UPSTREAM_TIMEOUT)
-        .await
-        .map_err(|e| internal(&format!("the model runner did not answer: {e}"), path))?;
+    let answer = runner_call::send(state, model_request, "/v1/embeddings", body, UPSTREAM_TIMEOUT, path).await?;
+    let (lease, status, mut upstream, load) = (answer.lease, answer.status, answer.body, answer.waited);
+    let mut reply = Vec::new();
+    while let Some(piece) = upstream.chunk().await {
+        match piece {
+            Ok(piece) => reply.extend_from_slice(&piece),
+            Err(e) => {
+                drop(upstream);
+                let message = runner_call::failed_mid_answer(&state.scheduler, Some(lease), &e).await;
+                return Err(internal(&message, path));
+            }
+        }
+    }
     drop(lease);
     let reply: Value = serde_json::from_slice(&reply)
         .map_err(|e| internal(&format!("the model runner sent an unreadable answer: {e}"), path))?;

@@ -22,8 +22,9 @@ use super::error::ApiError;
 use super::model_request;
 use super::ollama_embed::{bad, internal, nanos, object, schedule_error};
 use super::ollama_translate::{self as translate, ToolCalls};
+use super::runner_call;
 use super::state::{AppState, Tokens};
-use crate::scheduler::actor::{Lease, ModelRequest, ScheduleError};
+use crate::scheduler::actor::{Handle, Lease, ModelRequest, ScheduleError};
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request;
 use crate::store::name::ModelName;
@@ -31,6 +32,8 @@ use crate::supervisor::upstream::BodyStream;
 
 /// How long a runner may take to start answering a generation.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
+/// Where a streamed answer's error line is logged from when it had paths removed.
+const PATH_STREAM: &str = "/api/chat and /api/generate (stream)";
 
 /// A constrained answer is completed from the prompt `/apply-template` renders, which
 /// has no place for images.
@@ -100,7 +103,7 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
     let fields = translate::think(&request, PATH)?;
     // Checked before anything loads, even when the prompt is empty.
     if let Some(template) = &template {
-        translate::render_template(template, "", "", PATH)?;
+        translate::render_template(template, "", "", PATH).await?;
     }
     let common = Common::parse(&request, PATH)?;
     let prepared = prepare(&state, &common, !images.is_empty(), PATH).await?;
@@ -111,7 +114,7 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
     if direct {
         let prompt = match &template {
             Some(template) if !raw => {
-                translate::render_template(template, system.as_deref().unwrap_or_default(), &prompt, PATH)?
+                translate::render_template(template, system.as_deref().unwrap_or_default(), &prompt, PATH).await?
             }
             _ => prompt,
         };
@@ -262,19 +265,23 @@ async fn run(
     path: &str,
 ) -> Result<Response, ApiError> {
     let model = request.name.clone();
-    let waited = Instant::now();
-    let lease = state.scheduler.acquire(request).await.map_err(|e| schedule_error(&e, path))?;
-    let load = waited.elapsed();
-    let upstream_path = match route {
-        Route::Chat => "/v1/chat/completions",
-        Route::Completion => "/completion",
+    let (lease, status, mut upstream, load) = match route {
+        direct @ (Route::Chat | Route::Completion) => {
+            let upstream_path = if matches!(direct, Route::Chat) { "/v1/chat/completions" } else { "/completion" };
+            let body = serde_json::to_vec(&Value::Object(body)).expect("JSON values serialize");
+            let answer = runner_call::send(state, request, upstream_path, body, UPSTREAM_TIMEOUT, path).await?;
+            (answer.lease, answer.status, answer.body, answer.waited)
+        }
         Route::Rendered(render) => {
+            // The first request is the one that finds a dead runner (and retries).
             let render = serde_json::to_vec(&render).expect("JSON values serialize");
-            let (status, reply) = state
-                .upstream
-                .post_json(lease.socket(), "/apply-template", render, UPSTREAM_TIMEOUT)
-                .await
-                .map_err(|e| internal(&format!("the model runner did not answer: {e}"), path))?;
+            let answer = runner_call::send(state, request, "/apply-template", render, UPSTREAM_TIMEOUT, path).await?;
+            let (lease, status, mut rendered, load) = (answer.lease, answer.status, answer.body, answer.waited);
+            let mut reply = Vec::new();
+            while let Some(piece) = rendered.chunk().await {
+                let piece = piece.map_err(|e| runner_call::unanswered(&e, path))?;
+                reply.extend_from_slice(&piece);
+            }
             let reply: Value = serde_json::from_slice(&reply).unwrap_or(Value::Null);
             let Some(prompt) = reply["prompt"].as_str().filter(|_| status.is_success()) else {
                 let message =
@@ -282,15 +289,15 @@ async fn run(
                 return Err(ApiError::new(StatusCode::BAD_REQUEST, message, path));
             };
             body.insert("prompt".into(), Value::String(prompt.to_owned()));
-            "/completion"
+            let body = serde_json::to_vec(&Value::Object(body)).expect("JSON values serialize");
+            let (status, upstream) = state
+                .upstream
+                .post_json_stream(lease.socket(), "/completion", body, UPSTREAM_TIMEOUT)
+                .await
+                .map_err(|e| runner_call::unanswered(&e, path))?;
+            (lease, status, upstream, load)
         }
     };
-    let body = serde_json::to_vec(&Value::Object(body)).expect("JSON values serialize");
-    let (status, mut upstream) = state
-        .upstream
-        .post_json_stream(lease.socket(), upstream_path, body, UPSTREAM_TIMEOUT)
-        .await
-        .map_err(|e| internal(&format!("the model runner did not answer: {e}"), path))?;
     if !status.is_success() {
         let mut reply = Vec::new();
         while let Some(Ok(piece)) = upstream.chunk().await {
@@ -315,6 +322,7 @@ async fn run(
         load,
         finished: false,
         tokens: Arc::clone(&state.tokens),
+        scheduler: state.scheduler.clone(),
     };
     if stream {
         let lines = futures_util::stream::unfold(generation, |mut generation| async move {
@@ -336,9 +344,11 @@ async fn whole(mut generation: Generation, path: &str) -> Result<Response, ApiEr
     let mut last = false;
     loop {
         let events = match upstream.chunk().await {
-            Some(piece) => {
-                let piece = piece.map_err(|e| internal(&format!("the model runner failed mid-answer: {e}"), path))?;
-                generation.parser.feed(&piece)
+            Some(Ok(piece)) => generation.parser.feed(&piece),
+            Some(Err(e)) => {
+                drop(upstream);
+                let message = runner_call::failed_mid_answer(&generation.scheduler, generation.lease.take(), &e).await;
+                return Err(internal(&message, path));
             }
             None if !last => {
                 last = true;
@@ -373,6 +383,8 @@ struct Generation {
     load: Duration,
     finished: bool,
     tokens: Arc<Tokens>,
+    /// To report a runner that fell silent.
+    scheduler: Handle,
 }
 
 impl Generation {
@@ -393,7 +405,10 @@ impl Generation {
                             Event::ToolCalls(tool_calls) => Delta { tool_calls, ..Delta::default() },
                             Event::Error(message) => {
                                 self.finish();
-                                push_line(&mut out, &json!({ "error": message }));
+                                push_line(
+                                    &mut out,
+                                    &json!({ "error": crate::redact::for_client(message, PATH_STREAM) }),
+                                );
                                 return Some(Bytes::from(out));
                             }
                         };
@@ -404,8 +419,10 @@ impl Generation {
                     }
                 }
                 Some(Err(e)) => {
+                    self.upstream = None;
+                    let message = runner_call::failed_mid_answer(&self.scheduler, self.lease.take(), &e).await;
                     self.finish();
-                    push_line(&mut out, &json!({ "error": format!("the model runner failed mid-answer: {e}") }));
+                    push_line(&mut out, &json!({ "error": crate::redact::for_client(message, PATH_STREAM) }));
                     return Some(Bytes::from(out));
                 }
                 None => {

@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
-use std::io::{self, Read};
+use std::io::Write;
 
 use axum::Json;
 use axum::Router;
@@ -27,23 +27,23 @@ use tokio::sync::mpsc;
 use super::ApiError;
 use super::state::AppState;
 use crate::store::create::{CreateSpec, Source};
-use crate::store::digest::Digest;
+use crate::store::digest::{Digest, Hasher};
 use crate::store::modelfile::Message;
 use crate::store::name::ModelName;
 use crate::store::registry::{Progress, Registry, RegistryError};
 use crate::store::{Store, StoreError};
 
-/// The routes of this module.
+/// The routes of this module whose bodies are JSON.
 pub(super) fn routes() -> Router<AppState> {
-    let blobs = Router::new()
+    Router::new().route("/api/create", post(create)).route("/api/pull", post(pull)).route("/api/push", post(push))
+}
+
+/// Blob uploads: raw bytes of any type.
+pub(super) fn blob_routes() -> Router<AppState> {
+    Router::new()
         .route("/api/blobs/{digest}", head(head_blob).post(post_blob))
         // Uploads are weights, far larger than the limit on JSON bodies; they stream to disk.
-        .route_layer(DefaultBodyLimit::disable());
-    Router::new()
-        .merge(blobs)
-        .route("/api/create", post(create))
-        .route("/api/pull", post(pull))
-        .route("/api/push", post(push))
+        .route_layer(DefaultBodyLimit::disable())
 }
 
 const BLOBS: &str = "/api/blobs";
@@ -70,6 +70,11 @@ async fn head_blob(State(state): State<AppState>, Path(digest): Path<String>) ->
 
 /// `POST /api/blobs/<digest>` with the raw bytes: 201 when stored, 200 when the store
 /// already had it, 400 when the data does not hash to `digest` (and nothing is kept).
+///
+/// The body is read here, on the async workers; only data in hand goes to the blocking
+/// pool, to be hashed and written, so a client that stalls holds no thread (and its
+/// body fails after `[server] body_idle_timeout`, which drops the partial file). At most
+/// `[server] max_uploads` run at once.
 async fn post_blob(
     State(state): State<AppState>,
     Path(digest): Path<String>,
@@ -80,26 +85,105 @@ async fn post_blob(
     if store.has_blob(&digest) {
         return Ok(StatusCode::OK);
     }
-    let (tx, rx) = mpsc::channel::<io::Result<Bytes>>(8);
-    let writer = tokio::task::spawn_blocking(move || {
-        store.write_blob(ChannelReader { rx, current: Bytes::new() }, Some(&digest))
-    });
+    let _permit = state.safety.upload_permit(BLOBS)?;
+    let mut upload = Upload::start(store).await?;
     let mut data = body.into_data_stream();
+    let mut batch = Batch::default();
     while let Some(chunk) = data.next().await {
-        let chunk = chunk.map_err(|e| io::Error::other(format!("the upload failed: {e}")));
-        let failed = chunk.is_err();
-        if tx.send(chunk).await.is_err() || failed {
-            break;
+        // A failed body (the client went away, or sent nothing for too long) ends the
+        // upload; dropping it removes the partial file.
+        let chunk = chunk.map_err(|e| bad(format!("the upload failed: {e}"), BLOBS))?;
+        batch.len += chunk.len();
+        batch.chunks.push(chunk);
+        if batch.len >= WRITE_BATCH {
+            upload.write(std::mem::take(&mut batch)).await?;
         }
     }
-    drop(tx);
-    match writer.await {
-        Ok(Ok(_)) => Ok(StatusCode::CREATED),
-        Ok(Err(e @ StoreError::DigestMismatch { .. })) => Err(bad(e.to_string(), BLOBS)),
-        Ok(Err(e)) => {
-            tracing::error!(error = %e, "cannot store an uploaded blob");
-            Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), BLOBS))
+    upload.write(batch).await?;
+    upload.finish(digest).await?;
+    Ok(StatusCode::CREATED)
+}
+
+/// How much of an upload is gathered before it goes to the blocking pool.
+const WRITE_BATCH: usize = 1 << 20;
+
+/// Chunks of an upload in hand, to be written together.
+#[derive(Default)]
+struct Batch {
+    chunks: Vec<Bytes>,
+    len: usize,
+}
+
+/// A blob being uploaded: its temporary file (removed when dropped) and its hash so far.
+struct Partial {
+    file: crate::store::TempFile,
+    hasher: Hasher,
+}
+
+/// An upload in progress. One write at a time runs on the blocking pool while the next
+/// batch is read from the network.
+struct Upload {
+    store: Store,
+    idle: Option<Partial>,
+    writing: Option<tokio::task::JoinHandle<Result<Partial, StoreError>>>,
+}
+
+impl Upload {
+    async fn start(store: Store) -> Result<Self, ApiError> {
+        let opened = store.clone();
+        let file = blocking(move || opened.temp_blob_file()).await?;
+        Ok(Self { store, idle: Some(Partial { file, hasher: Hasher::default() }), writing: None })
+    }
+
+    /// The partial blob, once the write in progress is done.
+    async fn partial(&mut self) -> Result<Partial, ApiError> {
+        match self.writing.take() {
+            Some(write) => write.await.map_err(|_| internal(BLOBS))?.map_err(|e| upload_error(&e)),
+            None => self.idle.take().ok_or_else(|| internal(BLOBS)),
         }
+    }
+
+    /// Starts writing `batch` once the previous write is done.
+    async fn write(&mut self, batch: Batch) -> Result<(), ApiError> {
+        let mut partial = self.partial().await?;
+        if batch.len == 0 {
+            self.idle = Some(partial);
+            return Ok(());
+        }
+        self.writing = Some(tokio::task::spawn_blocking(move || {
+            for chunk in &batch.chunks {
+                partial.hasher.update(chunk);
+                partial.file.write_all(chunk).map_err(|source| StoreError::Io {
+                    context: format!("cannot write {}", partial.file.rel()),
+                    source,
+                })?;
+            }
+            Ok(partial)
+        }));
+        Ok(())
+    }
+
+    /// Checks the digest and moves the blob into place.
+    async fn finish(mut self, expected: Digest) -> Result<(), ApiError> {
+        let partial = self.partial().await?;
+        let store = self.store;
+        blocking(move || {
+            let (digest, _) = partial.hasher.finish();
+            if digest != expected {
+                return Err(StoreError::DigestMismatch { expected, actual: digest });
+            }
+            if store.has_blob(&digest) { Ok(()) } else { store.commit_blob(partial.file, &digest) }
+        })
+        .await
+    }
+}
+
+/// Runs store work on the blocking pool; its error as an upload's.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, ApiError> {
+    match tokio::task::spawn_blocking(work).await {
+        Ok(result) => result.map_err(|e| upload_error(&e)),
         Err(e) => {
             tracing::error!(error = %e, "a blob upload task panicked");
             Err(internal(BLOBS))
@@ -107,30 +191,18 @@ async fn post_blob(
     }
 }
 
-/// The request body's chunks, as a blocking reader for the store.
-struct ChannelReader {
-    rx: mpsc::Receiver<io::Result<Bytes>>,
-    current: Bytes,
-}
-
-impl Read for ChannelReader {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        while self.current.is_empty() {
-            match self.rx.blocking_recv() {
-                Some(chunk) => self.current = chunk?,
-                None => return Ok(0),
-            }
-        }
-        let n = buf.len().min(self.current.len());
-        buf[..n].copy_from_slice(&self.current.split_to(n));
-        Ok(n)
+fn upload_error(error: &StoreError) -> ApiError {
+    if let StoreError::DigestMismatch { .. } = error {
+        return bad(error.to_string(), BLOBS);
     }
+    tracing::error!(error = %error, "cannot store an uploaded blob");
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string(), BLOBS)
 }
 
 /// One line of a progress stream.
 enum Event<P> {
     Progress(P),
-    Failed(ApiError, String),
+    Failed(ApiError),
 }
 
 /// The reply to a streaming request, given the first event and the rest. The first event
@@ -142,14 +214,14 @@ async fn reply<P: Serialize + Send + 'static>(
 ) -> Response {
     if !stream {
         while let Some(event) = rx.recv().await {
-            if let Event::Failed(error, _) = event {
+            if let Event::Failed(error) = event {
                 return error.into_response();
             }
         }
         return Json(json!({"status": "success"})).into_response();
     }
     let first = match rx.recv().await {
-        Some(Event::Failed(error, _)) => return error.into_response(),
+        Some(Event::Failed(error)) => return error.into_response(),
         Some(first) => first,
         None => return internal(path).into_response(),
     };
@@ -160,7 +232,8 @@ async fn reply<P: Serialize + Send + 'static>(
         };
         let value = match event {
             Event::Progress(p) => serde_json::to_value(p).unwrap_or(Value::Null),
-            Event::Failed(_, message) => json!({ "error": message }),
+            // The same message as a plain error would carry, server paths removed.
+            Event::Failed(error) => json!({ "error": error.message() }),
         };
         let mut line = value.to_string().into_bytes();
         line.push(b'\n');
@@ -288,7 +361,7 @@ fn store_error(error: &StoreError, path: &str, from: &str) -> ApiError {
         | StoreError::Gguf { .. }
         | StoreError::Invalid(_)
         | StoreError::MissingBlob(_) => bad(error.to_string(), path),
-        StoreError::Manifest { .. } | StoreError::Io { .. } => {
+        StoreError::Manifest { .. } | StoreError::Refused { .. } | StoreError::Io { .. } => {
             tracing::error!(path, error = %error, "the model store failed");
             ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string(), path)
         }
@@ -325,7 +398,7 @@ async fn create(State(state): State<AppState>, body: Bytes) -> Response {
                 let _ = tx.send(Event::Progress(Status { status: "success".into() }));
             }
             Err(e) => {
-                let _ = tx.send(Event::Failed(store_error(&e, PATH, &from), e.to_string()));
+                let _ = tx.send(Event::Failed(store_error(&e, PATH, &from)));
             }
         }
     });
@@ -421,7 +494,7 @@ async fn transfer(state: AppState, body: &[u8], kind: Transfer) -> Response {
         match result {
             Ok(digest) => tracing::info!(model = %name, %digest, path, "a registry transfer finished"),
             Err(e) => {
-                let _ = tx.send(Event::Failed(registry_error(&e, path, &given), e.to_string()));
+                let _ = tx.send(Event::Failed(registry_error(&e, path, &given)));
             }
         }
     });

@@ -5,13 +5,14 @@
 //! Pure functions: the handlers in `ollama_generate` call them before leasing a runner,
 //! so a bad field is refused before anything loads.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 use base64::Engine as _;
 use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
-use super::ollama_embed::bad;
+use super::ollama_embed::{bad, internal};
+use crate::prompt_template::{self, TemplateError};
 
 /// `format`: `"json"` (any JSON object) or a JSON schema, as the schema for
 /// llama-server's `json_schema` on `/completion`. Absent, null or `""`: none.
@@ -269,18 +270,20 @@ impl ToolCalls {
 }
 
 /// Renders a request's `template` (Go template syntax, as Ollama's: `{{ .System }}`,
-/// `{{ .Prompt }}`, `{{ .Response }}`, `if`/`range`, trim markers) with gtmpl, a port of
-/// Go's `text/template`.
-pub(super) fn render_template(template: &str, system: &str, prompt: &str, path: &str) -> Result<String, ApiError> {
-    let mut parsed = gtmpl::Template::default();
-    parsed.parse(template).map_err(|e| bad(&format!("invalid template: {e}"), path))?;
-    let mut fields: HashMap<String, gtmpl::Value> = HashMap::new();
-    fields.insert("System".into(), system.into());
-    fields.insert("Prompt".into(), prompt.into());
-    fields.insert("Response".into(), "".into());
-    parsed
-        .render(&gtmpl::Context::from(gtmpl::Value::from(fields)))
-        .map_err(|e| bad(&format!("invalid template: {e}"), path))
+/// `{{ .Prompt }}`, `{{ .Response }}`, `if`/`range`, trim markers) off the async workers,
+/// within [`prompt_template`]'s limits. Every refusal is the request's fault (400) and
+/// names the limit, except a render thread that could not start (500).
+pub(super) async fn render_template(
+    template: &str,
+    system: &str,
+    prompt: &str,
+    path: &str,
+) -> Result<String, ApiError> {
+    let fields = [("System", system), ("Prompt", prompt), ("Response", "")];
+    prompt_template::render(template, &fields, &prompt_template::Limits::default()).await.map_err(|e| match e {
+        TemplateError::Thread(_) => internal(&e.to_string(), path),
+        e => bad(&e.to_string(), path),
+    })
 }
 
 #[cfg(test)]
@@ -417,17 +420,21 @@ mod tests {
         assert!(calls.is_empty());
     }
 
-    #[test]
-    fn templates_render_ollamas_fields_and_bad_ones_are_named() {
+    #[tokio::test]
+    async fn templates_render_ollamas_fields_and_bad_ones_are_named() {
         let template = "{{ if .System }}<sys>{{ .System }}</sys>{{ end }}<user>{{ .Prompt }}</user>{{ .Response }}";
         assert_eq!(
-            render_template(template, "be brief", "hi", "/api/generate").expect("renders"),
+            render_template(template, "be brief", "hi", "/api/generate").await.expect("renders"),
             "<sys>be brief</sys><user>hi</user>"
         );
-        assert_eq!(render_template(template, "", "hi", "/api/generate").expect("renders"), "<user>hi</user>");
+        assert_eq!(render_template(template, "", "hi", "/api/generate").await.expect("renders"), "<user>hi</user>");
         let trimmed = "{{- if .System }} {{ .System }} {{- end }}|{{ .Prompt -}} ";
-        assert_eq!(render_template(trimmed, "s", "p", "/api/generate").expect("renders"), " s|p");
-        let error = render_template("{{ if .System }}unclosed", "", "p", "/api/generate").expect_err("bad");
+        assert_eq!(render_template(trimmed, "s", "p", "/api/generate").await.expect("renders"), " s|p");
+        let error = render_template("{{ if .System }}unclosed", "", "p", "/api/generate").await.expect_err("bad");
         assert!(message_of(&error).contains("invalid template"));
+        let deep = format!("{}x{}", "{{ if 1 }}".repeat(100), "{{ end }}".repeat(100));
+        let error = render_template(&deep, "", "p", "/api/generate").await.expect_err("deep");
+        assert!(message_of(&error).contains("status: 400"), "{error:?}");
+        assert!(message_of(&error).contains("template nests deeper than 64 levels"), "{error:?}");
     }
 }

@@ -17,13 +17,14 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
-use serde_json::{Map, Value};
+use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
 use super::model_request;
-use super::ollama_embed::{bad, internal, object, schedule_error};
+use super::ollama_embed::{bad, internal, object};
+use super::runner_call;
 use super::state::{AppState, Tokens};
-use crate::scheduler::actor::Lease;
+use crate::scheduler::actor::{Handle, Lease};
 use crate::store::StoreError;
 use crate::store::name::ModelName;
 use crate::supervisor::upstream::BodyStream;
@@ -66,12 +67,8 @@ async fn pass_through(state: &AppState, body: &[u8], path: &'static str, needs: 
     }
     request.insert("model".into(), Value::String(model_request.name.clone()));
     let body = serde_json::to_vec(&Value::Object(request)).expect("JSON values serialize");
-    let lease = state.scheduler.acquire(model_request).await.map_err(|e| schedule_error(&e, path))?;
-    let (status, upstream) = state
-        .upstream
-        .post_json_stream(lease.socket(), path, body, UPSTREAM_TIMEOUT)
-        .await
-        .map_err(|e| internal(&format!("the model runner did not answer: {e}"), path))?;
+    let runner_call::Answer { lease, status, body: upstream, .. } =
+        runner_call::send(state, model_request, path, body, UPSTREAM_TIMEOUT, path).await?;
     // The runner's own content type; should it send none, what it sends for such a
     // request: server-sent events for a streaming one, else (errors included) JSON.
     let content_type = upstream.content_type().cloned().unwrap_or_else(|| {
@@ -79,13 +76,35 @@ async fn pass_through(state: &AppState, body: &[u8], path: &'static str, needs: 
     });
     let events = content_type.as_bytes().starts_with(b"text/event-stream");
     let usage = Usage::new(events, Arc::clone(&state.tokens));
-    let forwarded = Forwarded { upstream, usage: status.is_success().then_some(usage), _lease: lease };
+    let forwarded = Forwarded {
+        upstream: Some(upstream),
+        usage: status.is_success().then_some(usage),
+        lease: Some(lease),
+        scheduler: state.scheduler.clone(),
+        events,
+    };
     let pieces = futures_util::stream::unfold(forwarded, |mut forwarded| async move {
-        let piece = forwarded.upstream.chunk().await?;
-        if let (Ok(bytes), Some(usage)) = (&piece, &mut forwarded.usage) {
-            usage.observe(bytes);
+        let piece = forwarded.upstream.as_mut()?.chunk().await?;
+        match piece {
+            Ok(bytes) => {
+                if let Some(usage) = &mut forwarded.usage {
+                    usage.observe(&bytes);
+                }
+                Some((Ok(bytes), forwarded))
+            }
+            Err(e) => {
+                forwarded.upstream = None;
+                let message = runner_call::failed_mid_answer(&forwarded.scheduler, forwarded.lease.take(), &e).await;
+                if forwarded.events {
+                    // An event stream ends with an error event the client can read.
+                    let event = json!({ "error": { "message": message, "type": "server_error", "code": 500 } });
+                    Some((Ok(Bytes::from(format!("data: {event}\n\n"))), forwarded))
+                } else {
+                    // A JSON answer cut short cannot be mended: the connection is broken off.
+                    Some((Err(std::io::Error::other(message)), forwarded))
+                }
+            }
         }
-        Some((piece, forwarded))
     });
     let mut response = Body::from_stream(pieces).into_response();
     *response.status_mut() = status;
@@ -100,9 +119,13 @@ async fn pass_through(state: &AppState, body: &[u8], path: &'static str, needs: 
 /// The runner's answer on its way to the client; dropping it closes the connection to
 /// the runner, releases the lease and counts the answer's tokens.
 struct Forwarded {
-    upstream: BodyStream,
+    /// None once the answer failed (the stream then ends).
+    upstream: Option<BodyStream>,
     usage: Option<Usage>,
-    _lease: Lease,
+    lease: Option<Lease>,
+    scheduler: Handle,
+    /// Server-sent events (an error can still be told in the stream).
+    events: bool,
 }
 
 impl Drop for Forwarded {

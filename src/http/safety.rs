@@ -6,29 +6,51 @@
 //!    refused with 400, as HTTP/1.1 requires one (the accept loop marks each connection's
 //!    [`Transport`]); over a UNIX socket, or in HTTP/1.0, a request without any host is let
 //!    through (such clients send none, and a browser always sends one, so a rebinding page
-//!    cannot leave it out).
-//! 2. **CORS**: a preflight (`OPTIONS` with `Origin` and `Access-Control-Request-Method`)
+//!    cannot leave it out). Two `Host` headers are a 400 (which one a proxy in front
+//!    believes is anyone's guess), and an absolute-form target
+//!    (`POST http://evil.example/api/pull`) must name an allowed host too: RFC 9112
+//!    makes the target's host win over the header.
+//! 2. **Browsers** (against cross-site requests, which need no preflight when their body
+//!    is `text/plain`, a form or `multipart/form-data`): a request that may change
+//!    something (every method but GET, HEAD and OPTIONS: store writes, deletes, uploads,
+//!    and the model-running routes, which cost compute) is refused with 403 when its
+//!    `Origin` is not in `cors_origins`, or when it has no allowed `Origin` and
+//!    `Sec-Fetch-Site` says `cross-site` or `same-site` (a page elsewhere; another port of
+//!    `localhost` is the same site). `same-origin` and `none` (a user's own navigation)
+//!    pass. Clients that are not browsers send neither header. The body's type is checked
+//!    per route by [`json_only`].
+//! 3. **CORS**: a preflight (`OPTIONS` with `Origin` and `Access-Control-Request-Method`)
 //!    from an origin in `cors_origins` is answered here with 204 and the allowed methods
 //!    and headers; other requests from such an origin get `Access-Control-Allow-Origin`
 //!    echoing it. Other origins get no CORS headers (their preflight goes on to the
 //!    router, which refuses `OPTIONS`), so the browser keeps the answer from the page.
-//! 3. **Bearer tokens**: with `api_tokens` set, every request but `GET /` and `HEAD /`
+//! 4. **Bearer tokens**: with `api_tokens` set, every request but `GET /` and `HEAD /`
 //!    needs `Authorization: Bearer <token>`, else 401. Tokens are compared in constant
 //!    time: the SHA-256 digests of the presented token and of every configured one are
 //!    compared with an xor fold over all 32 bytes, for every token, without an early exit.
-//! 4. **Body size** (except blob uploads, `/api/blobs/…`, which stream to disk): a
+//! 5. **Body size** (except blob uploads, `/api/blobs/…`, which stream to disk): a
 //!    `Content-Length` over `max_body` is refused with 413 at once; a
 //!    body without a length is cut off at `max_body` by the extractors, whose plain-text
 //!    413 is turned into the JSON error here.
+//! 6. **Idle bodies**: a body that sends nothing for `body_idle_timeout` fails (its reader
+//!    sees an error: an upload removes its partial file), and the answer is a 408.
+//!
+//! Half-sent request heads are the accept loop's (`listeners`, `header_timeout`).
 
 use std::net::IpAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
 
+use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Version, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::ApiError;
 use crate::config::ServerConfig;
@@ -47,6 +69,8 @@ pub enum Transport {
 const ALLOW_METHODS: &str = "GET, HEAD, POST, PUT, DELETE, OPTIONS";
 /// The request headers a preflight is told the API allows when it does not name any.
 const ALLOW_HEADERS: &str = "Authorization, Content-Type, User-Agent, Accept, X-Requested-With";
+/// How long a client refused for too many uploads is told to wait, in seconds.
+const UPLOAD_RETRY_AFTER: &str = "5";
 
 /// The `[server]` settings the checks use, prepared once.
 #[derive(Debug, Clone)]
@@ -59,6 +83,12 @@ pub struct Safety {
     token_digests: Vec<[u8; 32]>,
     /// `max_body`; 0 means no limit.
     max_body: u64,
+    /// `body_idle_timeout`.
+    body_idle_timeout: Duration,
+    /// `max_uploads` permits, one per blob upload in progress.
+    uploads: Arc<Semaphore>,
+    /// `max_uploads`, for messages.
+    max_uploads: u32,
 }
 
 impl Safety {
@@ -70,6 +100,9 @@ impl Safety {
             cors_origins: config.cors_origins.clone(),
             token_digests: config.api_tokens.iter().map(|t| digest(t.as_bytes())).collect(),
             max_body: config.max_body,
+            body_idle_timeout: config.body_idle_timeout,
+            uploads: Arc::new(Semaphore::new(usize::try_from(config.max_uploads).unwrap_or(usize::MAX))),
+            max_uploads: config.max_uploads,
         }
     }
 
@@ -77,6 +110,22 @@ impl Safety {
     #[must_use]
     pub fn body_limit(&self) -> usize {
         if self.max_body == 0 { usize::MAX } else { usize::try_from(self.max_body).unwrap_or(usize::MAX) }
+    }
+
+    /// A place among the blob uploads in progress, held until dropped; a 503 with
+    /// `Retry-After` when `max_uploads` are running.
+    pub fn upload_permit(&self, path: &str) -> Result<OwnedSemaphorePermit, ApiError> {
+        Arc::clone(&self.uploads).try_acquire_owned().map_err(|_| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "{} blob uploads are already running, the most [server] max_uploads allows; try again later",
+                    self.max_uploads
+                ),
+                path,
+            )
+            .with_header(header::RETRY_AFTER, HeaderValue::from_static(UPLOAD_RETRY_AFTER))
+        })
     }
 
     fn host_allowed(&self, host: &str) -> bool {
@@ -139,47 +188,106 @@ fn normalize_host(host: &str) -> String {
     name.trim_end_matches('.').to_ascii_lowercase()
 }
 
-/// The host the client asked for: the `Host` header, or the URI's authority (HTTP/2).
-fn requested_host(request: &Request) -> Result<Option<String>, ()> {
-    match request.headers().get(header::HOST) {
-        Some(value) => value.to_str().map(|s| Some(s.to_owned())).map_err(|_| ()),
-        None => Ok(request.uri().authority().map(|a| a.as_str().to_owned())),
+fn error(status: StatusCode, message: String, path: &str) -> Response {
+    ApiError::new(status, message, path).into_response()
+}
+
+/// The Host rule (1. above): `Err` is the refusal.
+fn check_host(safety: &Safety, request: &Request, path: &str) -> Result<(), ApiError> {
+    let mut headers = request.headers().get_all(header::HOST).iter();
+    let host = headers.next();
+    if headers.next().is_some() {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "the request has more than one Host header", path));
+    }
+    let Ok(host) = host.map(HeaderValue::to_str).transpose() else {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "the Host header is not valid text", path));
+    };
+    let refuse = |host: &str, what: &str| {
+        let name = normalize_host(host);
+        ApiError::new(
+            StatusCode::FORBIDDEN,
+            format!("{what} \"{host}\" is not allowed; add \"{name}\" to [server] allowed_hosts to allow it"),
+            path,
+        )
+    };
+    // An absolute-form target (or HTTP/2's :authority) names the host the client asked for.
+    let target = request.uri().authority().map(|a| match a.port() {
+        Some(port) => format!("{}:{port}", a.host()),
+        None => a.host().to_owned(),
+    });
+    if let Some(target) = &target
+        && !safety.host_allowed(target)
+    {
+        return Err(refuse(target, "the request target's host"));
+    }
+    match host {
+        Some(host) if !safety.host_allowed(host) => Err(refuse(host, "host")),
+        None if target.is_none()
+            && request.version() == Version::HTTP_11
+            && request.extensions().get::<Transport>() == Some(&Transport::Tcp) =>
+        {
+            Err(ApiError::new(StatusCode::BAD_REQUEST, "an HTTP/1.1 request needs a Host header", path))
+        }
+        Some(_) | None => Ok(()),
     }
 }
 
-fn error(status: StatusCode, message: String, path: &str) -> Response {
-    ApiError::new(status, message, path).into_response()
+/// Whether `method` may change something: everything but reading and preflights.
+fn may_change(method: &Method) -> bool {
+    !matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS)
+}
+
+/// Whether a browser sent the request: browsers add `Origin` to every request that may
+/// change something, and `Sec-Fetch-*` to every request; other clients send neither.
+fn from_browser(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::ORIGIN) || headers.keys().any(|name| name.as_str().starts_with("sec-fetch-"))
+}
+
+/// The browser rule (2. above): `Ok` with the request's allowed origin (for CORS), or
+/// the refusal.
+fn check_browser(safety: &Safety, request: &Request, path: &str) -> Result<Option<String>, ApiError> {
+    let headers = request.headers();
+    let mut origins = headers.get_all(header::ORIGIN).iter();
+    let (origin, second) = (origins.next(), origins.next());
+    let changes = may_change(request.method());
+    let refuse = |message: String| Err(ApiError::new(StatusCode::FORBIDDEN, message, path));
+    let Some(origin) = origin else {
+        let site = headers.get("sec-fetch-site").map(|v| v.as_bytes().to_ascii_lowercase());
+        if changes && matches!(site.as_deref(), Some(b"cross-site" | b"same-site")) {
+            return refuse(format!(
+                "a {} request from a web page of another site is not allowed here (Sec-Fetch-Site without an \
+                 allowed Origin)",
+                request.method()
+            ));
+        }
+        return Ok(None);
+    };
+    let text = String::from_utf8_lossy(origin.as_bytes()).into_owned();
+    let allowed = second.is_none() && origin.to_str().is_ok_and(|o| safety.origin_allowed(o));
+    if allowed {
+        return Ok(Some(text));
+    }
+    if changes {
+        let what = if second.is_some() { "more than one Origin".to_owned() } else { format!("origin \"{text}\"") };
+        return refuse(format!(
+            "{what} is not allowed to send {} requests; add the origin to [server] cors_origins to allow it",
+            request.method()
+        ));
+    }
+    Ok(None)
 }
 
 /// The middleware: see the module's documentation for the order and the rules.
 pub async fn guard(State(safety): State<Arc<Safety>>, request: Request, next: Next) -> Response {
     let path = request.uri().path().to_owned();
 
-    match requested_host(&request) {
-        Err(()) => return error(StatusCode::BAD_REQUEST, "the Host header is not valid text".into(), &path),
-        Ok(None)
-            if request.version() == Version::HTTP_11
-                && request.extensions().get::<Transport>() == Some(&Transport::Tcp) =>
-        {
-            return error(StatusCode::BAD_REQUEST, "an HTTP/1.1 request needs a Host header".into(), &path);
-        }
-        Ok(Some(host)) if !safety.host_allowed(&host) => {
-            let name = normalize_host(&host);
-            return error(
-                StatusCode::FORBIDDEN,
-                format!("host \"{host}\" is not allowed; add \"{name}\" to [server] allowed_hosts to allow it"),
-                &path,
-            );
-        }
-        Ok(_) => {}
+    if let Err(refusal) = check_host(&safety, &request, &path) {
+        return refusal.into_response();
     }
-
-    let origin = request
-        .headers()
-        .get(header::ORIGIN)
-        .and_then(|o| o.to_str().ok())
-        .filter(|o| safety.origin_allowed(o))
-        .map(str::to_owned);
+    let origin = match check_browser(&safety, &request, &path) {
+        Ok(origin) => origin,
+        Err(refusal) => return refusal.into_response(),
+    };
     if let Some(origin) = &origin
         && request.method() == Method::OPTIONS
         && request.headers().contains_key(header::ACCESS_CONTROL_REQUEST_METHOD)
@@ -219,13 +327,109 @@ pub async fn guard(State(safety): State<Arc<Safety>>, request: Request, next: Ne
         }
     }
 
+    let idle = Arc::new(AtomicBool::new(false));
+    let request = request.map(|body| {
+        if body.is_end_stream() {
+            body
+        } else {
+            Body::new(IdleBody { inner: body, timeout: safety.body_idle_timeout, sleep: None, idle: Arc::clone(&idle) })
+        }
+    });
     let mut response = next.run(request).await;
     let json =
         response.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
-    if response.status() == StatusCode::PAYLOAD_TOO_LARGE && !json {
+    if idle.load(Ordering::Relaxed) {
+        let seconds = safety.body_idle_timeout.as_secs_f64();
+        response = error(
+            StatusCode::REQUEST_TIMEOUT,
+            format!("the request body sent nothing for {seconds} s; [server] body_idle_timeout sets the limit"),
+            &path,
+        );
+    } else if response.status() == StatusCode::PAYLOAD_TOO_LARGE && !json {
         response = too_large(&safety, &path);
     }
     with_origin(response, origin.as_deref())
+}
+
+/// The middleware of the routes whose body is JSON (all but blob uploads): the body's
+/// `Content-Type` must be JSON (`application/json`, `application/*+json`) or absent.
+/// `application/x-www-form-urlencoded`, what `curl -d` sends (and every example in
+/// Ollama's documentation), is taken from clients that are not browsers; from a browser
+/// it is what a cross-site form posts. Any other type is a 415 naming it.
+pub async fn json_only(request: Request, next: Next) -> Response {
+    if may_change(request.method()) {
+        let headers = request.headers();
+        for value in headers.get_all(header::CONTENT_TYPE) {
+            let text = String::from_utf8_lossy(value.as_bytes());
+            let essence = text.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+            let json =
+                essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"));
+            let form = essence == "application/x-www-form-urlencoded";
+            if json || (form && !from_browser(headers)) {
+                continue;
+            }
+            let message = if form {
+                format!(
+                    "a form body (\"{essence}\") is not accepted from a browser; send JSON with \"Content-Type: \
+                     application/json\""
+                )
+            } else {
+                format!("the request body's type \"{essence}\" is not JSON; send \"Content-Type: application/json\"")
+            };
+            return error(StatusCode::UNSUPPORTED_MEDIA_TYPE, message, request.uri().path());
+        }
+    }
+    next.run(request).await
+}
+
+/// Why a body failed: it sent nothing for `body_idle_timeout`.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body sent nothing for {0:?}")]
+pub struct BodyIdle(Duration);
+
+/// A request body that fails when it sends nothing for `timeout` while being read;
+/// the time runs only while its reader waits (not while the handler works on a chunk).
+struct IdleBody {
+    inner: Body,
+    timeout: Duration,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Set when the timeout fired, for the guard to answer 408.
+    idle: Arc<AtomicBool>,
+}
+
+impl HttpBody for IdleBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        let this = self.get_mut();
+        if this.idle.load(Ordering::Relaxed) {
+            return Poll::Ready(Some(Err(axum::Error::new(BodyIdle(this.timeout)))));
+        }
+        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            this.sleep = None;
+            return Poll::Ready(frame);
+        }
+        let timeout = this.timeout;
+        let sleep = this.sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        if sleep.as_mut().poll(cx).is_ready() {
+            this.sleep = None;
+            this.idle.store(true, Ordering::Relaxed);
+            return Poll::Ready(Some(Err(axum::Error::new(BodyIdle(timeout)))));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 fn too_large(safety: &Safety, path: &str) -> Response {
@@ -429,5 +633,190 @@ mod tests {
             .body(Body::from("{\"model\": \"nope\"}"))
             .expect("request");
         assert_ne!(send(&config, small).await.0.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    }
+
+    fn post(path: &str) -> axum::http::request::Builder {
+        Request::builder().method(Method::POST).uri(path).header(header::HOST, "localhost:11434")
+    }
+
+    async fn status_and_error(config: &ServerConfig, request: Request<Body>) -> (StatusCode, String) {
+        let (response, json) = send(config, request).await;
+        let error = json["error"].as_str().or_else(|| json["error"]["message"].as_str()).unwrap_or_default();
+        (response.status(), error.to_owned())
+    }
+
+    #[tokio::test]
+    async fn browsers_from_other_origins_may_read_but_not_change_anything() {
+        let config = ServerConfig::default();
+        for (method, path) in [
+            (Method::POST, "/api/copy"),
+            (Method::POST, "/api/pull"),
+            (Method::DELETE, "/api/delete"),
+            (Method::PUT, "/api/anything"),
+            (Method::POST, "/api/blobs/sha256:00"),
+            (Method::POST, "/api/generate"),
+            (Method::POST, "/v1/chat/completions"),
+        ] {
+            let request = Request::builder()
+                .method(method.clone())
+                .uri(path)
+                .header(header::ORIGIN, "https://evil.example")
+                .header(header::CONTENT_TYPE, "text/plain")
+                .body(Body::from("{}"))
+                .expect("request");
+            let (status, error) = status_and_error(&config, request).await;
+            assert_eq!(status, StatusCode::FORBIDDEN, "{method} {path}");
+            assert!(error.contains("\"https://evil.example\"") && error.contains("cors_origins"), "{error}");
+        }
+        // Reading is fine (CORS keeps the answer from the page), and so is an allowed origin.
+        let read = get("/api/version").header(header::ORIGIN, "https://evil.example").body(Body::empty());
+        assert_eq!(send(&config, read.expect("request")).await.0.status(), StatusCode::OK);
+        let allowed = post("/api/nope").header(header::ORIGIN, "http://localhost:3000").body(Body::empty());
+        assert_eq!(send(&config, allowed.expect("request")).await.0.status(), StatusCode::NOT_FOUND);
+        // Two origins are not one allowed origin.
+        let two = post("/api/nope")
+            .header(header::ORIGIN, "http://localhost:3000")
+            .header(header::ORIGIN, "https://evil.example")
+            .body(Body::empty());
+        let (status, error) = status_and_error(&config, two.expect("request")).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{error}");
+    }
+
+    #[tokio::test]
+    async fn sec_fetch_site_from_elsewhere_needs_an_allowed_origin() {
+        let config = ServerConfig::default();
+        for (site, expected) in [
+            ("cross-site", StatusCode::FORBIDDEN),
+            ("Cross-Site", StatusCode::FORBIDDEN),
+            ("same-site", StatusCode::FORBIDDEN),
+            ("same-origin", StatusCode::NOT_FOUND),
+            ("none", StatusCode::NOT_FOUND),
+        ] {
+            let request = post("/api/nope").header("sec-fetch-site", site).body(Body::empty()).expect("request");
+            let (status, error) = status_and_error(&config, request).await;
+            assert_eq!(status, expected, "{site}: {error}");
+            let with_origin = post("/api/nope")
+                .header("sec-fetch-site", site)
+                .header(header::ORIGIN, "http://127.0.0.1:8080")
+                .body(Body::empty())
+                .expect("request");
+            assert_eq!(send(&config, with_origin).await.0.status(), StatusCode::NOT_FOUND, "{site} allowed origin");
+        }
+        let read = get("/api/version").header("sec-fetch-site", "cross-site").body(Body::empty()).expect("request");
+        assert_eq!(send(&config, read).await.0.status(), StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn json_routes_take_json_and_forms_only_from_clients_that_are_not_browsers() {
+        let config = ServerConfig::default();
+        let show = |content_type: Option<&str>, browser: Option<(&str, &str)>| {
+            let mut builder = post("/api/show");
+            if let Some(value) = content_type {
+                builder = builder.header(header::CONTENT_TYPE, value);
+            }
+            if let Some((name, value)) = browser {
+                builder = builder.header(name, value);
+            }
+            builder.body(Body::from("{\"model\": \"nope\"}")).expect("request")
+        };
+        // Past the content check, the missing model is a 404.
+        for accepted in [
+            None,
+            Some("application/json"),
+            Some("Application/JSON; charset=utf-8"),
+            Some("application/vnd.api+json"),
+            Some("application/x-www-form-urlencoded"),
+        ] {
+            let (status, error) = status_and_error(&config, show(accepted, None)).await;
+            assert_eq!(status, StatusCode::NOT_FOUND, "{accepted:?}: {error}");
+        }
+        let origin = Some(("origin", "http://localhost:3000"));
+        let fetch = Some(("sec-fetch-mode", "cors"));
+        for (refused, browser, named) in [
+            ("text/plain", None, "\"text/plain\""),
+            ("text/plain;charset=UTF-8", origin, "\"text/plain\""),
+            ("multipart/form-data; boundary=x", None, "\"multipart/form-data\""),
+            ("application/xml", None, "\"application/xml\""),
+            ("", None, "\"\""),
+            ("application/x-www-form-urlencoded", origin, "form body"),
+            ("application/x-www-form-urlencoded", fetch, "form body"),
+        ] {
+            let (status, error) = status_and_error(&config, show(Some(refused), browser)).await;
+            assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{refused} {browser:?}: {error}");
+            assert!(error.contains(named) && error.contains("application/json"), "{error}");
+        }
+        // Uploads are raw bytes, of any type; unknown paths and reads are not checked.
+        let upload = post("/api/blobs/sha256:00").header(header::CONTENT_TYPE, "text/plain").body(Body::from("x"));
+        assert_eq!(send(&config, upload.expect("request")).await.0.status(), StatusCode::BAD_REQUEST);
+        let unknown = post("/api/nope").header(header::CONTENT_TYPE, "text/plain").body(Body::from("x"));
+        assert_eq!(send(&config, unknown.expect("request")).await.0.status(), StatusCode::NOT_FOUND);
+        let (status, error) = status_and_error(&config, {
+            let r = post("/v1/chat/completions").header(header::CONTENT_TYPE, "text/plain").body(Body::from("{}"));
+            r.expect("request")
+        })
+        .await;
+        assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "OpenAI's shape under /v1/: {error}");
+    }
+
+    #[tokio::test]
+    async fn two_hosts_and_absolute_targets_naming_other_hosts_are_refused() {
+        let config = ServerConfig::default();
+        let two = get("/api/version").header(header::HOST, "localhost").header(header::HOST, "evil.example");
+        let (status, error) = status_and_error(&config, two.body(Body::empty()).expect("request")).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(error.contains("more than one Host"), "{error}");
+        let two_local = get("/api/version").header(header::HOST, "localhost").header(header::HOST, "localhost");
+        assert_eq!(send(&config, two_local.body(Body::empty()).expect("r")).await.0.status(), StatusCode::BAD_REQUEST);
+
+        for target in ["http://evil.example/api/version", "http://localhost@evil.example:80/api/version"] {
+            let request = get(target).header(header::HOST, "localhost").body(Body::empty()).expect("request");
+            let (status, error) = status_and_error(&config, request).await;
+            assert_eq!(status, StatusCode::FORBIDDEN, "{target}");
+            assert!(error.contains("evil.example") && error.contains("allowed_hosts"), "{error}");
+        }
+        for target in ["http://localhost:11434/api/version", "http://[::1]/api/version"] {
+            let request = get(target).header(header::HOST, "localhost").body(Body::empty()).expect("request");
+            assert_eq!(send(&config, request).await.0.status(), StatusCode::OK, "{target}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_that_sends_nothing_for_the_idle_timeout_is_a_408() {
+        let config =
+            ServerConfig { body_idle_timeout: std::time::Duration::from_millis(200), ..ServerConfig::default() };
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<axum::body::Bytes, std::io::Error>>(1);
+        tx.send(Ok(axum::body::Bytes::from_static(b"{\"model\""))).await.expect("send");
+        let body = Body::from_stream(tokio_stream_of(rx));
+        let request = post("/api/show").header(header::CONTENT_TYPE, "application/json").body(body).expect("request");
+        let started = std::time::Instant::now();
+        let (status, error) =
+            tokio::time::timeout(std::time::Duration::from_secs(30), status_and_error(&config, request))
+                .await
+                .expect("answered once the body was idle");
+        assert_eq!(status, StatusCode::REQUEST_TIMEOUT, "{error}");
+        assert!(error.contains("body_idle_timeout"), "{error}");
+        assert!(started.elapsed() >= std::time::Duration::from_millis(200));
+        drop(tx);
+    }
+
+    /// A body stream fed by `rx`.
+    fn tokio_stream_of<T: Send + 'static>(
+        rx: tokio::sync::mpsc::Receiver<T>,
+    ) -> impl futures_util::Stream<Item = T> + Send + 'static {
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) })
+    }
+
+    #[test]
+    fn uploads_beyond_the_cap_are_a_503_with_retry_after() {
+        let safety = Safety::new(&ServerConfig { max_uploads: 2, ..ServerConfig::default() });
+        let first = safety.upload_permit("/api/blobs").expect("first");
+        let _second = safety.upload_permit("/api/blobs").expect("second");
+        let refused = safety.upload_permit("/api/blobs").expect_err("third");
+        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(refused.message().contains("max_uploads"), "{}", refused.message());
+        let response = axum::response::IntoResponse::into_response(refused);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "5");
+        drop(first);
+        let _again = safety.upload_permit("/api/blobs").expect("a place is free again");
     }
 }

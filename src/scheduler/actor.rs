@@ -340,9 +340,31 @@ impl Handle {
     }
 
     /// Applies new limits (after a configuration reload); loaded runners keep their
-    /// keep-alive until their next request.
+    /// keep-alive until their next request. A lower `max_loaded` applies at once: idle
+    /// runners beyond it unload now, busy ones take no new requests and unload when
+    /// their requests end ([`policy::shed`](super::policy::shed)).
     pub async fn reconfigure(&self, limits: Limits) {
         let _ = self.send(Command::Reconfigure { limits }).await;
+    }
+
+    /// Reports that the runner of `lease` is dead (its socket refused or reset a request
+    /// before anything came back), ahead of its own crash report: it takes no new
+    /// requests and goes once its requests end, so the next [`Handle::acquire`] (ordered
+    /// after this report) loads a fresh one.
+    pub async fn report_dead(&self, lease: Lease) {
+        let _ = self.send(Command::Dead { runner: lease.runner }).await;
+        drop(lease);
+    }
+
+    /// A round trip through the scheduler's loop: resolves once the loop took the
+    /// message, which proves it runs (the watchdog pings only then).
+    ///
+    /// # Errors
+    /// [`ScheduleError::ShuttingDown`] when the scheduler is gone.
+    pub async fn ping(&self) -> Result<(), ScheduleError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Command::Ping { reply }).await?;
+        answer.await.map_err(|_| ScheduleError::ShuttingDown)
     }
 
     /// Stops every runner and ends the scheduler; resolves once all children are reaped.
@@ -363,6 +385,8 @@ enum Command {
     Unload { key: String, reply: oneshot::Sender<Result<(), ScheduleError>> },
     Loaded { reply: oneshot::Sender<Vec<LoadedModel>> },
     Reconfigure { limits: Limits },
+    Dead { runner: RunnerId },
+    Ping { reply: oneshot::Sender<()> },
     Stats { reply: oneshot::Sender<Stats> },
     Shutdown { reply: oneshot::Sender<()> },
 }
@@ -496,8 +520,12 @@ impl Scheduler {
             Command::Reconfigure { limits } => {
                 self.limits = limits.clone();
                 self.notify(Notice::Reconfigured(limits));
-                // A larger limit may let queued requests through.
+                // A larger limit may let queued requests through; a lower one sheds runners.
                 self.schedule();
+            }
+            Command::Dead { runner } => self.dead(runner),
+            Command::Ping { reply } => {
+                let _ = reply.send(());
             }
             Command::Shutdown { .. } => unreachable!("handled by the loop"),
         }
@@ -577,6 +605,30 @@ impl Scheduler {
         }
     }
 
+    /// A request found runner `id` dead before its own crash report came: out of service
+    /// now, stopped (and reaped) once the requests holding it let go.
+    fn dead(&mut self, id: RunnerId) {
+        let Some(entry) = self.runners.get_mut(&id) else { return };
+        if entry.draining || !matches!(entry.phase, Phase::Ready { .. }) {
+            return;
+        }
+        tracing::warn!(corral_event = "crash", corral_model = %entry.request.name, runner = id, "{} does not answer on its socket; replacing it", entry.request.name);
+        self.retire(id, UnloadReason::Crashed);
+    }
+
+    /// Applies a lower `max_loaded` at once: idle runners beyond it unload now, busy ones
+    /// drain and go when their requests end.
+    fn shed(&mut self) {
+        let Some(Decision::MakeRoom { evict, drain }) = policy::shed(&self.snapshot()) else { return };
+        self.counters.evictions += (evict.len() + drain.len()) as u64;
+        for id in drain {
+            self.retire(id, UnloadReason::Evicted);
+        }
+        for id in evict {
+            self.begin_unload(id, UnloadReason::Evicted);
+        }
+    }
+
     /// Tells the views; nobody listening is fine.
     fn notify(&self, notice: Notice) {
         let _ = self.notices.send(notice);
@@ -594,6 +646,7 @@ impl Scheduler {
 
     /// Works through the queue in order until a request has to wait for room.
     fn schedule(&mut self) {
+        self.shed();
         while let Some((request, _)) = self.queue.front() {
             if self.queue.front().is_some_and(|(_, reply)| reply.is_closed()) {
                 // The client went away while waiting: it must not drive evictions.

@@ -451,3 +451,90 @@ async fn new_limits_apply_to_what_waits() {
     assert_eq!(fake.lines(), ["start 1 a", "start 2 b"]);
     drop((a, b));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_lower_limit_unloads_idle_runners_at_once_and_drains_busy_ones() {
+    let (fake, handle) = scheduler(100_000, limits());
+    drop(handle.acquire(model("a", 10)).await.expect("a"));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    drop(handle.acquire(model("b", 10)).await.expect("b"));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let busy = handle.acquire(model("c", 10)).await.expect("c");
+    settle().await;
+    handle.reconfigure(Limits { max_loaded: 1, ..limits() }).await;
+    settle().await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Long before any keep-alive ran out: the two idle ones went, least recently used first.
+    let names: Vec<String> = handle.loaded().await.expect("loaded").into_iter().map(|m| m.name).collect();
+    assert_eq!(names, ["c"], "{:?}", fake.lines());
+    assert_eq!(fake.lines(), ["start 1 a", "start 2 b", "start 3 c", "stop 1", "stop 2"]);
+    handle.reconfigure(Limits { max_loaded: 0, ..limits() }).await;
+    settle().await;
+    // Zero means one here as in decisions (at least one runner); lower limits on a busy
+    // runner drain it instead.
+    assert_eq!(handle.loaded().await.expect("loaded").len(), 1);
+    drop(busy);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lower_limit_drains_a_busy_runner_which_goes_when_its_request_ends() {
+    let (fake, handle) = scheduler(100_000, limits());
+    let a = handle.acquire(model("a", 10)).await.expect("a");
+    let b = handle.acquire(model("b", 10)).await.expect("b");
+    handle.reconfigure(Limits { max_loaded: 1, ..limits() }).await;
+    settle().await;
+    assert_eq!(handle.loaded().await.expect("loaded").len(), 2, "both busy: nothing stops mid-request");
+    // The drained one takes no new request: a request for it waits for room.
+    let again = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.acquire(model("a", 10)).await }
+    });
+    settle().await;
+    assert!(!again.is_finished());
+    drop(a);
+    settle().await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(fake.lines(), ["start 1 a", "start 2 b", "stop 1"], "a went once its request ended");
+    drop(b);
+    tokio::time::sleep(Duration::from_secs(301)).await;
+    drop(again.await.expect("join").expect("a loads again once b expired"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_runner_reported_dead_is_replaced_by_a_fresh_load_for_the_next_request() {
+    let (fake, handle) = scheduler(1000, Limits { max_loaded: 1, ..limits() });
+    let lease = handle.acquire(model("m", 100)).await.expect("m");
+    // Its process died but its crash report has not come (the fake never reports one).
+    handle.report_dead(lease).await;
+    let fresh = handle.acquire(model("m", 100)).await.expect("a fresh load");
+    assert_eq!(fresh.runner(), 2, "not the dead runner");
+    assert_eq!(fake.lines(), ["start 1 m", "stop 1", "start 2 m"]);
+    // A report about a runner that is gone already changes nothing.
+    let again = handle.acquire(model("m", 100)).await.expect("m");
+    assert_eq!(again.runner(), 2);
+    drop(fresh);
+    handle.ping().await.expect("the scheduler answers");
+    let loaded = handle.loaded().await.expect("loaded");
+    assert_eq!((loaded.len(), loaded[0].id, loaded[0].leases), (1, 2, 1));
+    drop(again);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_draining_runner_beside_its_replacement_gives_unique_metric_series() {
+    let (_fake, handle) = scheduler(100_000, limits());
+    let old = handle.acquire(model("m", 10)).await.expect("m");
+    // The same weights with other load options: the old runner drains beside the new one.
+    let mut other = model("m", 10);
+    other.key = "key-m-other".into();
+    let new = handle.acquire(other).await.expect("the replacement");
+    let stats = handle.stats().await.expect("stats");
+    assert_eq!(stats.loaded.len(), 2, "{:?}", stats.loaded);
+    assert!(stats.loaded.iter().all(|m| m.name == "m" && m.state == "ready"), "{:?}", stats.loaded);
+    let text = crate::http::metrics::render(&stats);
+    let mut seen = std::collections::BTreeSet::new();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let series = line.rsplit_once(' ').expect("a value").0;
+        assert!(seen.insert(series.to_owned()), "{series} twice in\n{text}");
+    }
+    drop((old, new));
+}

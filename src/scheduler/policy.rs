@@ -160,6 +160,32 @@ pub fn decide(snapshot: &Snapshot, need: Footprint) -> Decision {
     Decision::NoFit { needed: if snapshot.gpus.is_empty() { need.total() } else { need.vram }, available }
 }
 
+/// Which runners go so that at most `max_loaded` stay (after a reload lowered the
+/// limit): `evict` idle ones now, `drain` busy ones (they unload when their requests
+/// end); idle ones first, in eviction order (shortest keep-alive, least recently used).
+/// Runners already on their way out count as gone; pinned and loading ones are never
+/// chosen (a loading one is decided on once it is ready).
+#[must_use]
+pub fn shed(snapshot: &Snapshot) -> Option<Decision> {
+    let staying = snapshot.runners.iter().filter(|r| !r.draining).count();
+    let excess = staying.saturating_sub(snapshot.max_loaded.max(1));
+    if excess == 0 {
+        return None;
+    }
+    let mut candidates: Vec<&RunnerView> =
+        snapshot.runners.iter().filter(|r| !r.pinned && !r.loading && !r.draining).collect();
+    candidates.sort_by_key(|r| (r.leases > 0, r.keep_alive, r.last_used, r.id));
+    candidates.truncate(excess);
+    if candidates.is_empty() {
+        return None;
+    }
+    let (drain, evict): (Vec<&RunnerView>, Vec<&RunnerView>) = candidates.iter().partition(|r| r.leases > 0);
+    Some(Decision::MakeRoom {
+        evict: evict.iter().map(|r| r.id).collect(),
+        drain: drain.iter().map(|r| r.id).collect(),
+    })
+}
+
 /// Where `need` fits next to `runners`, if anywhere: one GPU (the one with most room),
 /// else spread over GPUs, else the CPU when there are no GPUs.
 fn place(snapshot: &Snapshot, runners: &[&RunnerView], need: Footprint) -> Option<Placement> {
@@ -222,7 +248,7 @@ mod tests {
 
     use proptest::prelude::{Strategy, any, prop_assert, proptest};
 
-    use super::{Decision, Footprint, GpuView, KeepAlive, Placement, RunnerView, Snapshot, decide, estimate};
+    use super::{Decision, Footprint, GpuView, KeepAlive, Placement, RunnerView, Snapshot, decide, estimate, shed};
 
     const GIB: u64 = 1 << 30;
 
@@ -333,6 +359,45 @@ mod tests {
             r.pinned = true;
         }
         assert_eq!(decide(&all_pinned, need(1)), Decision::NoFit { needed: GIB, available: 0 });
+    }
+
+    #[test]
+    fn a_lower_limit_sheds_idle_runners_first_and_drains_busy_ones_only_when_needed() {
+        let now = Instant::now() + Duration::from_secs(3600);
+        let mut old = runner(1, Placement::Gpu(0), GIB);
+        old.last_used = now.checked_sub(Duration::from_secs(60)).expect("an hour ahead");
+        let mut recent = runner(2, Placement::Gpu(0), GIB);
+        recent.last_used = now;
+        let mut busy = runner(3, Placement::Gpu(0), GIB);
+        busy.leases = 1;
+        let mut pinned = runner(4, Placement::Gpu(0), GIB);
+        pinned.pinned = true;
+        let snap = |max_loaded: usize, runners: Vec<RunnerView>| Snapshot {
+            gpus: gpus(&[80]),
+            host_usable: 64 * GIB,
+            runners,
+            max_loaded,
+        };
+        let all = vec![old.clone(), recent.clone(), busy.clone(), pinned.clone()];
+        assert_eq!(shed(&snap(4, all.clone())), None, "within the limit");
+        assert_eq!(shed(&snap(3, all.clone())), Some(Decision::MakeRoom { evict: vec![1], drain: vec![] }));
+        assert_eq!(shed(&snap(2, all.clone())), Some(Decision::MakeRoom { evict: vec![1, 2], drain: vec![] }));
+        assert_eq!(
+            shed(&snap(1, all.clone())),
+            Some(Decision::MakeRoom { evict: vec![1, 2], drain: vec![3] }),
+            "busy ones drain only once the idle ones are not enough; pinned ones stay"
+        );
+        assert_eq!(shed(&snap(0, all)), Some(Decision::MakeRoom { evict: vec![1, 2], drain: vec![3] }));
+        // Runners already leaving count as gone: nothing more is chosen for them.
+        let mut leaving = old;
+        leaving.draining = true;
+        assert_eq!(shed(&snap(3, vec![leaving, recent, busy, pinned])), None);
+        // A loading runner is never chosen; nothing else to shed, so nothing is.
+        let mut loading = runner(5, Placement::Gpu(0), GIB);
+        loading.loading = true;
+        let mut pinned2 = runner(6, Placement::Gpu(0), GIB);
+        pinned2.pinned = true;
+        assert_eq!(shed(&snap(1, vec![loading, pinned2])), None);
     }
 
     #[test]

@@ -108,9 +108,10 @@ pub fn from_details(
     let kv = shown.info.kv_cache_bytes(u64::from(load.num_ctx), u64::from(load.parallel));
     let need: Footprint = policy::estimate(weights.size, kv, projector.map_or(0, |p| p.size));
     let files = ModelFiles {
-        model: store.blob_path(&weights.digest),
-        projector: projector.map(|p| store.blob_path(&p.digest)),
-        adapters: adapters.iter().map(|a| store.blob_path(&a.digest)).collect(),
+        // Checked to be files of the store, not links planted there (the store never follows one).
+        model: store.blob_file(&weights.digest)?,
+        projector: projector.map(|p| store.blob_file(&p.digest)).transpose()?,
+        adapters: adapters.iter().map(|a| store.blob_file(&a.digest)).collect::<Result<_, _>>()?,
     };
     let mut weights_id = weights.digest.hex();
     for adapter in &adapters {

@@ -88,6 +88,13 @@ impl Store {
         spec: &CreateSpec,
         progress: &mut dyn FnMut(String),
     ) -> Result<Digest, StoreError> {
+        // Blobs named as inputs are pinned first: a garbage collection never takes one away
+        // between the checks and the manifest.
+        let blob_inputs = std::iter::once(&spec.from).chain(&spec.adapters).filter_map(|s| match s {
+            Source::Blob(digest) => Some(*digest),
+            _ => None,
+        });
+        let _inputs = self.pin(blob_inputs);
         // Every input is checked before anything is written: a bad file or reference changes nothing.
         if let Source::Model(base) = &spec.from {
             self.manifest(base)?;
@@ -101,7 +108,7 @@ impl Store {
         let result = self.write_model(name, spec, progress, &mut added);
         if result.is_err() {
             // A failure while writing (a full disk) takes back the blobs this create added.
-            let _ = self.remove_unreferenced(added.into_iter().collect());
+            self.remove_unreferenced(added.into_iter().collect());
         }
         result
     }
@@ -110,10 +117,8 @@ impl Store {
         let (path, what) = match source {
             Source::File(path) => (path.clone(), path.display().to_string()),
             Source::Blob(digest) => {
-                if !self.has_blob(digest) {
-                    return Err(StoreError::MissingBlob(*digest));
-                }
-                (self.blob_path(digest), digest.to_string())
+                let what = digest.to_string();
+                return check_kind(&self.inspect_blob(digest, &what)?, expected, &what);
             }
             Source::Model(name) => {
                 return Err(StoreError::Invalid(format!(
@@ -142,7 +147,7 @@ impl Store {
                 let model =
                     base_manifest.model().ok_or_else(|| StoreError::Invalid(format!("{base} has no weights")))?;
                 progress(format!("using existing layer {}", model.digest));
-                self.inspect(&self.blob_path(&model.digest), &format!("{base}"))?
+                self.inspect_blob(&model.digest, &format!("{base}"))?
             }
             source => {
                 progress("parsing GGUF".to_owned());
@@ -195,8 +200,8 @@ impl Store {
         if !self.has_blob(&Digest::of(&config_bytes)) {
             added.push(Digest::of(&config_bytes));
         }
-        let (config_digest, config_size) = self.write_blob(&config_bytes[..], None)?;
-        pins.push(self.pin([config_digest]));
+        let (config_digest, config_size, pin) = self.write_blob_pinned(&config_bytes[..], None)?;
+        pins.push(pin);
         let manifest = Manifest::new(
             Layer {
                 media_type: manifest::CONFIG_MEDIA_TYPE.to_owned(),
@@ -213,7 +218,7 @@ impl Store {
         if let Some((old, _, _)) = old {
             let candidates =
                 old.blobs().map(|l| l.digest).filter(|d| !manifest.blobs().any(|l| l.digest == *d)).collect();
-            self.remove_unreferenced(candidates)?;
+            self.remove_unreferenced(candidates);
         }
         drop(pins);
         progress("success".to_owned());
@@ -231,7 +236,8 @@ impl Store {
     ) -> Result<(Layer, ModelInfo), StoreError> {
         let (digest, size, from) = match source {
             Source::File(path) => {
-                let (digest, size, new) = self.import_file_tracked(path, None)?;
+                let (digest, size, new, pin) = self.import_file_tracked(path, None)?;
+                pins.push(pin);
                 if new {
                     added.push(digest);
                 }
@@ -239,15 +245,14 @@ impl Store {
                 (digest, size, path.file_name().map(|n| n.to_string_lossy().into_owned()))
             }
             Source::Blob(digest) => {
-                let size =
-                    std::fs::metadata(self.blob_path(digest)).map_err(|_| StoreError::MissingBlob(*digest))?.len();
+                pins.push(self.pin([*digest]));
+                let size = self.blob_size(digest)?;
                 progress(format!("using existing layer {digest}"));
                 (*digest, size, None)
             }
             Source::Model(name) => return Err(StoreError::Invalid(format!("{name} is not a GGUF file or blob"))),
         };
-        pins.push(self.pin([digest]));
-        let info = self.inspect(&self.blob_path(&digest), &digest.to_string())?;
+        let info = self.inspect_blob(&digest, &digest.to_string())?;
         Ok((Layer { media_type: media_type.to_owned(), digest, size, from }, info))
     }
 
@@ -258,8 +263,16 @@ impl Store {
         ModelInfo::from_file(&file).map_err(|e| StoreError::Gguf { what: what.to_owned(), message: e.to_string() })
     }
 
+    /// Reads a blob's GGUF metadata, opened through the store (a link is refused).
+    pub fn inspect_blob(&self, digest: &Digest, what: &str) -> Result<ModelInfo, StoreError> {
+        let file = std::io::BufReader::with_capacity(64 << 10, self.open_blob(digest)?);
+        let gguf = GgufFile::read_seekable(file)
+            .map_err(|e| StoreError::Gguf { what: what.to_owned(), message: e.to_string() })?;
+        ModelInfo::from_file(&gguf).map_err(|e| StoreError::Gguf { what: what.to_owned(), message: e.to_string() })
+    }
+
     fn read_json_blob<T: serde::de::DeserializeOwned>(&self, digest: &Digest) -> Result<T, StoreError> {
-        let bytes = std::fs::read(self.blob_path(digest)).map_err(|_| StoreError::MissingBlob(*digest))?;
+        let bytes = self.read_blob(digest)?;
         serde_json::from_slice(&bytes)
             .map_err(|e| StoreError::Invalid(format!("blob {digest} is not the expected JSON: {e}")))
     }
@@ -280,8 +293,8 @@ impl TextLayers<'_> {
         if !self.store.has_blob(&Digest::of(data)) {
             self.added.push(Digest::of(data));
         }
-        let (digest, size) = self.store.write_blob(data, None)?;
-        self.pins.push(self.store.pin([digest]));
+        let (digest, size, pin) = self.store.write_blob_pinned(data, None)?;
+        self.pins.push(pin);
         (self.progress)(format!("creating new layer {digest}"));
         if replace {
             self.layers.retain(|l| l.media_type != media_type);

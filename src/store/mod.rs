@@ -7,29 +7,46 @@
 //! any point leaves at worst a temporary file, removed by [`Store::open`].  A blob is
 //! removed only when no manifest refers to it and no operation in progress has pinned it.
 //!
+//! Every access below the root goes through [`beneath`]: opened relative to a directory
+//! descriptor, one component at a time, never following a symbolic link. A link planted
+//! in the store is refused ([`StoreError::Refused`]), never read, written or deleted
+//! through.
+//!
+//! Operations that race (a listing beside a delete, two deletes, a copy from a model
+//! being deleted) treat an entry that vanished as what it is: a model not found, nothing
+//! to do, or one entry fewer in a listing.
+//!
 //! The API is synchronous file-system work; async callers run it on the blocking pool.
 
+mod beneath;
 pub mod create;
 pub mod digest;
+pub mod gc;
 pub mod manifest;
 pub mod modelfile;
 pub mod name;
 pub mod registry;
 pub mod show;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::{self, File};
-use std::io::{self, Read, Write};
+use std::io::{self, Read, Seek, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::SystemTime;
 
+use self::beneath::{Dir, Kind};
 use self::digest::{Digest, Hasher};
 use self::manifest::{Manifest, ManifestError};
 use self::name::ModelName;
 
-/// Prefix of temporary files in the store; anything named so is debris from a crash.
+/// Prefix of temporary files in the store; anything named so is debris from a crash
+/// (or, while corrald runs, a write in progress: those are tracked, see [`Store::temps`]).
 const TEMP_PREFIX: &str = ".tmp-";
+
+/// The most a manifest file may weigh; real ones are a few KB (the registry client has
+/// the same cap on what it accepts).
+const MAX_MANIFEST_BYTES: u64 = 4 << 20;
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +87,15 @@ pub enum StoreError {
         /// What is wrong.
         source: ManifestError,
     },
+    /// An entry of the store is not what the store keeps there: a symbolic link (never
+    /// followed), or a FIFO or device where a file belongs. It is left alone.
+    #[error("refusing {path} in the model store: {reason}")]
+    Refused {
+        /// The entry, relative to the store's root.
+        path: String,
+        /// What it is.
+        reason: &'static str,
+    },
     /// The file system failed.
     #[error("{context}: {source}")]
     Io {
@@ -83,6 +109,21 @@ pub enum StoreError {
 fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> StoreError {
     let context = context.into();
     move |source| StoreError::Io { context, source }
+}
+
+/// The error for `action` on `path` (relative to the store's root): a refusal when the
+/// entry is a link or of the wrong kind, else the file system's error.
+fn fs_err(action: &str, path: String) -> impl FnOnce(io::Error) -> StoreError {
+    let action = action.to_owned();
+    move |source| match beneath::refusal(&source) {
+        Some(refusal) => StoreError::Refused { path, reason: refusal.reason() },
+        None => StoreError::Io { context: format!("cannot {action} {path} in the model store"), source },
+    }
+}
+
+/// Whether an entry went away (or never was): a concurrent delete, not a failure.
+fn vanished(error: &io::Error) -> bool {
+    error.kind() == io::ErrorKind::NotFound
 }
 
 /// A model in a listing.
@@ -104,7 +145,14 @@ pub struct Listed {
 #[derive(Debug, Clone)]
 pub struct Store {
     root: PathBuf,
+    /// The root, opened once; everything below is reached from it without following links.
+    dir: Arc<Dir>,
     pins: Arc<Mutex<HashMap<Digest, usize>>>,
+    /// The temporary files being written now (by name): garbage collection leaves them alone.
+    temps: Arc<Mutex<HashSet<String>>>,
+    /// Held while manifest directories are made or removed, so that a write never puts
+    /// its manifest into a directory a delete is removing.
+    layout: Arc<Mutex<()>>,
     /// Counts manifest writes and removals, for views that follow the list of models.
     changes: Arc<tokio::sync::watch::Sender<u64>>,
     /// What requests read of a model, by name, with the manifest file it came from.
@@ -132,15 +180,87 @@ impl Drop for Pin {
     }
 }
 
+/// A temporary file in the store, removed when dropped unless it was put in place.
+/// While it exists, garbage collection leaves it alone.
+#[derive(Debug)]
+pub struct TempFile {
+    dir: Dir,
+    name: String,
+    file: File,
+    temps: Arc<Mutex<HashSet<String>>>,
+    placed: bool,
+}
+
+impl TempFile {
+    /// The open file.
+    #[must_use]
+    pub fn as_file(&self) -> &File {
+        &self.file
+    }
+
+    /// Its path relative to the store's root, for messages.
+    #[must_use]
+    pub fn rel(&self) -> String {
+        self.dir.rel(&self.name)
+    }
+
+    /// Moves it into place as `to` in `target`: an atomic rename, which replaces a file
+    /// (or a link, never followed) of that name.
+    fn place(mut self, target: &Dir, to: &str) -> Result<(), StoreError> {
+        self.dir.rename(&self.name, target, to).map_err(fs_err("write", target.rel(to)))?;
+        self.placed = true;
+        Ok(())
+    }
+
+    /// Replaces the file under this name with a hard link to `source` (see
+    /// [`Dir::link_from`]), opened without following it.
+    fn link_from(&mut self, source_dir: Option<&Dir>, source: &Path) -> io::Result<()> {
+        self.dir.remove_file(&self.name)?;
+        self.dir.link_from(source_dir, source, &self.name)?;
+        self.file = self.dir.open(&self.name)?;
+        Ok(())
+    }
+
+    /// Starts over with a new empty file under this name.
+    fn reset(&mut self) -> io::Result<()> {
+        match self.dir.remove_file(&self.name) {
+            Ok(()) => {}
+            Err(e) if vanished(&e) => {}
+            Err(e) => return Err(e),
+        }
+        self.file = self.dir.create_new(&self.name, 0o600)?;
+        Ok(())
+    }
+}
+
+impl Write for TempFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.file.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.file.flush()
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        if !self.placed {
+            let _ = self.dir.remove_file(&self.name);
+        }
+        self.temps.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.name);
+    }
+}
+
 impl Store {
     /// Opens (creating if needed) the store at `root` and removes temporary files a crash left.
     pub fn open(root: &Path) -> Result<Self, StoreError> {
-        let store = Self::at(root);
-        for dir in [store.blobs_dir(), store.manifests_dir()] {
-            fs::create_dir_all(&dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
+        fs::create_dir_all(root).map_err(io_err(format!("cannot create {}", root.display())))?;
+        let store = Self::at(root)?;
+        for name in ["blobs", "manifests"] {
+            let dir = store.dir.create_dir(name).map_err(fs_err("create", name.to_owned()))?;
+            remove_temporaries(&dir, 0)?;
         }
-        remove_temporaries(&store.blobs_dir())?;
-        remove_temporaries(&store.manifests_dir())?;
         Ok(store)
     }
 
@@ -148,24 +268,35 @@ impl Store {
     /// is, perhaps on a read-only mount): listing, showing and loading work; every write
     /// fails with the file system's error.
     pub fn open_read_only(root: &Path) -> Result<Self, StoreError> {
-        for dir in [root.join("blobs"), root.join("manifests")] {
-            if !dir.is_dir() {
-                return Err(StoreError::Io {
-                    context: format!("{} is not a model store", root.display()),
-                    source: io::Error::new(io::ErrorKind::NotFound, format!("{} is missing", dir.display())),
-                });
-            }
+        let not_a_store =
+            |source: io::Error| StoreError::Io { context: format!("{} is not a model store", root.display()), source };
+        let store = Self::at(root).map_err(|e| match e {
+            StoreError::Io { source, .. } => not_a_store(source),
+            other => other,
+        })?;
+        for name in ["blobs", "manifests"] {
+            store.dir.dir(name).map_err(|e| {
+                if beneath::refusal(&e).is_some() {
+                    fs_err("open", name.to_owned())(e)
+                } else {
+                    not_a_store(io::Error::new(e.kind(), format!("{name}/ is missing: {e}")))
+                }
+            })?;
         }
-        Ok(Self::at(root))
+        Ok(store)
     }
 
-    fn at(root: &Path) -> Self {
-        Self {
+    fn at(root: &Path) -> Result<Self, StoreError> {
+        let dir = Dir::open_root(root).map_err(io_err(format!("cannot open the model store {}", root.display())))?;
+        Ok(Self {
             root: root.to_owned(),
+            dir: Arc::new(dir),
             pins: Arc::default(),
+            temps: Arc::default(),
+            layout: Arc::default(),
             changes: Arc::new(tokio::sync::watch::Sender::new(0)),
             details: Arc::default(),
-        }
+        })
     }
 
     /// A receiver that sees a new value after each change to the set of models or their
@@ -185,18 +316,26 @@ impl Store {
     /// with a warning and leaves nothing behind.
     pub fn import_store(&self, other: &Store) -> Result<Vec<ModelName>, StoreError> {
         let mut imported = Vec::new();
+        let other_blobs = other.blobs()?;
         for listed in other.list()? {
-            let _pin = self.pin(listed.manifest.blobs().map(|l| l.digest));
-            let copied = listed
-                .manifest
-                .blobs()
-                .try_for_each(|layer| self.import_file(&other.blob_path(&layer.digest), Some(&layer.digest)).map(drop));
+            let mut pins = Vec::new();
+            let copied = listed.manifest.blobs().try_for_each(|layer| {
+                let source = other.open_blob(&layer.digest)?;
+                let name = layer.digest.file_name();
+                let link = Some((Some(&other_blobs), Path::new(&name)));
+                let (_, _, _, pin) = self.import_open(source, link, &layer.digest.to_string(), Some(&layer.digest))?;
+                pins.push(pin);
+                Ok::<_, StoreError>(())
+            });
             if let Err(e) = copied {
                 tracing::warn!(model = %listed.name, error = %e, "not importing a model whose blobs are damaged");
                 continue;
             }
-            let bytes =
-                fs::read(other.manifest_path(&listed.name)).map_err(io_err("cannot read a manifest to import"))?;
+            let (bytes, _) = match other.read_manifest(&listed.name) {
+                Ok(found) => found,
+                Err(StoreError::NotFound(_)) => continue,
+                Err(e) => return Err(e),
+            };
             self.write_manifest_bytes(&listed.name, &bytes, &listed.manifest)?;
             imported.push(listed.name);
         }
@@ -221,7 +360,7 @@ impl Store {
         self.root.join("manifests")
     }
 
-    /// Where a blob lives.
+    /// Where a blob lives (for other programs: llama-server, a Modelfile's `FROM`).
     #[must_use]
     pub fn blob_path(&self, digest: &Digest) -> PathBuf {
         self.blobs_dir().join(digest.file_name())
@@ -233,10 +372,52 @@ impl Store {
         self.manifests_dir().join(name.manifest_path())
     }
 
-    /// True when the blob is in the store.
+    fn blobs(&self) -> Result<Dir, StoreError> {
+        self.dir.dir("blobs").map_err(fs_err("open", "blobs".to_owned()))
+    }
+
+    fn manifests(&self) -> Result<Dir, StoreError> {
+        self.dir.dir("manifests").map_err(fs_err("open", "manifests".to_owned()))
+    }
+
+    /// True when the blob is in the store (a regular file: a link of that name is not a blob).
     #[must_use]
     pub fn has_blob(&self, digest: &Digest) -> bool {
-        self.blob_path(digest).is_file()
+        self.blobs()
+            .ok()
+            .and_then(|blobs| blobs.stat(&digest.file_name()).ok().flatten())
+            .is_some_and(|meta| meta.kind == Kind::File)
+    }
+
+    /// Opens a blob for reading, refusing a link or anything but a regular file.
+    pub fn open_blob(&self, digest: &Digest) -> Result<File, StoreError> {
+        let blobs = self.blobs()?;
+        let name = digest.file_name();
+        blobs.open(&name).map_err(|e| {
+            if vanished(&e) { StoreError::MissingBlob(*digest) } else { fs_err("read", blobs.rel(&name))(e) }
+        })
+    }
+
+    /// A blob's bytes (for small blobs: configs, text layers).
+    pub fn read_blob(&self, digest: &Digest) -> Result<Vec<u8>, StoreError> {
+        let mut bytes = Vec::new();
+        self.open_blob(digest)?
+            .read_to_end(&mut bytes)
+            .map_err(io_err(format!("cannot read blob {digest} in the model store")))?;
+        Ok(bytes)
+    }
+
+    /// A blob's size.
+    pub fn blob_size(&self, digest: &Digest) -> Result<u64, StoreError> {
+        let file = self.open_blob(digest)?;
+        Ok(file.metadata().map_err(io_err(format!("cannot read blob {digest} in the model store")))?.len())
+    }
+
+    /// A blob's path for another program to open, once checked to be a regular file in
+    /// the store (not a link to somewhere else).
+    pub fn blob_file(&self, digest: &Digest) -> Result<PathBuf, StoreError> {
+        drop(self.open_blob(digest)?);
+        Ok(self.blob_path(digest))
     }
 
     /// Pins blobs until the returned guard is dropped.
@@ -250,27 +431,58 @@ impl Store {
         Pin { pins: Arc::clone(&self.pins), digests }
     }
 
-    /// A new temporary file in `blobs/`, for data on its way to becoming a blob.
-    pub fn temp_blob_file(&self) -> Result<tempfile::NamedTempFile, StoreError> {
-        tempfile::Builder::new()
-            .prefix(TEMP_PREFIX)
-            .tempfile_in(self.blobs_dir())
-            .map_err(io_err(format!("cannot create a temporary file in {}", self.blobs_dir().display())))
+    /// A new temporary file in `dir`, tracked until it is dropped or put in place.
+    fn temp_in(&self, dir: &Dir) -> Result<TempFile, StoreError> {
+        let dir = dir.try_clone().map_err(fs_err("open", dir.path().to_owned()))?;
+        for _ in 0..16 {
+            let name: String = std::iter::repeat_with(fastrand::alphanumeric).take(12).collect::<String>();
+            let name = format!("{TEMP_PREFIX}{name}");
+            if !self.temps.lock().unwrap_or_else(PoisonError::into_inner).insert(name.clone()) {
+                continue;
+            }
+            match dir.create_new(&name, 0o600) {
+                Ok(file) => return Ok(TempFile { dir, name, file, temps: Arc::clone(&self.temps), placed: false }),
+                Err(e) => {
+                    self.temps.lock().unwrap_or_else(PoisonError::into_inner).remove(&name);
+                    if e.kind() != io::ErrorKind::AlreadyExists {
+                        return Err(fs_err("create a temporary file in", dir.path().to_owned())(e));
+                    }
+                }
+            }
+        }
+        Err(StoreError::Io {
+            context: format!("cannot create a temporary file in {}", dir.path()),
+            source: io::Error::from(io::ErrorKind::AlreadyExists),
+        })
     }
 
-    /// Moves a fully written and synced temporary file into place as blob `digest`.
-    pub fn commit_blob(&self, temp: tempfile::NamedTempFile, digest: &Digest) -> Result<(), StoreError> {
-        let path = self.blob_path(digest);
+    /// A new temporary file in `blobs/`, for data on its way to becoming a blob.
+    pub fn temp_blob_file(&self) -> Result<TempFile, StoreError> {
+        self.temp_in(&self.blobs()?)
+    }
+
+    /// Moves a fully written temporary file into place as blob `digest` (syncing it first).
+    pub fn commit_blob(&self, temp: TempFile, digest: &Digest) -> Result<(), StoreError> {
         readable(temp.as_file())?;
-        temp.as_file().sync_all().map_err(io_err(format!("cannot sync {}", temp.path().display())))?;
-        temp.persist(&path)
-            .map_err(|e| StoreError::Io { context: format!("cannot write {}", path.display()), source: e.error })?;
-        sync_dir(&self.blobs_dir())
+        temp.as_file().sync_all().map_err(io_err(format!("cannot sync {}", temp.rel())))?;
+        let blobs = self.blobs()?;
+        temp.place(&blobs, &digest.file_name())?;
+        blobs.sync().map_err(io_err("cannot sync blobs/"))
     }
 
     /// Streams `reader` into a blob, hashing as it goes. With `expected`, data that hashes
     /// to something else is discarded and nothing is written.
-    pub fn write_blob(&self, mut reader: impl Read, expected: Option<&Digest>) -> Result<(Digest, u64), StoreError> {
+    pub fn write_blob(&self, reader: impl Read, expected: Option<&Digest>) -> Result<(Digest, u64), StoreError> {
+        self.write_blob_pinned(reader, expected).map(|(digest, size, _)| (digest, size))
+    }
+
+    /// [`Store::write_blob`], the blob pinned before it is put in place: an operation that
+    /// will refer to it never loses it to a garbage collection in between.
+    pub fn write_blob_pinned(
+        &self,
+        mut reader: impl Read,
+        expected: Option<&Digest>,
+    ) -> Result<(Digest, u64, Pin), StoreError> {
         let mut temp = self.temp_blob_file()?;
         let mut hasher = Hasher::default();
         let mut buf = vec![0u8; 1 << 20];
@@ -280,7 +492,7 @@ impl Store {
                 break;
             }
             hasher.update(&buf[..n]);
-            temp.write_all(&buf[..n]).map_err(io_err(format!("cannot write {}", temp.path().display())))?;
+            temp.write_all(&buf[..n]).map_err(io_err(format!("cannot write {}", temp.rel())))?;
         }
         let (digest, size) = hasher.finish();
         if let Some(expected) = expected {
@@ -288,10 +500,11 @@ impl Store {
                 return Err(StoreError::DigestMismatch { expected: *expected, actual: digest });
             }
         }
+        let pin = self.pin([digest]);
         if !self.has_blob(&digest) {
             self.commit_blob(temp, &digest)?;
         }
-        Ok((digest, size))
+        Ok((digest, size, pin))
     }
 
     /// Adds a file on disk as a blob without storing its data twice where the file system
@@ -300,63 +513,75 @@ impl Store {
     /// place would change the blob; [`Store::verify_blob`] detects that. With `expected`,
     /// a file that hashes to something else is refused and nothing is written.
     pub fn import_file(&self, path: &Path, expected: Option<&Digest>) -> Result<(Digest, u64), StoreError> {
-        self.import_file_tracked(path, expected).map(|(digest, size, _)| (digest, size))
+        self.import_file_tracked(path, expected).map(|(digest, size, _, _)| (digest, size))
     }
 
-    /// [`Store::import_file`], also saying whether the blob is new to the store.
+    /// [`Store::import_file`], also saying whether the blob is new to the store, and
+    /// pinning it (before it is put in place).
     pub(crate) fn import_file_tracked(
         &self,
         path: &Path,
         expected: Option<&Digest>,
-    ) -> Result<(Digest, u64, bool), StoreError> {
-        let file = File::open(path).map_err(io_err(format!("cannot open {}", path.display())))?;
+    ) -> Result<(Digest, u64, bool, Pin), StoreError> {
+        // The file is outside the store, named by whoever asked: its links are theirs to
+        // use. It is linked by its real path, so the store gets the file, not a link.
+        let real = fs::canonicalize(path).map_err(io_err(format!("cannot open {}", path.display())))?;
+        let file = File::open(&real).map_err(io_err(format!("cannot open {}", path.display())))?;
+        self.import_open(file, Some((None, &real)), &path.display().to_string(), expected)
+    }
+
+    /// Imports the open file `source`, which `link` names for a hard link (a directory of
+    /// another store and a name in it, or an absolute path); `what` names it in errors.
+    fn import_open(
+        &self,
+        mut source: File,
+        link: Option<(Option<&Dir>, &Path)>,
+        what: &str,
+        expected: Option<&Digest>,
+    ) -> Result<(Digest, u64, bool, Pin), StoreError> {
         let (digest, size) =
-            Digest::of_reader(io::BufReader::new(file)).map_err(io_err(format!("cannot read {}", path.display())))?;
+            Digest::of_reader(io::BufReader::new(&source)).map_err(io_err(format!("cannot read {what}")))?;
         if let Some(expected) = expected {
             if *expected != digest {
                 return Err(StoreError::DigestMismatch { expected: *expected, actual: digest });
             }
         }
+        let pin = self.pin([digest]);
         if self.has_blob(&digest) {
-            return Ok((digest, size, false));
+            return Ok((digest, size, false, pin));
         }
-        // A unique temporary name (reserved by creating the file, then freed for the clone
-        // or link to take): a crash leaves only debris that `open` removes.
-        let temp_path = self
-            .temp_blob_file()?
-            .into_temp_path()
-            .keep()
-            .map_err(|e| StoreError::Io { context: "cannot reserve a temporary name".into(), source: e.error })?;
-        let _ = fs::remove_file(&temp_path);
-        let placed = reflink_copy::reflink(path, &temp_path).is_ok() || fs::hard_link(path, &temp_path).is_ok();
-        if !placed {
-            fs::copy(path, &temp_path).map_err(io_err(format!("cannot copy {}", path.display())))?;
-            File::open(&temp_path).and_then(|f| f.sync_all()).map_err(io_err("cannot sync the copy"))?;
+        let blobs = self.blobs()?;
+        let mut temp = self.temp_in(&blobs)?;
+        let cloned = rustix::fs::ioctl_ficlone(temp.as_file(), &source).is_ok();
+        let linked = !cloned && link.is_some_and(|(dir, path)| temp.link_from(dir, path).is_ok());
+        if !cloned && !linked {
+            temp.reset().map_err(io_err(format!("cannot write {}", temp.rel())))?;
+            source.rewind().map_err(io_err(format!("cannot read {what}")))?;
+            io::copy(&mut source, &mut temp.file).map_err(io_err(format!("cannot copy {what}")))?;
+        }
+        if !linked {
+            // The store's own copy: readable like every blob, and on disk before it is named.
+            readable(temp.as_file())?;
+            temp.as_file().sync_all().map_err(io_err("cannot sync the copy"))?;
         }
         // Whatever was placed must still be what was hashed.
-        let check = File::open(&temp_path).and_then(|f| Digest::of_reader(io::BufReader::new(f)));
-        match check {
-            Ok((actual, _)) if actual == digest => {}
-            Ok((actual, _)) => {
-                let _ = fs::remove_file(&temp_path);
-                return Err(StoreError::DigestMismatch { expected: digest, actual });
-            }
-            Err(e) => {
-                let _ = fs::remove_file(&temp_path);
-                return Err(io_err("cannot read the imported blob")(e));
-            }
+        let mut placed = temp.as_file();
+        placed.rewind().map_err(io_err("cannot read the imported blob"))?;
+        let (actual, _) =
+            Digest::of_reader(io::BufReader::new(placed)).map_err(io_err("cannot read the imported blob"))?;
+        if actual != digest {
+            return Err(StoreError::DigestMismatch { expected: digest, actual });
         }
-        fs::rename(&temp_path, self.blob_path(&digest)).map_err(io_err("cannot move the imported blob into place"))?;
-        sync_dir(&self.blobs_dir())?;
-        Ok((digest, size, true))
+        temp.place(&blobs, &digest.file_name())?;
+        blobs.sync().map_err(io_err("cannot sync blobs/"))?;
+        Ok((digest, size, true, pin))
     }
 
     /// Checks that a blob still hashes to its name.
     pub fn verify_blob(&self, digest: &Digest) -> Result<(), StoreError> {
-        let path = self.blob_path(digest);
-        let file = File::open(&path).map_err(|_| StoreError::MissingBlob(*digest))?;
-        let (actual, _) =
-            Digest::of_reader(io::BufReader::new(file)).map_err(io_err(format!("cannot read {}", path.display())))?;
+        let file = self.open_blob(digest)?;
+        let (actual, _) = Digest::of_reader(io::BufReader::new(file))
+            .map_err(io_err(format!("cannot read blob {digest} in the model store")))?;
         if actual == *digest { Ok(()) } else { Err(StoreError::DigestMismatch { expected: *digest, actual }) }
     }
 
@@ -376,158 +601,370 @@ impl Store {
         if let Some(missing) = manifest.blobs().find(|l| !self.has_blob(&l.digest)) {
             return Err(StoreError::MissingBlob(missing.digest));
         }
-        let path = self.manifest_path(name);
-        let dir = path.parent().expect("a manifest path has a parent").to_owned();
-        fs::create_dir_all(&dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
-        let mut temp = tempfile::Builder::new()
-            .prefix(TEMP_PREFIX)
-            .tempfile_in(&dir)
-            .map_err(io_err(format!("cannot create a temporary file in {}", dir.display())))?;
-        temp.write_all(bytes).and_then(|()| temp.as_file().sync_all()).map_err(io_err("cannot write the manifest"))?;
+        // Written and synced in `manifests/` itself, which is always there; only the
+        // rename into the model's directory happens under the layout lock.
+        let manifests = self.manifests()?;
+        let mut temp = self.temp_in(&manifests)?;
+        temp.write_all(bytes)
+            .and_then(|()| temp.as_file().sync_all())
+            .map_err(io_err(format!("cannot write the manifest of {name}")))?;
         readable(temp.as_file())?;
-        temp.persist(&path)
-            .map_err(|e| StoreError::Io { context: format!("cannot write {}", path.display()), source: e.error })?;
+        let layout = self.layout.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut dir = manifests;
+        for part in [name.registry(), name.namespace(), name.model()] {
+            dir = dir.create_dir(part).map_err(fs_err("create", dir.rel(part)))?;
+        }
+        temp.place(&dir, name.tag())?;
+        drop(layout);
         self.changed();
-        sync_dir(&dir)?;
+        dir.sync().map_err(io_err(format!("cannot sync {}", dir.path())))?;
         Ok(Digest::of(bytes))
+    }
+
+    /// The directories `manifests/`, registry, namespace and model of `name`; `None` when
+    /// one of them is not there.
+    fn model_dirs(&self, name: &ModelName) -> Result<Option<[Dir; 4]>, StoreError> {
+        let manifests = self.manifests()?;
+        let open = |dir: &Dir, part: &str| match dir.dir(part) {
+            Ok(d) => Ok(Some(d)),
+            Err(e) if vanished(&e) => Ok(None),
+            Err(e) => Err(fs_err("open", dir.rel(part))(e)),
+        };
+        let Some(registry) = open(&manifests, name.registry())? else { return Ok(None) };
+        let Some(namespace) = open(&registry, name.namespace())? else { return Ok(None) };
+        let Some(model) = open(&namespace, name.model())? else { return Ok(None) };
+        Ok(Some([manifests, registry, namespace, model]))
+    }
+
+    /// A manifest file's bytes and when it was written, read from one open file.
+    pub(crate) fn read_manifest(&self, name: &ModelName) -> Result<(Vec<u8>, SystemTime), StoreError> {
+        let not_found = || StoreError::NotFound(name.to_string());
+        let [.., dir] = self.model_dirs(name)?.ok_or_else(not_found)?;
+        let file = match dir.open(name.tag()) {
+            Ok(file) => file,
+            Err(e) if vanished(&e) => return Err(not_found()),
+            Err(e) => return Err(fs_err("read", dir.rel(name.tag()))(e)),
+        };
+        read_manifest_file(file, &dir.rel(name.tag()))
+    }
+
+    /// The manifest file's bytes, as stored (a push sends them verbatim).
+    pub fn manifest_bytes(&self, name: &ModelName) -> Result<Vec<u8>, StoreError> {
+        self.read_manifest(name).map(|(bytes, _)| bytes)
+    }
+
+    /// The manifest file's identity (inode, size, modification time), without reading it.
+    pub(crate) fn manifest_identity(&self, name: &ModelName) -> Result<(u64, u64, SystemTime), StoreError> {
+        let not_found = || StoreError::NotFound(name.to_string());
+        let [.., dir] = self.model_dirs(name)?.ok_or_else(not_found)?;
+        let path = dir.rel(name.tag());
+        match dir.stat(name.tag()).map_err(fs_err("read", path.clone()))? {
+            None => Err(not_found()),
+            Some(meta) if meta.kind == Kind::File => Ok((meta.ino, meta.len, meta.modified)),
+            Some(meta) => Err(StoreError::Refused {
+                path,
+                reason: if meta.kind == Kind::Symlink {
+                    beneath::Refusal::Symlink.reason()
+                } else {
+                    beneath::Refusal::NotAFile.reason()
+                },
+            }),
+        }
     }
 
     /// A model's manifest, the digest of its bytes, and when it was written.
     pub fn manifest(&self, name: &ModelName) -> Result<(Manifest, Digest, SystemTime), StoreError> {
-        let path = self.manifest_path(name);
-        let bytes = match fs::read(&path) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(StoreError::NotFound(name.to_string())),
-            Err(e) => return Err(io_err(format!("cannot read {}", path.display()))(e)),
-        };
-        let modified = fs::metadata(&path).and_then(|m| m.modified()).unwrap_or(SystemTime::UNIX_EPOCH);
+        let (bytes, modified) = self.read_manifest(name)?;
         let manifest =
             Manifest::parse(&bytes).map_err(|source| StoreError::Manifest { name: name.to_string(), source })?;
         Ok((manifest, Digest::of(&bytes), modified))
     }
 
-    /// Every model, sorted by name. Files that are not valid manifests are skipped with a warning.
+    /// Every model, sorted by name. Files that are not valid manifests are skipped with a
+    /// warning; entries that vanish while the listing runs (a concurrent delete) are left out.
     pub fn list(&self) -> Result<Vec<Listed>, StoreError> {
         let mut listed = Vec::new();
-        for name in self.names()? {
-            match self.manifest(&name) {
-                Ok((manifest, digest, modified)) => {
-                    listed.push(Listed { size: manifest.size(), name, digest, modified, manifest });
+        self.walk_manifests(&mut |dir, parts, tag| {
+            let name = match ModelName::parse(&format!("{}/{}/{}:{tag}", parts[0], parts[1], parts[2])) {
+                Ok(name) => name,
+                Err(e) => {
+                    tracing::warn!(error = %e, "skipping a manifest with an invalid name");
+                    return;
                 }
+            };
+            let path = dir.rel(tag);
+            let read = dir.open(tag).map_err(fs_err("read", path.clone())).and_then(|f| read_manifest_file(f, &path));
+            match read {
+                Ok((bytes, modified)) => match Manifest::parse(&bytes) {
+                    Ok(manifest) => listed.push(Listed {
+                        size: manifest.size(),
+                        digest: Digest::of(&bytes),
+                        name,
+                        modified,
+                        manifest,
+                    }),
+                    Err(source) => {
+                        let e = StoreError::Manifest { name: name.to_string(), source };
+                        tracing::warn!(error = %e, "skipping an unreadable manifest");
+                    }
+                },
+                Err(StoreError::Io { source, .. }) if vanished(&source) => {}
                 Err(e) => tracing::warn!(error = %e, "skipping an unreadable manifest"),
             }
-        }
+        })?;
+        listed.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(listed)
     }
 
-    /// The names of all manifests (four directory levels below `manifests/`).
-    fn names(&self) -> Result<BTreeSet<ModelName>, StoreError> {
-        let mut names = BTreeSet::new();
-        let root = self.manifests_dir();
-        let read = |dir: &Path| -> Result<Vec<(String, PathBuf, bool)>, StoreError> {
+    /// Calls `visit` with the model directory, the registry, namespace and model, and the
+    /// tag of every file four levels below `manifests/`. Names starting with `.` are
+    /// skipped, links are skipped with a warning, and a directory that vanishes on the
+    /// way (a concurrent delete) is skipped; one that cannot be read is skipped with a
+    /// warning. Only `manifests/` itself must be readable.
+    fn walk_manifests(&self, visit: &mut dyn FnMut(&Dir, [&str; 3], &str)) -> Result<(), StoreError> {
+        fn subdirs(dir: &Dir) -> Vec<(String, Dir)> {
+            let entries = match dir.entries() {
+                Ok(entries) => entries,
+                Err(e) => {
+                    if !vanished(&e) {
+                        tracing::warn!(dir = dir.path(), error = %e, "skipping an unreadable manifest directory");
+                    }
+                    return Vec::new();
+                }
+            };
             let mut out = Vec::new();
-            for entry in fs::read_dir(dir).map_err(io_err(format!("cannot read {}", dir.display())))? {
-                let entry = entry.map_err(io_err(format!("cannot read {}", dir.display())))?;
-                let name = entry.file_name().to_string_lossy().into_owned();
-                if name.starts_with('.') {
+            for entry in entries {
+                if entry.name.starts_with('.') {
                     continue;
                 }
-                let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
-                out.push((name, entry.path(), is_dir));
-            }
-            Ok(out)
-        };
-        for (registry, registry_path, is_dir) in read(&root)? {
-            if !is_dir {
-                continue;
-            }
-            for (namespace, namespace_path, is_dir) in read(&registry_path)? {
-                if !is_dir {
-                    continue;
-                }
-                for (model, model_path, is_dir) in read(&namespace_path)? {
-                    if !is_dir {
+                match entry.kind {
+                    Kind::Dir => {}
+                    Kind::Symlink => {
+                        tracing::warn!(path = dir.rel(&entry.name), "skipping a symbolic link among the manifests");
                         continue;
                     }
-                    for (tag, _, is_dir) in read(&model_path)? {
-                        if is_dir {
+                    _ => continue,
+                }
+                match dir.dir(&entry.name) {
+                    Ok(sub) => out.push((entry.name, sub)),
+                    Err(e) if vanished(&e) => {}
+                    Err(e) => tracing::warn!(path = dir.rel(&entry.name), error = %e, "skipping a manifest directory"),
+                }
+            }
+            out
+        }
+        let manifests = self.manifests()?;
+        manifests.entries().map_err(fs_err("read", "manifests".to_owned()))?;
+        for (registry, registry_dir) in subdirs(&manifests) {
+            for (namespace, namespace_dir) in subdirs(&registry_dir) {
+                for (model, model_dir) in subdirs(&namespace_dir) {
+                    let entries = match model_dir.entries() {
+                        Ok(entries) => entries,
+                        Err(e) if vanished(&e) => continue,
+                        Err(e) => {
+                            tracing::warn!(dir = model_dir.path(), error = %e, "skipping a manifest directory");
                             continue;
                         }
-                        match ModelName::parse(&format!("{registry}/{namespace}/{model}:{tag}")) {
-                            Ok(name) => {
-                                names.insert(name);
-                            }
-                            Err(e) => tracing::warn!(error = %e, "skipping a manifest with an invalid name"),
+                    };
+                    for entry in entries {
+                        if entry.name.starts_with('.') {
+                            continue;
+                        }
+                        match entry.kind {
+                            Kind::File => visit(&model_dir, [&registry, &namespace, &model], &entry.name),
+                            Kind::Symlink => tracing::warn!(
+                                path = model_dir.rel(&entry.name),
+                                "skipping a symbolic link among the manifests"
+                            ),
+                            _ => {}
                         }
                     }
                 }
             }
         }
-        Ok(names)
-    }
-
-    /// Copies a model under a new name (the manifest only; blobs are shared).
-    pub fn copy(&self, from: &ModelName, to: &ModelName) -> Result<(), StoreError> {
-        let (manifest, _, _) = self.manifest(from)?;
-        let bytes = fs::read(self.manifest_path(from)).map_err(io_err("cannot read the source manifest"))?;
-        let _pin = self.pin(manifest.blobs().map(|l| l.digest));
-        self.write_manifest_bytes(to, &bytes, &manifest)?;
         Ok(())
     }
 
+    /// Every digest any file below `manifests/` names, found in its bytes: a manifest that
+    /// does not parse still keeps its blobs. Fails when a manifest cannot be read, since
+    /// then nobody can tell which blobs are unused.
+    fn references(&self) -> Result<BTreeSet<Digest>, StoreError> {
+        fn scan(dir: &Dir, depth: usize, found: &mut BTreeSet<Digest>) -> Result<(), StoreError> {
+            let entries = match dir.entries() {
+                Ok(entries) => entries,
+                Err(e) if vanished(&e) => return Ok(()),
+                Err(e) => return Err(fs_err("read", dir.path().to_owned())(e)),
+            };
+            for entry in entries {
+                match entry.kind {
+                    Kind::Dir if depth < 8 => match dir.dir(&entry.name) {
+                        Ok(sub) => scan(&sub, depth + 1, found)?,
+                        Err(e) if vanished(&e) => {}
+                        Err(e) => return Err(fs_err("read", dir.rel(&entry.name))(e)),
+                    },
+                    Kind::File => {
+                        let path = dir.rel(&entry.name);
+                        let file = match dir.open(&entry.name) {
+                            Ok(file) => file,
+                            Err(e) if vanished(&e) => continue,
+                            Err(e) => return Err(fs_err("read", path)(e)),
+                        };
+                        let mut bytes = Vec::new();
+                        file.take(MAX_MANIFEST_BYTES)
+                            .read_to_end(&mut bytes)
+                            .map_err(io_err(format!("cannot read {path} in the model store")))?;
+                        found.extend(digests_in(&bytes));
+                    }
+                    // A link is not the store's: what it points to refers to nothing here.
+                    _ => {}
+                }
+            }
+            Ok(())
+        }
+        let mut found = BTreeSet::new();
+        scan(&self.manifests()?, 0, &mut found)?;
+        Ok(found)
+    }
+
+    /// Copies a model under a new name (the manifest only; blobs are shared). A source
+    /// deleted meanwhile is not found.
+    pub fn copy(&self, from: &ModelName, to: &ModelName) -> Result<(), StoreError> {
+        for _ in 0..3 {
+            let (bytes, _) = self.read_manifest(from)?;
+            let manifest =
+                Manifest::parse(&bytes).map_err(|source| StoreError::Manifest { name: from.to_string(), source })?;
+            // Pinned, the blobs stay; one already gone went with a delete of `from` that
+            // ran after the read above.
+            let _pin = self.pin(manifest.blobs().map(|l| l.digest));
+            if manifest.blobs().all(|l| self.has_blob(&l.digest)) {
+                self.write_manifest_bytes(to, &bytes, &manifest)?;
+                return Ok(());
+            }
+            let (now, _) = self.read_manifest(from)?;
+            if now == bytes {
+                // Still the same manifest, and still incomplete: the store is damaged.
+                let missing = manifest.blobs().find(|l| !self.has_blob(&l.digest)).expect("a blob is missing");
+                return Err(StoreError::MissingBlob(missing.digest));
+            }
+        }
+        Err(StoreError::NotFound(from.to_string()))
+    }
+
     /// Deletes a model; its blobs go too unless another manifest or a running operation
-    /// needs them. Returns the blobs removed.
+    /// needs them. Returns the blobs removed. The blobs are cleaned up whatever happened to
+    /// the manifest (a concurrent delete that removed it first makes this one not found).
     pub fn delete(&self, name: &ModelName) -> Result<Vec<Digest>, StoreError> {
-        let (manifest, _, _) = self.manifest(name)?;
-        let path = self.manifest_path(name);
-        fs::remove_file(&path).map_err(io_err(format!("cannot remove {}", path.display())))?;
-        self.changed();
-        // Empty model and namespace directories go with their last manifest.
-        let mut dir = path.parent().map(Path::to_path_buf);
-        while let Some(d) = dir {
-            if d == self.manifests_dir() || fs::remove_dir(&d).is_err() {
+        let (bytes, _) = self.read_manifest(name)?;
+        let removed = self.remove_manifest(name);
+        if removed.is_ok() {
+            self.changed();
+        }
+        // Every digest the file names, so a manifest that does not parse is deleted too.
+        let freed = self.remove_unreferenced(digests_in(&bytes).collect());
+        removed.map(|()| freed)
+    }
+
+    /// Removes a manifest file, then the model, namespace and registry directories it
+    /// leaves empty.
+    fn remove_manifest(&self, name: &ModelName) -> Result<(), StoreError> {
+        let _layout = self.layout.lock().unwrap_or_else(PoisonError::into_inner);
+        let not_found = || StoreError::NotFound(name.to_string());
+        let dirs = self.model_dirs(name)?.ok_or_else(not_found)?;
+        match dirs[3].remove_file(name.tag()) {
+            Ok(()) => {}
+            Err(e) if vanished(&e) => return Err(not_found()),
+            Err(e) => return Err(fs_err("remove", dirs[3].rel(name.tag()))(e)),
+        }
+        let parts = [name.registry(), name.namespace(), name.model()];
+        for level in (0..3).rev() {
+            // Fails (and stops) while the directory still holds something.
+            if dirs[level].remove_dir(parts[level]).is_err() {
                 break;
             }
-            dir = d.parent().map(Path::to_path_buf);
         }
-        self.remove_unreferenced(manifest.blobs().map(|l| l.digest).collect())
+        Ok(())
     }
 
     /// Removes those of `candidates` that no manifest refers to and nothing has pinned.
-    fn remove_unreferenced(&self, candidates: BTreeSet<Digest>) -> Result<Vec<Digest>, StoreError> {
+    /// Returns those removed. Never fails: a blob it cannot remove (or cannot tell is
+    /// unused) stays, with a warning, for a garbage collection to look at again.
+    fn remove_unreferenced(&self, candidates: BTreeSet<Digest>) -> Vec<Digest> {
+        if candidates.is_empty() {
+            return Vec::new();
+        }
         // Holding the pin table while deciding: an operation pins before it writes a
         // manifest, so a blob is either pinned here or named by a manifest on disk.
         let pins = self.pins.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut referenced = BTreeSet::new();
-        for listed in self.list()? {
-            referenced.extend(listed.manifest.blobs().map(|l| l.digest));
-        }
+        let referenced = match self.references() {
+            Ok(referenced) => referenced,
+            Err(e) => {
+                tracing::warn!(error = %e, "keeping blobs: cannot tell which are still used");
+                return Vec::new();
+            }
+        };
+        let blobs = match self.blobs() {
+            Ok(blobs) => blobs,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot remove unused blobs");
+                return Vec::new();
+            }
+        };
         let mut removed = Vec::new();
         for digest in candidates {
             if referenced.contains(&digest) || pins.contains_key(&digest) {
                 continue;
             }
-            match fs::remove_file(self.blob_path(&digest)) {
+            // Removes the file, or a link of that name (never what it points to).
+            match blobs.remove_file(&digest.file_name()) {
                 Ok(()) => removed.push(digest),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io_err(format!("cannot remove blob {digest}"))(e)),
+                Err(e) if vanished(&e) => {}
+                Err(e) => tracing::warn!(blob = %digest, error = %e, "cannot remove an unused blob"),
             }
         }
         drop(pins);
-        Ok(removed)
+        removed
     }
 }
 
-/// Removes temporary files (`.tmp-*`) below `dir`: what a crash left mid-write.
-fn remove_temporaries(dir: &Path) -> Result<(), StoreError> {
-    for entry in fs::read_dir(dir).map_err(io_err(format!("cannot read {}", dir.display())))? {
-        let entry = entry.map_err(io_err(format!("cannot read {}", dir.display())))?;
-        let path = entry.path();
-        if entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
-            tracing::info!(path = %path.display(), "removing a temporary file left by an interrupted write");
-            let _ = fs::remove_file(&path);
-        } else if entry.file_type().is_ok_and(|t| t.is_dir()) {
-            remove_temporaries(&path)?;
+/// Reads a manifest file (at most [`MAX_MANIFEST_BYTES`]) and its modification time.
+fn read_manifest_file(file: File, path: &str) -> Result<(Vec<u8>, SystemTime), StoreError> {
+    let error = || io_err(format!("cannot read {path} in the model store"));
+    let modified = file.metadata().and_then(|m| m.modified()).unwrap_or(SystemTime::UNIX_EPOCH);
+    let mut bytes = Vec::new();
+    file.take(MAX_MANIFEST_BYTES + 1).read_to_end(&mut bytes).map_err(error())?;
+    if bytes.len() as u64 > MAX_MANIFEST_BYTES {
+        return Err(StoreError::Invalid(format!(
+            "{path} in the model store is larger than {MAX_MANIFEST_BYTES} bytes: not a manifest"
+        )));
+    }
+    Ok((bytes, modified))
+}
+
+/// Every `sha256:<hex>` (or `sha256-<hex>`) in `bytes`.
+fn digests_in(bytes: &[u8]) -> impl Iterator<Item = Digest> + '_ {
+    const PREFIX: usize = "sha256:".len();
+    (0..bytes.len().saturating_sub(PREFIX + 63)).filter_map(move |i| {
+        let window = &bytes[i..i + PREFIX + 64];
+        if !(window.starts_with(b"sha256:") || window.starts_with(b"sha256-")) {
+            return None;
+        }
+        std::str::from_utf8(window).ok().and_then(|text| Digest::parse(text).ok())
+    })
+}
+
+/// Removes temporary files (`.tmp-*`) below `dir`: what a crash left mid-write. Links are
+/// left alone, and never descended into.
+fn remove_temporaries(dir: &Dir, depth: usize) -> Result<(), StoreError> {
+    let entries = dir.entries().map_err(fs_err("read", dir.path().to_owned()))?;
+    for entry in entries {
+        if entry.name.starts_with(TEMP_PREFIX) && entry.kind == Kind::File {
+            tracing::info!(path = dir.rel(&entry.name), "removing a temporary file left by an interrupted write");
+            let _ = dir.remove_file(&entry.name);
+        } else if entry.kind == Kind::Dir && depth < 8 {
+            match dir.dir(&entry.name) {
+                Ok(sub) => remove_temporaries(&sub, depth + 1)?,
+                Err(e) => tracing::warn!(path = dir.rel(&entry.name), error = %e, "cannot look for temporary files"),
+            }
         }
     }
     Ok(())
@@ -538,10 +975,6 @@ fn remove_temporaries(dir: &Path) -> Result<(), StoreError> {
 fn readable(file: &File) -> Result<(), StoreError> {
     use std::os::unix::fs::PermissionsExt;
     file.set_permissions(fs::Permissions::from_mode(0o644)).map_err(io_err("cannot set a store file's mode"))
-}
-
-fn sync_dir(dir: &Path) -> Result<(), StoreError> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(format!("cannot sync {}", dir.display())))
 }
 
 #[cfg(test)]

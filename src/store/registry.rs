@@ -30,9 +30,11 @@
 //! a restart, fetches only the ranges the record does not cover; within a pull, a part whose
 //! transfer breaks off is retried from the first byte that did not arrive. A record that does
 //! not match the blob (another size, a missing data file) is ignored and the download starts
-//! over. Neither name starts with `.tmp-`, so [`Store::open`] keeps them. Partial files of
-//! blobs that nobody pulls any more stay until a garbage collection removes them (not written
-//! yet: it should remove `*-partial` and `*-partial.json` files that no download holds).
+//! over. Neither name starts with `.tmp-`, so [`Store::open`] keeps them. The data file grows
+//! as data arrives: nothing is reserved from the size the registry announced. Partial files of
+//! blobs that nobody pulls any more are removed by garbage collection ([`super::gc`]) once
+//! they are older than its grace age; a running download pins its blob, so a collection
+//! never touches its files. A link planted in place of either file is refused.
 //!
 //! # Shared downloads
 //!
@@ -58,9 +60,9 @@
 //! streams the file. Then `PUT /v2/<repo>/manifests/<tag>` with the manifest's bytes as stored.
 
 use std::collections::HashMap;
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, BufReader, Read, Write};
-use std::os::unix::fs::FileExt;
+use std::fs::File;
+use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -72,10 +74,11 @@ use reqwest::{Body, Client, RequestBuilder, Response, StatusCode, Url};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use super::beneath::{self, Dir};
 use super::digest::Digest;
 use super::manifest::{Layer, MANIFEST_MEDIA_TYPE, Manifest};
 use super::name::ModelName;
-use super::{Store, StoreError};
+use super::{Pin, Store, StoreError};
 
 /// The most a manifest may weigh; real ones are a few KB.
 const MAX_MANIFEST_BYTES: usize = 4 << 20;
@@ -487,12 +490,7 @@ impl Registry {
     ) -> Result<Digest, RegistryError> {
         let remote = self.inner.remote(name)?;
         progress(Progress::step("retrieving manifest"));
-        let path = store.manifest_path(name);
-        let bytes = match fs::read(&path) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(StoreError::NotFound(name.to_string()).into()),
-            Err(e) => return Err(RegistryError::io(format!("cannot read {}", path.display()), e)),
-        };
+        let bytes = store.manifest_bytes(name)?;
         let manifest = Manifest::parse(&bytes)
             .map_err(|source| RegistryError::from(StoreError::Manifest { name: name.to_string(), source }))?;
         let _pin = store.pin(manifest.blobs().map(|l| l.digest));
@@ -924,8 +922,12 @@ struct Partial {
     size: u64,
     registry: String,
     what: String,
+    /// `blobs/`, opened once: the files below are reached without following links.
+    blobs: Dir,
+    data_name: String,
+    record_name: String,
+    /// For messages.
     data_path: PathBuf,
-    record_path: PathBuf,
     file: File,
     done: Mutex<Ranges>,
     dirty: AtomicBool,
@@ -933,30 +935,46 @@ struct Partial {
     /// Serializes the record's writes with the end of the download, and is set at the end
     /// (put in place, or removed): a checkpoint still running then must not write a record.
     finished: Mutex<bool>,
+    /// Keeps garbage collection away from the partial files while the download runs.
+    _pin: Pin,
 }
+
+/// The most a partial download's record may weigh; real ones are a few hundred bytes.
+const MAX_RECORD_BYTES: u64 = 1 << 20;
 
 impl Partial {
     /// Opens the partial download of `layer`, resuming what a record describes, or starts
-    /// one: a data file the blob's size (allocated, so a disk too small fails now).
+    /// one. The data file grows as data arrives: nothing is reserved from the size the
+    /// registry announced, so a download that fails holds only what arrived.
     fn open(store: Store, layer: &Layer, registry: String, what: String) -> Result<Self, RegistryError> {
-        let data_path = store.blobs_dir().join(format!("{}-partial", layer.digest.file_name()));
-        let record_path = store.blobs_dir().join(format!("{}-partial.json", layer.digest.file_name()));
-        let resumed = Self::resumable(&data_path, &record_path, layer);
+        // Pinned before any file is touched, so that a collection never races this download.
+        let pin = store.pin([layer.digest]);
+        let blobs = store.blobs()?;
+        let data_name = format!("{}-partial", layer.digest.file_name());
+        let record_name = format!("{}-partial.json", layer.digest.file_name());
+        let data_path = store.blobs_dir().join(&data_name);
+        let resumed = Self::resumable(&blobs, &data_name, &record_name, layer)?;
         let (file, done) = if let Some((file, done)) = resumed {
             (file, done)
         } else {
-            let _ = fs::remove_file(&record_path);
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(&data_path)
-                .map_err(|e| Self::write_error(&data_path, &what, layer.size, e))?;
-            if let Err(e) = allocate(&file, layer.size) {
-                let _ = fs::remove_file(&data_path);
-                return Err(Self::write_error(&data_path, &what, layer.size, e));
+            match blobs.remove_file(&record_name) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(refused_or(&blobs, &record_name, e, |e| {
+                        Self::write_error(&data_path, &what, layer.size, e)
+                    }));
+                }
             }
+            let fail = |e| refused_or(&blobs, &data_name, e, |e| Self::write_error(&data_path, &what, layer.size, e));
+            // A new file, never one that was there: a hard link planted under this name must
+            // not be emptied and written; a symbolic link is refused and left alone.
+            let file = match blobs.open_rw(&data_name, false, false) {
+                Ok(_) => blobs.remove_file(&data_name).and_then(|()| blobs.create_new(&data_name, 0o644)),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => blobs.create_new(&data_name, 0o644),
+                Err(e) => Err(e),
+            }
+            .map_err(fail)?;
             (file, Ranges::default())
         };
         Ok(Self {
@@ -964,28 +982,55 @@ impl Partial {
             size: layer.size,
             registry,
             what,
+            blobs,
+            data_name,
+            record_name,
             data_path,
-            record_path,
             file,
             done: Mutex::new(done),
             dirty: AtomicBool::new(false),
             reported: Mutex::default(),
             finished: Mutex::new(false),
             store,
+            _pin: pin,
         })
     }
 
-    /// The data file and the ranges a valid record describes, if there are both.
-    fn resumable(data_path: &Path, record_path: &Path, layer: &Layer) -> Option<(File, Ranges)> {
-        let record: Record = serde_json::from_slice(&fs::read(record_path).ok()?).ok()?;
+    /// The data file and the ranges a valid record describes, if there are both. A link
+    /// in place of either is refused.
+    fn resumable(
+        blobs: &Dir,
+        data_name: &str,
+        record_name: &str,
+        layer: &Layer,
+    ) -> Result<Option<(File, Ranges)>, RegistryError> {
+        let refusal = |name: &str, e: io::Error| refused_or(blobs, name, e, |e| RegistryError::io("", e));
+        let record = match blobs.open(record_name) {
+            Ok(file) => file,
+            Err(e) if beneath::refusal(&e).is_some() => return Err(refusal(record_name, e)),
+            Err(_) => return Ok(None),
+        };
+        let mut bytes = Vec::new();
+        if record.take(MAX_RECORD_BYTES).read_to_end(&mut bytes).is_err() {
+            return Ok(None);
+        }
+        let Ok(record) = serde_json::from_slice::<Record>(&bytes) else { return Ok(None) };
         if record.digest != layer.digest || record.size != layer.size {
-            return None;
+            return Ok(None);
         }
-        let file = OpenOptions::new().read(true).write(true).open(data_path).ok()?;
-        if file.metadata().ok()?.len() != layer.size {
-            return None;
+        let file = match blobs.open_rw(data_name, false, false) {
+            Ok(file) => file,
+            Err(e) if beneath::refusal(&e).is_some() => return Err(refusal(data_name, e)),
+            Err(_) => return Ok(None),
+        };
+        let Ok(meta) = file.metadata() else { return Ok(None) };
+        let done = Ranges::from_record(&record.done, layer.size);
+        // The file holds at least every recorded byte, and never more than the blob.
+        // It is the store's own, too: a hard link planted here is not resumed into.
+        if meta.len() > layer.size || done.0.last().is_some_and(|&(_, end)| end > meta.len()) || meta.nlink() != 1 {
+            return Ok(None);
         }
-        Some((file, Ranges::from_record(&record.done, layer.size)))
+        Ok(Some((file, done)))
     }
 
     fn write_error(path: &Path, what: &str, size: u64, error: io::Error) -> RegistryError {
@@ -1042,13 +1087,14 @@ impl Partial {
     }
 
     fn write_record(&self, done: &Ranges) -> Result<(), RegistryError> {
-        let fail = |e: io::Error| Self::write_error(&self.record_path, &self.what, self.size, e);
+        let record_path = self.data_path.with_file_name(&self.record_name);
+        let fail = |e: io::Error| Self::write_error(&record_path, &self.what, self.size, e);
         self.file.sync_data().map_err(fail)?;
         let record = Record { digest: self.digest, size: self.size, done: done.0.clone() };
-        let mut temp = self.store.temp_blob_file()?;
+        let mut temp = self.store.temp_in(&self.blobs)?;
         let json = serde_json::to_vec(&record).expect("a record always serializes");
         temp.write_all(&json).and_then(|()| temp.as_file().sync_all()).map_err(fail)?;
-        temp.persist(&self.record_path).map_err(|e| fail(e.error))?;
+        temp.place(&self.blobs, &self.record_name)?;
         Ok(())
     }
 
@@ -1063,49 +1109,50 @@ impl Partial {
         }
         let read_error = |e| RegistryError::io(format!("cannot read {}", self.data_path.display()), e);
         self.file.sync_all().map_err(|e| Self::write_error(&self.data_path, &self.what, self.size, e))?;
-        let reader = File::open(&self.data_path).map_err(read_error)?;
+        // Read back through the file this download wrote, not by its name.
+        let mut reader = &self.file;
+        reader.seek(SeekFrom::Start(0)).map_err(read_error)?;
         let (actual, _) = Digest::of_reader(BufReader::with_capacity(WRITE_CHUNK, reader)).map_err(read_error)?;
         if actual != self.digest {
             return Err(RegistryError::DigestMismatch { registry: self.registry.clone(), digest: self.digest, actual });
         }
         let mut finished = self.finished.lock().unwrap_or_else(PoisonError::into_inner);
         *finished = true;
-        let blob = self.store.blob_path(&self.digest);
-        fs::rename(&self.data_path, &blob)
-            .map_err(|e| RegistryError::io(format!("cannot move the download into place as {}", blob.display()), e))?;
-        let _ = fs::remove_file(&self.record_path);
-        let dir = self.store.blobs_dir();
-        File::open(&dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| RegistryError::io(format!("cannot sync {}", dir.display()), e))
+        let blob = self.digest.file_name();
+        self.blobs.rename(&self.data_name, &self.blobs, &blob).map_err(|e| {
+            RegistryError::io(
+                format!("cannot move the download into place as {}", self.store.blob_path(&self.digest).display()),
+                e,
+            )
+        })?;
+        let _ = self.blobs.remove_file(&self.record_name);
+        self.blobs.sync().map_err(|e| RegistryError::io(format!("cannot sync {}", self.store.blobs_dir().display()), e))
     }
 
-    /// Deletes the data file and the record.
+    /// Deletes the data file and the record (or links of those names: never what they point to).
     fn remove(&self) {
         let mut finished = self.finished.lock().unwrap_or_else(PoisonError::into_inner);
         *finished = true;
-        for path in [&self.data_path, &self.record_path] {
-            if let Err(e) = fs::remove_file(path) {
+        for name in [&self.data_name, &self.record_name] {
+            if let Err(e) = self.blobs.remove_file(name) {
                 if e.kind() != io::ErrorKind::NotFound {
-                    tracing::warn!(path = %path.display(), error = %e, "cannot remove a partial download");
+                    tracing::warn!(path = self.blobs.rel(name), error = %e, "cannot remove a partial download");
                 }
             }
         }
     }
 }
 
-/// Reserves `size` bytes for a new data file where the file system can (so that a disk
-/// too small fails at once), else just sets its length.
-fn allocate(file: &File, size: u64) -> io::Result<()> {
-    if size == 0 {
-        return Ok(());
-    }
-    let len = i64::try_from(size).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "the blob is too large"))?;
-    match nix::fcntl::fallocate(file, nix::fcntl::FallocateFlags::empty(), 0, len) {
-        Ok(()) => Ok(()),
-        Err(nix::errno::Errno::ENOSPC) => Err(io::Error::from_raw_os_error(libc::ENOSPC)),
-        Err(nix::errno::Errno::EDQUOT) => Err(io::Error::from_raw_os_error(libc::EDQUOT)),
-        Err(_) => file.set_len(size),
+/// The store's refusal of `name` in `dir` (a link, or not a file), or `other` for any other error.
+fn refused_or(
+    dir: &Dir,
+    name: &str,
+    error: io::Error,
+    other: impl FnOnce(io::Error) -> RegistryError,
+) -> RegistryError {
+    match beneath::refusal(&error) {
+        Some(refusal) => StoreError::Refused { path: dir.rel(name), reason: refusal.reason() }.into(),
+        None => other(error),
     }
 }
 
@@ -1340,10 +1387,10 @@ impl Remote {
             detail: format!("the upload location \"{location}\" for {what} is not a URL: {e}"),
         })?;
         target.query_pairs_mut().append_pair("digest", &digest.to_string());
-        let path = store.blob_path(&digest);
         let sent = Arc::new(AtomicU64::new(0));
         let upload = self.send(&what, || {
-            let file = File::open(&path).map_err(|_| RegistryError::from(StoreError::MissingBlob(digest)))?;
+            // Opened through the store: a link planted as the blob is refused, never sent.
+            let file = store.open_blob(&digest)?;
             sent.store(0, Ordering::Relaxed);
             Ok(self
                 .client()?

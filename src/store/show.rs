@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::os::unix::fs::MetadataExt as _;
 use std::sync::{Arc, PoisonError};
 use std::time::SystemTime;
 
@@ -77,16 +76,7 @@ impl Store {
     /// The manifest file's identity, and the cached details if they came from it.
     #[allow(clippy::type_complexity)]
     fn lookup(&self, name: &ModelName) -> Result<((u64, u64, SystemTime), Option<Arc<ModelDetails>>), StoreError> {
-        let path = self.manifest_path(name);
-        let file = match std::fs::metadata(&path) {
-            Ok(m) => (m.ino(), m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(StoreError::NotFound(name.to_string()));
-            }
-            Err(e) => {
-                return Err(StoreError::Io { context: format!("cannot read {}", path.display()), source: e });
-            }
-        };
+        let file = self.manifest_identity(name)?;
         let cached = self
             .details
             .lock()
@@ -103,11 +93,7 @@ impl Store {
         let text = |media_type: &str| -> Result<Vec<String>, StoreError> {
             manifest
                 .layers_of(media_type)
-                .map(|l| {
-                    std::fs::read(self.blob_path(&l.digest))
-                        .map(|b| String::from_utf8_lossy(&b).into_owned())
-                        .map_err(|_| StoreError::MissingBlob(l.digest))
-                })
+                .map(|l| self.read_blob(&l.digest).map(|b| String::from_utf8_lossy(&b).into_owned()))
                 .collect()
         };
         let json = |media_type: &str| -> Result<Option<Value>, StoreError> {
@@ -119,12 +105,11 @@ impl Store {
                 })
                 .transpose()
         };
-        let config_bytes = std::fs::read(self.blob_path(&manifest.config.digest))
-            .map_err(|_| StoreError::MissingBlob(manifest.config.digest))?;
+        let config_bytes = self.read_blob(&manifest.config.digest)?;
         let config: ModelConfig = serde_json::from_slice(&config_bytes).unwrap_or_default();
         let weights = manifest.model().expect("a parsed manifest has a model layer").digest;
-        let path = self.blob_path(&weights);
-        let gguf = GgufFile::open(&path)
+        let file = std::io::BufReader::with_capacity(64 << 10, self.open_blob(&weights)?);
+        let gguf = GgufFile::read_seekable(file)
             .map_err(|e| StoreError::Gguf { what: format!("{name} (blob {weights})"), message: e.to_string() })?;
         let info = ModelInfo::from_file(&gguf)
             .map_err(|e| StoreError::Gguf { what: format!("{name} (blob {weights})"), message: e.to_string() })?;
@@ -154,14 +139,15 @@ impl Store {
     /// cannot be read, as Ollama lists a model whose config is damaged.
     #[must_use]
     pub fn model_config(&self, manifest: &Manifest) -> ModelConfig {
-        let path = self.blob_path(&manifest.config.digest);
-        match std::fs::read(&path)
+        let digest = manifest.config.digest;
+        match self
+            .read_blob(&digest)
             .map_err(|e| e.to_string())
             .and_then(|b| serde_json::from_slice::<ModelConfig>(&b).map_err(|e| e.to_string()))
         {
             Ok(config) => config,
             Err(e) => {
-                tracing::warn!(blob = %path.display(), error = %e, "cannot read a model's config blob");
+                tracing::warn!(blob = %digest, error = %e, "cannot read a model's config blob");
                 ModelConfig::default()
             }
         }

@@ -182,3 +182,307 @@ fn an_ollama_directory_is_used_read_only_or_imported() {
     assert_eq!(ours.manifest(&name("good")).expect("manifest").1, ollama.manifest(&name("good")).expect("manifest").1);
     assert!(matches!(ours.manifest(&name("bad")), Err(StoreError::NotFound(_))));
 }
+
+/// A directory outside the store holding a secret file and a directory, for links to point at.
+fn outside() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let secret = dir.path().join("secret");
+    fs::write(&secret, b"root:$6$secret").expect("secret");
+    (dir, secret)
+}
+
+fn assert_refused<T: std::fmt::Debug>(result: Result<T, StoreError>, what: &str) {
+    match result {
+        Err(e @ StoreError::Refused { .. }) => {
+            assert!(e.to_string().contains("symbolic link"), "{what}: {e}");
+            assert!(!e.to_string().contains("/tmp"), "{what}: no absolute path in {e}");
+        }
+        other => panic!("{what}: expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn links_planted_in_the_store_are_refused_never_followed() {
+    use std::os::unix::fs::symlink;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    let m = add_model(&store, "good", b"weights", b"template");
+    let (elsewhere, secret) = outside();
+
+    // A manifest directory that is a link to a directory elsewhere holding a manifest.
+    let target = elsewhere.path().join("models");
+    fs::create_dir(&target).expect("mkdir");
+    fs::write(target.join("latest"), fs::read(store.manifest_path(&name("good"))).expect("read")).expect("plant");
+    symlink(&target, dir.path().join("manifests/registry.ollama.ai/library/evil")).expect("symlink");
+    assert_refused(store.manifest(&name("evil")), "read through a linked directory");
+    assert_refused(store.delete(&name("evil")), "delete through a linked directory");
+    assert_refused(store.copy(&name("evil"), &name("x")), "copy from a linked directory");
+    assert_refused(store.copy(&name("good"), &name("evil:new")), "copy into a linked directory");
+    assert_refused(store.write_manifest(&name("evil:new"), &m), "write into a linked directory");
+    assert_refused(store.details(&name("evil")), "show through a linked directory");
+    assert!(!target.join("new").exists(), "nothing was written through the link");
+    assert!(target.join("latest").exists(), "nothing was deleted through the link");
+
+    // A manifest file that is a link to a file elsewhere.
+    symlink(&secret, dir.path().join("manifests/registry.ollama.ai/library/good/leak")).expect("symlink");
+    assert_refused(store.manifest(&name("good:leak")), "read a linked manifest");
+    assert_refused(store.manifest_bytes(&name("good:leak")), "read a linked manifest's bytes");
+    assert_refused(store.details(&name("good:leak")), "show a linked manifest");
+    assert_refused(store.delete(&name("good:leak")), "delete a linked manifest");
+    let names: Vec<String> = store.list().expect("list").iter().map(|l| l.name.to_string()).collect();
+    assert_eq!(names, ["good:latest"], "links are not listed");
+
+    // A blob that is a link: not a blob, never read, and replaced (not written through) by
+    // a write of the real data.
+    let linked = Digest::of(b"real data");
+    symlink(&secret, store.blob_path(&linked)).expect("symlink");
+    assert!(!store.has_blob(&linked));
+    assert_refused(store.open_blob(&linked), "open a linked blob");
+    assert_refused(store.read_blob(&linked), "read a linked blob");
+    assert_refused(store.verify_blob(&linked), "verify a linked blob");
+    assert_refused(store.blob_file(&linked), "hand a linked blob to a runner");
+    store.write_blob(&b"real data"[..], Some(&linked)).expect("write replaces the link");
+    assert_eq!(fs::read(store.blob_path(&linked)).expect("blob"), b"real data");
+
+    // A model whose text layer is a link to a secret: show refuses it.
+    let template = m.layers[1].digest;
+    fs::remove_file(store.blob_path(&template)).expect("remove");
+    symlink(&secret, store.blob_path(&template)).expect("symlink");
+    let copied = store.copy(&name("good"), &name("copy"));
+    assert!(matches!(copied, Err(StoreError::MissingBlob(d)) if d == template), "a link is no blob: {copied:?}");
+    // Deleting the model removes the link itself, never the file it points to.
+    store.delete(&name("good")).expect("delete");
+    assert!(fs::symlink_metadata(store.blob_path(&template)).is_err(), "the link is gone");
+    assert_eq!(fs::read(&secret).expect("secret"), b"root:$6$secret", "the target is untouched");
+
+    // `blobs/` itself a link: the store does not open.
+    let other = tempfile::tempdir().expect("tempdir");
+    symlink(elsewhere.path(), other.path().join("blobs")).expect("symlink");
+    assert_refused(Store::open(other.path()), "open a store whose blobs/ is a link");
+    assert_refused(Store::open_read_only(other.path()), "open a store whose blobs/ is a link read-only");
+    assert_eq!(fs::read_dir(elsewhere.path()).expect("read").count(), 2, "nothing was made through blobs/");
+}
+
+#[test]
+fn a_fifo_planted_as_a_blob_is_refused_without_waiting() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    let digest = Digest::of(b"fifo");
+    nix::unistd::mkfifo(&store.blob_path(&digest), nix::sys::stat::Mode::S_IRWXU).expect("fifo");
+    let e = store.read_blob(&digest).expect_err("a FIFO");
+    assert!(matches!(e, StoreError::Refused { .. }) && e.to_string().contains("not a regular file"), "{e}");
+}
+
+#[test]
+fn garbage_collection_removes_unused_blobs_and_stale_partials_once_old_enough() {
+    use std::time::{Duration, SystemTime};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    let model = add_model(&store, "kept", b"weights", b"template");
+    let (uploaded, uploaded_size) = store.write_blob(&b"uploaded, never used"[..], None).expect("upload");
+    let stale = Digest::of(b"a pull that stopped");
+    let blobs = dir.path().join("blobs");
+    fs::write(blobs.join(format!("{}-partial", stale.file_name())), b"half").expect("partial");
+    fs::write(blobs.join(format!("{}-partial.json", stale.file_name())), b"{}").expect("record");
+    fs::write(blobs.join(".tmp-debris"), b"x").expect("debris");
+    fs::write(dir.path().join("manifests/.tmp-debris"), b"y").expect("debris");
+    let (elsewhere, secret) = outside();
+    let linked = Digest::of(b"linked");
+    std::os::unix::fs::symlink(&secret, store.blob_path(&linked)).expect("symlink");
+    // A manifest that does not parse still keeps what it names.
+    let kept_by_broken = store.write_blob(&b"named by a broken manifest"[..], None).expect("blob").0;
+    let broken = dir.path().join("manifests/registry.ollama.ai/library/broken");
+    fs::create_dir_all(&broken).expect("mkdir");
+    fs::write(broken.join("latest"), format!("{{\"layers\": [\"{kept_by_broken}\"")).expect("broken manifest");
+
+    let grace = Duration::from_secs(3600);
+    let now = SystemTime::now();
+    assert_eq!(store.collect_garbage(grace, now).expect("gc"), super::gc::Collected::default(), "all too young");
+
+    // Two hours later.
+    let now = now + Duration::from_secs(7200);
+    let pinned = store.pin([uploaded]);
+    let collected = store.collect_garbage(grace, now).expect("gc");
+    assert_eq!((collected.blobs, collected.partials, collected.temporaries), (0, 2, 2), "{collected:?}");
+    assert!(store.has_blob(&uploaded), "a pinned blob stays");
+    drop(pinned);
+    let collected = store.collect_garbage(grace, now).expect("gc");
+    assert_eq!(collected, super::gc::Collected { blobs: 1, partials: 0, temporaries: 0, bytes: uploaded_size });
+    assert!(!store.has_blob(&uploaded));
+    for layer in model.blobs() {
+        store.verify_blob(&layer.digest).expect("what a model uses stays");
+    }
+    assert!(store.has_blob(&kept_by_broken), "what a broken manifest names stays");
+    assert!(fs::symlink_metadata(store.blob_path(&linked)).is_ok(), "a link is left alone");
+    assert_eq!(fs::read(&secret).expect("secret"), b"root:$6$secret");
+    let mut left: Vec<String> =
+        fs::read_dir(&blobs).expect("read").map(|e| e.expect("e").file_name().to_string_lossy().into_owned()).collect();
+    left.sort();
+    let mut expected: Vec<String> =
+        model.blobs().map(|l| l.digest.file_name()).chain([kept_by_broken.file_name(), linked.file_name()]).collect();
+    expected.sort();
+    assert_eq!(left, expected);
+    drop(elsewhere);
+}
+
+/// A reader that says when it is asked for data, then waits for it.
+struct Slow(std::sync::mpsc::Receiver<Vec<u8>>, std::sync::mpsc::Sender<()>);
+impl std::io::Read for Slow {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let _ = self.1.send(());
+        match self.0.recv() {
+            Ok(chunk) => {
+                buf[..chunk.len()].copy_from_slice(&chunk);
+                Ok(chunk.len())
+            }
+            Err(_) => Ok(0),
+        }
+    }
+}
+
+#[test]
+fn garbage_collection_leaves_alone_what_a_running_upload_or_create_uses() {
+    use std::sync::mpsc;
+    use std::time::{Duration, SystemTime};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("store")).expect("open");
+    // Everything counts as old: only pins and writes in progress protect.
+    let later = SystemTime::now() + Duration::from_secs(86_400);
+
+    // An upload whose data is still arriving: its temporary file stays.
+    let (data, rx) = mpsc::channel();
+    let (asked, asking) = mpsc::channel();
+    let uploader = store.clone();
+    let upload = std::thread::spawn(move || uploader.write_blob(Slow(rx, asked), None));
+    data.send(b"first half, ".to_vec()).expect("send");
+    asking.recv().expect("first read");
+    asking.recv().expect("second read: the first chunk is written");
+    let collected = store.collect_garbage(Duration::ZERO, later).expect("gc");
+    assert_eq!(collected.files(), 0, "{collected:?}");
+    data.send(b"second half".to_vec()).expect("send");
+    drop(data);
+    let (digest, _) = upload.join().expect("join").expect("upload");
+    assert_eq!(store.read_blob(&digest).expect("blob"), b"first half, second half");
+
+    // Creates running beside collections that run as often as they can.
+    let file = dir.path().join("tiny.gguf");
+    crate::demo_model::write_tiny_llama(&file).expect("model");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let collector = {
+        let (store, stop) = (store.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut rounds = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                store.collect_garbage(Duration::ZERO, later).expect("gc");
+                rounds += 1;
+            }
+            rounds
+        })
+    };
+    for i in 0..20 {
+        let modelfile = super::modelfile::Modelfile::parse(&format!(
+            "FROM {}\nSYSTEM \"\"\"system {i}\"\"\"\nPARAMETER num_ctx {}\n",
+            file.display(),
+            512 + i
+        ))
+        .expect("modelfile");
+        let spec = super::create::CreateSpec::from_modelfile(&modelfile, dir.path()).expect("spec");
+        store.create(&name(&format!("m{i}")), &spec, &mut |_| {}).expect("create beside a collection");
+        store.show(&name(&format!("m{i}")), false).expect("every blob of the new model is there");
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert!(collector.join().expect("join") > 0);
+    for listed in store.list().expect("list") {
+        for layer in listed.manifest.blobs() {
+            store.verify_blob(&layer.digest).expect("consistent");
+        }
+    }
+}
+
+#[test]
+fn concurrent_copies_deletes_and_listings_of_models_sharing_blobs_never_fail() {
+    use std::sync::{Arc, Barrier};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    add_model(&store, "base", b"shared weights", b"shared template");
+    let threads = 6;
+    let rounds = 150;
+    let barrier = Arc::new(Barrier::new(threads));
+    let workers: Vec<_> = (0..threads)
+        .map(|t| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                let mut failures = Vec::new();
+                for r in 0..rounds {
+                    // Names that collide between threads, in namespaces whose directories
+                    // come and go.
+                    let a = name(&format!("ns{}/m{}:{}", r % 3, (t + r) % 4, r % 2));
+                    let b = name(&format!("ns{}/m{}:{}", (r + 1) % 3, (t + r + 1) % 4, r % 2));
+                    let results = [
+                        store.copy(&name("base"), &a).map(drop),
+                        store.copy(&a, &b).map(drop),
+                        store.list().map(drop),
+                        store.delete(&a).map(drop),
+                        store.manifest(&b).map(drop),
+                        store.delete(&b).map(drop),
+                    ];
+                    for result in results {
+                        match result {
+                            Ok(()) | Err(StoreError::NotFound(_)) => {}
+                            Err(e) => failures.push(e.to_string()),
+                        }
+                    }
+                }
+                failures
+            })
+        })
+        .collect();
+    let failures: Vec<String> = workers.into_iter().flat_map(|w| w.join().expect("join")).collect();
+    assert!(failures.is_empty(), "{} failures, first: {:?}", failures.len(), &failures[..failures.len().min(5)]);
+    // Consistent: every manifest's blobs are there, and no blob is left that none names.
+    let listed = store.list().expect("list");
+    let mut used = std::collections::BTreeSet::new();
+    for model in &listed {
+        for layer in model.manifest.blobs() {
+            store.verify_blob(&layer.digest).expect("a listed model's blob");
+            used.insert(layer.digest.file_name());
+        }
+    }
+    let on_disk: std::collections::BTreeSet<String> = fs::read_dir(store.blobs_dir())
+        .expect("read")
+        .map(|e| e.expect("e").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(on_disk, used, "blobs left behind by deletes");
+    for model in listed {
+        store.delete(&model.name).expect("delete what is left");
+    }
+    assert_eq!(fs::read_dir(store.blobs_dir()).expect("read").count(), 0);
+    assert_eq!(fs::read_dir(store.manifests_dir()).expect("read").count(), 0, "empty directories go");
+}
+
+#[tokio::test(start_paused = true)]
+async fn garbage_collection_runs_at_start_and_again_every_interval() {
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    let gone = |digest: Digest| {
+        let store = store.clone();
+        async move {
+            // Real time for the deadline: the collection runs on the blocking pool.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while store.has_blob(&digest) {
+                assert!(Instant::now() < deadline, "blob {digest} was not collected");
+                // A virtual minute: the paused clock jumps to the next timer when idle.
+                tokio::time::sleep(Duration::from_secs(60)).await;
+            }
+        }
+    };
+    let (first, _) = store.write_blob(&b"unused at start"[..], None).expect("blob");
+    let task = tokio::spawn(super::gc::run(store.clone(), Some(Duration::from_secs(3600)), Duration::ZERO));
+    gone(first).await;
+    // Written after the first collection: only a later, periodic one takes it.
+    let (second, _) = store.write_blob(&b"unused later"[..], None).expect("blob");
+    gone(second).await;
+    task.abort();
+}

@@ -35,6 +35,53 @@ pub enum UpstreamError {
     /// No answer in time.
     #[error("the runner did not answer within {0:?}")]
     Timeout(Duration),
+    /// The runner fell silent in the middle of its answer.
+    #[error("the runner sent nothing for {} in the middle of its answer", humantime::format_duration(*.0))]
+    Stalled(Duration),
+}
+
+impl UpstreamError {
+    /// Whether the runner is gone rather than slow or refusing: nothing listens on its
+    /// socket (refused, missing), or it dropped a fresh connection before answering
+    /// (closed, reset). A request that failed so got nothing from the runner, so it may
+    /// be sent again to another runner.
+    #[must_use]
+    pub fn runner_gone(&self) -> bool {
+        match self {
+            Self::Connect { source, .. } => matches!(
+                source.kind(),
+                std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::NotFound
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+            ),
+            Self::Http(e) => connection_lost(e),
+            Self::Timeout(_) | Self::Stalled(_) => false,
+        }
+    }
+}
+
+/// A request that failed because its connection closed or broke before the answer began.
+fn connection_lost(error: &hyper::Error) -> bool {
+    use std::error::Error as _;
+
+    if error.is_incomplete_message() || error.is_canceled() || error.is_closed() {
+        return true;
+    }
+    let mut source = error.source();
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::UnexpectedEof
+            );
+        }
+        source = cause.source();
+    }
+    false
 }
 
 /// `GET path` on the runner at `socket`, on a new connection; returns status and body.
@@ -120,6 +167,8 @@ pub struct BodyStream {
     /// (llama-server closes a connection after a stream).
     replace: Option<(Pool, PathBuf)>,
     content_type: Option<hyper::header::HeaderValue>,
+    /// The longest silence allowed between two pieces of the body.
+    idle_timeout: Duration,
 }
 
 impl BodyStream {
@@ -132,10 +181,15 @@ impl BodyStream {
     /// The next piece of the body as the runner sent it; `None` at its end.
     ///
     /// # Errors
-    /// The connection failed mid-body.
-    pub async fn chunk(&mut self) -> Option<Result<Bytes, hyper::Error>> {
+    /// The connection failed mid-body, or the runner sent nothing for the pool's stream
+    /// idle timeout ([`UpstreamError::Stalled`]; the connection is then useless: the
+    /// caller drops it, which closes it).
+    pub async fn chunk(&mut self) -> Option<Result<Bytes, UpstreamError>> {
         loop {
-            let Some(frame) = self.body.frame().await else {
+            let Ok(frame) = tokio::time::timeout(self.idle_timeout, self.body.frame()).await else {
+                return Some(Err(UpstreamError::Stalled(self.idle_timeout)));
+            };
+            let Some(frame) = frame else {
                 self.ended();
                 return None;
             };
@@ -146,7 +200,7 @@ impl BodyStream {
                     }
                     // Trailers: nothing to forward.
                 }
-                Err(e) => return Some(Err(e)),
+                Err(e) => return Some(Err(e.into())),
             }
         }
     }
@@ -188,12 +242,29 @@ type Idle = HashMap<PathBuf, Vec<Connection>>;
 /// ready, so a request does not go out on a connection the runner is closing. After a
 /// streamed answer a new connection is opened in its place, so the next request (a chat's
 /// next turn) does not wait for one.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Pool {
     idle: Arc<Mutex<Idle>>,
+    /// How long a runner may fall silent in the middle of an answer.
+    stream_idle_timeout: Duration,
+}
+
+impl Default for Pool {
+    fn default() -> Self {
+        Self::new(Self::DEFAULT_STREAM_IDLE_TIMEOUT)
+    }
 }
 
 impl Pool {
+    /// `[runner] stream_idle_timeout`'s default.
+    pub const DEFAULT_STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(5 * 60);
+
+    /// A pool whose answers fail once the runner sent nothing for `stream_idle_timeout`.
+    #[must_use]
+    pub fn new(stream_idle_timeout: Duration) -> Self {
+        Self { idle: Arc::default(), stream_idle_timeout }
+    }
+
     /// How long a connection may have been idle and still be used (llama-server: 5 s).
     const MAX_IDLE: Duration = Duration::from_secs(2);
     /// Requests per connection (llama-server closes after 100).
@@ -267,9 +338,10 @@ impl Pool {
         &self,
         socket: &Path,
         path: &'static str,
-        body: Vec<u8>,
+        body: impl Into<Bytes>,
         timeout: Duration,
     ) -> Result<(StatusCode, BodyStream), UpstreamError> {
+        let body: Bytes = body.into();
         let exchange = async {
             let mut kept = self.take(socket);
             // A kept connection is ready at once unless the runner is closing it.
@@ -279,12 +351,26 @@ impl Pool {
                     kept = None;
                 }
             }
+            let reused = kept.is_some();
             let mut connection = match kept {
                 Some(connection) => connection,
                 None => Connection::open(socket).await?,
             };
-            let response = match connection.send(Method::POST, path, Bytes::from(body)).await {
+            let response = match connection.send(Method::POST, path, body.clone()).await {
                 Ok(response) => response,
+                // The runner closed a kept connection as the request went out (its idle
+                // timeout): nothing reached it, so the request goes again on a new one.
+                Err(e) if reused && connection_lost(&e) => {
+                    connection.driver.abort();
+                    connection = Connection::open(socket).await?;
+                    match connection.send(Method::POST, path, body).await {
+                        Ok(response) => response,
+                        Err(e) => {
+                            connection.driver.abort();
+                            return Err(e.into());
+                        }
+                    }
+                }
                 Err(e) => {
                     connection.driver.abort();
                     return Err(e.into());
@@ -300,7 +386,8 @@ impl Pool {
                 (Some((self.clone(), socket.to_owned(), sender, uses)), None)
             };
             let body = response.into_body();
-            Ok((status, BodyStream { body, driver: Some(driver), give_back, replace, content_type }))
+            let idle_timeout = self.stream_idle_timeout;
+            Ok((status, BodyStream { body, driver: Some(driver), give_back, replace, content_type, idle_timeout }))
         };
         tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
     }
@@ -478,5 +565,86 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert_eq!(post(&pool, &socket).await, Bytes::from_static(b"{}"));
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    /// A server on `socket` that reads one request head per connection and hands the
+    /// stream to `answer`.
+    fn serve_with(
+        socket: &Path,
+        answer: impl Fn(tokio::net::UnixStream) -> futures_util::future::BoxFuture<'static, ()> + Send + 'static,
+    ) {
+        let listener = tokio::net::UnixListener::bind(socket).expect("bind");
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    if stream.read(&mut byte).await.unwrap_or(0) == 0 {
+                        break;
+                    }
+                    head.push(byte[0]);
+                }
+                tokio::spawn(answer(stream));
+            }
+        });
+    }
+
+    #[tokio::test]
+    async fn a_runner_with_nothing_listening_or_that_drops_the_request_is_gone_and_a_slow_one_is_not() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool = Pool::default();
+        let post = |socket: PathBuf, timeout: Duration| {
+            let pool = pool.clone();
+            async move { pool.post_json_stream(&socket, "/completion", b"{}".to_vec(), timeout).await.map(|_| ()) }
+        };
+        let missing = post(dir.path().join("missing.sock"), Duration::from_secs(5)).await.expect_err("no socket");
+        assert!(missing.runner_gone(), "{missing}");
+        // A socket file whose listener is gone (the process died): refused.
+        let stale = dir.path().join("stale.sock");
+        drop(std::os::unix::net::UnixListener::bind(&stale).expect("bind"));
+        let refused = post(stale, Duration::from_secs(5)).await.expect_err("refused");
+        assert!(refused.runner_gone(), "{refused}");
+        // Accepted, then closed without an answer (the process died with the request).
+        let closing = dir.path().join("closing.sock");
+        serve_with(&closing, |stream| Box::pin(async move { drop(stream) }));
+        let dropped = post(closing, Duration::from_secs(5)).await.expect_err("closed");
+        assert!(dropped.runner_gone(), "{dropped}");
+        // Alive but slow: a timeout, which says nothing of the runner's death.
+        let slow = dir.path().join("slow.sock");
+        serve_with(&slow, |stream| {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                drop(stream);
+            })
+        });
+        let timeout = post(slow, Duration::from_millis(100)).await.expect_err("slow");
+        assert!(!timeout.runner_gone(), "{timeout}");
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_falls_silent_fails_after_the_idle_timeout() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("silent.sock");
+        serve_with(&socket, |mut stream| {
+            Box::pin(async move {
+                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+                let _ = stream.write_all(format!("{head}5\r\nhello\r\n").as_bytes()).await;
+                // Then nothing, the connection open.
+                tokio::time::sleep(Duration::from_secs(60)).await;
+            })
+        });
+        let pool = Pool::new(Duration::from_millis(200));
+        let (status, mut body) = pool
+            .post_json_stream(&socket, "/completion", b"{}".to_vec(), Duration::from_secs(5))
+            .await
+            .expect("headers");
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(body.chunk().await.expect("a piece").expect("data"), Bytes::from_static(b"hello"));
+        let started = Instant::now();
+        let error = body.chunk().await.expect("not the end").expect_err("silent");
+        assert!(matches!(error, UpstreamError::Stalled(d) if d == Duration::from_millis(200)), "{error}");
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        assert!(!error.runner_gone(), "a stall is told apart from a death");
+        assert_eq!(error.to_string(), "the runner sent nothing for 200ms in the middle of its answer");
     }
 }

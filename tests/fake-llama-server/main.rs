@@ -18,6 +18,8 @@
 //! the file `-m` names holds a JSON [`Behaviour`], for example
 //! `{"load_ms": 3000, "progress_every_ms": 100}`. Missing keys take their defaults (a
 //! load that succeeds at once); unknown keys are an error, so a typo in a test fails loudly.
+//! A GGUF file (a model in corral's store) takes its behaviour from `<model>.fake.json`
+//! beside it, or the defaults when there is none.
 //!
 //! # What the tests can observe
 //!
@@ -31,7 +33,8 @@
 //!   while loading and 200 `{"status":"ok"}` after; `POST /completion`
 //!   (`{"n_predict": N, "stream": bool}`, N defaults to 16, negative is unlimited)
 //!   produces one token every `stream_delay_ms`, as server-sent events `data: {…}` when
-//!   streaming.
+//!   streaming; `POST /v1/chat/completions` the same in OpenAI's chunks (`max_tokens`),
+//!   ending with `data: [DONE]`; `POST /v1/embeddings` a vector `[i, 1]` per input.
 //!
 //! SIGTERM makes it print llama-server's `cleaning up before exit...` and exit 0, unless
 //! `ignore_sigterm` is set.
@@ -95,6 +98,13 @@ struct Behaviour {
     grandchild: bool,
     /// The time per token of `/completion`.
     stream_delay_ms: u64,
+    /// Die (as `exit_code`/`exit_signal` say) on the first generation request, before
+    /// answering it: a runner that crashed just before a request reached it.
+    crash_on_request: bool,
+    /// Streamed answers send this many tokens, then nothing more, the connection open.
+    silent_after_tokens: Option<u64>,
+    /// The two switches above apply to the first start only (a replacement behaves).
+    first_start_only: bool,
 }
 
 impl Default for Behaviour {
@@ -113,6 +123,9 @@ impl Default for Behaviour {
             ignore_sigterm: false,
             grandchild: false,
             stream_delay_ms: 0,
+            crash_on_request: false,
+            silent_after_tokens: None,
+            first_start_only: false,
         }
     }
 }
@@ -202,16 +215,14 @@ async fn main() {
         log('E', "srv  llama_server: fake-llama-server: no -m given");
         std::process::exit(1);
     };
-    let behaviour = std::fs::read(&model)
-        .map_err(|e| e.to_string())
-        .and_then(|bytes| serde_json::from_slice::<Behaviour>(&bytes).map_err(|e| e.to_string()));
+    let behaviour = read_behaviour(&model);
     let grandchild = match &behaviour {
         Ok(b) if b.grandchild => Some(spawn_grandchild()),
         _ => None,
     };
     let socket = args.host.clone().unwrap_or_else(|| PathBuf::from("fake-llama-server.sock"));
     let listener = tokio::net::UnixListener::bind(&socket);
-    record_start(&model, grandchild, listener.is_ok(), &command_line);
+    let start = record_start(&model, grandchild, listener.is_ok(), &command_line);
 
     log('I', "srv  llama_server: initializing ...");
     log('I', "srv         start: setting address family to AF_UNIX");
@@ -224,10 +235,19 @@ async fn main() {
         fail_load(&[format!("llama_model_load: error loading model: fake-llama-server: bad behaviour file: {e}")])
     });
 
+    let mut behaviour = behaviour;
+    if behaviour.first_start_only && start > 1 {
+        behaviour.crash_on_request = false;
+        behaviour.silent_after_tokens = None;
+    }
     let shared = Arc::new(Shared { behaviour, loaded: AtomicBool::new(false), healthy_once: AtomicBool::new(false) });
     let router = Router::new()
         .route("/health", get(health))
         .route("/completion", post(completion))
+        .route("/v1/chat/completions", post(chat_completions))
+        // Enough of OpenAI's completions for a pass-through: llama-server's own answer.
+        .route("/v1/completions", post(completion))
+        .route("/v1/embeddings", post(embeddings))
         .with_state(Arc::clone(&shared));
     tokio::spawn(async move { axum::serve(listener, router).await });
     let ignore_sigterm = shared.behaviour.ignore_sigterm;
@@ -310,14 +330,34 @@ fn spawn_grandchild() -> u32 {
         .id()
 }
 
-/// Appends this start to `<model>.starts`.
-fn record_start(model: &Path, grandchild: Option<u32>, bound: bool, command_line: &[OsString]) {
+/// The behaviour for `model`: its JSON, or for a GGUF file the JSON beside it.
+fn read_behaviour(model: &Path) -> Result<Behaviour, String> {
+    let bytes = std::fs::read(model).map_err(|e| e.to_string())?;
+    let bytes = if bytes.starts_with(b"GGUF") {
+        let mut beside = model.as_os_str().to_owned();
+        beside.push(".fake.json");
+        match std::fs::read(PathBuf::from(beside)) {
+            Ok(bytes) => bytes,
+            Err(_) => return Ok(Behaviour::default()),
+        }
+    } else {
+        bytes
+    };
+    serde_json::from_slice::<Behaviour>(&bytes).map_err(|e| e.to_string())
+}
+
+/// Appends this start to `<model>.starts`; returns its number (1 for the first).
+fn record_start(model: &Path, grandchild: Option<u32>, bound: bool, command_line: &[OsString]) -> usize {
     let args: Vec<String> = command_line.iter().map(|a| a.to_string_lossy().into_owned()).collect();
     let line = json!({ "pid": std::process::id(), "grandchild": grandchild, "bound": bound, "args": args });
     let mut path = model.as_os_str().to_owned();
     path.push(".starts");
     let mut file = std::fs::OpenOptions::new().create(true).append(true).open(path).expect("open the starts file");
     file.write_all(format!("{line}\n").as_bytes()).expect("write the starts file");
+    drop(file);
+    let mut path = model.as_os_str().to_owned();
+    path.push(".starts");
+    std::fs::read_to_string(path).map_or(1, |text| text.lines().count())
 }
 
 async fn health(State(shared): State<Arc<Shared>>) -> Response {
@@ -364,6 +404,9 @@ async fn completion(State(shared): State<Arc<Shared>>, body: Bytes) -> Response 
             return (StatusCode::BAD_REQUEST, Json(body)).into_response();
         }
     };
+    if shared.behaviour.crash_on_request {
+        die(&shared.behaviour);
+    }
     let n = u64::try_from(request.n_predict).unwrap_or(u64::MAX);
     let delay = Duration::from_millis(shared.behaviour.stream_delay_ms);
     if !request.stream {
@@ -375,17 +418,136 @@ async fn completion(State(shared): State<Arc<Shared>>, body: Bytes) -> Response 
         return Json(json!({ "content": content, "tokens_predicted": n, "stop": true, "stop_type": "limit" }))
             .into_response();
     }
-    let (tx, rx) = mpsc::channel(1);
-    tokio::spawn(async move {
+    let silent_after = shared.behaviour.silent_after_tokens;
+    events(
+        move |i| {
+            if i == n {
+                let last =
+                    json!({ "index": 0, "content": "", "stop": true, "tokens_predicted": n, "stop_type": "limit" });
+                return Step::Last(vec![format!("data: {last}\n\n")]);
+            }
+            if silent_after == Some(i) {
+                return Step::Silent;
+            }
+            let event = json!({ "index": 0, "content": format!(" t{i}"), "tokens": [i], "stop": false });
+            Step::Send(format!("data: {event}\n\n"))
+        },
+        delay,
+    )
+}
+
+#[derive(Deserialize)]
+struct ChatRequest {
+    #[serde(default = "default_n_predict")]
+    max_tokens: i64,
+    #[serde(default)]
+    stream: bool,
+}
+
+/// `POST /v1/chat/completions`: the tokens of `/completion` in OpenAI's shape.
+async fn chat_completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    if !shared.loaded.load(Ordering::SeqCst) {
+        return loading();
+    }
+    let request: ChatRequest = match serde_json::from_slice(&body) {
+        Ok(request) => request,
+        Err(e) => {
+            let body = json!({ "error": { "code": 400, "message": e.to_string(), "type": "invalid_request_error" } });
+            return (StatusCode::BAD_REQUEST, Json(body)).into_response();
+        }
+    };
+    if shared.behaviour.crash_on_request {
+        die(&shared.behaviour);
+    }
+    let n = u64::try_from(request.max_tokens).unwrap_or(u64::MAX);
+    let delay = Duration::from_millis(shared.behaviour.stream_delay_ms);
+    let usage = json!({ "prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3 });
+    if !request.stream {
+        let mut content = String::new();
         for i in 0..n {
             tokio::time::sleep(delay).await;
-            let event = json!({ "index": 0, "content": format!(" t{i}"), "tokens": [i], "stop": false });
-            if tx.send(Bytes::from(format!("data: {event}\n\n"))).await.is_err() {
-                return; // the client went away
+            let _ = write!(content, " t{i}");
+        }
+        let choice =
+            json!({ "index": 0, "message": { "role": "assistant", "content": content }, "finish_reason": "length" });
+        return Json(json!({ "object": "chat.completion", "choices": [choice], "usage": usage })).into_response();
+    }
+    let silent_after = shared.behaviour.silent_after_tokens;
+    events(
+        move |i| {
+            let chunk = |delta: serde_json::Value, finish: serde_json::Value| {
+                let choice = json!({ "index": 0, "delta": delta, "finish_reason": finish });
+                format!("data: {}\n\n", json!({ "object": "chat.completion.chunk", "choices": [choice] }))
+            };
+            if i == n {
+                let usage = json!({ "object": "chat.completion.chunk", "choices": [], "usage": usage.clone() });
+                return Step::Last(vec![
+                    chunk(json!({}), json!("length")),
+                    format!("data: {usage}\n\n"),
+                    "data: [DONE]\n\n".to_owned(),
+                ]);
+            }
+            if silent_after == Some(i) {
+                return Step::Silent;
+            }
+            Step::Send(chunk(json!({ "content": format!(" t{i}") }), serde_json::Value::Null))
+        },
+        delay,
+    )
+}
+
+/// `POST /v1/embeddings`: a vector `[i, 1]` for the `i`-th input.
+async fn embeddings(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    if !shared.loaded.load(Ordering::SeqCst) {
+        return loading();
+    }
+    if shared.behaviour.crash_on_request {
+        die(&shared.behaviour);
+    }
+    let request: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let inputs = match &request["input"] {
+        serde_json::Value::Array(items) => items.len(),
+        _ => 1,
+    };
+    let data: Vec<serde_json::Value> =
+        (0..inputs).map(|i| json!({ "index": i, "object": "embedding", "embedding": [i, 1] })).collect();
+    Json(json!({ "object": "list", "data": data, "usage": { "prompt_tokens": inputs, "total_tokens": inputs } }))
+        .into_response()
+}
+
+/// What a stream sends at its `i`-th step.
+enum Step {
+    Send(String),
+    Last(Vec<String>),
+    /// Nothing more, the connection held open.
+    Silent,
+}
+
+/// A server-sent event stream: `step(0)`, `step(1)`, … one every `delay`.
+fn events(step: impl Fn(u64) -> Step + Send + 'static, delay: Duration) -> Response {
+    let (tx, rx) = mpsc::channel(1);
+    tokio::spawn(async move {
+        for i in 0.. {
+            tokio::time::sleep(delay).await;
+            match step(i) {
+                Step::Send(event) => {
+                    if tx.send(Bytes::from(event)).await.is_err() {
+                        return; // the client went away
+                    }
+                }
+                Step::Last(events) => {
+                    for event in events {
+                        let _ = tx.send(Bytes::from(event)).await;
+                    }
+                    return;
+                }
+                Step::Silent => {
+                    // Holds the stream open until the client goes away.
+                    tx.closed().await;
+                    return;
+                }
             }
         }
-        let last = json!({ "index": 0, "content": "", "stop": true, "tokens_predicted": n, "stop_type": "limit" });
-        let _ = tx.send(Bytes::from(format!("data: {last}\n\n"))).await;
     });
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")

@@ -170,7 +170,7 @@ async fn push_and_pull_through_a_registry_report_progress() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_running_job_keeps_an_idle_daemon_up() {
     use crate::support::bus::PrivateBus;
-    use crate::support::corrald::{Corrald, free_port, write_config};
+    use crate::support::corrald::{Corrald, IDLE_CHECKS, free_port, write_config};
     use crate::support::dbus::{ensure_users, policy};
     use crate::support::notify::NotifyListener;
     use crate::support::registry::{Action, Gate, Proxy};
@@ -192,11 +192,11 @@ async fn a_running_job_keeps_an_idle_daemon_up() {
     let config = write_config(dir.path(), "corral.toml", &config);
     let notify = NotifyListener::start();
     let tcp = format!("127.0.0.1:{}", free_port());
-    let mut corrald = Corrald::socket_activated(
+    let corrald = Corrald::socket_activated(
         std::slice::from_ref(&tcp),
         &["--config", config.to_str().expect("utf-8")],
         notify.path(),
-        &[("DBUS_SYSTEM_BUS_ADDRESS", bus.address())],
+        &[("DBUS_SYSTEM_BUS_ADDRESS", bus.address()), ("RUST_LOG", IDLE_CHECKS)],
     );
     // The first connection starts it.
     let addr: std::net::SocketAddr = tcp.parse().expect("addr");
@@ -212,8 +212,14 @@ async fn a_running_job_keeps_an_idle_daemon_up() {
     let job = manager.pull(&format!("{}/corral/held:v1", proxy.host()), HashMap::new()).await.expect("Pull");
     tokio::time::timeout(WAIT, gate.arrivals(1)).await.expect("the pull reached the registry");
 
-    // Several idle checks (every 2 s) pass the 1 s limit while the job runs.
-    tokio::time::sleep(Duration::from_secs(7)).await;
+    // Three idle checks (every 2 s) pass the 1 s limit while the job runs.
+    let since = corrald.idle_checks();
+    let corrald = tokio::task::spawn_blocking(move || {
+        corrald.wait_idle_checks(since, 3, WAIT);
+        corrald
+    })
+    .await
+    .expect("wait for idle checks");
     assert!(!corrald.stderr().contains("corral_event=\"idle\""), "exited with a job running:\n{}", corrald.stderr());
     let (success, error) = {
         gate.open();
@@ -221,6 +227,7 @@ async fn a_running_job_keeps_an_idle_daemon_up() {
     };
     assert!(!success && error.contains("held"), "the registry has no such model: {error}");
     drop(connection);
+    let mut corrald = corrald;
     let status = tokio::task::spawn_blocking(move || {
         let status = corrald.wait_exit(WAIT);
         (status, corrald.stderr())

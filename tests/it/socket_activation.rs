@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
-use crate::support::corrald::{Corrald, free_port, write_config};
+use crate::support::corrald::{Corrald, IDLE_CHECKS, free_port, write_config};
 use crate::support::http;
 use crate::support::notify::NotifyListener;
 
@@ -179,7 +179,10 @@ fn stop_is_bounded_even_when_a_client_never_finishes_its_request() {
     notify.wait_for("READY", "1", WAIT);
     let mut slow = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
     std::io::Write::write_all(&mut slow, b"GET / HTTP/1.1\r\nHost: x\r\n").expect("half a request");
-    std::thread::sleep(Duration::from_millis(100));
+    // A later connection answered means the slow one was accepted before it (one accept
+    // loop takes connections in order).
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
+    assert_eq!(http::tcp(addr, "GET", "/api/version").status, 200);
     corrald.signal(Signal::SIGTERM);
     // The grace period is 1 s; the bound here only has to tell "bounded" from "hangs".
     assert!(corrald.wait_exit(Duration::from_secs(30)).success(), "{}", corrald.stderr());
@@ -224,7 +227,7 @@ fn exit_on_idle_waits_for_requests_in_flight_then_exits_cleanly() {
         &[tcp.to_string()],
         &["--config", config.to_str().expect("utf-8")],
         notify.path(),
-        &[],
+        &[("RUST_LOG", IDLE_CHECKS)],
     );
 
     let body = b"0123456789";
@@ -235,16 +238,14 @@ fn exit_on_idle_waits_for_requests_in_flight_then_exits_cleanly() {
     upload.write_all(&body[..5]).expect("send half the body");
     notify.wait_for("READY", "1", WAIT);
 
-    // Several idle checks (every 2 s) pass the 1 s limit while the upload is open.
-    let since = std::time::Instant::now();
-    while since.elapsed() < Duration::from_secs(7) {
-        assert!(
-            !corrald.stderr().contains("corral_event=\"idle\""),
-            "exited with a request in flight:\n{}",
-            corrald.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    // Three idle checks (every 2 s) pass the 1 s limit while the upload is open.
+    let since = corrald.idle_checks();
+    corrald.wait_idle_checks(since, 3, WAIT);
+    assert!(
+        !corrald.stderr().contains("corral_event=\"idle\""),
+        "exited with a request in flight:\n{}",
+        corrald.stderr()
+    );
     upload.write_all(&body[5..]).expect("send the rest");
     let mut reply = String::new();
     upload.read_to_string(&mut reply).expect("read the reply");
@@ -270,11 +271,14 @@ fn exit_on_idle_is_ignored_without_socket_activation() {
         "corral.toml",
         &format!("[server]\nlisten = [\"127.0.0.1:{port}\"]\nexit_on_idle = \"1s\"\n"),
     );
-    let mut corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    let mut command = std::process::Command::new(crate::support::corrald::CORRALD);
+    command.args(["--log-target", "stderr", "--config", config.to_str().expect("utf-8")]);
+    command.env("NOTIFY_SOCKET", notify.path()).env("RUST_LOG", IDLE_CHECKS);
+    let mut corrald = Corrald::spawn(command);
     notify.wait_for("READY", "1", WAIT);
     corrald.wait_stderr("server.exit_on_idle applies only when systemd passes the sockets; staying up", WAIT);
     // Three idle checks past the limit.
-    std::thread::sleep(Duration::from_secs(7));
+    corrald.wait_idle_checks(0, 3, WAIT);
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
     assert_eq!(http::tcp(addr, "GET", "/api/version").status, 200, "{}", corrald.stderr());
     assert!(!corrald.stderr().contains("corral_event=\"idle\""), "{}", corrald.stderr());

@@ -12,6 +12,9 @@ use nix::unistd::Pid;
 /// The daemon binary under test.
 pub const CORRALD: &str = env!("CARGO_BIN_EXE_corrald");
 
+/// `RUST_LOG` that shows each idle check (see [`Corrald::idle_checks`]).
+pub const IDLE_CHECKS: &str = "info,corral::daemon=debug";
+
 /// A loopback port that was free a moment ago.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
@@ -28,6 +31,8 @@ pub fn write_config(dir: &Path, name: &str, text: &str) -> PathBuf {
 pub struct Corrald {
     child: Child,
     stderr: Arc<Mutex<String>>,
+    /// Says when the reader reached the end of stderr.
+    stderr_done: std::sync::mpsc::Receiver<()>,
     status: Option<ExitStatus>,
     /// The state and runtime directories it was given, so that no test writes to
     /// `/var/lib/corral` or `/run/corral`.
@@ -67,11 +72,15 @@ impl Corrald {
     pub fn spawn(mut cmd: Command) -> Self {
         let dirs = tempfile::tempdir().expect("tempdir");
         cmd.env("STATE_DIRECTORY", dirs.path().join("state")).env("RUNTIME_DIRECTORY", dirs.path().join("run"));
-        cmd.env("RUST_LOG", "info").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+        if !cmd.get_envs().any(|(k, _)| k == "RUST_LOG") {
+            cmd.env("RUST_LOG", "info");
+        }
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
         let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
         let stderr = Arc::new(Mutex::new(String::new()));
         let mut pipe = child.stderr.take().expect("stderr");
         let sink = Arc::clone(&stderr);
+        let (done, stderr_done) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut buf = [0u8; 4096];
             while let Ok(n) = pipe.read(&mut buf) {
@@ -80,8 +89,9 @@ impl Corrald {
                 }
                 sink.lock().expect("lock").push_str(&String::from_utf8_lossy(&buf[..n]));
             }
+            let _ = done.send(());
         });
-        Self { child, stderr, status: None, dirs }
+        Self { child, stderr, stderr_done, status: None, dirs }
     }
 
     /// The state directory it was given (`STATE_DIRECTORY`).
@@ -113,14 +123,31 @@ impl Corrald {
         }
     }
 
+    /// How many idle checks corrald logged so far (at debug level: start it with
+    /// [`IDLE_CHECKS`] as `RUST_LOG`).
+    pub fn idle_checks(&self) -> usize {
+        self.stderr().matches("corral_event=\"idle_check\"").count()
+    }
+
+    /// Waits until `n` more idle checks than `since` have run, so that a test can say
+    /// "several checks passed" without sleeping for them.
+    pub fn wait_idle_checks(&self, since: usize, n: usize, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while self.idle_checks() < since + n {
+            assert!(Instant::now() < deadline, "fewer than {n} idle checks within {timeout:?}:\n{}", self.stderr());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Waits for the process to exit and returns its status.
     pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().expect("try_wait") {
                 self.status = Some(status);
-                // Let the reader thread drain the pipe's last lines.
-                std::thread::sleep(Duration::from_millis(50));
+                // The pipe's last lines are read once the reader sees its end (a child
+                // that kept the pipe open would hold it: bounded).
+                let _ = self.stderr_done.recv_timeout(Duration::from_secs(5));
                 return status;
             }
             assert!(Instant::now() < deadline, "corrald still running after {timeout:?}:\n{}", self.stderr());

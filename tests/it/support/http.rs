@@ -78,7 +78,8 @@ pub fn connect<S>(what: &str, mut attempt: impl FnMut() -> std::io::Result<S>) -
     }
 }
 
-fn parse(raw: &[u8]) -> Response {
+/// Parses a whole response as read from a connection that the server closed.
+pub fn parse(raw: &[u8]) -> Response {
     let text = String::from_utf8_lossy(raw);
     let (head, rest) = text.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no header end in {text:?}"));
     let mut lines = head.split("\r\n");

@@ -210,6 +210,8 @@ struct ProxyState {
     client: reqwest::Client,
     seen: Mutex<Vec<Seen>>,
     rule: Mutex<Rule>,
+    /// Held requests whose client closed the connection while they waited.
+    abandoned: std::sync::atomic::AtomicUsize,
 }
 
 /// A hand-written HTTP/1.1 proxy on `127.0.0.1:<free port>` in front of a registry, one
@@ -234,6 +236,7 @@ impl Proxy {
             client: reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().expect("client"),
             seen: Mutex::default(),
             rule: Mutex::new(Arc::new(|_: &Seen| Action::Pass)),
+            abandoned: std::sync::atomic::AtomicUsize::new(0),
         });
         let shared = Arc::clone(&state);
         let task = tokio::spawn(async move {
@@ -255,7 +258,12 @@ impl Proxy {
         *self.state.rule.lock().unwrap_or_else(PoisonError::into_inner) = Arc::new(rule);
     }
 
-    /// The requests seen so far, in order.
+    /// How many held requests their client gave up (closed the connection) while held.
+    pub fn abandoned(&self) -> usize {
+        self.state.abandoned.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Every request seen so far, in order.
     pub fn seen(&self) -> Vec<Seen> {
         self.state.seen.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
@@ -334,7 +342,17 @@ async fn serve(state: Arc<ProxyState>, mut socket: TcpStream) {
             let _ = socket.shutdown().await;
             return;
         }
-        Action::Hold(gate) => gate.wait().await,
+        Action::Hold(gate) => {
+            // A client that goes away while held is seen going (and nothing is forwarded).
+            tokio::select! {
+                biased;
+                () = gate.wait() => {}
+                () = closed_by_peer(&mut socket) => {
+                    state.abandoned.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    return;
+                }
+            }
+        }
         _ => {}
     }
     let url = format!("http://{}{}", state.upstream, request.path);
@@ -374,6 +392,13 @@ async fn serve(state: Arc<ProxyState>, mut socket: TcpStream) {
     let _ = socket.write_all(head.as_bytes()).await;
     let _ = socket.write_all(&data).await;
     let _ = socket.shutdown().await;
+}
+
+/// Resolves when the client closes its end (one request per connection: nothing more
+/// is expected from it).
+async fn closed_by_peer(socket: &mut TcpStream) {
+    let mut byte = [0u8; 1];
+    while matches!(socket.read(&mut byte).await, Ok(n) if n > 0) {}
 }
 
 fn status_line(status: u16) -> String {

@@ -1,0 +1,85 @@
+//! The one way a handler reaches a runner: a lease from the scheduler, then a request on
+//! the runner's socket, retried once on a fresh load when the leased runner turns out
+//! dead before anything came back.
+//!
+//! A runner can die in the instant before the scheduler hears of it (a crash, an OOM
+//! kill): the scheduler then still leases it, and the request finds its socket refusing
+//! or closing. Nothing was sent to the client yet and nothing was generated, so the
+//! request tells the scheduler the runner is dead (it takes it out of service and
+//! stops it), takes a new lease (a fresh load), and sends once more. A second failure
+//! is the client's error. Every proxied route goes through [`send`].
+
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::http::StatusCode;
+
+use super::error::ApiError;
+use super::ollama_embed::{internal, schedule_error};
+use super::state::AppState;
+use crate::scheduler::actor::{Handle, Lease, ModelRequest};
+use crate::supervisor::upstream::{BodyStream, UpstreamError};
+
+/// A request on its way: the lease held while its answer is read, the answer's status
+/// and body, and how long it waited for the runner (loads included).
+pub(super) struct Answer {
+    pub lease: Lease,
+    pub status: StatusCode,
+    pub body: BodyStream,
+    pub waited: Duration,
+}
+
+/// Leases a runner for `request` and posts `body` to its `upstream_path`; returns once
+/// the answer's headers arrived (within `timeout`).
+pub(super) async fn send(
+    state: &AppState,
+    request: ModelRequest,
+    upstream_path: &'static str,
+    body: Vec<u8>,
+    timeout: Duration,
+    path: &str,
+) -> Result<Answer, ApiError> {
+    let started = Instant::now();
+    // Shared, not copied, between the two tries.
+    let body = Bytes::from(body);
+    let retry = request.clone();
+    let lease = state.scheduler.acquire(request).await.map_err(|e| schedule_error(&e, path))?;
+    let lease = match state.upstream.post_json_stream(lease.socket(), upstream_path, body.clone(), timeout).await {
+        Ok((status, body)) => return Ok(Answer { lease, status, body, waited: started.elapsed() }),
+        Err(e) if e.runner_gone() => {
+            tracing::warn!(
+                corral_model = %retry.name,
+                runner = lease.runner(),
+                path,
+                error = %e,
+                "the leased runner is gone; loading {} again for the request",
+                retry.name
+            );
+            state.scheduler.report_dead(lease).await;
+            state.scheduler.acquire(retry).await.map_err(|e| schedule_error(&e, path))?
+        }
+        Err(e) => return Err(unanswered(&e, path)),
+    };
+    let (status, body) = state
+        .upstream
+        .post_json_stream(lease.socket(), upstream_path, body, timeout)
+        .await
+        .map_err(|e| unanswered(&e, path))?;
+    Ok(Answer { lease, status, body, waited: started.elapsed() })
+}
+
+/// The runner failed before its answer began.
+pub(super) fn unanswered(error: &UpstreamError, path: &str) -> ApiError {
+    internal(&format!("the model runner did not answer: {error}"), path)
+}
+
+/// The runner failed in the middle of its answer. One that fell silent is stopped (the
+/// scheduler replaces it for the next request): a runner that stalls once holds its
+/// slots and would stall the next client too.
+pub(super) async fn failed_mid_answer(scheduler: &Handle, lease: Option<Lease>, error: &UpstreamError) -> String {
+    if let (UpstreamError::Stalled(_), Some(lease)) = (error, lease) {
+        tracing::error!(runner = lease.runner(), error = %error, "the model runner fell silent mid-answer; stopping it");
+        scheduler.report_dead(lease).await;
+    }
+    format!("the model runner failed mid-answer: {error}")
+}

@@ -1,0 +1,391 @@
+//! The store's file-system safety and its races, through the real HTTP API and the real
+//! registry client against Debian's `docker-registry`: links planted in the store are
+//! refused (never read, written or deleted through), a failed pull holds only the bytes
+//! that arrived, garbage collection takes what nothing uses and never what a running pull
+//! holds, and concurrent copies, deletes and listings answer no false 500.
+//!
+//! No test sleeps to synchronise: each waits for a condition under a deadline.
+
+use std::fs;
+use std::os::unix::fs::{MetadataExt, symlink};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use axum::http::StatusCode;
+use corral::store::digest::Digest;
+use corral::store::manifest::{MODEL, SYSTEM, TEMPLATE};
+use corral::store::name::ModelName;
+use corral::store::registry::{Registry, RegistryConfig, RegistryError};
+use corral::store::{Store, StoreError};
+
+use crate::support::api::{call, demo_store, state};
+use crate::support::corrald::{Corrald, write_config};
+use crate::support::llama;
+use crate::support::notify::NotifyListener;
+use crate::support::registry::{Action, DockerRegistry, Gate, Proxy};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+const SECRET: &[u8] = b"root:$6$not-for-your-eyes";
+
+async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(DEADLINE, future).await.unwrap_or_else(|_| panic!("{what} took longer than {DEADLINE:?}"))
+}
+
+/// A directory outside the store with a secret file in it.
+fn outside() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let secret = dir.path().join("shadow");
+    fs::write(&secret, SECRET).expect("secret");
+    (dir, secret)
+}
+
+fn name(text: &str) -> ModelName {
+    ModelName::parse(text).expect("name")
+}
+
+fn model_dir(store: &Store, model: &str) -> PathBuf {
+    store.manifest_path(&name(model)).parent().expect("parent").to_owned()
+}
+
+/// Checks an API error: not a success, a clear refusal, and nothing of the secret.
+fn assert_refused(what: &str, (status, _, body): &(StatusCode, String, String)) {
+    assert!(!status.is_success(), "{what}: {status} {body}");
+    assert!(body.contains("symbolic link"), "{what}: {status} {body}");
+    assert!(!body.contains("not-for-your-eyes"), "{what} disclosed the secret: {body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_planted_in_the_store_are_refused_through_the_api() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let store = state.store.clone();
+    let (elsewhere, secret) = outside();
+
+    // A manifest directory that is a link to a directory elsewhere holding a manifest.
+    let target = elsewhere.path().join("evil");
+    fs::create_dir(&target).expect("mkdir");
+    fs::write(target.join("latest"), store.manifest_bytes(&name("chat")).expect("manifest")).expect("plant");
+    symlink(&target, model_dir(&store, "evil")).expect("symlink");
+    // A manifest that is a link to the secret.
+    symlink(&secret, model_dir(&store, "chat").join("leak")).expect("symlink");
+    // A model whose system prompt layer is a link to the secret.
+    let (status, _, body) =
+        call(&state, "POST", "/api/create", r#"{"model": "leaky", "from": "chat", "system": "hello"}"#).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (leaky, _, _) = store.manifest(&name("leaky")).expect("leaky");
+    let system = leaky.layers_of(SYSTEM).next().expect("system layer").digest;
+    fs::remove_file(store.blob_path(&system)).expect("remove");
+    symlink(&secret, store.blob_path(&system)).expect("symlink");
+
+    for model in ["evil", "chat:leak", "leaky"] {
+        let request = format!(r#"{{"model": "{model}"}}"#);
+        assert_refused(&format!("show {model}"), &call(&state, "POST", "/api/show", &request).await);
+    }
+    assert_refused("delete evil", &call(&state, "DELETE", "/api/delete", r#"{"model": "evil"}"#).await);
+    assert_refused("delete chat:leak", &call(&state, "DELETE", "/api/delete", r#"{"model": "chat:leak"}"#).await);
+    let copy = call(&state, "POST", "/api/copy", r#"{"source": "chat", "destination": "evil:copied"}"#).await;
+    assert_refused("copy into evil", &copy);
+    let create =
+        call(&state, "POST", "/api/create", r#"{"model": "evil:made", "from": "chat", "stream": false}"#).await;
+    assert!(!create.0.is_success() || create.2.contains("symbolic link"), "create into evil: {create:?}");
+    assert!(create.2.contains("symbolic link"), "create into evil: {create:?}");
+
+    let (status, _, body) = call(&state, "GET", "/api/tags", "").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let tags: serde_json::Value = serde_json::from_str(&body).expect("json");
+    let mut names: Vec<&str> =
+        tags["models"].as_array().expect("models").iter().map(|m| m["name"].as_str().expect("name")).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["chat:latest", "embed:latest", "leaky:latest"], "links are not listed");
+
+    // Nothing was written, read or deleted through any link.
+    let mut planted: Vec<String> = fs::read_dir(&target)
+        .expect("read")
+        .map(|e| e.expect("e").file_name().to_string_lossy().into_owned())
+        .collect();
+    planted.sort();
+    assert_eq!(planted, ["latest"], "nothing was written into the linked directory");
+    assert_eq!(fs::read(&secret).expect("secret"), SECRET, "the secret is untouched");
+
+    // Deleting the model whose layer is a link removes the link, never the file.
+    let (status, _, body) = call(&state, "DELETE", "/api/delete", r#"{"model": "leaky"}"#).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(fs::symlink_metadata(store.blob_path(&system)).is_err(), "the link went with its model");
+    assert_eq!(fs::read(&secret).expect("secret"), SECRET, "the secret is untouched");
+}
+
+/// A registry with `test/tiny:v1` pushed to it from a source store.
+struct World {
+    registry: DockerRegistry,
+    dir: tempfile::TempDir,
+    source: Store,
+    name: ModelName,
+}
+
+impl World {
+    async fn new() -> Self {
+        let _ = tracing_subscriber::fmt().with_max_level(tracing::Level::DEBUG).with_test_writer().try_init();
+        let registry = DockerRegistry::start();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let source = demo_store(&dir.path().join("source"));
+        let name = name(&format!("{}/test/tiny:v1", registry.host()));
+        source.copy(&ModelName::parse("chat").expect("name"), &name).expect("copy");
+        let client = client(&[registry.host()], |_| {});
+        within("push", client.push(&source, &name, |_| {})).await.expect("push");
+        Self { registry, dir, source, name }
+    }
+
+    fn weights(&self) -> (Digest, u64) {
+        let (manifest, _, _) = self.source.manifest(&self.name).expect("manifest");
+        let model = manifest.layers_of(MODEL).next().expect("weights");
+        (model.digest, model.size)
+    }
+
+    fn store(&self, dir: &str) -> Store {
+        Store::open(&self.dir.path().join(dir)).expect("store")
+    }
+
+    /// The model's name on `proxy`.
+    fn on(proxy: &Proxy) -> ModelName {
+        name(&format!("{}/test/tiny:v1", proxy.host()))
+    }
+}
+
+fn client(hosts: &[String], tweak: impl FnOnce(&mut RegistryConfig)) -> Registry {
+    let mut config = RegistryConfig {
+        insecure: hosts.to_vec(),
+        part_size: 64 << 10,
+        max_parts: 1,
+        part_attempts: 1,
+        retry_delay: Duration::from_millis(10),
+        connect_timeout: Duration::from_secs(10),
+        read_timeout: Duration::from_secs(30),
+        request_timeout: Duration::from_secs(30),
+    };
+    tweak(&mut config);
+    Registry::new(config)
+}
+
+fn partial_path(store: &Store, digest: &Digest) -> PathBuf {
+    store.blobs_dir().join(format!("{}-partial", digest.file_name()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_pull_holds_only_the_bytes_that_arrived() {
+    let world = World::new().await;
+    let (weights, size) = world.weights();
+    let proxy = Proxy::start(world.registry.addr());
+    let cut = 100_000;
+    assert!(size > 3 * cut, "the weights ({size} bytes) must be far larger than what arrives");
+    let digest = weights.to_string();
+    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Cut(cut) } else { Action::Pass });
+    let store = world.store("dest");
+    let client = client(&[proxy.host()], |c| c.part_size = 64 << 20);
+
+    let error = within("pull", client.pull(&store, &World::on(&proxy), |_| {})).await.expect_err("cut");
+    assert!(matches!(error, RegistryError::Truncated { .. }), "{error:?}");
+    let meta = fs::metadata(partial_path(&store, &weights)).expect("the partial is kept for a resume");
+    assert_eq!(meta.len(), cut, "the partial file is as long as what arrived, not the announced {size}");
+    assert!(meta.blocks() * 512 <= cut + (64 << 10), "{} bytes on disk", meta.blocks() * 512);
+
+    // The resume completes it.
+    proxy.rule(|_| Action::Pass);
+    within("resume", client.pull(&store, &World::on(&proxy), |_| {})).await.expect("resumed pull");
+    store.verify_blob(&weights).expect("whole");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_planted_as_partial_downloads_are_refused_by_a_pull() {
+    let world = World::new().await;
+    let (weights, size) = world.weights();
+    let (elsewhere, secret) = outside();
+    let store = world.store("dest");
+    let client = client(&[world.registry.host()], |_| {});
+    let partial = partial_path(&store, &weights);
+    let record = store.blobs_dir().join(format!("{}-partial.json", weights.file_name()));
+
+    for planted in [&partial, &record] {
+        symlink(&secret, planted).expect("symlink");
+        let error = within("pull", client.pull(&store, &world.name, |_| {})).await.expect_err("refused");
+        let message = error.to_string();
+        assert!(message.contains("symbolic link") && message.contains("-partial"), "{message}");
+        assert!(!message.contains(&elsewhere.path().display().to_string()), "{message}");
+        assert_eq!(fs::read(&secret).expect("secret"), SECRET, "nothing was written through {}", planted.display());
+        assert!(fs::symlink_metadata(planted).expect("still there").file_type().is_symlink(), "not deleted");
+        assert!(store.manifest(&world.name).is_err(), "no model");
+        fs::remove_file(planted).expect("remove the link");
+    }
+    // A hard link to a file elsewhere, with a record claiming it holds data: never written
+    // into, nor resumed from; the pull starts a file of its own.
+    let victim = elsewhere.path().join("victim");
+    fs::write(&victim, SECRET).expect("victim");
+    fs::hard_link(&victim, &partial).expect("hard link");
+    let claim = serde_json::json!({ "digest": weights.to_string(), "size": size, "done": [[0, SECRET.len()]] });
+    fs::write(&record, claim.to_string()).expect("record");
+    within("pull", client.pull(&store, &world.name, |_| {})).await.expect("pull");
+    store.verify_blob(&weights).expect("whole");
+    assert_eq!(fs::read(&victim).expect("victim"), SECRET, "the hard-linked file is untouched");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blob_planted_as_a_link_is_never_pushed() {
+    let world = World::new().await;
+    let (_elsewhere, secret) = outside();
+    let proxy = Proxy::start(world.registry.addr());
+    // A model of the source store, named on the proxy, whose template is a link to the secret.
+    let local = World::on(&proxy);
+    let (status, body) = {
+        let modelfile = format!("FROM chat\nTEMPLATE \"{{{{ .Prompt }}}} {}\"\n", proxy.host());
+        let spec = corral::store::create::CreateSpec::from_modelfile(
+            &corral::store::modelfile::Modelfile::parse(&modelfile).expect("modelfile"),
+            world.dir.path(),
+        )
+        .expect("spec");
+        match world.source.create(&local, &spec, &mut |_| {}) {
+            Ok(d) => (true, d.to_string()),
+            Err(e) => (false, e.to_string()),
+        }
+    };
+    assert!(status, "{body}");
+    let (manifest, _, _) = world.source.manifest(&local).expect("manifest");
+    let template = manifest.layers_of(TEMPLATE).next().expect("template").digest;
+    fs::remove_file(world.source.blob_path(&template)).expect("remove");
+    symlink(&secret, world.source.blob_path(&template)).expect("symlink");
+
+    let client = client(&[proxy.host()], |_| {});
+    let error = within("push", client.push(&world.source, &local, |_| {})).await.expect_err("refused");
+    assert!(matches!(&error, RegistryError::Store(e) if matches!(**e, StoreError::Refused { .. })), "{error:?}");
+    assert!(error.to_string().contains("symbolic link"), "{error}");
+    let uploads: Vec<_> = proxy.seen().into_iter().filter(|s| s.method == "PUT" || s.method == "PATCH").collect();
+    assert!(uploads.is_empty(), "data was sent: {uploads:?}");
+    assert_eq!(fs::read(&secret).expect("secret"), SECRET);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_collection_spares_a_running_pull_and_takes_its_partials_once_it_stopped() {
+    let world = World::new().await;
+    let (weights, size) = world.weights();
+    let proxy = Proxy::start(world.registry.addr());
+    let gate = Gate::new();
+    let (held, digest) = (gate.clone(), weights.to_string());
+    let third = (2 * (64 << 10), 3 * (64 << 10) - 1);
+    assert!(size > 3 * (64 << 10));
+    proxy.rule(move |seen| {
+        if seen.is_blob_get(&digest) && seen.byte_range() == Some(third) {
+            Action::Hold(held.clone())
+        } else {
+            Action::Pass
+        }
+    });
+    let store = world.store("dest");
+    let client = client(&[proxy.host()], |_| {});
+    let pull = {
+        let (client, store, name) = (client.clone(), store.clone(), World::on(&proxy));
+        tokio::spawn(async move { client.pull(&store, &name, |_| {}).await })
+    };
+    within("the third part's request", gate.arrivals(1)).await;
+
+    // Everything counts as old: only what the pull holds protects its files.
+    let later = SystemTime::now() + Duration::from_secs(86_400);
+    let collected = store.collect_garbage(Duration::ZERO, later).expect("gc");
+    assert_eq!(collected.files(), 0, "a running pull lost files: {collected:?}");
+    assert_eq!(fs::metadata(partial_path(&store, &weights)).expect("partial").len(), 2 * (64 << 10));
+
+    // The pull goes away: its partial files are stale, and go once old enough.
+    pull.abort();
+    let _ = pull.await;
+    assert_eq!(store.collect_garbage(Duration::from_secs(3600), SystemTime::now()).expect("gc").partials, 0);
+    let deadline = Instant::now() + DEADLINE;
+    let mut partials = 0;
+    while partials < 2 {
+        // The stopped download records its progress, then lets go of its files.
+        partials += store.collect_garbage(Duration::ZERO, later).expect("gc").partials;
+        assert!(Instant::now() < deadline, "the partial files were not collected");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let left: Vec<_> = fs::read_dir(store.blobs_dir()).expect("read").map(|e| e.expect("e").file_name()).collect();
+    assert!(left.iter().all(|f| !f.to_string_lossy().contains("partial")), "{left:?}");
+
+    // A new pull starts over and succeeds.
+    gate.open();
+    proxy.rule(|_| Action::Pass);
+    within("pull again", client.pull(&store, &World::on(&proxy), |_| {})).await.expect("pull");
+    store.verify_blob(&weights).expect("whole");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_api_copies_deletes_and_listings_answer_no_false_500() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let mut tasks = tokio::task::JoinSet::new();
+    for t in 0..4 {
+        let state = state.clone();
+        tasks.spawn(async move {
+            let mut bad = Vec::new();
+            for r in 0..40 {
+                let a = format!("ns{}/m{}:{}", r % 3, (t + r) % 3, r % 2);
+                let b = format!("ns{}/m{}:{}", (r + 1) % 3, (t + r + 1) % 3, r % 2);
+                let requests = [
+                    ("POST", "/api/copy", format!(r#"{{"source": "chat", "destination": "{a}"}}"#)),
+                    ("POST", "/api/copy", format!(r#"{{"source": "{a}", "destination": "{b}"}}"#)),
+                    ("GET", "/api/tags", String::new()),
+                    ("DELETE", "/api/delete", format!(r#"{{"model": "{a}"}}"#)),
+                    ("POST", "/api/show", format!(r#"{{"model": "{b}"}}"#)),
+                    ("DELETE", "/api/delete", format!(r#"{{"model": "{b}"}}"#)),
+                    ("GET", "/v1/models", String::new()),
+                ];
+                for (method, path, body) in requests {
+                    let (status, _, text) = call(&state, method, path, &body).await;
+                    if status != StatusCode::OK && status != StatusCode::NOT_FOUND {
+                        bad.push(format!("{method} {path} {body}: {status} {text}"));
+                    }
+                }
+            }
+            bad
+        });
+    }
+    let mut bad = Vec::new();
+    while let Some(result) = tasks.join_next().await {
+        bad.extend(result.expect("join"));
+    }
+    assert!(bad.is_empty(), "{} false errors, first: {:?}", bad.len(), &bad[..bad.len().min(5)]);
+    // The store is consistent: what is listed is whole, and the only models left are the demo's and copies.
+    for listed in state.store.list().expect("list") {
+        for layer in listed.manifest.blobs() {
+            state.store.verify_blob(&layer.digest).expect("whole");
+        }
+    }
+}
+
+#[test]
+fn corrald_collects_garbage_at_start_and_logs_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = demo_store(dir.path());
+    let (unused, _) = store.write_blob(&b"uploaded and never used"[..], None).expect("blob");
+    let stale = Digest::of(b"a pull that stopped long ago");
+    let partial = store.blobs_dir().join(format!("{}-partial", stale.file_name()));
+    fs::write(&partial, b"half").expect("partial");
+    let (chat, _, _) = store.manifest(&name("chat")).expect("chat");
+    drop(store);
+    let config = write_config(
+        dir.path(),
+        "corral.toml",
+        &format!(
+            "[server]\nlisten = [\"127.0.0.1:{}\"]\n[store]\npath = \"{}\"\ngc_grace = \"0s\"\n[runner]\n\
+             llama_server = \"{}\"\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n",
+            crate::support::corrald::free_port(),
+            dir.path().join("models").display(),
+            llama::bin_dir().join("llama-server").display(),
+        ),
+    );
+    let notify = NotifyListener::start();
+    let corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    notify.wait_for("READY", "1", DEADLINE);
+    corrald.wait_stderr("garbage collection removed 1 unused blobs, 1 stale partial downloads", DEADLINE);
+    assert!(corrald.stderr().contains("corral_event=\"gc\""), "{}", corrald.stderr());
+    let blobs = dir.path().join("models/blobs");
+    assert!(!blobs.join(unused.file_name()).exists() && !Path::new(&partial).exists());
+    for layer in chat.blobs() {
+        assert!(blobs.join(layer.digest.file_name()).is_file(), "a model's blob was collected");
+    }
+}
