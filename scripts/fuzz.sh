@@ -20,8 +20,13 @@ bin=$(scripts/setup-fuzz.sh)
 export PATH="$bin:$PATH"
 cd fuzz
 
-# The lock file must not need changes (the same rule as --locked for the main package).
-cargo fetch --locked --quiet --target x86_64-unknown-linux-gnu
+# The lock file must not need changes (the same rule as --locked for the main package):
+# a dependency added to corral needs fuzz/Cargo.lock updated too.
+if ! cargo fetch --locked --quiet --target x86_64-unknown-linux-gnu; then
+    echo "fuzz: fuzz/Cargo.lock is out of date with Cargo.toml; update it with" \
+        "(cd fuzz && cargo fetch) and commit it" >&2
+    exit 1
+fi
 
 mapfile -t all < <(cargo fuzz list)
 targets=("${@:-${all[@]}}")
@@ -68,7 +73,7 @@ for t in "${targets[@]}"; do
     for input in "$artifacts"/crash-* "$artifacts"/timeout-* "$artifacts"/oom-* "$artifacts"/leak-*; do
         [[ -e $input ]] || continue
         echo "fuzz: $t: the input: $PWD/$input" >&2
-        echo "fuzz: reproduce with: (cd fuzz && cargo fuzz run ${build[*]} $t $input)" >&2
+        echo "fuzz: replay it with: (cd fuzz && PATH=$bin:\$PATH cargo fuzz run ${build[*]} $t $input)" >&2
     done
 done
 

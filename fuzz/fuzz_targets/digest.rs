@@ -28,6 +28,9 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(d) = serde_json::from_slice::<Digest>(data) {
         let s: String = serde_json::from_slice(data).expect("a JSON string");
         assert!(s.starts_with("sha256:"), "{s:?}");
-        assert_eq!(serde_json::to_string(&d).expect("json").to_ascii_lowercase(), format!("\"{}\"", s.to_ascii_lowercase()));
+        assert_eq!(
+            serde_json::to_string(&d).expect("json").to_ascii_lowercase(),
+            format!("\"{}\"", s.to_ascii_lowercase())
+        );
     }
 });
