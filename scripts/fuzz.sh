@@ -34,10 +34,14 @@ for t in "${targets[@]}"; do
     printf '%s\n' "${all[@]}" | grep -qx -- "$t" || { echo "fuzz: no target $t (have: ${all[*]})" >&2; exit 2; }
 done
 
-build=(-s none --codegen-units 16)
-echo "fuzz: building ${#all[@]} targets" >&2
+# The build goes to the development cache outside the checkout (as llama-server's does),
+# so that a fresh checkout (CI) rebuilds only what changed, not every dependency.
+target_dir=${CORRAL_DEV_CACHE:-/var/cache/corral-dev}/fuzz-target
+mkdir -p "$target_dir"
+build=(-s none --codegen-units 16 --target-dir "$target_dir")
+echo "fuzz: building ${#all[@]} targets into $target_dir" >&2
 cargo fuzz build "${build[@]}" >&2
-bindir=target/x86_64-unknown-linux-gnu/release
+bindir=$target_dir/x86_64-unknown-linux-gnu/release
 
 # Inputs longer than this are cut: a GGUF header needs room, text parsers do not.
 max_len() {
