@@ -200,6 +200,12 @@ fn lex_action(source: &str, bytes: &[u8], mut pos: usize, room: usize) -> Result
             return Ok((action, end));
         }
         let Some(&c) = bytes.get(pos) else { return Err(fail("unclosed action")) };
+        // gtmpl's lexer steps back one byte, not one character, after the character that
+        // ends a token: a non-ASCII one there makes it slice inside a character and panic
+        // (on a thread of its own). Such characters are fine in quoted strings only.
+        if !c.is_ascii() {
+            return Err(fail("a non-ASCII character in an action must be inside a quoted string"));
+        }
         pos += 1;
         match c {
             b'\r' | b'\n' => return Err(fail("unclosed action")),
@@ -287,10 +293,10 @@ fn push(action: &mut Action, token: Token, copies: bool) {
     }
 }
 
-/// Letters, digits, `_`, and any byte of a non-ASCII character (gtmpl takes Unicode
-/// letters in identifiers).
+/// Letters, digits and `_` (non-ASCII characters are refused in actions, see
+/// [`lex_action`]).
 fn is_word(c: u8) -> bool {
-    c.is_ascii_alphanumeric() || c == b'_' || c >= 0x80
+    c.is_ascii_alphanumeric() || c == b'_'
 }
 
 struct Scanner {
@@ -574,6 +580,19 @@ mod tests {
         // A line break inside an action is fine after a space, as in gtmpl.
         assert_eq!(cost("{{ if and \n .A \n .B }}x{{ end }}").depth, 1);
         assert!(matches!(scan("{{ if\n.A }}x{{ end }}", 64), Err(ScanError::Syntax(_))));
+    }
+
+    #[test]
+    fn non_ascii_characters_in_actions_only_in_quoted_strings() {
+        // gtmpl's lexer panics on these (found by the fuzzer): refused before it runs.
+        for bad in ["{{ ʚ;$a }}", "{{ .Prompt→ }}", "{{ $é := 1 }}", "{{ if .Préféré }}x{{ end }}"] {
+            assert!(
+                matches!(scan(bad, 64), Err(ScanError::Syntax(m)) if m.contains("non-ASCII")),
+                "{bad}: {:?}",
+                scan(bad, 64)
+            );
+        }
+        scan("{{ \"→ é ʚ\" }} text → é {{/* ok */}}{{ `ʚ` }}", 64).expect("quoted and plain text are fine");
     }
 
     #[test]
