@@ -705,12 +705,19 @@ mod tests {
         }
     }
 
+    impl Capture {
+        /// Everything logged on this thread until the guard drops.
+        fn logs() -> (Self, tracing::subscriber::DefaultGuard) {
+            let capture = Self::default();
+            let writer = capture.clone();
+            let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+            (capture, tracing::subscriber::set_default(subscriber))
+        }
+    }
+
     #[tokio::test]
     async fn a_panicking_scheduler_ends_the_daemon_with_an_error_naming_it_and_the_panic() {
-        let capture = Capture::default();
-        let writer = capture.clone();
-        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
-        let _guard = tracing::subscriber::set_default(subscriber);
+        let (capture, _guard) = Capture::logs();
         let (scheduler, handle) = scheduler(Arc::new(Panicking));
         let mut vital = Vital { scheduler: tokio::spawn(scheduler.run()) };
         let waiting = tokio::spawn({
@@ -737,10 +744,7 @@ mod tests {
     async fn a_panicking_d_bus_follower_ends_the_daemon_with_an_error_naming_it() {
         // Logs captured here too: a callsite first reached with no subscriber anywhere
         // would stay off for the test above, which checks its entry.
-        let capture = Capture::default();
-        let writer = capture.clone();
-        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
-        let _guard = tracing::subscriber::set_default(subscriber);
+        let (capture, _guard) = Capture::logs();
         let (scheduler, handle) = scheduler(Arc::new(Panicking));
         let mut vital = Vital { scheduler: tokio::spawn(scheduler.run()) };
         let follower = tokio::spawn(async { panic!("a view fell over") });

@@ -35,16 +35,7 @@ pub async fn embed(State(state): State<AppState>, body: Bytes) -> Result<Respons
     const PATH: &str = "/api/embed";
     let started = Instant::now();
     let request = object(&body, PATH)?;
-    let inputs: Vec<String> = match request.get("input") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|i| i.as_str().map(str::to_owned))
-            .collect::<Option<_>>()
-            .ok_or_else(|| bad("input must be a string or a list of strings", PATH))?,
-        Some(_) => return Err(bad("input must be a string or a list of strings", PATH)),
-    };
+    let inputs = inputs(&request, PATH)?;
     let (model, embeddings, load, prompt_tokens) = run(&state, &request, inputs, PATH).await?;
     let response = EmbedResponse {
         model,
@@ -68,6 +59,20 @@ pub async fn embeddings(State(state): State<AppState>, body: Bytes) -> Result<Re
     let (_, embeddings, _, _) = run(&state, &request, prompt.into_iter().collect(), PATH).await?;
     let embedding = embeddings.into_iter().next().unwrap_or_default();
     Ok(Json(json!({ "embedding": embedding })).into_response())
+}
+
+/// `/api/embed`'s `input`: a string or a list of strings (none only loads the model).
+pub(super) fn inputs(request: &Map<String, Value>, path: &str) -> Result<Vec<String>, ApiError> {
+    match request.get("input") {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|i| i.as_str().map(str::to_owned))
+            .collect::<Option<_>>()
+            .ok_or_else(|| bad("input must be a string or a list of strings", path)),
+        Some(_) => Err(bad("input must be a string or a list of strings", path)),
+    }
 }
 
 /// Loads the model (if needed) and embeds `inputs`; returns the model's name, the

@@ -70,16 +70,7 @@ pub fn generate(body: &[u8]) -> Result<Value, ApiError> {
 pub fn embed(body: &[u8]) -> Result<Value, ApiError> {
     const PATH: &str = "/api/embed";
     let request = object(body, PATH)?;
-    let inputs: Vec<String> = match request.get("input") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|i| i.as_str().map(str::to_owned))
-            .collect::<Option<_>>()
-            .ok_or_else(|| bad("input must be a string or a list of strings", PATH))?,
-        Some(_) => return Err(bad("input must be a string or a list of strings", PATH)),
-    };
+    let inputs = super::ollama_embed::inputs(&request, PATH)?;
     let (given, name) = super::model_request::model_name(&request, false, PATH)?;
     let (options, keep_alive) = super::model_request::options_and_keep_alive(&request, PATH)?;
     Ok(json!({

@@ -392,21 +392,29 @@ fn default_n_predict() -> i64 {
     16
 }
 
-/// `POST /completion`; like llama-server, it reads the body as JSON whatever its content type.
-async fn completion(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+/// What every generating endpoint does first, as llama-server: 503 while loading, the
+/// body read as JSON whatever its content type (400 if it is not), then the configured
+/// crash.
+fn accept<T: serde::de::DeserializeOwned>(shared: &Shared, body: &[u8]) -> Result<T, Box<Response>> {
     if !shared.loaded.load(Ordering::SeqCst) {
-        return loading();
+        return Err(Box::new(loading()));
     }
-    let request: CompletionRequest = match serde_json::from_slice(&body) {
-        Ok(request) => request,
-        Err(e) => {
-            let body = json!({ "error": { "code": 400, "message": e.to_string(), "type": "invalid_request_error" } });
-            return (StatusCode::BAD_REQUEST, Json(body)).into_response();
-        }
-    };
+    let request = serde_json::from_slice(body).map_err(|e| {
+        let body = json!({ "error": { "code": 400, "message": e.to_string(), "type": "invalid_request_error" } });
+        Box::new((StatusCode::BAD_REQUEST, Json(body)).into_response())
+    })?;
     if shared.behaviour.crash_on_request {
         die(&shared.behaviour);
     }
+    Ok(request)
+}
+
+/// `POST /completion`; like llama-server, it reads the body as JSON whatever its content type.
+async fn completion(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let request: CompletionRequest = match accept(&shared, &body) {
+        Ok(request) => request,
+        Err(refused) => return *refused,
+    };
     let n = u64::try_from(request.n_predict).unwrap_or(u64::MAX);
     let delay = Duration::from_millis(shared.behaviour.stream_delay_ms);
     if !request.stream {
@@ -446,19 +454,10 @@ struct ChatRequest {
 
 /// `POST /v1/chat/completions`: the tokens of `/completion` in OpenAI's shape.
 async fn chat_completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
-    if !shared.loaded.load(Ordering::SeqCst) {
-        return loading();
-    }
-    let request: ChatRequest = match serde_json::from_slice(&body) {
+    let request: ChatRequest = match accept(&shared, &body) {
         Ok(request) => request,
-        Err(e) => {
-            let body = json!({ "error": { "code": 400, "message": e.to_string(), "type": "invalid_request_error" } });
-            return (StatusCode::BAD_REQUEST, Json(body)).into_response();
-        }
+        Err(refused) => return *refused,
     };
-    if shared.behaviour.crash_on_request {
-        die(&shared.behaviour);
-    }
     let n = u64::try_from(request.max_tokens).unwrap_or(u64::MAX);
     let delay = Duration::from_millis(shared.behaviour.stream_delay_ms);
     let usage = json!({ "prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3 });

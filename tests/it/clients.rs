@@ -6,13 +6,6 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
-use std::time::Duration;
-
-use crate::support::corrald::{Corrald, free_port, write_config};
-use crate::support::llama;
-use crate::support::notify::NotifyListener;
-
-const WAIT: Duration = Duration::from_secs(60);
 
 /// The venv's python with the clients installed.  The first call in a test process runs
 /// the setup script (seconds, once per cache); a failure panics, since these tests never skip.
@@ -32,21 +25,7 @@ fn python() -> PathBuf {
 fn run_client(script: &str) {
     let python = python();
     let dir = tempfile::tempdir().expect("tempdir");
-    crate::support::api::demo_store(dir.path());
-    let port = free_port();
-    let config = write_config(
-        dir.path(),
-        "corral.toml",
-        &format!(
-            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
-             [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n",
-            dir.path().join("models").display(),
-            llama::bin_dir().join("llama-server").display(),
-        ),
-    );
-    let notify = NotifyListener::start();
-    let corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
-    notify.wait_for("READY", "1", WAIT);
+    let (corrald, port, _notify) = crate::support::corrald::on_demo_store(dir.path());
 
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients").join(script);
     let output = Command::new(&python)

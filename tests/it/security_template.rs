@@ -14,10 +14,8 @@ use axum::http::StatusCode;
 use serde_json::{Value, json};
 
 use crate::support::api::{call, state};
-use crate::support::corrald::{Corrald, free_port, write_config};
+use crate::support::corrald::Corrald;
 use crate::support::http;
-use crate::support::llama;
-use crate::support::notify::NotifyListener;
 
 /// Hostile templates: what each does, the template, and what the refusal must say.
 fn hostile() -> Vec<(&'static str, String, &'static str)> {
@@ -99,21 +97,7 @@ async fn hostile_request_templates_get_a_400_naming_the_limit() {
 #[test]
 fn corrald_survives_hostile_templates_and_answers_afterwards() {
     let dir = tempfile::tempdir().expect("tempdir");
-    crate::support::api::demo_store(dir.path());
-    let port = free_port();
-    let config = write_config(
-        dir.path(),
-        "corral.toml",
-        &format!(
-            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
-             [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n",
-            dir.path().join("models").display(),
-            llama::bin_dir().join("llama-server").display(),
-        ),
-    );
-    let notify = NotifyListener::start();
-    let corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
-    notify.wait_for("READY", "1", Duration::from_secs(60));
+    let (corrald, port, _notify) = crate::support::corrald::on_demo_store(dir.path());
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("address");
     let send = |body: &str| {
         let stream = http::connect(&addr.to_string(), || std::net::TcpStream::connect(addr));

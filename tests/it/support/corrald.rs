@@ -173,3 +173,25 @@ impl Drop for Corrald {
         let _ = self.child.wait();
     }
 }
+
+/// corrald on the demo models' store in `dir` (`support::api::demo_store`), with the real
+/// llama-server, a fixed CPU-only inventory and a free loopback port; returned ready,
+/// with its port and the notify listener it reported to.
+pub fn on_demo_store(dir: &Path) -> (Corrald, u16, crate::support::notify::NotifyListener) {
+    crate::support::api::demo_store(dir);
+    let port = free_port();
+    let config = write_config(
+        dir,
+        "corral.toml",
+        &format!(
+            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
+             [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n",
+            dir.join("models").display(),
+            crate::support::llama::bin_dir().join("llama-server").display(),
+        ),
+    );
+    let notify = crate::support::notify::NotifyListener::start();
+    let corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    notify.wait_for("READY", "1", Duration::from_secs(60));
+    (corrald, port, notify)
+}
