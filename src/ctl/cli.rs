@@ -10,7 +10,7 @@ use clap_complete::Shell;
 /// Over D-Bus, reading (list, ps, show, status) is open to every user; loading,
 /// unloading and changing the store need root or membership of the group "corral". The
 /// run command talks to the HTTP API instead, whose TCP port (127.0.0.1:11434) lets
-/// every local user run models and, unless [server] store_changes says otherwise,
+/// every local user run models and, unless `[server] store_changes` says otherwise,
 /// change the store too.
 #[derive(Debug, Parser)]
 #[command(name = "corralctl", version)]
@@ -119,10 +119,10 @@ pub struct RunArgs {
     /// The message to send; without it, each line of standard input is one turn of a
     /// conversation (`/bye` or end of input stops).
     pub prompt: Option<String>,
-    /// corrald's HTTP API, read as Ollama reads OLLAMA_HOST: `[http://]HOST[:PORT][/PATH]`
+    /// corrald's HTTP API, read as Ollama reads `OLLAMA_HOST`: `[http://]HOST[:PORT][/PATH]`
     /// (port 11434 without a scheme; `0.0.0.0` is this machine), or a UNIX socket path such
-    /// as /run/corral.sock. Without it: CORRAL_HOST, else OLLAMA_HOST, else
-    /// http://127.0.0.1:11434.
+    /// as /run/corral.sock. Without it: `CORRAL_HOST`, else `OLLAMA_HOST`, else
+    /// `http://127.0.0.1:11434`.
     #[arg(long, value_name = "URL|SOCKET")]
     pub host: Option<String>,
     /// A model option for the request, such as `num_predict=64` or `temperature=0.2`

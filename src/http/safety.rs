@@ -256,15 +256,6 @@ impl Safety {
         })
     }
 
-    /// The bearer token a request presents, if any.
-    fn presented_token<'a>(&self, headers: &'a HeaderMap) -> Option<&'a str> {
-        headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-            .map(str::trim)
-    }
-
     /// Whether `presented` is one of the tokens, in time independent of where they differ.
     fn token_valid(&self, presented: &str) -> bool {
         let presented = digest(presented.as_bytes());
@@ -291,6 +282,15 @@ fn is_local_ip(ip: IpAddr) -> bool {
 #[must_use]
 pub fn is_loopback(ip: IpAddr) -> bool {
     ip.to_canonical().is_loopback()
+}
+
+/// The bearer token a request presents, if any.
+fn presented_token(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(str::trim)
 }
 
 fn digest(bytes: &[u8]) -> [u8; 32] {
@@ -431,7 +431,7 @@ pub async fn guard(State(safety): State<Arc<Safety>>, request: Request, next: Ne
     let open = path == "/" && matches!(*request.method(), Method::GET | Method::HEAD);
     // With `store_changes = "token"` the tokens guard the store changes only (`store_change`).
     if !open && !safety.token_digests.is_empty() && safety.store_changes != StoreChanges::Token {
-        let refusal = match safety.presented_token(request.headers()) {
+        let refusal = match presented_token(request.headers()) {
             None => Some("this server needs an API token: send \"Authorization: Bearer <token>\"".to_owned()),
             Some(token) if !safety.token_valid(token) => Some("the API token is not valid".to_owned()),
             Some(_) => None,
@@ -507,7 +507,7 @@ pub async fn store_change(State(safety): State<Arc<Safety>>, request: Request, n
         // TCP, and requests made in-process (which no network client can make), alike.
         _ => match safety.store_changes {
             StoreChanges::Any => {}
-            StoreChanges::Token => match safety.presented_token(request.headers()) {
+            StoreChanges::Token => match presented_token(request.headers()) {
                 Some(token) if safety.token_valid(token) => {
                     tracing::info!(corral_event = "store_change", transport = "tcp", "{method} {path} with a token");
                 }

@@ -73,7 +73,7 @@ fn error_of(response: &Response) -> String {
 fn network_address() -> Ipv4Addr {
     nix::ifaddrs::getifaddrs()
         .expect("getifaddrs")
-        .filter_map(|a| a.address.and_then(|a| a.as_sockaddr_in().map(|v4| v4.ip())))
+        .filter_map(|a| a.address.and_then(|a| a.as_sockaddr_in().map(nix::sys::socket::SockaddrIn::ip)))
         .find(|ip| !ip.is_loopback())
         .expect("this test needs an IPv4 address on an interface other than lo")
 }
