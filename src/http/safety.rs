@@ -496,10 +496,10 @@ pub async fn store_change(State(safety): State<Arc<Safety>>, request: Request, n
         Some(Transport::Unix { peer }) => {
             tracing::info!(
                 corral_event = "store_change",
-                transport = "unix",
-                peer_uid = peer.map(|p| p.uid),
-                peer_gid = peer.map(|p| p.gid),
-                peer_pid = peer.and_then(|p| p.pid),
+                corral_transport = "unix",
+                corral_peer_uid = peer.map(|p| p.uid),
+                corral_peer_gid = peer.map(|p| p.gid),
+                corral_peer_pid = peer.and_then(|p| p.pid),
                 "{method} {path} over the UNIX socket by uid {}",
                 peer.map_or_else(|| "unknown".to_owned(), |p| p.uid.to_string()),
             );
@@ -509,7 +509,11 @@ pub async fn store_change(State(safety): State<Arc<Safety>>, request: Request, n
             StoreChanges::Any => {}
             StoreChanges::Token => match presented_token(request.headers()) {
                 Some(token) if safety.token_valid(token) => {
-                    tracing::info!(corral_event = "store_change", transport = "tcp", "{method} {path} with a token");
+                    tracing::info!(
+                        corral_event = "store_change",
+                        corral_transport = "tcp",
+                        "{method} {path} with a token"
+                    );
                 }
                 presented => {
                     let why = if presented.is_some() { "the API token is not valid" } else { "it has no API token" };

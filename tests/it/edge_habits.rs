@@ -207,7 +207,7 @@ fn by_default_anyone_on_the_tcp_port_changes_the_store_as_with_ollama() {
     let uid = nix::unistd::getuid().as_raw();
     corrald.wait_stderr(&format!("POST /api/copy over the UNIX socket by uid {uid}"), WAIT);
     let log = corrald.stderr();
-    assert!(log.contains(&format!("peer_pid={}", std::process::id())), "{log}");
+    assert!(log.contains(&format!("corral_peer_pid={}", std::process::id())), "{log}");
 }
 
 #[test]
