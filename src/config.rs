@@ -66,8 +66,9 @@ pub struct ServerConfig {
     /// How long a graceful shutdown may take before open connections are dropped.
     #[serde(deserialize_with = "duration")]
     pub shutdown_timeout: Duration,
-    /// Host header values allowed besides `localhost`, `*.localhost` and loopback IPs (any
-    /// port): hostnames or IPs, `"*.example.org"` for its subdomains, `"*"` for any host.
+    /// Host header values allowed on connections to a loopback address besides the names
+    /// of this machine (Ollama's rule, `http::safety`): hostnames or IPs,
+    /// `"*.example.org"` for its subdomains, `"*"` for any host.
     pub allowed_hosts: Vec<String>,
     /// Origins whose browser pages may call the API (CORS): exact origins, patterns with
     /// one `*` (`"http://localhost:*"`), or `"*"` for any origin.
