@@ -66,14 +66,18 @@ pub struct ServerConfig {
     /// How long a graceful shutdown may take before open connections are dropped.
     #[serde(deserialize_with = "duration")]
     pub shutdown_timeout: Duration,
-    /// Host header values allowed besides `localhost`, `*.localhost` and loopback IPs (any
-    /// port): hostnames or IPs, `"*.example.org"` for its subdomains, `"*"` for any host.
+    /// Host header values allowed on connections to a loopback address besides the names
+    /// of this machine (Ollama's rule, `http::safety`): hostnames or IPs,
+    /// `"*.example.org"` for its subdomains, `"*"` for any host.
     pub allowed_hosts: Vec<String>,
     /// Origins whose browser pages may call the API (CORS): exact origins, patterns with
     /// one `*` (`"http://localhost:*"`), or `"*"` for any origin.
     pub cors_origins: Vec<String>,
-    /// Bearer tokens; when any is set, every request but `GET /` and `HEAD /` needs one.
+    /// Bearer tokens; when any is set, every request but `GET /` and `HEAD /` needs one
+    /// (with `store_changes = "token"`: only the store changes over TCP).
     pub api_tokens: Vec<String>,
+    /// Who may change the store (pull, push, create, copy, delete, blob uploads) over TCP.
+    pub store_changes: StoreChanges,
     /// The largest request body accepted; 0 means no limit.
     #[serde(deserialize_with = "byte_size")]
     pub max_body: u64,
@@ -110,6 +114,7 @@ impl Default for ServerConfig {
             allowed_hosts: Vec::new(),
             cors_origins,
             api_tokens: Vec::new(),
+            store_changes: StoreChanges::Any,
             max_body: 64 << 20,
             exit_on_idle: None,
             header_timeout: Duration::from_secs(10),
@@ -117,6 +122,20 @@ impl Default for ServerConfig {
             max_uploads: 8,
         }
     }
+}
+
+/// `[server] store_changes`: who may change the store over TCP. The UNIX socket (whose
+/// mode and group decide who reaches it) and D-Bus (whose policy decides) are not affected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreChanges {
+    /// Anyone who can connect, as with Ollama.
+    #[default]
+    Any,
+    /// Only requests with a bearer token from `api_tokens`; then the tokens guard nothing else.
+    Token,
+    /// Nobody over TCP: changes go through the UNIX socket or D-Bus (`corralctl`).
+    Unix,
 }
 
 /// `[store]`.
@@ -480,8 +499,40 @@ impl ConfigSource {
             key: None,
             message: e.to_string(),
         })?;
+        check_together(&config, &files)?;
         Ok(Loaded { config, files })
     }
+}
+
+/// The rules between keys, checked on the merged configuration; the error names the
+/// last file (and line) that set the key at fault.
+fn check_together(config: &Config, files: &[PathBuf]) -> Result<(), ConfigError> {
+    if config.server.store_changes == StoreChanges::Token && config.server.api_tokens.is_empty() {
+        let (path, line) = where_set(files, "store_changes");
+        return Err(ConfigError::Invalid {
+            path,
+            line,
+            key: Some("server.store_changes".into()),
+            message: "\"token\" needs at least one token in [server] api_tokens; add one, or say \"unix\" to \
+                      allow changes over the UNIX socket only"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+/// The last of `files` with a line setting `key` (in any table), and that line.
+fn where_set(files: &[PathBuf], key: &str) -> (PathBuf, Option<usize>) {
+    for path in files.iter().rev() {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let line = text
+            .lines()
+            .position(|l| l.trim_start().strip_prefix(key).is_some_and(|rest| rest.trim_start().starts_with('=')));
+        if let Some(index) = line {
+            return (path.clone(), Some(index + 1));
+        }
+    }
+    (files.last().cloned().unwrap_or_default(), None)
 }
 
 /// The `*.toml` files of a drop-in directory in name order; a missing directory has none.
@@ -541,7 +592,7 @@ mod tests {
     use std::fs;
     use std::time::Duration;
 
-    use super::{BusKind, ConfigError, ConfigSource, ListenAddr, Loaded, Path};
+    use super::{BusKind, ConfigError, ConfigSource, ListenAddr, Loaded, Path, StoreChanges};
 
     fn source(dir: &Path) -> ConfigSource {
         ConfigSource { file: dir.join("corral.toml"), required: false }
@@ -582,6 +633,7 @@ mod tests {
         assert_eq!(c.server.header_timeout, Duration::from_secs(10));
         assert_eq!(c.server.body_idle_timeout, Duration::from_secs(60));
         assert_eq!(c.server.max_uploads, 8);
+        assert_eq!(c.server.store_changes, StoreChanges::Any, "Ollama's: anyone who reaches the port");
         assert_eq!(c.store.gc_interval, Some(Duration::from_secs(3600)));
         assert_eq!(c.store.gc_grace, Duration::from_secs(3600));
     }
@@ -605,6 +657,7 @@ shutdown_timeout = "3s"
 allowed_hosts = ["corral.lan", "*.example.org"]
 cors_origins = ["*"]
 api_tokens = ["s3cret"]
+store_changes = "token"
 max_body = "1MiB"
 exit_on_idle = "15m"
 header_timeout = "5s"
@@ -645,6 +698,7 @@ keep_alive = "10m"
         assert_eq!(c.server.allowed_hosts, ["corral.lan", "*.example.org"]);
         assert_eq!(c.server.cors_origins, ["*"]);
         assert_eq!(c.server.api_tokens, ["s3cret"]);
+        assert_eq!(c.server.store_changes, StoreChanges::Token);
         assert_eq!(c.server.max_body, 1 << 20);
         assert_eq!(c.server.exit_on_idle, Some(Duration::from_secs(900)));
         assert_eq!(c.server.header_timeout, Duration::from_secs(5));
@@ -683,6 +737,30 @@ keep_alive = "10m"
         assert_eq!(loaded.config.scheduler.max_queue, 3);
         assert_eq!(loaded.config.scheduler.keep_alive, Duration::from_secs(60), "untouched keys survive");
         assert_eq!(loaded.config.server.listen, vec![ListenAddr::Unix("/a.sock".into())]);
+    }
+
+    #[test]
+    fn store_changes_takes_three_modes_and_token_needs_tokens() {
+        for (text, mode) in [("any", StoreChanges::Any), ("token", StoreChanges::Token), ("unix", StoreChanges::Unix)] {
+            let file = format!("[server]\napi_tokens = [\"t\"]\nstore_changes = \"{text}\"\n");
+            assert_eq!(load(&[("corral.toml", &file)]).expect(text).config.server.store_changes, mode);
+        }
+        let err = error(&[("corral.toml", "[server]\nstore_changes = \"root\"\n")]);
+        assert!(err.contains("corral.toml:2") && err.contains("server.store_changes"), "{err}");
+        assert!(err.contains("unknown variant `root`") && err.contains("`token`"), "{err}");
+        // The token mode without tokens names the drop-in that asked for it, and its line.
+        let err = error(&[
+            ("corral.toml", "[server]\nmax_uploads = 2\n"),
+            ("corral.toml.d/50-changes.toml", "# who may change the store\n[server]\nstore_changes = \"token\"\n"),
+        ]);
+        assert!(err.contains("50-changes.toml:3: server.store_changes: \"token\" needs"), "{err}");
+        assert!(err.contains("api_tokens"), "{err}");
+        // Tokens from another drop-in satisfy it.
+        let loaded = load(&[
+            ("corral.toml", "[server]\nstore_changes = \"token\"\n"),
+            ("corral.toml.d/90-secret.toml", "[server]\napi_tokens = [\"s\"]\n"),
+        ]);
+        assert_eq!(loaded.expect("valid").config.server.store_changes, StoreChanges::Token);
     }
 
     #[test]

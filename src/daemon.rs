@@ -424,7 +424,7 @@ fn app_state(config: &Config, store: Store, scheduler: Handle) -> http::AppState
     http::AppState {
         store,
         scheduler,
-        safety: Arc::new(http::Safety::new(&config.server)),
+        safety: Arc::new(http::Safety::new(&config.server, http::LocalNames::system())),
         defaults: request::Defaults { num_ctx: config.scheduler.num_ctx, parallel: config.scheduler.num_parallel },
         registry,
         tokens: Arc::default(),

@@ -10,64 +10,8 @@ use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
 
 use super::error::CtlError;
+use super::host::Host;
 use super::output::{print, print_json};
-
-/// Where corrald's HTTP API is.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Host {
-    /// `host:port` over TCP, from an `http://` URL.
-    Tcp(String),
-    /// A UNIX socket.
-    Unix(std::path::PathBuf),
-}
-
-impl Host {
-    /// Reads `--host`/`CORRAL_HOST`: `http://host[:port]` (port 11434 by default), a bare
-    /// `host:port`, an absolute socket path, or `unix:PATH`.
-    pub fn parse(value: &str) -> Result<Self, CtlError> {
-        let value = value.trim();
-        if let Some(path) = value.strip_prefix("unix://").or_else(|| value.strip_prefix("unix:")) {
-            return Ok(Self::Unix(path.into()));
-        }
-        if value.starts_with('/') {
-            return Ok(Self::Unix(value.into()));
-        }
-        if value.starts_with("https://") {
-            return Err(CtlError::Invalid(format!(
-                "--host {value}: https is not supported; use http:// on loopback or the UNIX socket"
-            )));
-        }
-        let rest = value.strip_prefix("http://").unwrap_or(value);
-        let authority = rest.split('/').next().unwrap_or_default();
-        if authority.is_empty()
-            || authority.contains(char::is_whitespace)
-            || value.contains("://") && !value.starts_with("http://")
-        {
-            return Err(CtlError::Invalid(format!(
-                "--host {value}: expected http://HOST[:PORT] or a UNIX socket path such as /run/corral.sock"
-            )));
-        }
-        let has_port =
-            authority.rsplit_once(':').is_some_and(|(host, port)| !host.ends_with(':') && port.parse::<u16>().is_ok());
-        Ok(Self::Tcp(if has_port { authority.to_owned() } else { format!("{authority}:11434") }))
-    }
-
-    fn describe(&self) -> String {
-        match self {
-            Self::Tcp(authority) => format!("http://{authority}"),
-            Self::Unix(path) => path.display().to_string(),
-        }
-    }
-
-    /// The Host header: the UNIX socket has none of its own, and `localhost` passes the
-    /// daemon's DNS-rebinding check.
-    fn header(&self) -> &str {
-        match self {
-            Self::Tcp(authority) => authority,
-            Self::Unix(_) => "localhost",
-        }
-    }
-}
 
 /// One message of the conversation.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -134,7 +78,7 @@ impl Chat {
         let body = serde_json::json!({
             "model": self.model, "messages": self.history, "stream": true, "options": self.options,
         });
-        let mut request = Request::post("/api/chat")
+        let mut request = Request::post(self.host.target("/api/chat"))
             .header(hyper::header::HOST, self.host.header())
             .header(hyper::header::CONTENT_TYPE, "application/json");
         if let Some(token) = &self.token {
@@ -144,7 +88,7 @@ impl Chat {
         let unreachable = |detail: String| CtlError::HttpUnreachable { host: self.host.describe(), detail };
 
         let response = match &self.host {
-            Host::Tcp(authority) => {
+            Host::Tcp { authority, .. } => {
                 let stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| unreachable(e.to_string()))?;
                 send_on(stream, request).await
             }
@@ -264,25 +208,6 @@ pub async fn run(mut chat: Chat, prompt: Option<&str>) -> Result<(), CtlError> {
                 let _ = writeln!(std::io::stderr(), "error: {e}");
             }
             Err(e) => return Err(e),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Host;
-
-    #[test]
-    fn hosts_are_urls_or_socket_paths() {
-        assert_eq!(Host::parse("http://127.0.0.1:11434").expect("url"), Host::Tcp("127.0.0.1:11434".into()));
-        assert_eq!(Host::parse("http://localhost").expect("url"), Host::Tcp("localhost:11434".into()));
-        assert_eq!(Host::parse("127.0.0.1:8080").expect("bare"), Host::Tcp("127.0.0.1:8080".into()));
-        assert_eq!(Host::parse("http://[::1]:9/").expect("v6"), Host::Tcp("[::1]:9".into()));
-        assert_eq!(Host::parse("/run/corral.sock").expect("path"), Host::Unix("/run/corral.sock".into()));
-        assert_eq!(Host::parse("unix:/run/corral.sock").expect("unix:"), Host::Unix("/run/corral.sock".into()));
-        for bad in ["https://example.org", "ftp://x", "", "http://"] {
-            let e = Host::parse(bad).expect_err(bad);
-            assert!(e.to_string().starts_with(&format!("--host {}", bad.trim())), "{e}");
         }
     }
 }

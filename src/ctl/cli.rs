@@ -7,9 +7,11 @@ use clap_complete::Shell;
 
 /// Controls corrald, the local language model manager, over D-Bus.
 ///
-/// Reading (list, ps, show, status) is open to every user; loading, unloading and
-/// changing the store need root or membership of the group "corral". The run command
-/// talks to the HTTP API instead.
+/// Over D-Bus, reading (list, ps, show, status) is open to every user; loading,
+/// unloading and changing the store need root or membership of the group "corral". The
+/// run command talks to the HTTP API instead, whose TCP port (127.0.0.1:11434) lets
+/// every local user run models and, unless `[server] store_changes` says otherwise,
+/// change the store too.
 #[derive(Debug, Parser)]
 #[command(name = "corralctl", version)]
 pub struct Cli {
@@ -117,10 +119,12 @@ pub struct RunArgs {
     /// The message to send; without it, each line of standard input is one turn of a
     /// conversation (`/bye` or end of input stops).
     pub prompt: Option<String>,
-    /// corrald's HTTP API: a URL such as `http://127.0.0.1:11434`, or a UNIX socket path
-    /// such as /run/corral.sock.
-    #[arg(long, env = "CORRAL_HOST", default_value = "http://127.0.0.1:11434", value_name = "URL|SOCKET")]
-    pub host: String,
+    /// corrald's HTTP API, read as Ollama reads `OLLAMA_HOST`: `[http://]HOST[:PORT][/PATH]`
+    /// (port 11434 without a scheme; `0.0.0.0` is this machine), or a UNIX socket path such
+    /// as /run/corral.sock. Without it: `CORRAL_HOST`, else `OLLAMA_HOST`, else
+    /// `http://127.0.0.1:11434`.
+    #[arg(long, value_name = "URL|SOCKET")]
+    pub host: Option<String>,
     /// A model option for the request, such as `num_predict=64` or `temperature=0.2`
     /// (repeatable; the value is read as JSON when it parses, else as a string).
     #[arg(short = 'o', long = "option", value_name = "KEY=VALUE", value_parser = parse_option)]

@@ -10,7 +10,13 @@ use corral::ctl::{Env, execute};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let env = Env { terminal: std::io::stdout().is_terminal(), home: std::env::var_os("HOME").map(Into::into) };
+    let var = |name: &str| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned());
+    let env = Env {
+        terminal: std::io::stdout().is_terminal(),
+        home: std::env::var_os("HOME").map(Into::into),
+        corral_host: var("CORRAL_HOST"),
+        ollama_host: var("OLLAMA_HOST"),
+    };
     // One thread is plenty for one client, and keeps start-up light.
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,

@@ -6,7 +6,8 @@
 //! - [`commands`]: list, ps, show, load, unload, pull, push, create, cp, rm, status;
 //! - [`job`]: following a job to its end, with a progress bar;
 //! - [`modelfile`]: a Modelfile's relative paths made absolute before it is sent;
-//! - [`chat`]: `run` over HTTP (TCP or a UNIX socket);
+//! - [`chat`]: `run` over HTTP (TCP or a UNIX socket); [`host`]: where the API is
+//!   (`--host`, `CORRAL_HOST`, `OLLAMA_HOST`);
 //! - [`output`]: tables, units, JSON.
 
 pub mod bus;
@@ -14,6 +15,7 @@ pub mod chat;
 pub mod cli;
 pub mod commands;
 pub mod error;
+pub mod host;
 pub mod job;
 pub mod modelfile;
 pub mod output;
@@ -37,6 +39,10 @@ pub struct Env {
     pub terminal: bool,
     /// The home directory, for `~/` in a Modelfile.
     pub home: Option<PathBuf>,
+    /// `CORRAL_HOST`: where the HTTP API is, before `OLLAMA_HOST`.
+    pub corral_host: Option<String>,
+    /// `OLLAMA_HOST`, read as Ollama's clients read it.
+    pub ollama_host: Option<String>,
 }
 
 /// Runs the command `cli` names.
@@ -50,7 +56,11 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
         }
         Command::Run(args) => {
             let chat = chat::Chat {
-                host: chat::Host::parse(&args.host)?,
+                host: host::Host::resolve(
+                    args.host.as_deref(),
+                    env.corral_host.as_deref(),
+                    env.ollama_host.as_deref(),
+                )?,
                 token: args.token,
                 model: args.model,
                 json: cli.json,

@@ -6,16 +6,16 @@ use std::path::{Path, PathBuf};
 
 use std::time::Duration;
 
+use axum::Router;
 use axum::body::Body;
 use axum::serve::ListenerExt as _;
-use axum::{Extension, Router};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use nix::sys::socket::{AddressFamily, SockType, SockaddrLike, SockaddrStorage, getsockname, getsockopt, sockopt};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt as _;
 
-use super::safety::Transport;
+use super::safety::{Peer, Transport, is_loopback};
 use crate::config::ListenAddr;
 use crate::systemd::HTTP_FD_NAME;
 
@@ -88,7 +88,8 @@ impl Listener {
     /// A connection that has not sent a whole request head `header_timeout` after it
     /// opened (or after its last answer) is closed.
     pub async fn serve(self, router: Router, header_timeout: Duration, shutdown: CancellationToken) -> io::Result<()> {
-        // Every request learns its connection's kind: the Host rule depends on it.
+        // Every request learns its connection's kind: the Host rule and the store-change
+        // rule depend on it.
         match self {
             Self::Tcp(l) => {
                 // Streams write small frames: each goes out at once, not after the last one's ACK.
@@ -97,10 +98,18 @@ impl Listener {
                         tracing::debug!(error = %e, "cannot set TCP_NODELAY on a connection");
                     }
                 });
-                serve_on(l, router.layer(Extension(Transport::Tcp)), header_timeout, shutdown).await;
+                serve_on(l, router, header_timeout, shutdown, |tcp: &tokio::net::TcpStream| Transport::Tcp {
+                    // Unknown counts as loopback: the stricter rule.
+                    loopback: tcp.local_addr().map_or(true, |a| is_loopback(a.ip())),
+                })
+                .await;
             }
             Self::Unix { listener, owned } => {
-                serve_on(listener, router.layer(Extension(Transport::Unix)), header_timeout, shutdown).await;
+                serve_on(listener, router, header_timeout, shutdown, |unix: &tokio::net::UnixStream| {
+                    let peer = unix.peer_cred().ok().map(|c| Peer { uid: c.uid(), gid: c.gid(), pid: c.pid() });
+                    Transport::Unix { peer }
+                })
+                .await;
                 drop(owned);
             }
         }
@@ -109,10 +118,16 @@ impl Listener {
 }
 
 /// The accept loop: one task per connection, served by hyper's HTTP/1 with a timer for
-/// the header timeout (which `axum::serve` does not set). On `shutdown` it stops
-/// accepting, asks every connection to finish its request in progress, and waits.
-async fn serve_on<L>(mut listener: L, router: Router, header_timeout: Duration, shutdown: CancellationToken)
-where
+/// the header timeout (which `axum::serve` does not set); each request carries what
+/// `transport` says of its connection. On `shutdown` it stops accepting, asks every
+/// connection to finish its request in progress, and waits.
+async fn serve_on<L>(
+    mut listener: L,
+    router: Router,
+    header_timeout: Duration,
+    shutdown: CancellationToken,
+    transport: impl Fn(&L::Io) -> Transport,
+) where
     L: axum::serve::Listener,
 {
     let connections = TaskTracker::new();
@@ -125,8 +140,11 @@ where
             () = shutdown.cancelled() => break,
         };
         let router = router.clone();
+        let transport = transport(&io);
         let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
-            router.clone().oneshot(request.map(Body::new))
+            let mut request = request.map(Body::new);
+            request.extensions_mut().insert(transport);
+            router.clone().oneshot(request)
         });
         let connection = http.serve_connection(TokioIo::new(io), service);
         let shutdown = shutdown.clone();

@@ -20,17 +20,28 @@ pub mod state;
 use axum::Json;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
-use axum::http::{StatusCode, Uri};
+use axum::http::{HeaderName, HeaderValue, StatusCode, Uri};
 use axum::middleware::{from_fn, from_fn_with_state};
 use axum::routing::{get, post};
 use serde::Serialize;
 
 pub use error::ApiError;
-pub use safety::Safety;
+pub use safety::{LocalNames, Safety};
 pub use state::AppState;
 
-/// The version corral reports on `/api/version`.
+/// The Ollama version `/api/version` reports, for clients that gate features on it
+/// (structured outputs need 0.5.0, tool streaming 0.8.0, `think` 0.9.0; some tools refuse
+/// anything older than the Ollama they were written against). It is the release whose
+/// API corral follows (the behaviour reference pins v0.31.1): a client that sees it may
+/// use every request corral implements, and would meet the same API in that Ollama.
+pub const OLLAMA_VERSION: &str = "0.31.1";
+
+/// corral's own version: `corral_version` on `/api/version` and the `X-Corral-Version`
+/// header of every answer.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The header that carries [`VERSION`].
+pub const VERSION_HEADER: &str = "x-corral-version";
 
 /// All routes of the API, serving `state`.
 pub fn router(state: AppState) -> Router {
@@ -41,7 +52,12 @@ pub fn router(state: AppState) -> Router {
         .route("/api/version", get(version))
         .route("/metrics", get(metrics::metrics))
         .merge(ollama_models::routes())
-        .merge(ollama_store::routes())
+        .merge(
+            // The routes that change the store: `[server] store_changes` decides who may.
+            ollama_models::store_routes()
+                .merge(ollama_store::routes())
+                .route_layer(from_fn_with_state(safety.clone(), safety::store_change)),
+        )
         .route("/api/embed", post(ollama_embed::embed))
         .route("/api/embeddings", post(ollama_embed::embeddings))
         .route("/api/chat", post(ollama_generate::chat))
@@ -53,7 +69,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models/{*model}", get(openai::model))
         // Every body above is JSON; uploads (merged below) are raw bytes.
         .route_layer(from_fn(safety::json_only))
-        .merge(ollama_store::blob_routes())
+        .merge(ollama_store::blob_routes().route_layer(from_fn_with_state(safety.clone(), safety::store_change)))
         // Last: it applies to the routes registered before it.
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -61,19 +77,29 @@ pub fn router(state: AppState) -> Router {
         // Layers apply to the fallbacks too; the last one added runs first.
         .layer(DefaultBodyLimit::max(safety.body_limit()))
         .layer(from_fn_with_state(safety, safety::guard))
+        .layer(from_fn(version_header))
+}
+
+/// Names corral and its version on every answer, refusals included.
+async fn version_header(request: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
+    let mut response = next.run(request).await;
+    response.headers_mut().insert(HeaderName::from_static(VERSION_HEADER), HeaderValue::from_static(VERSION));
+    response
 }
 
 async fn root() -> &'static str {
     "corral is running"
 }
 
+/// `/api/version`: Ollama's shape, with corral's own version beside it.
 #[derive(Serialize)]
 struct Version {
     version: &'static str,
+    corral_version: &'static str,
 }
 
 async fn version() -> Json<Version> {
-    Json(Version { version: VERSION })
+    Json(Version { version: OLLAMA_VERSION, corral_version: VERSION })
 }
 
 async fn not_found(uri: Uri) -> ApiError {
@@ -118,7 +144,7 @@ mod tests {
         assert_eq!(status, StatusCode::OK);
         assert_eq!(ctype, "application/json");
         let json: serde_json::Value = serde_json::from_str(&body).expect("json");
-        assert_eq!(json, serde_json::json!({ "version": env!("CARGO_PKG_VERSION") }));
+        assert_eq!(json, serde_json::json!({ "version": "0.31.1", "corral_version": env!("CARGO_PKG_VERSION") }));
     }
 
     #[tokio::test]

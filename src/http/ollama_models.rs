@@ -28,14 +28,14 @@ use crate::store::{Store, StoreError};
 /// How far away Ollama puts "forever": the largest Go duration, about 292 years.
 const FOREVER: Duration = Duration::from_nanos(i64::MAX.unsigned_abs());
 
-/// The routes of this module.
+/// The routes of this module that read.
 pub(super) fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/api/tags", get(tags))
-        .route("/api/ps", get(ps))
-        .route("/api/show", post(show))
-        .route("/api/copy", post(copy))
-        .route("/api/delete", delete(delete_model))
+    Router::new().route("/api/tags", get(tags)).route("/api/ps", get(ps)).route("/api/show", post(show))
+}
+
+/// The routes of this module that change the store (`[server] store_changes` applies).
+pub(super) fn store_routes() -> Router<AppState> {
+    Router::new().route("/api/copy", post(copy)).route("/api/delete", delete(delete_model))
 }
 
 /// `details` of `/api/tags`, `/api/ps` and `/api/show`, from the config blob.

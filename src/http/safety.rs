@@ -1,15 +1,23 @@
 //! The checks every request passes before it reaches a route, from `[server]`:
 //!
-//! 1. **Host** (against DNS rebinding): the `Host` header (or the HTTP/2 authority) must
-//!    name `localhost`, a `*.localhost` name or a loopback IP, with any port, or match
-//!    `allowed_hosts`; otherwise 403. An HTTP/1.1 request over TCP without a `Host` is
-//!    refused with 400, as HTTP/1.1 requires one (the accept loop marks each connection's
-//!    [`Transport`]); over a UNIX socket, or in HTTP/1.0, a request without any host is let
-//!    through (such clients send none, and a browser always sends one, so a rebinding page
-//!    cannot leave it out). Two `Host` headers are a 400 (which one a proxy in front
-//!    believes is anyone's guess), and an absolute-form target
-//!    (`POST http://evil.example/api/pull`) must name an allowed host too: RFC 9112
-//!    makes the target's host win over the header.
+//! 1. **Host** (against DNS rebinding, where a public name of an attacker's page resolves
+//!    to 127.0.0.1): on a connection that arrived at a loopback address (the accept loop
+//!    marks each connection's [`Transport`]), or over a UNIX socket, the `Host` header
+//!    (or the HTTP/2 authority) must name this machine as Ollama's rule has it:
+//!    `localhost`, `*.localhost`, `*.local`, `*.internal`, the machine's hostname, or an
+//!    IP address that is loopback, private, unspecified (`0.0.0.0`, which Ollama's clients
+//!    send with `OLLAMA_HOST=0.0.0.0`), link-local or one of the machine's interfaces;
+//!    with any port; or match `allowed_hosts`; otherwise 403. On a connection that
+//!    arrived at any other address (a LAN or container address of a wildcard listener)
+//!    any `Host` passes: the client reached the machine by its network address, which a
+//!    rebinding page cannot make loopback. The hostname and the interfaces are read when
+//!    needed through [`LocalNames`] (both change at run time). An HTTP/1.1 request over
+//!    TCP without a `Host` is refused with 400, as HTTP/1.1 requires one; over a UNIX
+//!    socket, or in HTTP/1.0, a request without any host is let through (such clients
+//!    send none, and a browser always sends one, so a rebinding page cannot leave it
+//!    out). Two `Host` headers are a 400 (which one a proxy in front believes is
+//!    anyone's guess), and an absolute-form target (`POST http://evil.example/api/pull`)
+//!    must pass the same rule: RFC 9112 makes the target's host win over the header.
 //! 2. **Browsers** (against cross-site requests, which need no preflight when their body
 //!    is `text/plain`, a form or `multipart/form-data`): a request that may change
 //!    something (every method but GET, HEAD and OPTIONS: store writes, deletes, uploads,
@@ -25,7 +33,8 @@
 //!    echoing it. Other origins get no CORS headers (their preflight goes on to the
 //!    router, which refuses `OPTIONS`), so the browser keeps the answer from the page.
 //! 4. **Bearer tokens**: with `api_tokens` set, every request but `GET /` and `HEAD /`
-//!    needs `Authorization: Bearer <token>`, else 401. Tokens are compared in constant
+//!    needs `Authorization: Bearer <token>`, else 401 (with `store_changes = "token"`
+//!    the tokens guard only the store changes over TCP, 7. below). Tokens are compared in constant
 //!    time: the SHA-256 digests of the presented token and of every configured one are
 //!    compared with an xor fold over all 32 bytes, for every token, without an early exit.
 //! 5. **Body size** (except blob uploads, `/api/blobs/…`, which stream to disk): a
@@ -34,6 +43,13 @@
 //!    413 is turned into the JSON error here.
 //! 6. **Idle bodies**: a body that sends nothing for `body_idle_timeout` fails (its reader
 //!    sees an error: an upload removes its partial file), and the answer is a 408.
+//!
+//! 7. **Store changes** ([`store_change`], on the routes that change the store: pull,
+//!    push, create, copy, delete, blob uploads): `store_changes = "any"` lets them
+//!    through as Ollama does; `"token"` wants a token from `api_tokens` over TCP (401
+//!    without one); `"unix"` refuses them over TCP (403) and points to the UNIX socket
+//!    and `corralctl`. Over the UNIX socket the peer's credentials (`SO_PEERCRED`) are
+//!    logged with each change.
 //!
 //! Half-sent request heads are the accept loop's (`listeners`, `header_timeout`).
 
@@ -53,16 +69,88 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::ApiError;
-use crate::config::ServerConfig;
+use crate::config::{ServerConfig, StoreChanges};
 
 /// The kind of connection a request came on, put in its extensions by the accept loop
 /// (`listeners`); requests made in-process have none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transport {
     /// TCP: HTTP/1.1 requests must name a host.
-    Tcp,
+    Tcp {
+        /// Whether the connection arrived at a loopback address: only those are held to
+        /// the Host rule (a rebinding page reaches the machine through loopback).
+        loopback: bool,
+    },
     /// A UNIX socket: no host is needed.
-    Unix,
+    Unix {
+        /// The peer's credentials, when the kernel gave them (`SO_PEERCRED`).
+        peer: Option<Peer>,
+    },
+}
+
+/// Who is at the other end of a UNIX socket: the credentials of the process that connected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    /// Its user id.
+    pub uid: u32,
+    /// Its group id.
+    pub gid: u32,
+    /// Its process id, when known.
+    pub pid: Option<i32>,
+}
+
+/// What the Host rule asks about this machine: its hostname and its interfaces'
+/// addresses, read when a request needs them (both change while corrald runs: DHCP,
+/// VPNs, containers). `system()` asks the kernel; tests use `fixed`.
+#[derive(Clone)]
+pub struct LocalNames {
+    hostname: Arc<dyn Fn() -> Option<String> + Send + Sync>,
+    addresses: Arc<dyn Fn() -> Vec<IpAddr> + Send + Sync>,
+}
+
+impl std::fmt::Debug for LocalNames {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalNames").finish_non_exhaustive()
+    }
+}
+
+impl LocalNames {
+    /// The machine's own: `gethostname(2)` and `getifaddrs(3)`.
+    #[must_use]
+    pub fn system() -> Self {
+        Self {
+            hostname: Arc::new(|| nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok())),
+            addresses: Arc::new(|| {
+                nix::ifaddrs::getifaddrs()
+                    .map(|addrs| {
+                        addrs
+                            .filter_map(|a| a.address)
+                            .filter_map(|a| {
+                                a.as_sockaddr_in()
+                                    .map(|v4| IpAddr::V4(v4.ip()))
+                                    .or_else(|| a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip())))
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            }),
+        }
+    }
+
+    /// A fixed hostname and fixed interface addresses.
+    #[must_use]
+    pub fn fixed(hostname: &str, addresses: Vec<IpAddr>) -> Self {
+        let hostname = hostname.to_owned();
+        Self { hostname: Arc::new(move || Some(hostname.clone())), addresses: Arc::new(move || addresses.clone()) }
+    }
+
+    fn is_hostname(&self, host: &str) -> bool {
+        (self.hostname)().is_some_and(|name| normalize_host(&name) == host)
+    }
+
+    fn is_interface(&self, ip: IpAddr) -> bool {
+        (self.addresses)().into_iter().any(|a| a.to_canonical() == ip)
+    }
 }
 
 /// The methods a preflight is told the API allows.
@@ -77,6 +165,10 @@ const UPLOAD_RETRY_AFTER: &str = "5";
 pub struct Safety {
     /// Lower-cased `allowed_hosts`, IPv6 brackets removed.
     allowed_hosts: Vec<String>,
+    /// The machine's hostname and addresses, for the Host rule.
+    local: LocalNames,
+    /// `store_changes`.
+    store_changes: StoreChanges,
     /// `cors_origins` as written.
     cors_origins: Vec<String>,
     /// SHA-256 digests of `api_tokens`.
@@ -92,11 +184,13 @@ pub struct Safety {
 }
 
 impl Safety {
-    /// The checks `config` asks for.
+    /// The checks `config` asks for, with `local` telling which names are this machine's.
     #[must_use]
-    pub fn new(config: &ServerConfig) -> Self {
+    pub fn new(config: &ServerConfig, local: LocalNames) -> Self {
         Self {
             allowed_hosts: config.allowed_hosts.iter().map(|h| normalize_host(h)).collect(),
+            local,
+            store_changes: config.store_changes,
             cors_origins: config.cors_origins.clone(),
             token_digests: config.api_tokens.iter().map(|t| digest(t.as_bytes())).collect(),
             max_body: config.max_body,
@@ -128,19 +222,26 @@ impl Safety {
         })
     }
 
+    /// Whether `host` (a `Host` value, port and brackets allowed) names this machine, as
+    /// Ollama's rule has it, or is in `allowed_hosts`.
     fn host_allowed(&self, host: &str) -> bool {
         let host = normalize_host(host);
-        if host == "localhost" || host.ends_with(".localhost") {
-            return true;
-        }
-        if host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback()) {
-            return true;
-        }
-        self.allowed_hosts.iter().any(|pattern| {
-            pattern == "*"
-                || *pattern == host
-                || pattern.strip_prefix('*').is_some_and(|suffix| suffix.starts_with('.') && host.ends_with(suffix))
-        })
+        // A zone (`fe80::1%eth0`) says which link, not which machine.
+        let ip = host.split('%').next().and_then(|h| h.parse::<IpAddr>().ok()).map(|ip| ip.to_canonical());
+        let local = match ip {
+            Some(ip) => is_local_ip(ip) || self.local.is_interface(ip),
+            None => {
+                host == "localhost"
+                    || [".localhost", ".local", ".internal"].iter().any(|tld| host.ends_with(tld))
+                    || self.local.is_hostname(&host)
+            }
+        };
+        local
+            || self.allowed_hosts.iter().any(|pattern| {
+                pattern == "*"
+                    || *pattern == host
+                    || pattern.strip_prefix('*').is_some_and(|suffix| suffix.starts_with('.') && host.ends_with(suffix))
+            })
     }
 
     fn origin_allowed(&self, origin: &str) -> bool {
@@ -165,6 +266,31 @@ impl Safety {
         }
         found == 1
     }
+}
+
+/// Addresses that are this machine or its own networks whatever the interfaces say:
+/// loopback, private (RFC 1918, IPv6 unique local), unspecified and link-local.
+fn is_local_ip(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_loopback() || v4.is_private() || v4.is_unspecified() || v4.is_link_local(),
+        IpAddr::V6(v6) => v6.is_loopback() || v6.is_unspecified() || v6.is_unique_local() || v6.is_unicast_link_local(),
+    }
+}
+
+/// Whether a connection's local address is loopback (IPv4 mapped into IPv6 included, as
+/// a dual-stack listener sees IPv4 clients).
+#[must_use]
+pub fn is_loopback(ip: IpAddr) -> bool {
+    ip.to_canonical().is_loopback()
+}
+
+/// The bearer token a request presents, if any.
+fn presented_token(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(str::trim)
 }
 
 fn digest(bytes: &[u8]) -> [u8; 32] {
@@ -202,11 +328,18 @@ fn check_host(safety: &Safety, request: &Request, path: &str) -> Result<(), ApiE
     let Ok(host) = host.map(HeaderValue::to_str).transpose() else {
         return Err(ApiError::new(StatusCode::BAD_REQUEST, "the Host header is not valid text", path));
     };
+    let transport = request.extensions().get::<Transport>();
+    // A connection to a network address of the machine: the client named it on purpose.
+    let any_host = matches!(transport, Some(Transport::Tcp { loopback: false }));
+    let allowed = |host: &str| any_host || safety.host_allowed(host);
     let refuse = |host: &str, what: &str| {
         let name = normalize_host(host);
         ApiError::new(
             StatusCode::FORBIDDEN,
-            format!("{what} \"{host}\" is not allowed; add \"{name}\" to [server] allowed_hosts to allow it"),
+            format!(
+                "{what} \"{host}\" is not a name of this machine, and a connection to a loopback address must \
+                 use one (against DNS rebinding); add \"{name}\" to [server] allowed_hosts to allow it"
+            ),
             path,
         )
     };
@@ -216,15 +349,15 @@ fn check_host(safety: &Safety, request: &Request, path: &str) -> Result<(), ApiE
         None => a.host().to_owned(),
     });
     if let Some(target) = &target
-        && !safety.host_allowed(target)
+        && !allowed(target)
     {
         return Err(refuse(target, "the request target's host"));
     }
     match host {
-        Some(host) if !safety.host_allowed(host) => Err(refuse(host, "host")),
+        Some(host) if !allowed(host) => Err(refuse(host, "host")),
         None if target.is_none()
             && request.version() == Version::HTTP_11
-            && request.extensions().get::<Transport>() == Some(&Transport::Tcp) =>
+            && matches!(transport, Some(Transport::Tcp { .. })) =>
         {
             Err(ApiError::new(StatusCode::BAD_REQUEST, "an HTTP/1.1 request needs a Host header", path))
         }
@@ -296,22 +429,15 @@ pub async fn guard(State(safety): State<Arc<Safety>>, request: Request, next: Ne
     }
 
     let open = path == "/" && matches!(*request.method(), Method::GET | Method::HEAD);
-    if !open && !safety.token_digests.is_empty() {
-        let presented = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-            .map(str::trim);
-        let refusal = match presented {
-            None => Some("this server needs an API token: send \"Authorization: Bearer <token>\""),
-            Some(token) if !safety.token_valid(token) => Some("the API token is not valid"),
+    // With `store_changes = "token"` the tokens guard the store changes only (`store_change`).
+    if !open && !safety.token_digests.is_empty() && safety.store_changes != StoreChanges::Token {
+        let refusal = match presented_token(request.headers()) {
+            None => Some("this server needs an API token: send \"Authorization: Bearer <token>\"".to_owned()),
+            Some(token) if !safety.token_valid(token) => Some("the API token is not valid".to_owned()),
             Some(_) => None,
         };
         if let Some(message) = refusal {
-            let mut response = error(StatusCode::UNAUTHORIZED, message.into(), &path);
-            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            return with_origin(response, origin.as_deref());
+            return with_origin(unauthorized(message, &path), origin.as_deref());
         }
     }
 
@@ -349,6 +475,70 @@ pub async fn guard(State(safety): State<Arc<Safety>>, request: Request, next: Ne
         response = too_large(&safety, &path);
     }
     with_origin(response, origin.as_deref())
+}
+
+/// A 401 asking for a bearer token.
+fn unauthorized(message: String, path: &str) -> Response {
+    let mut response = error(StatusCode::UNAUTHORIZED, message, path);
+    response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
+}
+
+/// The middleware of the routes that change the store (7. above): `store_changes` decides
+/// who may over TCP; over the UNIX socket each change is logged with its peer.
+pub async fn store_change(State(safety): State<Arc<Safety>>, request: Request, next: Next) -> Response {
+    if !may_change(request.method()) {
+        return next.run(request).await;
+    }
+    let path = request.uri().path().to_owned();
+    let method = request.method().clone();
+    match request.extensions().get::<Transport>().copied() {
+        Some(Transport::Unix { peer }) => {
+            tracing::info!(
+                corral_event = "store_change",
+                corral_transport = "unix",
+                corral_peer_uid = peer.map(|p| p.uid),
+                corral_peer_gid = peer.map(|p| p.gid),
+                corral_peer_pid = peer.and_then(|p| p.pid),
+                "{method} {path} over the UNIX socket by uid {}",
+                peer.map_or_else(|| "unknown".to_owned(), |p| p.uid.to_string()),
+            );
+        }
+        // TCP, and requests made in-process (which no network client can make), alike.
+        _ => match safety.store_changes {
+            StoreChanges::Any => {}
+            StoreChanges::Token => match presented_token(request.headers()) {
+                Some(token) if safety.token_valid(token) => {
+                    tracing::info!(
+                        corral_event = "store_change",
+                        corral_transport = "tcp",
+                        "{method} {path} with a token"
+                    );
+                }
+                presented => {
+                    let why = if presented.is_some() { "the API token is not valid" } else { "it has no API token" };
+                    return unauthorized(
+                        format!(
+                            "changing the store over TCP needs a token from [server] api_tokens ([server] \
+                             store_changes = \"token\") and {why}: send \"Authorization: Bearer <token>\", or use \
+                             corralctl or the API's UNIX socket"
+                        ),
+                        &path,
+                    );
+                }
+            },
+            StoreChanges::Unix => {
+                return error(
+                    StatusCode::FORBIDDEN,
+                    "changing the store over TCP is turned off here ([server] store_changes = \"unix\"): use \
+                     corralctl, or the API's UNIX socket (for root and group corral)"
+                        .to_owned(),
+                    &path,
+                );
+            }
+        },
+    }
+    next.run(request).await
 }
 
 /// The middleware of the routes whose body is JSON (all but blob uploads): the body's
@@ -470,14 +660,14 @@ mod tests {
     use axum::response::Response;
     use tower::ServiceExt;
 
-    use super::Safety;
-    use crate::config::ServerConfig;
+    use super::{LocalNames, Safety, Transport};
+    use crate::config::{ServerConfig, StoreChanges};
     use crate::http::router;
     use crate::http::state::{absent_backend, for_tests};
 
     async fn send(config: &ServerConfig, request: Request<Body>) -> (Response, serde_json::Value) {
         let (_dir, mut state) = for_tests(absent_backend());
-        state.safety = Arc::new(Safety::new(config));
+        state.safety = Arc::new(Safety::new(config, machine()));
         let response = router(state).oneshot(request).await.expect("infallible");
         let (parts, body) = response.into_parts();
         let bytes = axum::body::to_bytes(body, 1 << 20).await.expect("body");
@@ -495,25 +685,90 @@ mod tests {
         (response.status(), json)
     }
 
+    /// A machine named `corral-box` with a public address among its interfaces.
+    fn machine() -> LocalNames {
+        LocalNames::fixed("Corral-Box", vec!["203.0.113.7".parse().expect("ip"), "2001:db8::7".parse().expect("ip")])
+    }
+
+    /// The status of `GET /api/version` with `Host: host` on a connection marked `transport`.
+    async fn status_on(config: &ServerConfig, host: &str, transport: Option<Transport>) -> StatusCode {
+        let mut request = get("/api/version").header(header::HOST, host).body(Body::empty()).expect("request");
+        if let Some(transport) = transport {
+            request.extensions_mut().insert(transport);
+        }
+        send(config, request).await.0.status()
+    }
+
     #[tokio::test]
-    async fn local_hosts_and_configured_ones_are_allowed_others_are_refused() {
+    async fn names_of_this_machine_are_allowed_on_loopback_public_names_are_refused() {
         let default = ServerConfig::default();
-        for host in ["localhost:11434", "localhost", "127.0.0.1", "127.0.0.1:11434", "[::1]:8080", "app.localhost"] {
-            assert_eq!(status_for_host(&default, host).await.0, StatusCode::OK, "{host}");
+        let loopback = Some(Transport::Tcp { loopback: true });
+        // Ollama's rule: what its clients send with OLLAMA_HOST=0.0.0.0, the hostname,
+        // local TLDs, private, link-local and interface addresses; any port.
+        for host in [
+            "localhost:11434",
+            "localhost",
+            "LocalHost.",
+            "127.0.0.1",
+            "127.0.0.1:11434",
+            "127.8.9.10",
+            "[::1]:8080",
+            "app.localhost",
+            "0.0.0.0:11434",
+            "0.0.0.0",
+            "[::]:11434",
+            "corral-box",
+            "CORRAL-BOX:11434",
+            "printer.local",
+            "host.docker.internal:11434",
+            "metadata.google.internal",
+            "192.168.1.5",
+            "10.0.0.1:11434",
+            "172.16.0.1",
+            "172.31.255.255",
+            "169.254.1.1",
+            "[fe80::1]:11434",
+            "[fe80::1%25eth0]:11434",
+            "[fd00::1]",
+            "[::ffff:127.0.0.1]:11434",
+            "[::ffff:192.168.1.5]",
+            "203.0.113.7:11434",
+            "[2001:db8::7]:11434",
+        ] {
+            assert_eq!(status_on(&default, host, loopback).await, StatusCode::OK, "{host}");
+            assert_eq!(status_on(&default, host, None).await, StatusCode::OK, "{host} in-process");
         }
         let (status, json) = status_for_host(&default, "evil.example:11434").await;
         assert_eq!(status, StatusCode::FORBIDDEN);
         let message = json["error"].as_str().expect("error");
         assert!(message.contains("evil.example:11434") && message.contains("allowed_hosts"), "{message}");
-        for host in ["192.168.1.5", "[fe80::1]:11434", "localhost.evil.example"] {
-            assert_eq!(status_for_host(&default, host).await.0, StatusCode::FORBIDDEN, "{host}");
+        assert!(message.contains("DNS rebinding"), "{message}");
+        // Public names and addresses, names that merely contain a local one, look-alikes.
+        for host in [
+            "evil.example",
+            "localhost.evil.example",
+            "local",
+            "evil.localhost.example",
+            "internal.example",
+            "corral-box.evil.example",
+            "xcorral-box",
+            "8.8.8.8",
+            "172.32.0.1",
+            "100.64.0.1",
+            "[2001:db8::8]",
+            "203.0.113.8:11434",
+            "[::ffff:8.8.8.8]",
+        ] {
+            assert_eq!(status_on(&default, host, loopback).await, StatusCode::FORBIDDEN, "{host}");
+            let unix = Some(Transport::Unix { peer: None });
+            assert_eq!(status_on(&default, host, unix).await, StatusCode::FORBIDDEN, "{host} over UNIX");
         }
 
         let config = ServerConfig {
-            allowed_hosts: vec!["*.lan".into(), "Corral.Example".into(), "192.168.1.5".into()],
+            allowed_hosts: vec!["*.lan".into(), "Corral.Example".into(), "8.8.8.8".into()],
             ..ServerConfig::default()
         };
-        for host in ["box.lan:11434", "a.b.lan", "corral.example", "192.168.1.5:80"] {
+        for host in ["box.lan:11434", "a.b.lan", "corral.example", "8.8.8.8:80"] {
             assert_eq!(status_for_host(&config, host).await.0, StatusCode::OK, "{host}");
         }
         for host in ["lan", "evillan", "evil.example"] {
@@ -521,6 +776,122 @@ mod tests {
         }
         let any = ServerConfig { allowed_hosts: vec!["*".into()], ..ServerConfig::default() };
         assert_eq!(status_for_host(&any, "evil.example").await.0, StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn any_host_passes_on_a_connection_to_a_network_address() {
+        let default = ServerConfig::default();
+        let lan = Some(Transport::Tcp { loopback: false });
+        for host in ["evil.example", "corral.example.org:11434", "8.8.8.8", "192.168.1.5:11434"] {
+            assert_eq!(status_on(&default, host, lan).await, StatusCode::OK, "{host}");
+        }
+        // Still one Host, and an HTTP/1.1 request must have one.
+        let two = get("/api/version").header(header::HOST, "a.example").header(header::HOST, "b.example");
+        let mut two = two.body(Body::empty()).expect("request");
+        two.extensions_mut().insert(Transport::Tcp { loopback: false });
+        assert_eq!(send(&default, two).await.0.status(), StatusCode::BAD_REQUEST);
+        let mut none = get("/api/version").body(Body::empty()).expect("request");
+        none.extensions_mut().insert(Transport::Tcp { loopback: false });
+        assert_eq!(send(&default, none).await.0.status(), StatusCode::BAD_REQUEST);
+        // An absolute-form target naming another host is the client's business there too.
+        let mut target =
+            get("http://corral.example.org/api/version").header(header::HOST, "x").body(Body::empty()).expect("r");
+        target.extensions_mut().insert(Transport::Tcp { loopback: false });
+        assert_eq!(send(&default, target).await.0.status(), StatusCode::OK);
+    }
+
+    /// The status and error of a store change (a copy of a model that is not there, 404
+    /// once let through) on `transport` with `token`.
+    async fn copy_on(config: &ServerConfig, transport: Transport, token: Option<&str>) -> (StatusCode, String) {
+        let mut builder = post("/api/copy").header(header::CONTENT_TYPE, "application/json");
+        if let Some(token) = token {
+            builder = builder.header(header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let mut request = builder.body(Body::from(r#"{"source":"nope","destination":"x"}"#)).expect("request");
+        request.extensions_mut().insert(transport);
+        status_and_error(config, request).await
+    }
+
+    #[tokio::test]
+    async fn store_changes_over_tcp_follow_the_mode_and_the_unix_socket_is_always_let_through() {
+        let tcp = Transport::Tcp { loopback: true };
+        let unix = Transport::Unix { peer: Some(super::Peer { uid: 1000, gid: 1000, pid: Some(42) }) };
+        let tokens = vec!["s3cret".to_owned()];
+        let any = ServerConfig::default();
+        let token = ServerConfig { store_changes: StoreChanges::Token, api_tokens: tokens.clone(), ..any.clone() };
+        let only_unix = ServerConfig { store_changes: StoreChanges::Unix, ..any.clone() };
+
+        assert_eq!(copy_on(&any, tcp, None).await.0, StatusCode::NOT_FOUND);
+        assert_eq!(copy_on(&any, unix, None).await.0, StatusCode::NOT_FOUND);
+
+        let (status, error) = copy_on(&token, tcp, None).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{error}");
+        assert!(error.contains("api_tokens") && error.contains("Bearer") && error.contains("UNIX socket"), "{error}");
+        let (status, error) = copy_on(&token, tcp, Some("wrong")).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{error}");
+        assert!(error.contains("not valid"), "{error}");
+        assert_eq!(copy_on(&token, tcp, Some("s3cret")).await.0, StatusCode::NOT_FOUND);
+        assert_eq!(copy_on(&token, unix, None).await.0, StatusCode::NOT_FOUND);
+        // In this mode the tokens guard the changes only: reading and running stay open.
+        let mut read = get("/api/version").header(header::HOST, "localhost").body(Body::empty()).expect("r");
+        read.extensions_mut().insert(tcp);
+        assert_eq!(send(&token, read).await.0.status(), StatusCode::OK);
+        let mut show = post("/api/show").body(Body::from(r#"{"model":"nope"}"#)).expect("r");
+        show.extensions_mut().insert(tcp);
+        assert_eq!(send(&token, show).await.0.status(), StatusCode::NOT_FOUND);
+
+        // Even a valid token (here the tokens guard every request) does not change over TCP.
+        for (config, with) in
+            [(only_unix.clone(), None), (ServerConfig { api_tokens: tokens, ..only_unix.clone() }, Some("s3cret"))]
+        {
+            let (status, error) = copy_on(&config, tcp, with).await;
+            assert_eq!(status, StatusCode::FORBIDDEN, "{with:?}: {error}");
+            assert!(error.contains("store_changes") && error.contains("corralctl"), "{error}");
+        }
+        assert_eq!(copy_on(&only_unix, unix, None).await.0, StatusCode::NOT_FOUND);
+        // Every route that changes the store, and only those.
+        for (method, path) in [
+            (Method::POST, "/api/pull"),
+            (Method::POST, "/api/push"),
+            (Method::POST, "/api/create"),
+            (Method::DELETE, "/api/delete"),
+            (Method::POST, "/api/blobs/sha256:00"),
+        ] {
+            let mut request = Request::builder()
+                .method(method.clone())
+                .uri(path)
+                .header(header::HOST, "localhost")
+                .body(Body::from("{}"))
+                .expect("request");
+            request.extensions_mut().insert(tcp);
+            assert_eq!(send(&only_unix, request).await.0.status(), StatusCode::FORBIDDEN, "{method} {path}");
+        }
+        let mut head = Request::builder()
+            .method(Method::HEAD)
+            .uri("/api/blobs/sha256:00")
+            .header(header::HOST, "localhost")
+            .body(Body::empty())
+            .expect("request");
+        head.extensions_mut().insert(tcp);
+        assert_ne!(send(&only_unix, head).await.0.status(), StatusCode::FORBIDDEN, "HEAD reads");
+    }
+
+    #[test]
+    fn loopback_local_addresses_include_ipv4_mapped_ones() {
+        for ip in ["127.0.0.1", "127.1.2.3", "::1", "::ffff:127.0.0.1"] {
+            assert!(super::is_loopback(ip.parse().expect("ip")), "{ip}");
+        }
+        for ip in ["0.0.0.0", "192.168.1.5", "::", "::ffff:192.168.1.5", "fe80::1"] {
+            assert!(!super::is_loopback(ip.parse().expect("ip")), "{ip}");
+        }
+    }
+
+    #[test]
+    fn the_system_probe_knows_this_machine() {
+        let local = LocalNames::system();
+        let name = (local.hostname)().expect("a hostname");
+        assert!(local.is_hostname(&super::normalize_host(&name)), "{name}");
+        assert!(local.is_interface("127.0.0.1".parse().expect("ip")), "lo is an interface: {:?}", (local.addresses)());
     }
 
     #[tokio::test]
@@ -808,7 +1179,7 @@ mod tests {
 
     #[test]
     fn uploads_beyond_the_cap_are_a_503_with_retry_after() {
-        let safety = Safety::new(&ServerConfig { max_uploads: 2, ..ServerConfig::default() });
+        let safety = Safety::new(&ServerConfig { max_uploads: 2, ..ServerConfig::default() }, machine());
         let first = safety.upload_permit("/api/blobs").expect("first");
         let _second = safety.upload_permit("/api/blobs").expect("second");
         let refused = safety.upload_permit("/api/blobs").expect_err("third");

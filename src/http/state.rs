@@ -56,7 +56,7 @@ impl AppState {
     /// A state with the default request checks, for tests that drive the router in-process.
     #[must_use]
     pub fn for_tests(store: Store, scheduler: Handle, defaults: Defaults) -> Self {
-        let safety = Arc::new(Safety::new(&crate::config::ServerConfig::default()));
+        let safety = Arc::new(Safety::new(&crate::config::ServerConfig::default(), super::LocalNames::system()));
         let registry = Registry::new(RegistryConfig::default());
         Self {
             store,

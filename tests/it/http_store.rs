@@ -8,7 +8,7 @@ use std::time::Duration;
 use axum::body::{Body, Bytes};
 use axum::http::{Method, Request, StatusCode};
 use corral::config::ServerConfig;
-use corral::http::{AppState, Safety, router};
+use corral::http::{AppState, LocalNames, Safety, router};
 use corral::store::digest::Digest;
 use corral::store::manifest::Manifest;
 use corral::store::name::ModelName;
@@ -74,7 +74,8 @@ async fn blobs_are_checked_uploaded_once_and_refused_when_wrong() {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut state = state(dir.path());
     // A tiny body limit: uploads are exempt from it (chunked, so the size is unknown up front).
-    state.safety = Arc::new(Safety::new(&ServerConfig { max_body: 1024, ..ServerConfig::default() }));
+    state.safety =
+        Arc::new(Safety::new(&ServerConfig { max_body: 1024, ..ServerConfig::default() }, LocalNames::system()));
     let data: Vec<u8> = (0..300_000u32).map(|i| i.wrapping_mul(2_654_435_761).to_le_bytes()[2]).collect();
     let digest = Digest::of(&data);
     let path = blob_path(&digest);

@@ -13,6 +13,7 @@ mod dbus_access;
 mod dbus_api;
 mod dbus_contract;
 mod dbus_jobs;
+mod edge_habits;
 mod fake_runner;
 mod faults;
 mod http_api;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use axum::body::{Body, Bytes};
 use axum::http::{Request, StatusCode};
 use corral::config::ServerConfig;
-use corral::http::{AppState, Safety, router};
+use corral::http::{AppState, LocalNames, Safety, router};
 use corral::scheduler::actor::Scheduler;
 use corral::scheduler::backend::SupervisorBackend;
 use corral::scheduler::footprints::Footprints;
@@ -449,7 +449,7 @@ fn in_process(dir: &Path, server: &ServerConfig) -> AppState {
     let (scheduler, handle) = Scheduler::new(Arc::new(backend), Vec::new(), 4 << 30, limits(), Footprints::in_memory());
     tokio::spawn(scheduler.run());
     let mut state = AppState::for_tests(store, handle, Defaults { num_ctx: 512, parallel: 1 });
-    state.safety = Arc::new(Safety::new(server));
+    state.safety = Arc::new(Safety::new(server, LocalNames::system()));
     state
 }
 

@@ -33,7 +33,10 @@ fn socket_activation_on_tcp_and_unix_reports_ready_and_serves_both() {
     // The first connection starts corrald, which adopts the socket it arrived on.
     let version = http::tcp(tcp, "GET", "/api/version");
     assert_eq!(version.status, 200);
-    assert_eq!(version.json(), serde_json::json!({ "version": env!("CARGO_PKG_VERSION") }));
+    assert_eq!(
+        version.json(),
+        serde_json::json!({ "version": corral::http::OLLAMA_VERSION, "corral_version": env!("CARGO_PKG_VERSION") })
+    );
     let ready = notify.wait_for("READY", "1", WAIT);
     let status = notify.messages()[ready]["STATUS"].clone();
     assert!(status.contains(&tcp.to_string()) && status.contains("api.sock"), "{status}");

@@ -29,7 +29,8 @@ fn assert_version(result: Result<(u16, String), String>, via: &str) {
     assert_eq!(code, 200, "GET /api/version via {via}: {body}");
     let json: serde_json::Value =
         serde_json::from_str(&body).unwrap_or_else(|e| panic!("via {via}: not JSON ({e}): {body}"));
-    assert_eq!(json["version"], env!("CARGO_PKG_VERSION"), "via {via}: {body}");
+    assert_eq!(json["corral_version"], env!("CARGO_PKG_VERSION"), "via {via}: {body}");
+    assert_eq!(json["version"], corral::http::OLLAMA_VERSION, "via {via}: {body}");
 }
 
 pub(crate) fn wait_active_state(ct: &Container, unit: &str, want: &str) {
