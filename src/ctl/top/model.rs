@@ -525,7 +525,9 @@ impl State {
 fn place(m: &ModelEntry) -> String {
     if m.state != "ready" || m.total_layers == 0 {
         "-".to_owned()
-    } else if m.gpu_layers == 0 {
+    } else if m.gpu_layers == 0 || m.vram_bytes == 0 {
+        // What sits on a device is what its memory shows: llama.cpp's RPC-enabled build
+        // reports layers "offloaded" on a host without GPUs.
         "CPU".to_owned()
     } else if m.gpu_layers >= m.total_layers {
         format!("GPU {}/{}", m.gpu_layers, m.total_layers)
@@ -612,6 +614,9 @@ pub(crate) mod tests {
         ]);
         s.apply(Update::Model { path: "/m/tiny".into(), props: ready }, now);
         s.apply(Update::Model { path: "/m/big".into(), props: model("big:q4", "loading") }, now);
+        let mut cpu = model("cpu:latest", "ready");
+        cpu.extend([ModelProp::GpuLayers(5), ModelProp::TotalLayers(5), ModelProp::RamBytes(0)]);
+        s.apply(Update::Model { path: "/m/cpu".into(), props: cpu }, now);
         s.apply(Update::Model { path: "/m/idle".into(), props: model("idle:latest", "stopped") }, now);
         s.apply(
             Update::Signal(Signal::Loaded { name: "registry.ollama.ai/library/tiny:latest".into(), pid: 4242 }),
@@ -625,9 +630,10 @@ pub(crate) mod tests {
         let s = sample();
         let rows = s.rows(UNIX_EPOCH + Duration::from_secs(1_000));
         let names: Vec<&str> = rows.iter().map(|r| r.name.as_str()).collect();
-        assert_eq!(names, ["big:q4", "tiny:latest"], "stopped models are not listed");
-        assert!(rows[1].selected && !rows[0].selected, "the first model listed stays selected as others come");
-        let tiny = &rows[1];
+        assert_eq!(names, ["big:q4", "cpu:latest", "tiny:latest"], "stopped models are not listed");
+        assert!(rows[2].selected && !rows[0].selected, "the first model listed stays selected as others come");
+        assert_eq!(rows[1].place, "CPU", "layers reported offloaded with no GPU memory sit on the CPU");
+        let tiny = &rows[2];
         assert_eq!(
             (tiny.state.as_str(), tiny.pid.as_str(), tiny.place.as_str(), tiny.vram.as_str(), tiny.ram.as_str()),
             ("ready", "4242", "GPU 5/5", "6.0 GiB", "1.0 GiB")
@@ -640,16 +646,20 @@ pub(crate) mod tests {
     fn the_selection_moves_within_the_rows_and_follows_removals() {
         let mut s = sample();
         let now = UNIX_EPOCH;
-        s.move_selection(false);
-        s.move_selection(false);
+        for _ in 0..3 {
+            s.move_selection(false);
+        }
         assert_eq!(s.selected.as_deref(), Some("/m/big"), "stops at the top");
-        s.move_selection(true);
-        s.move_selection(true);
+        for _ in 0..3 {
+            s.move_selection(true);
+        }
         assert_eq!(s.selected.as_deref(), Some("/m/tiny"), "stops at the bottom");
         assert_eq!(s.selected_name().as_deref(), Some("registry.ollama.ai/library/tiny:latest"));
         s.apply(Update::Model { path: "/m/tiny".into(), props: vec![ModelProp::State("stopped".into())] }, now);
         assert_eq!(s.selected.as_deref(), Some("/m/big"), "an unloaded selection moves to a listed row");
         s.apply(Update::ModelRemoved { path: "/m/big".into() }, now);
+        assert_eq!(s.selected.as_deref(), Some("/m/cpu"));
+        s.apply(Update::ModelRemoved { path: "/m/cpu".into() }, now);
         assert_eq!(s.selected, None);
         assert_eq!(s.selected_name(), None);
     }
@@ -710,7 +720,7 @@ pub(crate) mod tests {
             ]
         );
         assert_eq!(bars[0].summary(), "corral 1.0 GiB · other 11.0 GiB · free 20.0 GiB of 32.0 GiB");
-        assert_eq!(s.header(), "corrald 0.1.0 · 2 of 3 loaded · queue 2 of 512", "loading counts, as in LoadedModels");
+        assert_eq!(s.header(), "corrald 0.1.0 · 3 of 3 loaded · queue 2 of 512", "loading counts, as in LoadedModels");
     }
 
     #[test]

@@ -298,7 +298,7 @@ mod tests {
     fn at_80x24_everything_fits() {
         let lines = screen(&sample(), 80, 24);
         let all = lines.join("\n");
-        assert_eq!(lines[0].trim_end(), "corrald 0.1.0 · 2 of 3 loaded · queue 2 of 512", "{all}");
+        assert_eq!(lines[0].trim_end(), "corrald 0.1.0 · 3 of 3 loaded · queue 2 of 512", "{all}");
         assert!(lines[1].starts_with("MEMORY  █ corral  ▓ other  ░ free"), "{all}");
         let host = find(&lines, "host ");
         assert!(host.trim_end().ends_with(" free 20.0 GiB"), "{all}");
