@@ -140,9 +140,9 @@ fn top_follows_a_load_unloads_with_u_and_quits_with_q_restoring_the_terminal() {
     assert_eq!(tmux.format("#{alternate_on}"), "0", "the alternate screen was left:\n{after}");
     assert_eq!(tmux.format("#{cursor_flag}"), "1", "the cursor is shown again");
     // Raw mode undone: `stty -a` (run after top) shows canonical input and echo back on.
-    let modes: String = after.split_whitespace().map(|w| format!(" {w} ")).collect();
-    for mode in [" icanon ", " echo ", " isig "] {
-        assert!(modes.contains(mode), "{mode:?} not restored:\n{after}");
+    let modes: Vec<&str> = after.split(|c: char| c.is_whitespace() || c == ';').collect();
+    for mode in ["icanon", "echo", "isig"] {
+        assert!(modes.contains(&mode), "{mode:?} not restored:\n{after}");
     }
     assert!(!after.contains("MODELS"), "top's screen is gone:\n{after}");
 }
