@@ -152,11 +152,16 @@ fn top_shows_a_refused_unload_in_its_status_line_and_quits_on_ctrl_c() {
     let rig = rig();
     load_chat(&rig);
     let command = format!("setpriv --reuid={OUTSIDER} --regid={OUTSIDER} --init-groups -- {CORRALCTL} top");
-    let tmux = Tmux::start(80, 24, rig.bus.address(), &command);
-    tmux.wait_for("the chat row", |s| row(s, "chat:latest").is_some_and(|l| l.starts_with("> ")));
+    // A large terminal this time: the bars carry their full text and what the device is.
+    let tmux = Tmux::start(200, 50, rig.bus.address(), &command);
+    let screen = tmux.wait_for("the chat row", |s| row(s, "chat:latest").is_some_and(|l| l.starts_with("> ")));
+    let host = screen.lines().find(|l| l.starts_with("host ")).expect("a host bar");
+    assert!(host.contains("corral ") && host.contains(" · other ") && host.contains(" · free "), "{screen}");
+    assert!(host.trim_end().ends_with("corral may use 4.0 GiB"), "{screen}");
+    assert!(host.chars().filter(|c| "█▓░".contains(*c)).count() >= 100, "the bar takes the width:\n{screen}");
     tmux.keys("u");
     let screen =
-        tmux.wait_for("the refusal", |s| s.lines().nth(23).is_some_and(|l| l.starts_with("permission denied")));
+        tmux.wait_for("the refusal", |s| s.lines().nth(49).is_some_and(|l| l.starts_with("permission denied")));
     assert_eq!(loaded(&rig)[0]["state"], "ready", "a refused unload changed nothing:\n{screen}");
     assert!(row(&screen, "chat:latest").is_some_and(|l| l.contains("ready")), "{screen}");
     tmux.keys("C-c");

@@ -214,6 +214,8 @@ fn key_pressed(key: KeyEvent, state: &mut State, bus: &Bus, tx: &mpsc::Unbounded
     if ctrl_c || matches!(key.code, KeyCode::Char('q') | KeyCode::Esc) && !state.help {
         return true;
     }
+    // The last outcome stays until the next key.
+    state.status.clear();
     if state.help {
         // Any key closes the help (Esc and q too, without quitting).
         state.help = false;
