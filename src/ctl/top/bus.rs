@@ -49,9 +49,10 @@ impl Signals {
     }
 }
 
-/// Everything there is to know now: the Manager's properties and every model object's.
+/// Everything there is to know now: the Manager's properties and every model object's,
+/// after a [`Update::Reset`].
 pub async fn snapshot(bus: &Bus) -> Result<Vec<Update>, CtlError> {
-    let mut updates = vec![manager_props(bus, true).await?];
+    let mut updates = vec![Update::Reset, manager_props(bus, true).await?];
     let objects = zbus::fdo::ObjectManagerProxy::builder(bus.connection())
         .destination(SERVICE)
         .and_then(|b| b.path(ROOT))

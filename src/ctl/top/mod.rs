@@ -160,6 +160,7 @@ async fn interact(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|source| io("cannot watch for SIGTERM", source))?;
+    let mut lost = false;
     let result = loop {
         let draw = screen.draw(|frame| view::draw(frame, &state, SystemTime::now(), true));
         if let Err(source) = draw {
@@ -177,11 +178,23 @@ async fn interact(
             }
             _ = tick.tick() => {
                 let now = SystemTime::now();
-                match bus::refresh(bus, state.live_paths()).await {
-                    Ok(updates) => for update in updates {
-                        state.apply(update, now);
-                    },
-                    Err(e) => state.status = format!("cannot read corrald: {e}"),
+                // After corrald was out of reach, everything is read again: a restarted
+                // corrald does not say that its old objects went away.
+                let read = if lost { bus::snapshot(bus).await } else { bus::refresh(bus, state.live_paths()).await };
+                match read {
+                    Ok(updates) => {
+                        if lost {
+                            state.status.clear();
+                        }
+                        lost = false;
+                        for update in updates {
+                            state.apply(update, now);
+                        }
+                    }
+                    Err(e) => {
+                        lost = true;
+                        state.status = format!("cannot read corrald: {e}");
+                    }
                 }
                 read_host(&mut state, now);
             }

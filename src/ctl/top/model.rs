@@ -116,6 +116,8 @@ pub enum Signal {
 /// A change to fold into the [`State`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Update {
+    /// A full read follows: forget the model objects (corrald may have restarted).
+    Reset,
     /// Manager properties.
     Manager(Vec<ManagerProp>),
     /// A model object's properties (a new object, or changed ones).
@@ -351,6 +353,7 @@ impl State {
                     self.log(now, text, true);
                 }
             }
+            Update::Reset => self.models.clear(),
             Update::ModelRemoved { path } => {
                 self.models.remove(&path);
             }
@@ -661,6 +664,11 @@ pub(crate) mod tests {
         assert_eq!(s.selected.as_deref(), Some("/m/cpu"));
         s.apply(Update::ModelRemoved { path: "/m/cpu".into() }, now);
         assert_eq!(s.selected, None);
+
+        let mut s = sample();
+        s.apply(Update::Reset, now);
+        assert!(s.rows(now).is_empty() && s.selected.is_none(), "a reset forgets the models");
+        assert!(!s.events.is_empty() && s.max_queue == 512, "and keeps the rest");
         assert_eq!(s.selected_name(), None);
     }
 
