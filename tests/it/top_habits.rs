@@ -197,3 +197,23 @@ fn top_without_a_terminal_refuses_and_once_prints_a_snapshot() {
     assert_eq!(json["devices"][0]["label"], "host", "{json}");
     assert_eq!(json["version"], env!("CARGO_PKG_VERSION"), "{json}");
 }
+
+#[test]
+fn top_reports_a_runner_that_crashed() {
+    let rig = rig();
+    let tmux = Tmux::start(80, 24, rig.bus.address(), &format!("{CORRALCTL} top"));
+    tmux.wait_for("top's first screen", |s| s.contains("no model is loaded"));
+    load_chat(&rig);
+    tmux.wait_for("the chat row", |s| row(s, "chat:latest").is_some_and(|l| l.contains("ready")));
+    let pid = loaded(&rig)[0]["pid"].as_u64().expect("a pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("a pid")),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill the runner");
+    let screen = tmux.wait_for("the crash event", |s| s.contains("chat:latest crashed"));
+    assert!(!screen.contains("failed to load"), "a crash is not a failed load:\n{screen}");
+    tmux.keys("q");
+    let after = tmux.wait_for("top to exit", |s| s.contains("top exited"));
+    assert!(after.contains("top exited 0"), "{after}");
+}

@@ -343,12 +343,13 @@ impl State {
             }
             Update::Model { path, props } => {
                 let entry = self.models.entry(path).or_default();
-                let was_failed = entry.state == "failed";
+                let was_loading = entry.state == "loading";
                 for prop in props {
                     entry.set(prop);
                 }
-                // A failed load has no signal of its own: its state says so.
-                if entry.state == "failed" && !was_failed {
+                // A failed load has no signal of its own: its state says so. (A runner
+                // that crashed also ends "failed", from "ready": ModelUnloaded tells that.)
+                if entry.state == "failed" && was_loading {
                     let text = format!("{} failed to load: {}", entry.label(), entry.last_error);
                     self.log(now, text, true);
                 }
@@ -679,7 +680,11 @@ pub(crate) mod tests {
         let full = "registry.ollama.ai/library/tiny:latest";
         s.apply(Update::Signal(Signal::Unloaded { name: full.into(), reason: "evicted".into() }), now);
         s.apply(
-            Update::Model { path: "/m/tiny".into(), props: vec![ModelProp::LastError("killed by OOM".into())] },
+            // As corrald signals a crash: the error, the state, then ModelUnloaded.
+            Update::Model {
+                path: "/m/tiny".into(),
+                props: vec![ModelProp::LastError("killed by OOM".into()), ModelProp::State("failed".into())],
+            },
             now,
         );
         s.apply(Update::Signal(Signal::Unloaded { name: full.into(), reason: "crashed".into() }), now);
