@@ -213,7 +213,14 @@ fn top_reports_a_runner_that_crashed() {
     .expect("kill the runner");
     let screen = tmux.wait_for("the crash event", |s| s.contains("chat:latest crashed"));
     assert!(!screen.contains("failed to load"), "a crash is not a failed load:\n{screen}");
-    tmux.keys("q");
+
+    // SIGTERM from elsewhere ends top as `q` does, the terminal restored.
+    let shell = tmux.format("#{pane_pid}");
+    let out = output_within(Command::new("pgrep").args(["-P", &shell]), WAIT);
+    let top: i32 = String::from_utf8_lossy(&out.stdout).trim().parse().expect("top's pid");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(top), nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
     let after = tmux.wait_for("top to exit", |s| s.contains("top exited"));
     assert!(after.contains("top exited 0"), "{after}");
+    assert_eq!(tmux.format("#{alternate_on}"), "0", "the alternate screen was left:\n{after}");
+    assert!(after.split_whitespace().any(|w| w == "icanon"), "raw mode undone:\n{after}");
 }

@@ -158,8 +158,11 @@ async fn interact(
     let reader = read_terminal(tx.clone(), Arc::clone(&stop));
     let mut tick = tokio::time::interval(REFRESH);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|source| io("cannot watch for SIGTERM", source))?;
+    // Raw mode turns Ctrl-C into a key; a SIGINT or SIGTERM sent from elsewhere ends
+    // `top` the same way, with the terminal restored.
+    let watch = |kind| tokio::signal::unix::signal(kind).map_err(|source| io("cannot watch for signals", source));
+    let mut terminate = watch(tokio::signal::unix::SignalKind::terminate())?;
+    let mut interrupt = watch(tokio::signal::unix::SignalKind::interrupt())?;
     let mut lost = false;
     let result = loop {
         let draw = screen.draw(|frame| view::draw(frame, &state, SystemTime::now(), true));
@@ -214,6 +217,7 @@ async fn interact(
                 }
             },
             _ = terminate.recv() => break Ok(()),
+            _ = interrupt.recv() => break Ok(()),
         }
     };
     stop.store(true, Ordering::Relaxed);
