@@ -69,7 +69,11 @@ pub async fn run(options: Options) -> Result<(), CtlError> {
     if options.once {
         return snapshot(&state, options.json, now);
     }
-    let mut screen = ratatui::try_init().map_err(|source| io("cannot set up the terminal", source))?;
+    let mut screen = ratatui::try_init().map_err(|source| {
+        // Whatever part of the set-up happened is undone.
+        let _ = ratatui::try_restore();
+        io("cannot set up the terminal", source)
+    })?;
     let result = interact(&mut screen, &bus, &mut signals, state).await;
     let shown = screen.show_cursor();
     drop(screen);
