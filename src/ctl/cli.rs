@@ -76,6 +76,12 @@ pub enum Command {
     },
     /// Show the daemon's version, memory, limits and what is loaded.
     Status,
+    /// Watch devices, loaded models, the queue and events live, full screen (needs a terminal).
+    ///
+    /// Keys: up/down or k/j select a model, u unloads it (as unload does, with the same
+    /// permission), ? shows help, q, Esc or Ctrl-C quit. Without a terminal it refuses;
+    /// --once prints one snapshot instead.
+    Top(TopArgs),
     /// Chat with a model over the HTTP API: one PROMPT, or lines from standard input.
     Run(RunArgs),
     /// Print a shell completion script.
@@ -99,6 +105,14 @@ pub struct LoadArgs {
     /// Layers to offload to GPUs.
     #[arg(long, value_name = "LAYERS")]
     pub num_gpu: Option<i64>,
+}
+
+/// `top`.
+#[derive(Debug, Args)]
+pub struct TopArgs {
+    /// Print one snapshot as text (with --json, as JSON) and exit; needs no terminal.
+    #[arg(long)]
+    pub once: bool,
 }
 
 /// `pull` and `push`.

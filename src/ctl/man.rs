@@ -54,6 +54,8 @@ corralctl create mine \-f ./Modelfile
 corralctl load mine \-\-keep\-alive 1h
 corralctl run mine "Why is the sky blue?"
 corralctl \-\-json ps
+corralctl top
+corralctl top \-\-once
 corralctl completions bash > /etc/bash_completion.d/corralctl
 .fi
 .SH "SEE ALSO"

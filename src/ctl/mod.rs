@@ -8,6 +8,7 @@
 //! - [`modelfile`]: a Modelfile's relative paths made absolute before it is sent;
 //! - [`chat`]: `run` over HTTP (TCP or a UNIX socket); [`host`]: where the API is
 //!   (`--host`, `CORRAL_HOST`, `OLLAMA_HOST`);
+//! - [`top`]: the live full-screen view;
 //! - [`output`]: tables, units, JSON.
 
 pub mod bus;
@@ -19,6 +20,7 @@ pub mod host;
 pub mod job;
 pub mod modelfile;
 pub mod output;
+pub mod top;
 
 #[cfg(test)]
 mod man;
@@ -69,6 +71,7 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
             };
             chat::run(chat, args.prompt.as_deref()).await
         }
+        Command::Top(args) => top::run(top::Options { once: args.once, json: cli.json, session: cli.session }).await,
         command => {
             let bus = Bus::connect(cli.session).await?;
             match command {
@@ -85,7 +88,7 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
                 Command::Cp { source, destination } => commands::copy(&bus, style, &source, &destination).await,
                 Command::Rm { models } => commands::remove(&bus, style, &models).await,
                 Command::Status => commands::status(&bus, style).await,
-                Command::Completions { .. } | Command::Run(_) => unreachable!("handled above"),
+                Command::Completions { .. } | Command::Run(_) | Command::Top(_) => unreachable!("handled above"),
             }
         }
     }

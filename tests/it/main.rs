@@ -34,3 +34,4 @@ mod shipped;
 mod socket_activation;
 mod supervision;
 mod systemd_container;
+mod top_habits;
