@@ -397,10 +397,8 @@ async fn create(State(state): State<AppState>, body: Bytes) -> Response {
             let _ = progress_tx.send(Event::Progress(Status { status }));
         };
         match store.create(&name, &spec, &mut progress) {
-            Ok(digest) => {
-                tracing::info!(model = %name, %digest, "created a model");
-                let _ = tx.send(Event::Progress(Status { status: "success".into() }));
-            }
+            // The store's own progress ends with "success": the stream carries it once.
+            Ok(digest) => tracing::info!(model = %name, %digest, "created a model"),
             Err(e) => {
                 let _ = tx.send(Event::Failed(store_error(&e, PATH, &from)));
             }
