@@ -260,10 +260,11 @@ pub(super) async fn load(
     let request = blocking(move || request::build(&store, &name, &options, keep_alive, false, defaults))
         .await?
         .map_err(|e| Error::from(e).naming(given))?;
-    let path = model_path(&request.name);
+    let short = request.name.clone();
+    let path = model_path(&short);
     // The model stays loaded for its keep-alive once this lease is dropped.
     let runner = shared.context.scheduler.acquire(request).await?.runner();
-    shared.settled(|runners| runners.loaded(runner)).await;
+    shared.settled(|runners| runners.loaded(runner, &short)).await;
     Ok(path)
 }
 

@@ -29,6 +29,8 @@ pub(super) struct ModelData {
     pub total_layers: u32,
     pub vram_bytes: u64,
     pub ram_bytes: u64,
+    /// The other models served by the same llama-server process.
+    pub shared_with: Vec<String>,
 }
 
 pub(super) struct Model {
@@ -116,6 +118,12 @@ impl Model {
         self.get(|d| d.ram_bytes)
     }
 
+    /// The other models served by the same runner (same weights and load options).
+    #[zbus(property)]
+    fn shared_with(&self) -> Vec<String> {
+        self.get(|d| d.shared_with.clone())
+    }
+
     /// Read from the scheduler on each get: it changes with every request.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn expires_at(&self) -> zbus::fdo::Result<u64> {
@@ -125,7 +133,7 @@ impl Model {
         let now = tokio::time::Instant::now();
         let at = loaded
             .iter()
-            .filter(|m| m.name == name)
+            .filter(|m| m.names.contains(&name))
             .filter_map(|m| m.expires_at)
             .min()
             .map_or(0, |at| epoch_micros(SystemTime::now() + at.saturating_duration_since(now)));
@@ -137,7 +145,7 @@ impl Model {
         let name = self.get(|d| d.short_name.clone());
         let loaded =
             self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
-        Ok(loaded.iter().filter(|m| m.name == name).map(|m| m.leases).sum())
+        Ok(loaded.iter().filter(|m| m.names.contains(&name)).map(|m| m.leases).sum())
     }
 }
 

@@ -125,6 +125,9 @@ pub trait Model {
     /// Host memory.
     #[zbus(property)]
     fn ram_bytes(&self) -> zbus::Result<u64>;
+    /// The other models served by the same runner.
+    #[zbus(property)]
+    fn shared_with(&self) -> zbus::Result<Vec<String>>;
     /// Microseconds since the epoch; 0 for none.
     #[zbus(property(emits_changed_signal = "false"))]
     fn expires_at(&self) -> zbus::Result<u64>;

@@ -93,6 +93,10 @@ struct PsModel {
     expires_at: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     context_length: Option<u64>,
+    /// corral's own: the other models served by the same llama-server process (same
+    /// weights and load options); absent when none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    shared_with: Vec<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -144,7 +148,13 @@ async fn ps(State(state): State<AppState>) -> Result<Json<Ps>, ApiError> {
     let (now, wall) = (Instant::now(), SystemTime::now());
     let store = state.store;
     let mut models = blocking(move || {
-        Ok(loaded.into_iter().map(|m| ps_model(&store, &m, now, wall)).collect::<Vec<(SystemTime, PsModel)>>())
+        // An entry for each model a runner serves: models with the same weights and load
+        // options share one.
+        Ok(loaded
+            .iter()
+            .flat_map(|m| m.names.iter().map(move |name| (m, name)))
+            .map(|(m, name)| ps_model(&store, m, name, now, wall))
+            .collect::<Vec<(SystemTime, PsModel)>>())
     })
     .await
     .map_err(|e| e.into_api(PATH, ""))?;
@@ -153,33 +163,34 @@ async fn ps(State(state): State<AppState>) -> Result<Json<Ps>, ApiError> {
 }
 
 /// One `/api/ps` entry, with when it expires for sorting.
-fn ps_model(store: &Store, m: &LoadedModel, now: Instant, wall: SystemTime) -> (SystemTime, PsModel) {
+fn ps_model(store: &Store, m: &LoadedModel, name: &str, now: Instant, wall: SystemTime) -> (SystemTime, PsModel) {
     let expires = match (m.expires_at, m.keep_alive) {
         (Some(at), _) => wall + at.saturating_duration_since(now),
         // Busy: it expires its keep-alive after the last request ends.
         (None, KeepAlive::For(d)) => wall + d,
         (None, KeepAlive::Forever) => wall + FOREVER,
     };
-    let (digest, details) = match ModelName::parse(&m.name).map_err(|e| e.to_string()).and_then(|name| {
+    let (digest, details) = match ModelName::parse(name).map_err(|e| e.to_string()).and_then(|name| {
         let (manifest, digest, _) = store.manifest(&name).map_err(|e| e.to_string())?;
         Ok((digest.hex(), details_of(store, &manifest)))
     }) {
         Ok(found) => found,
         Err(e) => {
             // Deleted from the store while loaded: still listed, without its store facts.
-            tracing::debug!(model = %m.name, error = %e, "a loaded model is not in the store");
+            tracing::debug!(corral_model = %name, error = %e, "{name} is loaded but not in the store");
             (String::new(), Details::default())
         }
     };
     let model = PsModel {
-        name: m.name.clone(),
-        model: m.name.clone(),
+        name: name.to_owned(),
+        model: name.to_owned(),
         size: m.footprint.total(),
         size_vram: m.footprint.vram,
         digest,
         details,
         expires_at: rfc3339(expires),
         context_length: Some(u64::from(m.context_length)),
+        shared_with: m.names.iter().filter(|n| *n != name).cloned().collect(),
     };
     (expires, model)
 }

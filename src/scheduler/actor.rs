@@ -108,8 +108,11 @@ pub enum ScheduleError {
 pub struct LoadedModel {
     /// The runner's id.
     pub id: RunnerId,
-    /// The model's display name.
+    /// The model's display name: the first model it was loaded for.
     pub name: String,
+    /// Every model it serves, `name` first: models whose requests have the same key
+    /// (the same weights and load options) share one runner.
+    pub names: Vec<String>,
     /// Its key.
     pub key: String,
     /// `loading`, `ready` or `unloading`.
@@ -128,6 +131,8 @@ pub struct LoadedModel {
     pub pid: Option<u32>,
     /// Its context per request slot (`num_ctx`).
     pub context_length: u32,
+    /// The layers it placed on GPUs, once ready (when llama-server said).
+    pub offload: Option<Offload>,
 }
 
 /// Counters since start, for `/metrics`.
@@ -227,6 +232,14 @@ pub enum Notice {
         /// Why.
         reason: String,
     },
+    /// The models a runner serves changed: another model with the same weights and load
+    /// options now shares it, or a model moved to a runner of its own.
+    Serving {
+        /// The runner.
+        runner: RunnerId,
+        /// Every model it serves now, the first one it was loaded for first.
+        names: Vec<String>,
+    },
     /// A runner is being stopped.
     Unloading {
         /// The runner.
@@ -302,10 +315,17 @@ impl Handle {
         answer.await.map_err(|_| ScheduleError::ShuttingDown)?
     }
 
-    /// Unloads every runner of the model named `name` (display name); resolves once
-    /// their children are reaped. [`ScheduleError::NotLoaded`] when none runs.
+    /// Unloads every runner serving the model named `name` (display name); resolves once
+    /// their children are reaped. [`ScheduleError::NotLoaded`] when none runs. A runner
+    /// shared with other models is one process: it stops for all of them.
     pub async fn unload_model(&self, name: &str) -> Result<(), ScheduleError> {
-        let keys: Vec<String> = self.loaded().await?.into_iter().filter(|m| m.name == name).map(|m| m.key).collect();
+        let keys: Vec<String> = self
+            .loaded()
+            .await?
+            .into_iter()
+            .filter(|m| m.names.iter().any(|n| n == name))
+            .map(|m| m.key)
+            .collect();
         if keys.is_empty() {
             return Err(ScheduleError::NotLoaded(name.to_owned()));
         }
@@ -415,7 +435,10 @@ enum Phase {
 
 struct Entry {
     request: ModelRequest,
+    /// The models it serves, `request.name` first.
+    users: Vec<String>,
     phase: Phase,
+    offload: Option<Offload>,
     placement: Placement,
     footprint: Footprint,
     leases: u32,
@@ -534,7 +557,13 @@ impl Scheduler {
     fn acquire(&mut self, request: ModelRequest, reply: Reply) {
         let queue_full = self.waiting() >= self.limits.max_queue;
         // The fast path: a ready runner with this key that takes requests.
-        if let Some((id, entry)) = self.runners.iter_mut().find(|(_, e)| e.request.key == request.key && !e.draining) {
+        if let Some((&id, entry)) = self.runners.iter_mut().find(|(_, e)| e.request.key == request.key && !e.draining)
+        {
+            let joined = !entry.users.contains(&request.name);
+            if joined && !matches!(entry.phase, Phase::Unloading { .. }) {
+                entry.users.push(request.name.clone());
+            }
+            let users = entry.users.clone();
             match &mut entry.phase {
                 Phase::Ready { socket, .. } => {
                     entry.leases += 1;
@@ -545,7 +574,10 @@ impl Scheduler {
                         self.limits.default_keep_alive,
                         self.limits.clamp,
                     );
-                    let lease = Lease { runner: *id, socket: socket.clone(), events: self.events_tx.clone() };
+                    let lease = Lease { runner: id, socket: socket.clone(), events: self.events_tx.clone() };
+                    if joined {
+                        self.shares(id, &request.name, users);
+                    }
                     if reply.send(Ok(lease)).is_err() {
                         // The caller went away: its lease was dropped and released already.
                     }
@@ -555,10 +587,16 @@ impl Scheduler {
                     if queue_full {
                         self.counters.queue_full += 1;
                         let _ = reply.send(Err(ScheduleError::QueueFull(self.limits.max_queue)));
+                        if joined {
+                            self.runners.get_mut(&id).expect("looked up above").users.retain(|n| *n != request.name);
+                        }
                         return;
                     }
                     // A load already under way: join it.
                     waiters.push(reply);
+                    if joined {
+                        self.shares(id, &request.name, users);
+                    }
                     return;
                 }
                 Phase::Unloading { .. } => {}
@@ -581,14 +619,23 @@ impl Scheduler {
             let _ = reply.send(Err(ScheduleError::QueueFull(self.limits.max_queue)));
             return;
         }
-        // The same weights loaded with other load options: reload, i.e. retire the old runner.
+        // The same model with other load options: reload, i.e. retire its old runner. A
+        // runner that serves other models too is theirs as well: it stays, and this model
+        // gets a runner of its own (which makes room by the usual rules, reported as
+        // evictions); it no longer counts as served by the old one.
         let stale: Vec<RunnerId> = self
             .runners
             .iter()
-            .filter(|(_, e)| e.request.weights == request.weights && e.request.key != request.key && !e.draining)
+            .filter(|(_, e)| {
+                e.request.weights == request.weights
+                    && e.request.key != request.key
+                    && !e.draining
+                    && e.users.iter().all(|n| *n == request.name)
+            })
             .map(|(id, _)| *id)
             .collect();
         for id in stale {
+            tracing::info!(corral_event = "reload", corral_model = %request.name, runner = id, "reloading {} with other load options", request.name);
             self.retire(id, UnloadReason::Reloaded);
         }
         self.queue.push_back((request, reply));
@@ -627,6 +674,12 @@ impl Scheduler {
         for id in evict {
             self.begin_unload(id, UnloadReason::Evicted);
         }
+    }
+
+    /// Model `name` joined runner `id`, which now serves `users`.
+    fn shares(&self, id: RunnerId, name: &str, users: Vec<String>) {
+        tracing::info!(corral_event = "share", corral_model = %name, runner = id, "{name} shares the runner of {} (same weights and load options)", users[0]);
+        self.notify(Notice::Serving { runner: id, names: users });
     }
 
     /// Tells the views; nobody listening is fine.
@@ -709,6 +762,8 @@ impl Scheduler {
         self.runners.insert(
             id,
             Entry {
+                users: vec![request.name.clone()],
+                offload: None,
                 request,
                 phase: Phase::Loading { waiters: vec![reply] },
                 placement,
@@ -721,7 +776,21 @@ impl Scheduler {
                 unload_waiters: Vec::new(),
             },
         );
-        self.notify(Notice::Loading { runner: id, name: self.runners[&id].request.name.clone() });
+        let name = self.runners[&id].request.name.clone();
+        self.notify(Notice::Loading { runner: id, name: name.clone() });
+        // This model is served by its new runner from now on, not by one it shared.
+        let left: Vec<RunnerId> = self
+            .runners
+            .iter()
+            .filter(|(other, e)| **other != id && e.users.len() > 1 && e.users.contains(&name))
+            .map(|(other, _)| *other)
+            .collect();
+        for other in left {
+            let entry = self.runners.get_mut(&other).expect("listed above");
+            entry.users.retain(|n| *n != name);
+            let names = entry.users.clone();
+            self.notify(Notice::Serving { runner: other, names });
+        }
         // Requests for this model queued behind others join the load now, in their order:
         // none waits for the queue's head while its model loads or runs.
         let key = self.runners[&id].request.key.clone();
@@ -843,6 +912,7 @@ impl Scheduler {
                     }
                 });
                 entry.phase = Phase::Ready { stop: stop_tx, socket: socket.clone(), pid };
+                entry.offload = offload;
                 entry.idle_since = Instant::now();
                 let ready = Notice::Ready {
                     runner: id,
@@ -945,6 +1015,7 @@ impl Scheduler {
             .map(|(id, e)| LoadedModel {
                 id: *id,
                 name: e.request.name.clone(),
+                names: e.users.clone(),
                 key: e.request.key.clone(),
                 state: match e.phase {
                     Phase::Loading { .. } => "loading",
@@ -958,6 +1029,7 @@ impl Scheduler {
                 keep_alive: e.keep_alive,
                 pid: if let Phase::Ready { pid, .. } = e.phase { Some(pid) } else { None },
                 context_length: e.request.options.num_ctx,
+                offload: e.offload,
             })
             .collect()
     }
