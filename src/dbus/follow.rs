@@ -11,7 +11,7 @@ use zbus::object_server::{InterfaceRef, SignalEmitter};
 use zbus::zvariant::ObjectPath;
 
 use super::manager::{Manager, blocking};
-use super::model::{Model, ModelData};
+use super::model::{Facts, Model, ModelData};
 use super::{ROOT_PATH, Shared, lock, model_path};
 use crate::scheduler::actor::{Notice, UnloadReason};
 use crate::scheduler::policy::{Footprint, RunnerId};
@@ -300,7 +300,8 @@ impl Follower {
                             ("parameter_size".to_owned(), config.model_type),
                             ("quantization_level".to_owned(), config.file_type),
                         ]);
-                        (m.name, m.digest.to_string(), m.size, details)
+                        let facts = Facts::read(&store, &m.name, m.modified);
+                        (m.name, m.digest.to_string(), m.size, details, facts)
                     })
                     .collect::<Vec<_>>()
             })
@@ -318,14 +319,14 @@ impl Follower {
             lock(&self.shared.models).remove(&name);
             let _ = self.connection.object_server().remove::<Model, _>(model_path(&name)).await;
         }
-        for (name, digest, size, details) in listed {
+        for (name, digest, size, details, facts) in listed {
             let short = name.to_string();
             let existing = lock(&self.shared.models).get(&short).cloned();
             if let Some(data) = existing {
                 let before = lock(&data).clone();
                 let after = {
                     let mut d = lock(&data);
-                    (d.digest, d.size, d.details) = (digest, size, details);
+                    (d.digest, d.size, d.details, d.facts) = (digest, size, details, facts);
                     d.clone()
                 };
                 emit_model_changes(&self.connection, &short, &before, &after).await;
@@ -337,6 +338,7 @@ impl Follower {
                 digest,
                 size,
                 details,
+                facts,
                 state: "stopped",
                 ..ModelData::default()
             }));
@@ -376,6 +378,14 @@ async fn emit_model_changes(connection: &Connection, name: &str, before: &ModelD
     }
     if before.details != after.details {
         let _ = model.details_changed(e).await;
+    }
+    if before.facts != after.facts {
+        let _ = model.system_changed(e).await;
+        let _ = model.parameters_changed(e).await;
+        let _ = model.context_length_changed(e).await;
+        let _ = model.capabilities_changed(e).await;
+        let _ = model.modelfile_changed(e).await;
+        let _ = model.modified_at_changed(e).await;
     }
     if before.last_error != after.last_error {
         let _ = model.last_error_changed(e).await;

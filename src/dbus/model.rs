@@ -12,6 +12,8 @@ use zbus::interface;
 use zbus::zvariant::OwnedValue;
 
 use super::error::Error;
+use crate::store::Store;
+use crate::store::name::ModelName;
 use super::{Shared, lock, manager};
 
 /// What a model object shows; `State` and the runner fields follow the scheduler.
@@ -22,6 +24,7 @@ pub(super) struct ModelData {
     pub digest: String,
     pub size: u64,
     pub details: HashMap<String, String>,
+    pub facts: Facts,
     pub state: &'static str,
     pub last_error: String,
     pub pid: u32,
@@ -31,6 +34,45 @@ pub(super) struct ModelData {
     pub ram_bytes: u64,
     /// The other models served by the same llama-server process.
     pub shared_with: Vec<String>,
+}
+
+/// What the store says about a model besides its size and details: read when the
+/// store changes, like the rest of [`ModelData`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct Facts {
+    pub system: String,
+    pub parameters: String,
+    pub context_length: u64,
+    pub capabilities: Vec<String>,
+    pub modelfile: String,
+    /// Microseconds since the epoch.
+    pub modified_at: u64,
+}
+
+impl Facts {
+    /// The facts of the stored model `name` (whose manifest was written at `modified`); a
+    /// model whose details cannot be read shows empty ones (its weights may be missing).
+    pub fn read(store: &Store, name: &ModelName, modified: SystemTime) -> Self {
+        let modified_at = epoch_micros(modified);
+        let details = match store.details(name) {
+            Ok(details) => details,
+            Err(e) => {
+                tracing::debug!(corral_model = %name, error = %e, "cannot read the details of {name} for D-Bus");
+                return Self { modified_at, ..Self::default() };
+            }
+        };
+        Self {
+            system: details.system.clone().unwrap_or_default(),
+            parameters: details.parameters_text(),
+            context_length: details.info.context_length.unwrap_or(0),
+            capabilities: details.capabilities().into_iter().map(str::to_owned).collect(),
+            // What the syntax cannot express comes as comments, as in /api/show.
+            modelfile: details.modelfile(store).unwrap_or_else(|e| {
+                e.to_string().lines().fold(String::new(), |out, line| out + "# " + line + "\n")
+            }),
+            modified_at,
+        }
+    }
 }
 
 pub(super) struct Model {
@@ -81,6 +123,36 @@ impl Model {
     #[zbus(property)]
     fn details(&self) -> HashMap<String, String> {
         self.get(|d| d.details.clone())
+    }
+
+    #[zbus(property)]
+    fn system(&self) -> String {
+        self.get(|d| d.facts.system.clone())
+    }
+
+    #[zbus(property)]
+    fn parameters(&self) -> String {
+        self.get(|d| d.facts.parameters.clone())
+    }
+
+    #[zbus(property)]
+    fn context_length(&self) -> u64 {
+        self.get(|d| d.facts.context_length)
+    }
+
+    #[zbus(property)]
+    fn capabilities(&self) -> Vec<String> {
+        self.get(|d| d.facts.capabilities.clone())
+    }
+
+    #[zbus(property)]
+    fn modelfile(&self) -> String {
+        self.get(|d| d.facts.modelfile.clone())
+    }
+
+    #[zbus(property)]
+    fn modified_at(&self) -> u64 {
+        self.get(|d| d.facts.modified_at)
     }
 
     #[zbus(property)]

@@ -21,7 +21,7 @@ use super::ApiError;
 use super::state::AppState;
 use crate::scheduler::actor::LoadedModel;
 use crate::scheduler::keep_alive::KeepAlive;
-use crate::store::manifest::{self, Manifest, ModelConfig};
+use crate::store::manifest::{Manifest, ModelConfig};
 use crate::store::name::ModelName;
 use crate::store::{Store, StoreError};
 
@@ -209,18 +209,8 @@ async fn show(State(state): State<AppState>, body: Bytes) -> Result<Json<Show>, 
     let shown = blocking(move || {
         let details = store.show(&name, verbose)?;
         let (_, _, modified) = store.manifest(&name)?;
-        let mut capabilities = Vec::new();
+        let capabilities = details.capabilities();
         let template = details.template.clone().unwrap_or_default();
-        capabilities.push(if details.info.pooling_type.is_some() { "embedding" } else { "completion" });
-        if template.contains(".Tools") {
-            capabilities.push("tools");
-        }
-        if template.contains(".Suffix") {
-            capabilities.push("insert");
-        }
-        if details.manifest.layers_of(manifest::PROJECTOR).next().is_some() {
-            capabilities.push("vision");
-        }
         Ok(Show {
             // A model the syntax cannot express gets comments saying why, and no FROM: fed
             // back to create, it is refused rather than read as another model.

@@ -64,7 +64,7 @@ pub enum ScheduleError {
     #[error("server busy: {0} requests are already waiting for a model to load")]
     QueueFull(usize),
     /// Even with every evictable model unloaded it would not fit.
-    #[error("model {model} needs {needed} bytes of memory, but at most {available} bytes can be made available")]
+    #[error("model '{model}' needs {} of memory, but at most {} can be made available", crate::units::bytes(*.needed), crate::units::bytes(*.available))]
     InsufficientMemory {
         /// The model.
         model: String,
@@ -74,7 +74,7 @@ pub enum ScheduleError {
         available: u64,
     },
     /// The runner failed to start.
-    #[error("model {model} failed to load: {reason}")]
+    #[error("model '{model}' failed to load: {reason}")]
     LoadFailed {
         /// The model.
         model: String,
@@ -83,7 +83,8 @@ pub enum ScheduleError {
     },
     /// The model crashed recently; loads wait before trying again.
     #[error(
-        "model {model} failed {failures} times in a row, the last time with: {reason}; retrying after {retry_in:?}"
+        "model '{model}' failed {failures} times in a row, the last time with: {reason}; retrying in {}",
+        crate::units::duration(*.retry_in)
     )]
     BackingOff {
         /// The model.
@@ -96,7 +97,7 @@ pub enum ScheduleError {
         retry_in: Duration,
     },
     /// No model by that name is loaded.
-    #[error("model {0} is not loaded")]
+    #[error("model '{0}' is not loaded")]
     NotLoaded(String),
     /// The scheduler stopped.
     #[error("the scheduler is shutting down")]

@@ -49,10 +49,10 @@ const TEMP_PREFIX: &str = ".tmp-";
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// No manifest by that name.
-    #[error("model \"{0}\" not found")]
+    #[error("model '{0}' not found")]
     NotFound(String),
     /// The destination of a copy or create already exists (when that matters).
-    #[error("model \"{0}\" already exists")]
+    #[error("model '{0}' already exists")]
     Exists(String),
     /// Data did not match the digest it was announced with.
     #[error("digest mismatch: expected {expected}, got {actual}")]

@@ -25,7 +25,7 @@ pub struct ModelName {
 
 /// Why a name is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid model name \"{name}\": {reason}")]
+#[error("invalid model name '{name}': {reason}")]
 pub struct InvalidName {
     /// The name as given (cut to a readable length).
     pub name: String,
