@@ -274,7 +274,8 @@ fn describe(m: &ModelInfo, now: SystemTime) -> String {
         if !m.shared_with.is_empty() {
             pairs.push(("Shares its runner with", m.shared_with.join(", ")));
         }
-        pairs.push(("GPU layers", format!("{} of {}", m.gpu_layers, m.total_layers)));
+        let on_cpu = if m.gpu_layers == 0 { " (all on the CPU)" } else { "" };
+        pairs.push(("GPU layers", format!("{} of {}{on_cpu}", m.gpu_layers, m.total_layers)));
         pairs.push(("VRAM", size(m.vram_bytes)));
         pairs.push(("RAM", size(m.ram_bytes)));
         pairs.push(("Active requests", m.active_requests.to_string()));

@@ -623,11 +623,23 @@ impl LoadReport {
         }
     }
 
-    /// The offload line's figures; `None` if none was printed (a build without GPU or RPC
-    /// backend, or verbosity below 4): then everything is on the CPU.
+    /// The layers that sit on a device: the offload line's figures, checked against the
+    /// model buffers. A build with the RPC backend prints "offloaded 5/5 layers to GPU"
+    /// even with no device at all, its weights then all in CPU buffers: layers count as
+    /// offloaded only when a device (a non-host buffer) holds model bytes. `None` if no
+    /// offload line was printed (a build without GPU or RPC backend, or verbosity below 4):
+    /// then everything is on the CPU.
     #[must_use]
     pub fn offload(&self) -> Option<Offload> {
-        self.offload
+        let mut offload = self.offload?;
+        let model_buffers: Vec<(&BufferKey, u64)> =
+            self.buffers().filter(|(key, _)| key.kind == BufferKind::Model).collect();
+        let on_device = model_buffers.iter().any(|(key, bytes)| *bytes > 0 && !is_host_buffer(&key.buffer));
+        // Without buffer lines there is nothing to check the line against.
+        if !model_buffers.is_empty() && !on_device {
+            offload.gpu_layers = 0;
+        }
+        Some(offload)
     }
 
     /// Every buffer size of the load, in key order.
@@ -1342,6 +1354,34 @@ mod tests {
             let _ = report.feed(line);
         }
         report
+    }
+
+    #[test]
+    fn layers_count_as_offloaded_only_when_a_device_holds_model_bytes() {
+        // An RPC-enabled build with no device prints a full offload while every weight
+        // sits in a CPU buffer (the CPU-only host): nothing is on a GPU.
+        let cpu_only = report_of(&[
+            "0.00.008.868 I load_tensors: offloaded 5/5 layers to GPU".to_owned(),
+            "0.00.008.869 I load_tensors:   CPU_Mapped model buffer size =     0.43 MiB".to_owned(),
+            "0.00.009.060 I llama_kv_cache:        CPU KV buffer size =     1.00 MiB".to_owned(),
+        ]);
+        assert_eq!(cpu_only.offload(), Some(Offload { gpu_layers: 0, total_layers: 5 }));
+        assert_eq!(cpu_only.vram_bytes(), 0);
+        // A device buffer that holds nothing is no offload either.
+        let empty_device = report_of(&[
+            "I load_tensors: offloaded 5/5 layers to GPU".to_owned(),
+            "I load_tensors:   CPU_Mapped model buffer size =     0.43 MiB".to_owned(),
+            "I load_tensors: CUDA0 model buffer size =     0.00 MiB".to_owned(),
+        ]);
+        assert_eq!(empty_device.offload().map(|o| o.gpu_layers), Some(0));
+        // Weights on a device: the line's figures stand (partial and full).
+        let mut full = report_of(&split_all(&mut LineSplitter::new(), &[&read_golden("rpc-ngl99.log")]));
+        assert_eq!(full.offload(), Some(Offload { gpu_layers: 5, total_layers: 5 }));
+        let partial = report_of(&split_all(&mut LineSplitter::new(), &[&read_golden("rpc-ngl2.log")]));
+        assert_eq!(partial.offload(), Some(Offload { gpu_layers: 2, total_layers: 5 }));
+        // No buffer lines at all: nothing to check against, the line is taken as said.
+        full = report_of(&["I load_tensors: offloaded 3/5 layers to GPU".to_owned()]);
+        assert_eq!(full.offload().map(|o| o.gpu_layers), Some(3));
     }
 
     #[test]

@@ -548,10 +548,10 @@ impl ChildWatcher {
             corral_total_layers = total_layers,
             corral_vram_bytes = report.vram_bytes(),
             corral_ram_bytes = report.ram_bytes(),
-            "{}: {gpu_layers}/{total_layers} layers on GPU, {} bytes of VRAM, {} bytes of RAM",
+            "{}: {gpu_layers} of {total_layers} layers on GPUs, {} of VRAM, {} of RAM",
             self.model,
-            report.vram_bytes(),
-            report.ram_bytes(),
+            crate::units::bytes(report.vram_bytes()),
+            crate::units::bytes(report.ram_bytes()),
         );
     }
 
