@@ -391,10 +391,56 @@ pub struct ParsedLine<'a> {
 }
 
 impl ParsedLine<'_> {
-    /// The syslog priority for journald: the level's, or 6 (info) without a level.
+    /// The syslog priority for journald: the level's, or 6 (info) without a level. The
+    /// server's chatter about each request (slot choice, prompt cache, sampler, timings:
+    /// about 20 info lines per chat) is debug: an admin's journal keeps the load, the
+    /// errors and the warnings, and `journalctl -p debug` shows the rest.
     #[must_use]
     pub fn priority(&self) -> u8 {
-        self.level.map_or(6, Level::priority)
+        match self.level {
+            Some(Level::Info) if is_request_chatter(&self.message) => Level::Debug.priority(),
+            level => level.map_or(6, Level::priority),
+        }
+    }
+}
+
+/// The priorities of a stream of lines: a line without a level of its own (the rest of a
+/// multi-line message, such as the sampler parameters under `sampler params:`) takes
+/// the priority of the line before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Priorities {
+    last: u8,
+}
+
+impl Default for Priorities {
+    fn default() -> Self {
+        Self { last: Level::Info.priority() }
+    }
+}
+
+impl Priorities {
+    /// The journald priority of `line`, the next line of the stream.
+    pub fn of(&mut self, line: &ParsedLine<'_>) -> u8 {
+        if line.level.is_some() {
+            self.last = line.priority();
+        }
+        self.last
+    }
+}
+
+/// Whether an info line is llama-server's per-request (or per-slot) chatter: every
+/// `slot <function>:` line, and the `srv <function>:` lines of request handling, i.e.
+/// all but those of the load (`load_model`, `init`) and of the server itself
+/// (`llama_server`: model loaded, listening, stopping).
+#[must_use]
+pub fn is_request_chatter(message: &str) -> bool {
+    let mut words = message.split_whitespace();
+    match (words.next(), words.next()) {
+        (Some("slot"), Some(_)) => true,
+        (Some("srv"), Some(function)) => {
+            function.ends_with(':') && !matches!(function, "llama_server:" | "load_model:" | "init:")
+        }
+        _ => false,
     }
 }
 
@@ -1354,6 +1400,39 @@ mod tests {
             let _ = report.feed(line);
         }
         report
+    }
+
+    #[test]
+    fn per_request_chatter_is_debug_and_the_load_stays_info() {
+        // A served transcript: two requests after the load.
+        let lines = split_all(&mut LineSplitter::new(), &[&read_golden("cpu-ngl0.log")]);
+        let listening = lines.iter().position(|l| l.contains("listening on")).expect("a listening line");
+        let mut priorities = Priorities::default();
+        let all: Vec<u8> = lines.iter().map(|l| priorities.of(&parse_line(l))).collect();
+        let info_after: Vec<&String> = lines[listening + 1..]
+            .iter()
+            .zip(&all[listening + 1..])
+            .filter(|(l, p)| **p == 6 && !l.contains("common_memory_breakdown_print"))
+            .map(|(l, _)| l)
+            .collect();
+        assert!(info_after.is_empty(), "per-request lines at info: {info_after:#?}");
+        let debug_after = all[listening + 1..].iter().filter(|p| **p == 7).count();
+        assert!(debug_after >= 20, "the chatter is kept, at debug: {debug_after}");
+        // The load's milestones, warnings and errors keep their level.
+        for (line, priority) in [
+            ("0.00.014.881 I srv  llama_server: model loaded", 6),
+            ("0.00.014.897 I srv  llama_server: listening on unix:///x.sock", 6),
+            ("0.00.012.443 I srv    load_model: initializing, n_slots = 4", 6),
+            ("0.00.008.868 I load_tensors: offloaded 0/5 layers to GPU", 6),
+            ("0.00.030.463 I slot print_timing: id  3 | task 0 | prompt eval time = 3.79 ms", 7),
+            ("0.00.014.953 I srv  update_slots: all slots are idle", 7),
+            ("0.00.050.000 W srv          stop: cancel task, id_task = 3", 4),
+            ("0.00.050.000 E srv    send_error: task id = 4, error: x", 3),
+        ] {
+            assert_eq!(parse_line(line).priority(), priority, "{line}");
+        }
+        // The idle line is still the task loop's milestone, whatever its priority.
+        assert_eq!(parse_line("I srv  update_slots: all slots are idle").event, Some(LogEvent::SlotsIdle));
     }
 
     #[test]
