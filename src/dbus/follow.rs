@@ -345,7 +345,7 @@ impl Follower {
             lock(&self.shared.models).insert(short.clone(), Arc::clone(&data));
             let object = Model { shared: Arc::clone(&self.shared), data };
             if let Err(e) = self.connection.object_server().at(model_path(&short), object).await {
-                tracing::warn!(model = %short, error = %e, "cannot serve a model on D-Bus");
+                tracing::warn!(corral_model = %short, error = %e, "cannot serve {short} on D-Bus");
             }
             // A model created while loaded (or re-created) shows its runner at once.
             self.update(&short, |_| {}).await;

@@ -215,7 +215,7 @@ async fn show(State(state): State<AppState>, body: Bytes) -> Result<Json<Show>, 
             // A model the syntax cannot express gets comments saying why, and no FROM: fed
             // back to create, it is refused rather than read as another model.
             modelfile: details.modelfile(&store).unwrap_or_else(|e| {
-                tracing::warn!(model = %details.name, error = %e, "cannot write a model's Modelfile");
+                tracing::warn!(corral_model = %details.name, error = %e, "cannot write the Modelfile of {}", details.name);
                 e.to_string().lines().fold(String::new(), |out, line| out + "# " + line + "\n")
             }),
             parameters: details.parameters_text(),
@@ -252,7 +252,7 @@ async fn delete_model(State(state): State<AppState>, body: Bytes) -> Result<Stat
     let store = state.store;
     let name_text = name.to_string();
     let removed = blocking(move || store.delete(&name)).await.map_err(|e| e.into_api(PATH, &given))?;
-    tracing::info!(model = %name_text, blobs_removed = removed.len(), "deleted a model");
+    tracing::info!(corral_event = "delete", corral_model = %name_text, blobs_removed = removed.len(), "deleted {name_text}");
     // A deleted model does not stay loaded: its runners unload (once their requests end).
     // None loaded is the common case, not an error.
     let _ = state.scheduler.unload_model(&name_text).await;

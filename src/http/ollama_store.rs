@@ -398,7 +398,7 @@ async fn create(State(state): State<AppState>, body: Bytes) -> Response {
         };
         match store.create(&name, &spec, &mut progress) {
             // The store's own progress ends with "success": the stream carries it once.
-            Ok(digest) => tracing::info!(model = %name, %digest, "created a model"),
+            Ok(digest) => tracing::info!(corral_event = "create", corral_model = %name, %digest, "created {name}"),
             Err(e) => {
                 let _ = tx.send(Event::Failed(store_error(&e, PATH, &from)));
             }
@@ -489,12 +489,12 @@ async fn transfer(state: AppState, body: &[u8], kind: Transfer) -> Response {
         let result = tokio::select! {
             result = work => result,
             () = tx.closed() => {
-                tracing::info!(model = %name, path, "the client went away: the transfer is cancelled");
+                tracing::info!(corral_model = %name, path, "the client went away: the transfer of {name} is cancelled");
                 return;
             }
         };
         match result {
-            Ok(digest) => tracing::info!(model = %name, %digest, path, "a registry transfer finished"),
+            Ok(digest) => tracing::info!(corral_model = %name, %digest, path, "the transfer of {name} finished"),
             Err(e) => {
                 let _ = tx.send(Event::Failed(registry_error(&e, path, &given)));
             }

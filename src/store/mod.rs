@@ -335,7 +335,7 @@ impl Store {
                 Ok::<_, StoreError>(())
             });
             if let Err(e) = copied {
-                tracing::warn!(model = %listed.name, error = %e, "not importing a model whose blobs are damaged");
+                tracing::warn!(corral_model = %listed.name, error = %e, "not importing {}: its blobs are damaged", listed.name);
                 continue;
             }
             let (bytes, _) = match other.read_manifest(&listed.name) {

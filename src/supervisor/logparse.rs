@@ -83,7 +83,7 @@ pub const MAX_ERROR_LINES: usize = 8;
 /// Feed every chunk to [`push`](Self::push) in order, and call [`finish`](Self::finish)
 /// at end of file for a last line without a newline. The result does not depend on how
 /// the stream was cut into chunks. A line longer than the cap keeps its first `max_line`
-/// bytes (cut back to a whole UTF-8 character) followed by ` [… N bytes cut]`; the
+/// bytes (cut back to a whole UTF-8 character) followed by ` [… N KiB cut]` (the size cut, in binary units); the
 /// splitter never buffers more than `max_line` bytes.
 #[derive(Debug, Clone)]
 pub struct LineSplitter {
@@ -153,7 +153,7 @@ impl LineSplitter {
         let line = if self.cut > 0 {
             let whole = complete_prefix_len(&self.buf);
             let cut = self.cut + (self.buf.len() - whole);
-            format!("{} [… {cut} bytes cut]", String::from_utf8_lossy(&self.buf[..whole]))
+            format!("{} [… {} cut]", String::from_utf8_lossy(&self.buf[..whole]), crate::units::bytes(cut as u64))
         } else {
             String::from_utf8_lossy(&self.buf).into_owned()
         };
@@ -842,12 +842,12 @@ mod tests {
             assert!(splitter.push(chunk).is_empty());
             assert!(splitter.buf.len() <= 16 && splitter.buf.capacity() <= 32);
         }
-        assert_eq!(splitter.push(b"\r\nnext\n"), [format!("{} [… 999984 bytes cut]", "x".repeat(16)), "next".into()]);
+        assert_eq!(splitter.push(b"\r\nnext\n"), [format!("{} [… 976.5 KiB cut]", "x".repeat(16)), "next".into()]);
         // Exactly at the cap is not cut, nor is the `\r` of `\r\n` just past it.
         assert_eq!(splitter.push(&[b"y".repeat(16).as_slice(), b"\r\n"].concat()), ["y".repeat(16)]);
         // Cut without a newline at the end.
         assert!(splitter.push(&b"z".repeat(20)).is_empty());
-        assert_eq!(splitter.finish(), Some(format!("{} [… 4 bytes cut]", "z".repeat(16))));
+        assert_eq!(splitter.finish(), Some(format!("{} [… 4 B cut]", "z".repeat(16))));
     }
 
     #[test]
@@ -855,10 +855,10 @@ mod tests {
         // 14 ASCII bytes, then a 3-byte euro sign across the 16-byte cap.
         let mut splitter = LineSplitter::with_max_line(16);
         let line = [b"a".repeat(14).as_slice(), "€€".as_bytes(), b"\n"].concat();
-        assert_eq!(splitter.push(&line), [format!("{} [… 6 bytes cut]", "a".repeat(14))]);
+        assert_eq!(splitter.push(&line), [format!("{} [… 6 B cut]", "a".repeat(14))]);
         // An invalid byte at the cut stays a replacement character.
         let line = [b"a".repeat(15).as_slice(), b"\xff\xff\n"].concat();
-        assert_eq!(splitter.push(&line), [format!("{}\u{fffd} [… 1 bytes cut]", "a".repeat(15))]);
+        assert_eq!(splitter.push(&line), [format!("{}\u{fffd} [… 1 B cut]", "a".repeat(15))]);
     }
 
     #[test]
