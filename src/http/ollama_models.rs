@@ -585,7 +585,7 @@ mod tests {
                 copy,
                 r#"{"source": "tiny", "destination": "a/b/c/d"}"#,
                 bad,
-                "invalid model name \"a/b/c/d\"",
+                "invalid model name 'a/b/c/d'",
             ),
             (Method::POST, copy, r#"{"source": "nope", "destination": "x"}"#, missing, "model 'nope' not found"),
             (Method::DELETE, delete, "", bad, "missing request body"),
