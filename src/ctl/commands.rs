@@ -263,7 +263,8 @@ fn describe(m: &ModelInfo, now: SystemTime) -> String {
         pairs.push(("System", m.system.clone()));
     }
     if !m.parameters.is_empty() {
-        pairs.push(("Parameters", m.parameters.trim_end().to_owned()));
+        // "Parameters" is the size, as `ollama show` says it; these are the options.
+        pairs.push(("Options", m.parameters.trim_end().to_owned()));
     }
     pairs.push(("State", m.state.clone()));
     if !m.last_error.is_empty() {

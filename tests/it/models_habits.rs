@@ -183,8 +183,10 @@ fn show_has_the_system_prompt_parameters_context_capabilities_and_the_modelfile(
         shown.lines().find(|l| l.starts_with(label)).unwrap_or_else(|| panic!("no {label} in:\n{shown}")).to_owned()
     };
     assert!(line("System:").ends_with("Be brief."), "{shown}");
-    assert!(line("Parameters:").contains("temperature"), "{shown}");
-    assert!(shown.contains("\"<end>\""), "{shown}");
+    assert!(line("Options:").contains("stop") && line("Options:").contains("\"<end>\""), "{shown}");
+    // A value of several lines continues under its first.
+    let temperature = shown.lines().find(|l| l.contains("temperature")).expect("temperature");
+    assert!(temperature.starts_with(&" ".repeat("Options:".len())), "{shown}");
     assert!(line("Context length:").split_whitespace().last().is_some_and(|n| n.parse::<u64>().is_ok()), "{shown}");
     assert!(line("Capabilities:").ends_with("completion"), "{shown}");
     assert!(line("Modified:").contains('T'), "{shown}");
