@@ -213,12 +213,13 @@ fn forward(sink: &LogSink, model: &str, pid: Pid, line: &ParsedLine<'_>, priorit
             }
         }
         LogSink::Tracing => {
-            let (model, corral_runner_pid, message) = (model, pid.as_raw(), &line.message);
+            // `pid`, not CORRAL_RUNNER_PID: on stderr only corrald's own events carry that.
+            let (model, pid, message) = (model, pid.as_raw(), &line.message);
             match priority {
-                0..=3 => tracing::error!(target: "llama-server", corral_model = model, corral_runner_pid, "{message}"),
-                4 => tracing::warn!(target: "llama-server", corral_model = model, corral_runner_pid, "{message}"),
+                0..=3 => tracing::error!(target: "llama-server", corral_model = model, pid, "{message}"),
+                4 => tracing::warn!(target: "llama-server", corral_model = model, pid, "{message}"),
                 // Info lines are many at -lv 4: they go to the journal, or to stderr at debug level.
-                _ => tracing::debug!(target: "llama-server", corral_model = model, corral_runner_pid, "{message}"),
+                _ => tracing::debug!(target: "llama-server", corral_model = model, pid, "{message}"),
             }
         }
     }
