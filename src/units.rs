@@ -19,7 +19,11 @@ pub fn duration(d: Duration) -> String {
     let secs = d.as_secs();
     if secs < 10 {
         let tenths = (millis + 50) / 100;
-        return if tenths % 10 == 0 { format!("{} s", tenths / 10) } else { format!("{}.{} s", tenths / 10, tenths % 10) };
+        return if tenths % 10 == 0 {
+            format!("{} s", tenths / 10)
+        } else {
+            format!("{}.{} s", tenths / 10, tenths % 10)
+        };
     }
     match secs {
         0..60 => format!("{secs} s"),

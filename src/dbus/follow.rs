@@ -137,7 +137,10 @@ impl Follower {
                 let (before, ready) = {
                     let mut runners = lock(&self.shared.runners);
                     match runners.by_id.get_mut(&runner) {
-                        Some(r) => (std::mem::replace(&mut r.names, names.clone()), (r.state == "ready").then_some((r.pid, r.footprint, r.offload))),
+                        Some(r) => (
+                            std::mem::replace(&mut r.names, names.clone()),
+                            (r.state == "ready").then_some((r.pid, r.footprint, r.offload)),
+                        ),
                         None => return,
                     }
                 };
@@ -177,8 +180,7 @@ impl Follower {
                         }
                     })
                     .await;
-                    let _ =
-                        Manager::model_unloaded(&emitter, &name, model_path(&name).as_ref(), reason.as_str()).await;
+                    let _ = Manager::model_unloaded(&emitter, &name, model_path(&name).as_ref(), reason.as_str()).await;
                 }
             }
             Notice::Reconfigured(limits) => {
@@ -203,8 +205,7 @@ impl Follower {
         if let Some(o) = offload {
             let (vram, ram) = (footprint.vram, footprint.ram);
             let _ =
-                Manager::offload_reported(&emitter, name, path.as_ref(), o.gpu_layers, o.total_layers, vram, ram)
-                    .await;
+                Manager::offload_reported(&emitter, name, path.as_ref(), o.gpu_layers, o.total_layers, vram, ram).await;
         }
     }
 
@@ -227,13 +228,12 @@ impl Follower {
                     None => "stopped",
                 };
                 d.shared_with = newest.as_ref().map(|(.., others)| others.clone()).unwrap_or_default();
-                match newest {
-                    Some(("ready", pid, footprint, offload, _)) => {
-                        (d.pid, d.vram_bytes, d.ram_bytes) = (pid, footprint.vram, footprint.ram);
-                        d.gpu_layers = offload.map_or(0, |o| o.gpu_layers);
-                        d.total_layers = offload.map_or(0, |o| o.total_layers);
-                    }
-                    _ => (d.pid, d.gpu_layers, d.total_layers, d.vram_bytes, d.ram_bytes) = (0, 0, 0, 0, 0),
+                if let Some(("ready", pid, footprint, offload, _)) = newest {
+                    (d.pid, d.vram_bytes, d.ram_bytes) = (pid, footprint.vram, footprint.ram);
+                    d.gpu_layers = offload.map_or(0, |o| o.gpu_layers);
+                    d.total_layers = offload.map_or(0, |o| o.total_layers);
+                } else {
+                    (d.pid, d.gpu_layers, d.total_layers, d.vram_bytes, d.ram_bytes) = (0, 0, 0, 0, 0);
                 }
                 d.clone()
             };

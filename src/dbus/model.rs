@@ -12,9 +12,9 @@ use zbus::interface;
 use zbus::zvariant::OwnedValue;
 
 use super::error::Error;
+use super::{Shared, lock, manager};
 use crate::store::Store;
 use crate::store::name::ModelName;
-use super::{Shared, lock, manager};
 
 /// What a model object shows; `State` and the runner fields follow the scheduler.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -67,9 +67,9 @@ impl Facts {
             context_length: details.info.context_length.unwrap_or(0),
             capabilities: details.capabilities().into_iter().map(str::to_owned).collect(),
             // What the syntax cannot express comes as comments, as in /api/show.
-            modelfile: details.modelfile(store).unwrap_or_else(|e| {
-                e.to_string().lines().fold(String::new(), |out, line| out + "# " + line + "\n")
-            }),
+            modelfile: details
+                .modelfile(store)
+                .unwrap_or_else(|e| e.to_string().lines().fold(String::new(), |out, line| out + "# " + line + "\n")),
             modified_at,
         }
     }

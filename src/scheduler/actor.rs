@@ -320,13 +320,8 @@ impl Handle {
     /// their children are reaped. [`ScheduleError::NotLoaded`] when none runs. A runner
     /// shared with other models is one process: it stops for all of them.
     pub async fn unload_model(&self, name: &str) -> Result<(), ScheduleError> {
-        let keys: Vec<String> = self
-            .loaded()
-            .await?
-            .into_iter()
-            .filter(|m| m.names.iter().any(|n| n == name))
-            .map(|m| m.key)
-            .collect();
+        let keys: Vec<String> =
+            self.loaded().await?.into_iter().filter(|m| m.names.iter().any(|n| n == name)).map(|m| m.key).collect();
         if keys.is_empty() {
             return Err(ScheduleError::NotLoaded(name.to_owned()));
         }
@@ -558,8 +553,7 @@ impl Scheduler {
     fn acquire(&mut self, request: ModelRequest, reply: Reply) {
         let queue_full = self.waiting() >= self.limits.max_queue;
         // The fast path: a ready runner with this key that takes requests.
-        if let Some((&id, entry)) = self.runners.iter_mut().find(|(_, e)| e.request.key == request.key && !e.draining)
-        {
+        if let Some((&id, entry)) = self.runners.iter_mut().find(|(_, e)| e.request.key == request.key && !e.draining) {
             let joined = !entry.users.contains(&request.name);
             if joined && !matches!(entry.phase, Phase::Unloading { .. }) {
                 entry.users.push(request.name.clone());

@@ -1416,7 +1416,7 @@ mod tests {
             .map(|(l, _)| l)
             .collect();
         assert!(info_after.is_empty(), "per-request lines at info: {info_after:#?}");
-        let debug_after = all[listening + 1..].iter().filter(|p| **p == 7).count();
+        let debug_after = all[listening + 1..].iter().filter(|p| u32::from(**p) == 7).count();
         assert!(debug_after >= 20, "the chatter is kept, at debug: {debug_after}");
         // The load's milestones, warnings and errors keep their level.
         for (line, priority) in [

@@ -207,8 +207,8 @@ fn show_has_the_system_prompt_parameters_context_capabilities_and_the_modelfile(
 }
 
 /// corrald under a private journald, one chat: llama-server's entries carry the child's
-/// pid in SYSLOG_PID, the chat adds no info-level llama-server entries, every entry has
-/// one model field (CORRAL_MODEL, never MODEL), and corrald's entries about a model name
+/// pid in `SYSLOG_PID`, the chat adds no info-level llama-server entries, every entry has
+/// one model field (`CORRAL_MODEL`, never `MODEL`), and corrald's entries about a model name
 /// it in MESSAGE.
 #[test]
 fn the_journal_reads_well_for_a_chat() {
@@ -256,8 +256,10 @@ fn the_journal_reads_well_for_a_chat() {
     let idle_lines = |count: usize| {
         poll_until(SETTLE, &format!("{count} idle lines"), || {
             let entries = sandbox.entries();
-            let seen =
-                entries.iter().filter(|e| field(e, "MESSAGE").is_some_and(|m| m.contains("all slots are idle"))).count();
+            let seen = entries
+                .iter()
+                .filter(|e| field(e, "MESSAGE").is_some_and(|m| m.contains("all slots are idle")))
+                .count();
             if seen >= count { Ok(entries.len()) } else { Err(format!("{seen}: {}", summary(&entries))) }
         })
     };
@@ -293,7 +295,8 @@ fn the_journal_reads_well_for_a_chat() {
     }
     let own = entries.iter().filter(|e| field(e, "SYSLOG_IDENTIFIER").as_deref() == Some("corrald"));
     for entry in own.filter(|e| field(e, "CORRAL_MODEL").is_some()) {
-        let (model, message) = (field(entry, "CORRAL_MODEL").expect("model"), field(entry, "MESSAGE").unwrap_or_default());
+        let (model, message) =
+            (field(entry, "CORRAL_MODEL").expect("model"), field(entry, "MESSAGE").unwrap_or_default());
         assert!(message.contains(&model), "a message about {model} without its name: {message:?}");
         assert!(!message.contains(" bytes"), "raw byte counts: {message:?}");
     }
