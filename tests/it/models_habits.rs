@@ -306,3 +306,18 @@ fn the_journal_reads_well_for_a_chat() {
         .unwrap_or_else(|| panic!("no offload entry: {}", summary(&entries)));
     assert!(field(offload, "CORRAL_RAM_BYTES").is_some_and(|b| b.parse::<u64>().is_ok()), "{offload}");
 }
+
+/// On a host without GPUs the RPC-enabled llama-server says "offloaded 5/5 layers to
+/// GPU" for `-ngl 99` while every weight sits in a CPU buffer: corral reports what sits
+/// on a device, nothing.
+#[test]
+fn a_cpu_only_load_reports_no_layers_on_a_gpu() {
+    let rig = Rig::start();
+    rig.ok(&["load", "chat", "--num-gpu", "99"]);
+    let shown = rig.json(&["show", "chat"]);
+    assert_eq!((shown["gpu_layers"].as_u64(), shown["total_layers"].as_u64()), (Some(0), Some(5)), "{shown}");
+    assert_eq!(shown["vram_bytes"], 0, "{shown}");
+    let text = rig.ok(&["show", "chat"]);
+    assert!(text.lines().any(|l| l.starts_with("GPU layers:") && l.ends_with("0 of 5 (all on the CPU)")), "{text}");
+    assert!(rig.daemon.corrald.stderr().contains("0 of 5 layers on GPUs"), "{}", rig.daemon.corrald.stderr());
+}
