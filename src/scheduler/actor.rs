@@ -867,6 +867,7 @@ impl Scheduler {
             Err(reason) => {
                 self.counters.load_failures += 1;
                 let entry = self.runners.remove(&id).expect("looked up above");
+                tracing::warn!(corral_event = "load_failed", corral_model = %entry.request.name, runner = id, "{} failed to load: {reason}", entry.request.name);
                 self.record_failure(&entry.request.key, reason.clone());
                 self.notify(Notice::LoadFailed {
                     runner: id,
