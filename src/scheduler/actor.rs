@@ -446,6 +446,19 @@ struct Entry {
     unload_waiters: Vec<oneshot::Sender<Result<(), ScheduleError>>>,
 }
 
+impl Entry {
+    /// The model it serves first (the one it was loaded for, unless that one moved on).
+    fn main(&self) -> &str {
+        self.users.first().unwrap_or(&self.request.name)
+    }
+
+    /// The models it serves, for messages: "tiny:latest", or "tiny:latest, tiny2:latest"
+    /// for a shared runner.
+    fn served(&self) -> String {
+        if self.users.is_empty() { self.request.name.clone() } else { self.users.join(", ") }
+    }
+}
+
 struct Failures {
     count: u32,
     until: Instant,
@@ -822,7 +835,8 @@ impl Scheduler {
                 if let Some(entry) = self.runners.remove(&runner) {
                     self.counters.unloads += 1;
                     let reason = entry.unload_reason.unwrap_or(UnloadReason::Requested);
-                    tracing::info!(corral_event = "unload", corral_model = %entry.request.name, runner, reason = reason.as_str(), "unloaded {} ({})", entry.request.name, reason.as_str());
+                    let served = entry.served();
+                    tracing::info!(corral_event = "unload", corral_model = %entry.main(), runner, reason = reason.as_str(), "unloaded {served} ({})", reason.as_str());
                     self.notify(Notice::Unloaded { runner, name: entry.request.name.clone(), reason, detail: None });
                     let waiters = match entry.phase {
                         Phase::Unloading { waiters } => waiters,
@@ -837,7 +851,8 @@ impl Scheduler {
             Event::Crashed { runner, reason } => {
                 if let Some(entry) = self.runners.remove(&runner) {
                     self.counters.crashes += 1;
-                    tracing::warn!(corral_event = "crash", corral_model = %entry.request.name, runner, "{} crashed: {reason}", entry.request.name);
+                    let served = entry.served();
+                    tracing::warn!(corral_event = "crash", corral_model = %entry.main(), runner, "{served} crashed: {reason}");
                     self.record_failure(&entry.request.key, reason.clone());
                     self.notify(Notice::Unloaded {
                         runner,
