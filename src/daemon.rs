@@ -93,7 +93,9 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let gpu_count = inventory.gpus.len();
     preload(&loaded.config, &store, &scheduler);
     let names: Vec<String> = listeners.iter().map(listeners::Listener::describe).collect();
-    let status_of = |models: usize| format!("serving on {}; {models} models loaded", names.join(", "));
+    let status_of = |models: usize| {
+        format!("serving on {}; {} loaded", names.join(", "), crate::units::count(models, "model", "models"))
+    };
     let mut models = 0;
     let mut status = status_of(models);
 

@@ -21,3 +21,4 @@ pub mod scheduler;
 pub mod store;
 pub mod supervisor;
 pub mod systemd;
+pub mod units;

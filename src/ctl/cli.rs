@@ -40,6 +40,9 @@ pub enum Command {
     Show {
         /// The model's name, e.g. "tiny" or "me/model:tag".
         model: String,
+        /// Print only a Modelfile that recreates the model (as `ollama show --modelfile`).
+        #[arg(long)]
+        modelfile: bool,
     },
     /// Load a model and wait until it is ready.
     Load(LoadArgs),

@@ -61,6 +61,16 @@ pub struct ModelInfo {
     pub size: u64,
     /// format, family, parameter size, quantization.
     pub details: BTreeMap<String, String>,
+    /// When its manifest was written (RFC 3339).
+    pub modified_at: Option<String>,
+    /// Its system prompt; empty for none.
+    pub system: String,
+    /// Its default options, `name value` lines.
+    pub parameters: String,
+    /// The context its weights were trained for; 0 when unknown.
+    pub context_length: u64,
+    /// completion or embedding, tools, insert, vision.
+    pub capabilities: Vec<String>,
     /// stopped, loading, ready, unloading or failed.
     pub state: String,
     /// Why the last load or run failed.
@@ -75,6 +85,8 @@ pub struct ModelInfo {
     pub vram_bytes: u64,
     /// Host memory.
     pub ram_bytes: u64,
+    /// The other models served by the same llama-server process.
+    pub shared_with: Vec<String>,
     /// When an idle model unloads (RFC 3339); `None` for not at all.
     pub expires_at: Option<String>,
     /// Requests holding it.
@@ -122,14 +134,14 @@ pub struct Status {
 /// `list`.
 pub async fn list(bus: &Bus, style: Style) -> Result<(), CtlError> {
     let manager = bus.manager().await?;
-    let mut models: Vec<Listed> = manager
+    let models: Vec<Listed> = manager
         .list_models()
         .await
         .or_bus(bus)?
         .into_iter()
         .map(|(name, _, digest, size, state)| Listed { name, digest, size, state })
         .collect();
-    models.sort_by(|a, b| a.name.cmp(&b.name));
+    // corrald lists the newest first, as `ollama list` does; the order is kept.
     if style.json {
         return print_json(&models);
     }
@@ -148,6 +160,11 @@ async fn model_info(bus: &Bus, path: OwnedObjectPath) -> Result<ModelInfo, CtlEr
         digest: m.digest().await.or_bus(bus)?,
         size: m.size().await.or_bus(bus)?,
         details: m.details().await.or_bus(bus)?.into_iter().collect(),
+        modified_at: expires_rfc3339(m.modified_at().await.or_bus(bus)?),
+        system: m.system().await.or_bus(bus)?,
+        parameters: m.parameters().await.or_bus(bus)?,
+        context_length: m.context_length().await.or_bus(bus)?,
+        capabilities: m.capabilities().await.or_bus(bus)?,
         state: m.state().await.or_bus(bus)?,
         last_error: m.last_error().await.or_bus(bus)?,
         pid: m.pid().await.or_bus(bus)?,
@@ -155,6 +172,7 @@ async fn model_info(bus: &Bus, path: OwnedObjectPath) -> Result<ModelInfo, CtlEr
         total_layers: m.total_layers().await.or_bus(bus)?,
         vram_bytes: m.vram_bytes().await.or_bus(bus)?,
         ram_bytes: m.ram_bytes().await.or_bus(bus)?,
+        shared_with: m.shared_with().await.or_bus(bus)?,
         expires_at: expires_rfc3339(expires_micros),
         active_requests: m.active_requests().await.or_bus(bus)?,
         expires_micros,
@@ -190,16 +208,24 @@ pub async fn ps(bus: &Bus, style: Style) -> Result<(), CtlError> {
                 size(m.ram_bytes),
                 m.active_requests.to_string(),
                 expires(m.expires_micros, now),
+                if m.shared_with.is_empty() { "-".to_owned() } else { m.shared_with.join(", ") },
             ]
         })
         .collect();
-    print(&table(&["NAME", "STATE", "PID", "VRAM", "RAM", "ACTIVE", "UNTIL"], &rows))
+    print(&table(&["NAME", "STATE", "PID", "VRAM", "RAM", "ACTIVE", "UNTIL", "SHARED WITH"], &rows))
 }
 
-/// `show`.
-pub async fn show(bus: &Bus, style: Style, name: &str) -> Result<(), CtlError> {
+/// `show`, or with `modelfile` only the model's Modelfile (as `ollama show --modelfile`).
+pub async fn show(bus: &Bus, style: Style, name: &str, modelfile: bool) -> Result<(), CtlError> {
     let manager = bus.manager().await?;
     let path = manager.get_model(name).await.or_bus(bus)?;
+    if modelfile {
+        let text = bus.model(path).await?.modelfile().await.or_bus(bus)?;
+        if style.json {
+            return print_json(&serde_json::json!({ "modelfile": text }));
+        }
+        return print(&text);
+    }
     let info = model_info(bus, path).await?;
     if style.json {
         return print_json(&info);
@@ -224,13 +250,33 @@ fn describe(m: &ModelInfo, now: SystemTime) -> String {
             pairs.push((label, value.clone()));
         }
     }
+    if m.context_length != 0 {
+        pairs.push(("Context length", m.context_length.to_string()));
+    }
+    if !m.capabilities.is_empty() {
+        pairs.push(("Capabilities", m.capabilities.join(", ")));
+    }
+    if let Some(modified) = &m.modified_at {
+        pairs.push(("Modified", modified.clone()));
+    }
+    if !m.system.is_empty() {
+        pairs.push(("System", m.system.clone()));
+    }
+    if !m.parameters.is_empty() {
+        // "Parameters" is the size, as `ollama show` says it; these are the options.
+        pairs.push(("Options", m.parameters.trim_end().to_owned()));
+    }
     pairs.push(("State", m.state.clone()));
     if !m.last_error.is_empty() {
         pairs.push(("Last error", m.last_error.clone()));
     }
     if m.pid != 0 {
         pairs.push(("Pid", m.pid.to_string()));
-        pairs.push(("GPU layers", format!("{} of {}", m.gpu_layers, m.total_layers)));
+        if !m.shared_with.is_empty() {
+            pairs.push(("Shares its runner with", m.shared_with.join(", ")));
+        }
+        let on_cpu = if m.gpu_layers == 0 { " (all on the CPU)" } else { "" };
+        pairs.push(("GPU layers", format!("{} of {}{on_cpu}", m.gpu_layers, m.total_layers)));
         pairs.push(("VRAM", size(m.vram_bytes)));
         pairs.push(("RAM", size(m.ram_bytes)));
         pairs.push(("Active requests", m.active_requests.to_string()));
@@ -257,16 +303,46 @@ pub async fn load(bus: &Bus, style: Style, args: &LoadArgs) -> Result<(), CtlErr
     if style.json {
         return print_json(&info);
     }
-    print(&format!("{} is {} (pid {})\n", info.short_name, info.state, info.pid))
+    let shared = if info.shared_with.is_empty() {
+        String::new()
+    } else {
+        format!(", sharing the runner of {}", quoted(&info.shared_with))
+    };
+    print(&format!("'{}' is {} (pid {}{shared})\n", info.short_name, info.state, info.pid))
 }
 
-/// `unload`.
+/// Names in the one style corralctl and corrald use: 'a', 'b'.
+fn quoted(names: &[String]) -> String {
+    names.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
+}
+
+/// `unload`. A stored model that is not loaded is already where unloading takes it:
+/// said, and not a failure (as `systemctl stop` on a stopped unit); an unknown model is.
 pub async fn unload(bus: &Bus, style: Style, name: &str) -> Result<(), CtlError> {
-    bus.manager().await?.unload(name).await.or_bus(bus)?;
+    let manager = bus.manager().await?;
+    // Who shares its runner stops with it: read before, to say so.
+    let shared = match manager.get_model(name).await {
+        Ok(path) => bus.model(path).await?.shared_with().await.unwrap_or_default(),
+        Err(_) => Vec::new(),
+    };
+    let unloaded = match manager.unload(name).await {
+        Ok(()) => true,
+        Err(e) => match bus.error(e) {
+            CtlError::Daemon { name: error, .. } if error == "NotLoaded" => false,
+            other => return Err(other),
+        },
+    };
     if style.json {
-        return print_json(&serde_json::json!({ "unloaded": name }));
+        return print_json(&serde_json::json!({ "model": name, "unloaded": unloaded, "also_unloaded": shared }));
     }
-    print(&format!("unloaded {name}\n"))
+    if !unloaded {
+        return print(&format!("'{name}' is not loaded: nothing to unload\n"));
+    }
+    if shared.is_empty() {
+        print(&format!("unloaded '{name}'\n"))
+    } else {
+        print(&format!("unloaded '{name}' and {}, which shared its runner\n", quoted(&shared)))
+    }
 }
 
 /// `pull` or `push`.

@@ -13,7 +13,7 @@ use super::cli::Cli;
 const EXTRA: &str = r#".SH "EXIT STATUS"
 .TP
 \fB0\fR
-Success.
+Success (also \fBunload\fR of a stored model that is not loaded: it says so).
 .TP
 \fB1\fR
 The command failed: corrald's own error (an unknown model, a bad name, a failed load or

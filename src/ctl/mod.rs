@@ -77,7 +77,7 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
             match command {
                 Command::List => commands::list(&bus, style).await,
                 Command::Ps => commands::ps(&bus, style).await,
-                Command::Show { model } => commands::show(&bus, style, &model).await,
+                Command::Show { model, modelfile } => commands::show(&bus, style, &model, modelfile).await,
                 Command::Load(args) => commands::load(&bus, style, &args).await,
                 Command::Unload { model } => commands::unload(&bus, style, &model).await,
                 Command::Pull(args) => commands::transfer(&bus, style, false, &args).await,

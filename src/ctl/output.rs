@@ -51,14 +51,19 @@ pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
-/// `key: value` lines with the values aligned.
+/// `key: value` lines with the values aligned; a value of several lines continues
+/// under its first.
 #[must_use]
 pub fn fields(pairs: &[(&str, String)]) -> String {
     let width = pairs.iter().map(|(k, _)| k.chars().count() + 1).max().unwrap_or(0);
     let mut out = String::new();
     for (key, value) in pairs {
         let key = format!("{key}:");
-        let _ = writeln!(out, "{key:<width$}  {value}");
+        let mut lines = value.lines();
+        let _ = writeln!(out, "{key:<width$}  {}", lines.next().unwrap_or_default());
+        for line in lines {
+            let _ = writeln!(out, "{:width$}  {line}", "");
+        }
     }
     out
 }
@@ -126,6 +131,7 @@ mod tests {
     #[test]
     fn fields_align_values() {
         assert_eq!(fields(&[("a", "1".into()), ("long", "2".into())]), "a:     1\nlong:  2\n");
+        assert_eq!(fields(&[("a", "1\n2".into()), ("long", "3".into())]), "a:     1\n       2\nlong:  3\n");
     }
 
     #[test]

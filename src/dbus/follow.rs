@@ -11,10 +11,11 @@ use zbus::object_server::{InterfaceRef, SignalEmitter};
 use zbus::zvariant::ObjectPath;
 
 use super::manager::{Manager, blocking};
-use super::model::{Model, ModelData};
+use super::model::{Facts, Model, ModelData};
 use super::{ROOT_PATH, Shared, lock, model_path};
 use crate::scheduler::actor::{Notice, UnloadReason};
-use crate::scheduler::policy::RunnerId;
+use crate::scheduler::policy::{Footprint, RunnerId};
+use crate::supervisor::logparse::Offload;
 
 /// Serves an object per stored model, then follows changes in a task (returned).
 pub(super) async fn start(shared: Arc<Shared>, connection: Connection) -> tokio::task::JoinHandle<()> {
@@ -54,14 +55,20 @@ pub(super) struct Runners {
 }
 
 impl Runners {
-    /// Whether the views show runner `id` past loading (ready, unloading, or gone).
-    pub(super) fn loaded(&self, id: RunnerId) -> bool {
-        self.by_id.get(&id).map_or(id <= self.max_seen, |r| r.state != "loading")
+    /// Whether the views show runner `id` past loading (ready, unloading, or gone), and
+    /// serving the model `name` (which may share it with others).
+    pub(super) fn loaded(&self, id: RunnerId, name: &str) -> bool {
+        self.by_id.get(&id).map_or(id <= self.max_seen, |r| r.state != "loading" && r.serves(name))
     }
 
-    /// Whether the views show no runner of the model `name`.
+    /// Whether the views show no runner serving the model `name`.
     pub(super) fn none_of(&self, name: &str) -> bool {
-        !self.by_id.values().any(|r| r.name == name)
+        !self.by_id.values().any(|r| r.serves(name))
+    }
+
+    /// The newest runner serving `name`.
+    fn of(&self, name: &str) -> Option<&Runner> {
+        self.by_id.values().rev().find(|r| r.serves(name))
     }
 
     fn insert(&mut self, id: RunnerId, runner: Runner) {
@@ -77,10 +84,24 @@ impl Runners {
 }
 
 /// A runner as the views know it.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Runner {
-    name: String,
+    /// The models it serves, the one it was loaded for first.
+    names: Vec<String>,
     state: &'static str,
+    pid: u32,
+    footprint: Footprint,
+    offload: Option<Offload>,
+}
+
+impl Runner {
+    fn new(name: String, state: &'static str) -> Self {
+        Self { names: vec![name], state, ..Self::default() }
+    }
+
+    fn serves(&self, name: &str) -> bool {
+        self.names.iter().any(|n| n == name)
+    }
 }
 
 struct Follower {
@@ -92,55 +113,75 @@ impl Follower {
     async fn apply(&mut self, notice: Notice) {
         match notice {
             Notice::Loading { runner, name } => {
-                lock(&self.shared.runners).insert(runner, Runner { name: name.clone(), state: "loading" });
+                lock(&self.shared.runners).insert(runner, Runner::new(name.clone(), "loading"));
                 self.update(&name, |d| d.last_error.clear()).await;
             }
             Notice::Ready { runner, name, pid, footprint, offload } => {
-                lock(&self.shared.runners).set_state(runner, "ready");
-                self.update(&name, |d| {
-                    d.pid = pid;
-                    d.vram_bytes = footprint.vram;
-                    d.ram_bytes = footprint.ram;
-                    d.gpu_layers = offload.map_or(0, |o| o.gpu_layers);
-                    d.total_layers = offload.map_or(0, |o| o.total_layers);
-                })
-                .await;
-                let path = model_path(&name);
-                let emitter = self.manager_emitter();
-                let _ = Manager::model_loaded(&emitter, &name, ObjectPath::from(&path), pid).await;
-                if let Some(o) = offload {
-                    let (vram, ram) = (footprint.vram, footprint.ram);
-                    let _ = Manager::offload_reported(
-                        &emitter,
-                        &name,
-                        path.as_ref(),
-                        o.gpu_layers,
-                        o.total_layers,
-                        vram,
-                        ram,
-                    )
-                    .await;
+                let names = {
+                    let mut runners = lock(&self.shared.runners);
+                    runners.set_state(runner, "ready");
+                    match runners.by_id.get_mut(&runner) {
+                        Some(r) => {
+                            (r.pid, r.footprint, r.offload) = (pid, footprint, offload);
+                            r.names.clone()
+                        }
+                        None => vec![name],
+                    }
+                };
+                for name in names {
+                    self.update(&name, |d| d.last_error.clear()).await;
+                    self.announce_loaded(&name, pid, footprint, offload).await;
+                }
+            }
+            Notice::Serving { runner, names } => {
+                let (before, ready) = {
+                    let mut runners = lock(&self.shared.runners);
+                    match runners.by_id.get_mut(&runner) {
+                        Some(r) => (
+                            std::mem::replace(&mut r.names, names.clone()),
+                            (r.state == "ready").then_some((r.pid, r.footprint, r.offload)),
+                        ),
+                        None => return,
+                    }
+                };
+                for name in before.iter().chain(&names) {
+                    self.update(name, |_| {}).await;
+                }
+                if let Some((pid, footprint, offload)) = ready {
+                    for name in names.iter().filter(|n| !before.contains(n)) {
+                        self.announce_loaded(name, pid, footprint, offload).await;
+                    }
                 }
             }
             Notice::LoadFailed { runner, name, reason } => {
-                lock(&self.shared.runners).by_id.remove(&runner);
-                self.update(&name, |d| d.last_error = reason).await;
+                let names = lock(&self.shared.runners).by_id.remove(&runner).map_or_else(|| vec![name], |r| r.names);
+                for name in names {
+                    self.update(&name, |d| d.last_error.clone_from(&reason)).await;
+                }
             }
             Notice::Unloading { runner, name } => {
-                lock(&self.shared.runners).set_state(runner, "unloading");
-                self.update(&name, |_| {}).await;
+                let names = {
+                    let mut runners = lock(&self.shared.runners);
+                    runners.set_state(runner, "unloading");
+                    runners.by_id.get(&runner).map_or_else(|| vec![name], |r| r.names.clone())
+                };
+                for name in names {
+                    self.update(&name, |_| {}).await;
+                }
             }
             Notice::Unloaded { runner, name, reason, detail } => {
-                lock(&self.shared.runners).by_id.remove(&runner);
+                let names = lock(&self.shared.runners).by_id.remove(&runner).map_or_else(|| vec![name], |r| r.names);
                 let crashed = reason == UnloadReason::Crashed;
-                self.update(&name, |d| {
-                    if crashed {
-                        d.last_error = detail.unwrap_or_default();
-                    }
-                })
-                .await;
                 let emitter = self.manager_emitter();
-                let _ = Manager::model_unloaded(&emitter, &name, model_path(&name).as_ref(), reason.as_str()).await;
+                for name in names {
+                    self.update(&name, |d| {
+                        if crashed {
+                            d.last_error = detail.clone().unwrap_or_default();
+                        }
+                    })
+                    .await;
+                    let _ = Manager::model_unloaded(&emitter, &name, model_path(&name).as_ref(), reason.as_str()).await;
+                }
             }
             Notice::Reconfigured(limits) => {
                 *lock(&self.shared.limits) = limits;
@@ -155,22 +196,43 @@ impl Follower {
         }
     }
 
-    /// Changes a model's data (`edit`, then the runner fields from the runners now), and
-    /// signals what changed, on the model and in `LoadedModels`.
+    /// `ModelLoaded` (and `OffloadReported` when llama-server said where the layers went)
+    /// for a model now served by a ready runner.
+    async fn announce_loaded(&self, name: &str, pid: u32, footprint: Footprint, offload: Option<Offload>) {
+        let path = model_path(name);
+        let emitter = self.manager_emitter();
+        let _ = Manager::model_loaded(&emitter, name, ObjectPath::from(&path), pid).await;
+        if let Some(o) = offload {
+            let (vram, ram) = (footprint.vram, footprint.ram);
+            let _ =
+                Manager::offload_reported(&emitter, name, path.as_ref(), o.gpu_layers, o.total_layers, vram, ram).await;
+        }
+    }
+
+    /// Changes a model's data (`edit`, then the runner fields from the runner serving it
+    /// now), and signals what changed, on the model and in `LoadedModels`.
     async fn update(&self, name: &str, edit: impl FnOnce(&mut ModelData)) {
-        let newest = lock(&self.shared.runners).by_id.values().rev().find(|r| r.name == name).map(|r| r.state);
+        let newest = lock(&self.shared.runners).of(name).map(|r| {
+            let others: Vec<String> = r.names.iter().filter(|n| *n != name).cloned().collect();
+            (r.state, r.pid, r.footprint, r.offload, others)
+        });
         let entry = lock(&self.shared.models).get(name).cloned();
         if let Some(data) = entry {
             let before = lock(&data).clone();
             let after = {
                 let mut d = lock(&data);
                 edit(&mut d);
-                d.state = match newest {
-                    Some(state) => state,
+                d.state = match &newest {
+                    Some((state, ..)) => state,
                     None if !d.last_error.is_empty() => "failed",
                     None => "stopped",
                 };
-                if newest != Some("ready") {
+                d.shared_with = newest.as_ref().map(|(.., others)| others.clone()).unwrap_or_default();
+                if let Some(("ready", pid, footprint, offload, _)) = newest {
+                    (d.pid, d.vram_bytes, d.ram_bytes) = (pid, footprint.vram, footprint.ram);
+                    d.gpu_layers = offload.map_or(0, |o| o.gpu_layers);
+                    d.total_layers = offload.map_or(0, |o| o.total_layers);
+                } else {
                     (d.pid, d.gpu_layers, d.total_layers, d.vram_bytes, d.ram_bytes) = (0, 0, 0, 0, 0);
                 }
                 d.clone()
@@ -181,7 +243,8 @@ impl Follower {
     }
 
     async fn update_loaded(&self) {
-        let mut names: Vec<String> = lock(&self.shared.runners).by_id.values().map(|r| r.name.clone()).collect();
+        let mut names: Vec<String> =
+            lock(&self.shared.runners).by_id.values().flat_map(|r| r.names.iter().cloned()).collect();
         names.sort();
         names.dedup();
         let changed = {
@@ -202,7 +265,16 @@ impl Follower {
             let mut runners = lock(&self.shared.runners);
             runners.by_id.clear();
             for m in loaded {
-                runners.insert(m.id, Runner { name: m.name, state: m.state });
+                let ready = m.state == "ready";
+                let runner = Runner {
+                    names: m.names,
+                    state: m.state,
+                    pid: m.pid.unwrap_or(0),
+                    // What a runner placed where is only told once, when it gets ready.
+                    footprint: if ready { m.footprint } else { Footprint::default() },
+                    offload: m.offload,
+                };
+                runners.insert(m.id, runner);
             }
         }
         let names: Vec<String> = lock(&self.shared.models).keys().cloned().collect();
@@ -228,7 +300,8 @@ impl Follower {
                             ("parameter_size".to_owned(), config.model_type),
                             ("quantization_level".to_owned(), config.file_type),
                         ]);
-                        (m.name, m.digest.to_string(), m.size, details)
+                        let facts = Facts::read(&store, &m.name, m.modified);
+                        (m.name, m.digest.to_string(), m.size, details, facts)
                     })
                     .collect::<Vec<_>>()
             })
@@ -246,14 +319,14 @@ impl Follower {
             lock(&self.shared.models).remove(&name);
             let _ = self.connection.object_server().remove::<Model, _>(model_path(&name)).await;
         }
-        for (name, digest, size, details) in listed {
+        for (name, digest, size, details, facts) in listed {
             let short = name.to_string();
             let existing = lock(&self.shared.models).get(&short).cloned();
             if let Some(data) = existing {
                 let before = lock(&data).clone();
                 let after = {
                     let mut d = lock(&data);
-                    (d.digest, d.size, d.details) = (digest, size, details);
+                    (d.digest, d.size, d.details, d.facts) = (digest, size, details, facts);
                     d.clone()
                 };
                 emit_model_changes(&self.connection, &short, &before, &after).await;
@@ -265,13 +338,14 @@ impl Follower {
                 digest,
                 size,
                 details,
+                facts,
                 state: "stopped",
                 ..ModelData::default()
             }));
             lock(&self.shared.models).insert(short.clone(), Arc::clone(&data));
             let object = Model { shared: Arc::clone(&self.shared), data };
             if let Err(e) = self.connection.object_server().at(model_path(&short), object).await {
-                tracing::warn!(model = %short, error = %e, "cannot serve a model on D-Bus");
+                tracing::warn!(corral_model = %short, error = %e, "cannot serve {short} on D-Bus");
             }
             // A model created while loaded (or re-created) shows its runner at once.
             self.update(&short, |_| {}).await;
@@ -305,6 +379,14 @@ async fn emit_model_changes(connection: &Connection, name: &str, before: &ModelD
     if before.details != after.details {
         let _ = model.details_changed(e).await;
     }
+    if before.facts != after.facts {
+        let _ = model.system_changed(e).await;
+        let _ = model.parameters_changed(e).await;
+        let _ = model.context_length_changed(e).await;
+        let _ = model.capabilities_changed(e).await;
+        let _ = model.modelfile_changed(e).await;
+        let _ = model.modified_at_changed(e).await;
+    }
     if before.last_error != after.last_error {
         let _ = model.last_error_changed(e).await;
     }
@@ -322,6 +404,9 @@ async fn emit_model_changes(connection: &Connection, name: &str, before: &ModelD
     }
     if before.ram_bytes != after.ram_bytes {
         let _ = model.ram_bytes_changed(e).await;
+    }
+    if before.shared_with != after.shared_with {
+        let _ = model.shared_with_changed(e).await;
     }
     // Last, so that a client reacting to the state reads the fields already changed.
     if before.state != after.state {

@@ -10,6 +10,7 @@ use zbus::{Connection, interface};
 use super::error::Error;
 use super::job::{self, Work};
 use super::{Shared, lock, model_path, options};
+use crate::scheduler::actor::ScheduleError;
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request;
 use crate::store::create::CreateSpec;
@@ -28,11 +29,14 @@ impl Manager {
 
 #[interface(name = "org.corral.Corral1.Manager")]
 impl Manager {
-    /// Every model in the store: (name, object path, digest, size, state).
+    /// Every model in the store: (name, object path, digest, size, state), the most
+    /// recently created or pulled first (as `ollama list`).
     #[zbus(out_args("models"))]
     async fn list_models(&self) -> Result<Vec<(String, OwnedObjectPath, String, u64, String)>, Error> {
         let store = self.shared.context.store.clone();
-        let listed = blocking(move || store.list()).await??;
+        let mut listed = blocking(move || store.list()).await??;
+        // Newest first; equal times by name, so the order is stable.
+        listed.sort_by(|a, b| b.modified.cmp(&a.modified).then_with(|| a.name.to_string().cmp(&b.name.to_string())));
         let models = lock(&self.shared.models);
         Ok(listed
             .into_iter()
@@ -60,9 +64,10 @@ impl Manager {
         load(&self.shared, name, &options).await
     }
 
-    /// Unloads a model; returns once its processes are reaped.
+    /// Unloads a model; returns once its processes are reaped. `NotLoaded` for a stored
+    /// model that is not loaded, `NoSuchModel` for a name the store does not have.
     async fn unload(&self, name: &str) -> Result<(), Error> {
-        unload(&self.shared, &ModelName::parse(name)?.to_string()).await
+        unload(&self.shared, &ModelName::parse(name)?.to_string()).await.map_err(|e| e.naming(name))
     }
 
     /// Starts a pull; returns the job.
@@ -260,17 +265,25 @@ pub(super) async fn load(
     let request = blocking(move || request::build(&store, &name, &options, keep_alive, false, defaults))
         .await?
         .map_err(|e| Error::from(e).naming(given))?;
-    let path = model_path(&request.name);
+    let short = request.name.clone();
+    let path = model_path(&short);
     // The model stays loaded for its keep-alive once this lease is dropped.
     let runner = shared.context.scheduler.acquire(request).await?.runner();
-    shared.settled(|runners| runners.loaded(runner)).await;
+    shared.settled(|runners| runners.loaded(runner, &short)).await;
     Ok(path)
 }
 
 /// Unloads the model named `short`; resolves once its runners are reaped and the views
 /// show it stopped. Shared by the manager's and the model's Unload.
 pub(super) async fn unload(shared: &Shared, short: &str) -> Result<(), Error> {
-    shared.context.scheduler.unload_model(short).await?;
+    if let Err(e) = shared.context.scheduler.unload_model(short).await {
+        // Not loaded: say whether there is such a model at all.
+        let stored = lock(&shared.models).contains_key(short);
+        return Err(match e {
+            ScheduleError::NotLoaded(_) if !stored => Error::NoSuchModel(format!("model '{short}' not found")),
+            e => e.into(),
+        });
+    }
     shared.settled(|runners| runners.none_of(short)).await;
     Ok(())
 }

@@ -13,6 +13,8 @@ use zbus::zvariant::OwnedValue;
 
 use super::error::Error;
 use super::{Shared, lock, manager};
+use crate::store::Store;
+use crate::store::name::ModelName;
 
 /// What a model object shows; `State` and the runner fields follow the scheduler.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -22,6 +24,7 @@ pub(super) struct ModelData {
     pub digest: String,
     pub size: u64,
     pub details: HashMap<String, String>,
+    pub facts: Facts,
     pub state: &'static str,
     pub last_error: String,
     pub pid: u32,
@@ -29,6 +32,47 @@ pub(super) struct ModelData {
     pub total_layers: u32,
     pub vram_bytes: u64,
     pub ram_bytes: u64,
+    /// The other models served by the same llama-server process.
+    pub shared_with: Vec<String>,
+}
+
+/// What the store says about a model besides its size and details: read when the
+/// store changes, like the rest of [`ModelData`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct Facts {
+    pub system: String,
+    pub parameters: String,
+    pub context_length: u64,
+    pub capabilities: Vec<String>,
+    pub modelfile: String,
+    /// Microseconds since the epoch.
+    pub modified_at: u64,
+}
+
+impl Facts {
+    /// The facts of the stored model `name` (whose manifest was written at `modified`); a
+    /// model whose details cannot be read shows empty ones (its weights may be missing).
+    pub fn read(store: &Store, name: &ModelName, modified: SystemTime) -> Self {
+        let modified_at = epoch_micros(modified);
+        let details = match store.details(name) {
+            Ok(details) => details,
+            Err(e) => {
+                tracing::debug!(corral_model = %name, error = %e, "cannot read the details of {name} for D-Bus");
+                return Self { modified_at, ..Self::default() };
+            }
+        };
+        Self {
+            system: details.system.clone().unwrap_or_default(),
+            parameters: details.parameters_text(),
+            context_length: details.info.context_length.unwrap_or(0),
+            capabilities: details.capabilities().into_iter().map(str::to_owned).collect(),
+            // What the syntax cannot express comes as comments, as in /api/show.
+            modelfile: details
+                .modelfile(store)
+                .unwrap_or_else(|e| e.to_string().lines().fold(String::new(), |out, line| out + "# " + line + "\n")),
+            modified_at,
+        }
+    }
 }
 
 pub(super) struct Model {
@@ -82,6 +126,36 @@ impl Model {
     }
 
     #[zbus(property)]
+    fn system(&self) -> String {
+        self.get(|d| d.facts.system.clone())
+    }
+
+    #[zbus(property)]
+    fn parameters(&self) -> String {
+        self.get(|d| d.facts.parameters.clone())
+    }
+
+    #[zbus(property)]
+    fn context_length(&self) -> u64 {
+        self.get(|d| d.facts.context_length)
+    }
+
+    #[zbus(property)]
+    fn capabilities(&self) -> Vec<String> {
+        self.get(|d| d.facts.capabilities.clone())
+    }
+
+    #[zbus(property)]
+    fn modelfile(&self) -> String {
+        self.get(|d| d.facts.modelfile.clone())
+    }
+
+    #[zbus(property)]
+    fn modified_at(&self) -> u64 {
+        self.get(|d| d.facts.modified_at)
+    }
+
+    #[zbus(property)]
     fn state(&self) -> String {
         self.get(|d| d.state.to_owned())
     }
@@ -116,6 +190,12 @@ impl Model {
         self.get(|d| d.ram_bytes)
     }
 
+    /// The other models served by the same runner (same weights and load options).
+    #[zbus(property)]
+    fn shared_with(&self) -> Vec<String> {
+        self.get(|d| d.shared_with.clone())
+    }
+
     /// Read from the scheduler on each get: it changes with every request.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn expires_at(&self) -> zbus::fdo::Result<u64> {
@@ -125,7 +205,7 @@ impl Model {
         let now = tokio::time::Instant::now();
         let at = loaded
             .iter()
-            .filter(|m| m.name == name)
+            .filter(|m| m.names.contains(&name))
             .filter_map(|m| m.expires_at)
             .min()
             .map_or(0, |at| epoch_micros(SystemTime::now() + at.saturating_duration_since(now)));
@@ -137,7 +217,7 @@ impl Model {
         let name = self.get(|d| d.short_name.clone());
         let loaded =
             self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
-        Ok(loaded.iter().filter(|m| m.name == name).map(|m| m.leases).sum())
+        Ok(loaded.iter().filter(|m| m.names.contains(&name)).map(|m| m.leases).sum())
     }
 }
 

@@ -125,6 +125,27 @@ pub trait Model {
     /// Host memory.
     #[zbus(property)]
     fn ram_bytes(&self) -> zbus::Result<u64>;
+    /// The system prompt.
+    #[zbus(property)]
+    fn system(&self) -> zbus::Result<String>;
+    /// Default options, `name value` lines.
+    #[zbus(property)]
+    fn parameters(&self) -> zbus::Result<String>;
+    /// The trained context.
+    #[zbus(property)]
+    fn context_length(&self) -> zbus::Result<u64>;
+    /// completion, embedding, tools, insert, vision.
+    #[zbus(property)]
+    fn capabilities(&self) -> zbus::Result<Vec<String>>;
+    /// A Modelfile that recreates it.
+    #[zbus(property)]
+    fn modelfile(&self) -> zbus::Result<String>;
+    /// Microseconds since the epoch.
+    #[zbus(property)]
+    fn modified_at(&self) -> zbus::Result<u64>;
+    /// The other models served by the same runner.
+    #[zbus(property)]
+    fn shared_with(&self) -> zbus::Result<Vec<String>>;
     /// Microseconds since the epoch; 0 for none.
     #[zbus(property(emits_changed_signal = "false"))]
     fn expires_at(&self) -> zbus::Result<u64>;

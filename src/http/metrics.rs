@@ -117,6 +117,7 @@ mod tests {
             loaded: vec![LoadedModel {
                 id: 1,
                 name: "tiny:latest".into(),
+                names: vec!["tiny:latest".into()],
                 key: "k".into(),
                 state: "ready",
                 placement: Placement::Cpu,
@@ -126,6 +127,7 @@ mod tests {
                 keep_alive: KeepAlive::For(Duration::from_secs(300)),
                 pid: Some(42),
                 context_length: 2048,
+                offload: None,
             }],
         };
         let text = render(&stats);

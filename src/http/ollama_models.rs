@@ -21,7 +21,7 @@ use super::ApiError;
 use super::state::AppState;
 use crate::scheduler::actor::LoadedModel;
 use crate::scheduler::keep_alive::KeepAlive;
-use crate::store::manifest::{self, Manifest, ModelConfig};
+use crate::store::manifest::{Manifest, ModelConfig};
 use crate::store::name::ModelName;
 use crate::store::{Store, StoreError};
 
@@ -93,6 +93,10 @@ struct PsModel {
     expires_at: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     context_length: Option<u64>,
+    /// corral's own: the other models served by the same llama-server process (same
+    /// weights and load options); absent when none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    shared_with: Vec<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -144,7 +148,13 @@ async fn ps(State(state): State<AppState>) -> Result<Json<Ps>, ApiError> {
     let (now, wall) = (Instant::now(), SystemTime::now());
     let store = state.store;
     let mut models = blocking(move || {
-        Ok(loaded.into_iter().map(|m| ps_model(&store, &m, now, wall)).collect::<Vec<(SystemTime, PsModel)>>())
+        // An entry for each model a runner serves: models with the same weights and load
+        // options share one.
+        Ok(loaded
+            .iter()
+            .flat_map(|m| m.names.iter().map(move |name| (m, name)))
+            .map(|(m, name)| ps_model(&store, m, name, now, wall))
+            .collect::<Vec<(SystemTime, PsModel)>>())
     })
     .await
     .map_err(|e| e.into_api(PATH, ""))?;
@@ -153,33 +163,34 @@ async fn ps(State(state): State<AppState>) -> Result<Json<Ps>, ApiError> {
 }
 
 /// One `/api/ps` entry, with when it expires for sorting.
-fn ps_model(store: &Store, m: &LoadedModel, now: Instant, wall: SystemTime) -> (SystemTime, PsModel) {
+fn ps_model(store: &Store, m: &LoadedModel, name: &str, now: Instant, wall: SystemTime) -> (SystemTime, PsModel) {
     let expires = match (m.expires_at, m.keep_alive) {
         (Some(at), _) => wall + at.saturating_duration_since(now),
         // Busy: it expires its keep-alive after the last request ends.
         (None, KeepAlive::For(d)) => wall + d,
         (None, KeepAlive::Forever) => wall + FOREVER,
     };
-    let (digest, details) = match ModelName::parse(&m.name).map_err(|e| e.to_string()).and_then(|name| {
+    let (digest, details) = match ModelName::parse(name).map_err(|e| e.to_string()).and_then(|name| {
         let (manifest, digest, _) = store.manifest(&name).map_err(|e| e.to_string())?;
         Ok((digest.hex(), details_of(store, &manifest)))
     }) {
         Ok(found) => found,
         Err(e) => {
             // Deleted from the store while loaded: still listed, without its store facts.
-            tracing::debug!(model = %m.name, error = %e, "a loaded model is not in the store");
+            tracing::debug!(corral_model = %name, error = %e, "{name} is loaded but not in the store");
             (String::new(), Details::default())
         }
     };
     let model = PsModel {
-        name: m.name.clone(),
-        model: m.name.clone(),
+        name: name.to_owned(),
+        model: name.to_owned(),
         size: m.footprint.total(),
         size_vram: m.footprint.vram,
         digest,
         details,
         expires_at: rfc3339(expires),
         context_length: Some(u64::from(m.context_length)),
+        shared_with: m.names.iter().filter(|n| *n != name).cloned().collect(),
     };
     (expires, model)
 }
@@ -198,23 +209,13 @@ async fn show(State(state): State<AppState>, body: Bytes) -> Result<Json<Show>, 
     let shown = blocking(move || {
         let details = store.show(&name, verbose)?;
         let (_, _, modified) = store.manifest(&name)?;
-        let mut capabilities = Vec::new();
+        let capabilities = details.capabilities();
         let template = details.template.clone().unwrap_or_default();
-        capabilities.push(if details.info.pooling_type.is_some() { "embedding" } else { "completion" });
-        if template.contains(".Tools") {
-            capabilities.push("tools");
-        }
-        if template.contains(".Suffix") {
-            capabilities.push("insert");
-        }
-        if details.manifest.layers_of(manifest::PROJECTOR).next().is_some() {
-            capabilities.push("vision");
-        }
         Ok(Show {
             // A model the syntax cannot express gets comments saying why, and no FROM: fed
             // back to create, it is refused rather than read as another model.
             modelfile: details.modelfile(&store).unwrap_or_else(|e| {
-                tracing::warn!(model = %details.name, error = %e, "cannot write a model's Modelfile");
+                tracing::warn!(corral_model = %details.name, error = %e, "cannot write the Modelfile of {}", details.name);
                 e.to_string().lines().fold(String::new(), |out, line| out + "# " + line + "\n")
             }),
             parameters: details.parameters_text(),
@@ -251,7 +252,7 @@ async fn delete_model(State(state): State<AppState>, body: Bytes) -> Result<Stat
     let store = state.store;
     let name_text = name.to_string();
     let removed = blocking(move || store.delete(&name)).await.map_err(|e| e.into_api(PATH, &given))?;
-    tracing::info!(model = %name_text, blobs_removed = removed.len(), "deleted a model");
+    tracing::info!(corral_event = "delete", corral_model = %name_text, blobs_removed = removed.len(), "deleted {name_text}");
     // A deleted model does not stay loaded: its runners unload (once their requests end).
     // None loaded is the common case, not an error.
     let _ = state.scheduler.unload_model(&name_text).await;
@@ -584,7 +585,7 @@ mod tests {
                 copy,
                 r#"{"source": "tiny", "destination": "a/b/c/d"}"#,
                 bad,
-                "invalid model name \"a/b/c/d\"",
+                "invalid model name 'a/b/c/d'",
             ),
             (Method::POST, copy, r#"{"source": "nope", "destination": "x"}"#, missing, "model 'nope' not found"),
             (Method::DELETE, delete, "", bad, "missing request body"),

@@ -397,10 +397,8 @@ async fn create(State(state): State<AppState>, body: Bytes) -> Response {
             let _ = progress_tx.send(Event::Progress(Status { status }));
         };
         match store.create(&name, &spec, &mut progress) {
-            Ok(digest) => {
-                tracing::info!(model = %name, %digest, "created a model");
-                let _ = tx.send(Event::Progress(Status { status: "success".into() }));
-            }
+            // The store's own progress ends with "success": the stream carries it once.
+            Ok(digest) => tracing::info!(corral_event = "create", corral_model = %name, %digest, "created {name}"),
             Err(e) => {
                 let _ = tx.send(Event::Failed(store_error(&e, PATH, &from)));
             }
@@ -491,12 +489,12 @@ async fn transfer(state: AppState, body: &[u8], kind: Transfer) -> Response {
         let result = tokio::select! {
             result = work => result,
             () = tx.closed() => {
-                tracing::info!(model = %name, path, "the client went away: the transfer is cancelled");
+                tracing::info!(corral_model = %name, path, "the client went away: the transfer of {name} is cancelled");
                 return;
             }
         };
         match result {
-            Ok(digest) => tracing::info!(model = %name, %digest, path, "a registry transfer finished"),
+            Ok(digest) => tracing::info!(corral_model = %name, %digest, path, "the transfer of {name} finished"),
             Err(e) => {
                 let _ = tx.send(Event::Failed(registry_error(&e, path, &given)));
             }

@@ -64,7 +64,7 @@ pub enum ScheduleError {
     #[error("server busy: {0} requests are already waiting for a model to load")]
     QueueFull(usize),
     /// Even with every evictable model unloaded it would not fit.
-    #[error("model {model} needs {needed} bytes of memory, but at most {available} bytes can be made available")]
+    #[error("model '{model}' needs {} of memory, but at most {} can be made available", crate::units::bytes(*.needed), crate::units::bytes(*.available))]
     InsufficientMemory {
         /// The model.
         model: String,
@@ -74,7 +74,7 @@ pub enum ScheduleError {
         available: u64,
     },
     /// The runner failed to start.
-    #[error("model {model} failed to load: {reason}")]
+    #[error("model '{model}' failed to load: {reason}")]
     LoadFailed {
         /// The model.
         model: String,
@@ -83,7 +83,8 @@ pub enum ScheduleError {
     },
     /// The model crashed recently; loads wait before trying again.
     #[error(
-        "model {model} failed {failures} times in a row, the last time with: {reason}; retrying after {retry_in:?}"
+        "model '{model}' failed {failures} times in a row, the last time with: {reason}; retrying in {}",
+        crate::units::duration(*.retry_in)
     )]
     BackingOff {
         /// The model.
@@ -96,7 +97,7 @@ pub enum ScheduleError {
         retry_in: Duration,
     },
     /// No model by that name is loaded.
-    #[error("model {0} is not loaded")]
+    #[error("model '{0}' is not loaded")]
     NotLoaded(String),
     /// The scheduler stopped.
     #[error("the scheduler is shutting down")]
@@ -108,8 +109,11 @@ pub enum ScheduleError {
 pub struct LoadedModel {
     /// The runner's id.
     pub id: RunnerId,
-    /// The model's display name.
+    /// The model's display name: the first model it was loaded for.
     pub name: String,
+    /// Every model it serves, `name` first: models whose requests have the same key
+    /// (the same weights and load options) share one runner.
+    pub names: Vec<String>,
     /// Its key.
     pub key: String,
     /// `loading`, `ready` or `unloading`.
@@ -128,6 +132,8 @@ pub struct LoadedModel {
     pub pid: Option<u32>,
     /// Its context per request slot (`num_ctx`).
     pub context_length: u32,
+    /// The layers it placed on GPUs, once ready (when llama-server said).
+    pub offload: Option<Offload>,
 }
 
 /// Counters since start, for `/metrics`.
@@ -227,6 +233,14 @@ pub enum Notice {
         /// Why.
         reason: String,
     },
+    /// The models a runner serves changed: another model with the same weights and load
+    /// options now shares it, or a model moved to a runner of its own.
+    Serving {
+        /// The runner.
+        runner: RunnerId,
+        /// Every model it serves now, the first one it was loaded for first.
+        names: Vec<String>,
+    },
     /// A runner is being stopped.
     Unloading {
         /// The runner.
@@ -302,10 +316,12 @@ impl Handle {
         answer.await.map_err(|_| ScheduleError::ShuttingDown)?
     }
 
-    /// Unloads every runner of the model named `name` (display name); resolves once
-    /// their children are reaped. [`ScheduleError::NotLoaded`] when none runs.
+    /// Unloads every runner serving the model named `name` (display name); resolves once
+    /// their children are reaped. [`ScheduleError::NotLoaded`] when none runs. A runner
+    /// shared with other models is one process: it stops for all of them.
     pub async fn unload_model(&self, name: &str) -> Result<(), ScheduleError> {
-        let keys: Vec<String> = self.loaded().await?.into_iter().filter(|m| m.name == name).map(|m| m.key).collect();
+        let keys: Vec<String> =
+            self.loaded().await?.into_iter().filter(|m| m.names.iter().any(|n| n == name)).map(|m| m.key).collect();
         if keys.is_empty() {
             return Err(ScheduleError::NotLoaded(name.to_owned()));
         }
@@ -415,7 +431,10 @@ enum Phase {
 
 struct Entry {
     request: ModelRequest,
+    /// The models it serves, `request.name` first.
+    users: Vec<String>,
     phase: Phase,
+    offload: Option<Offload>,
     placement: Placement,
     footprint: Footprint,
     leases: u32,
@@ -425,6 +444,19 @@ struct Entry {
     /// Why it is being taken out of service (the first reason given wins).
     unload_reason: Option<UnloadReason>,
     unload_waiters: Vec<oneshot::Sender<Result<(), ScheduleError>>>,
+}
+
+impl Entry {
+    /// The model it serves first (the one it was loaded for, unless that one moved on).
+    fn main(&self) -> &str {
+        self.users.first().unwrap_or(&self.request.name)
+    }
+
+    /// The models it serves, for messages: "tiny:latest", or "tiny:latest, tiny2:latest"
+    /// for a shared runner.
+    fn served(&self) -> String {
+        if self.users.is_empty() { self.request.name.clone() } else { self.users.join(", ") }
+    }
 }
 
 struct Failures {
@@ -534,7 +566,12 @@ impl Scheduler {
     fn acquire(&mut self, request: ModelRequest, reply: Reply) {
         let queue_full = self.waiting() >= self.limits.max_queue;
         // The fast path: a ready runner with this key that takes requests.
-        if let Some((id, entry)) = self.runners.iter_mut().find(|(_, e)| e.request.key == request.key && !e.draining) {
+        if let Some((&id, entry)) = self.runners.iter_mut().find(|(_, e)| e.request.key == request.key && !e.draining) {
+            let joined = !entry.users.contains(&request.name);
+            if joined && !matches!(entry.phase, Phase::Unloading { .. }) {
+                entry.users.push(request.name.clone());
+            }
+            let users = entry.users.clone();
             match &mut entry.phase {
                 Phase::Ready { socket, .. } => {
                     entry.leases += 1;
@@ -545,7 +582,10 @@ impl Scheduler {
                         self.limits.default_keep_alive,
                         self.limits.clamp,
                     );
-                    let lease = Lease { runner: *id, socket: socket.clone(), events: self.events_tx.clone() };
+                    let lease = Lease { runner: id, socket: socket.clone(), events: self.events_tx.clone() };
+                    if joined {
+                        self.shares(id, &request.name, users);
+                    }
                     if reply.send(Ok(lease)).is_err() {
                         // The caller went away: its lease was dropped and released already.
                     }
@@ -555,10 +595,16 @@ impl Scheduler {
                     if queue_full {
                         self.counters.queue_full += 1;
                         let _ = reply.send(Err(ScheduleError::QueueFull(self.limits.max_queue)));
+                        if joined {
+                            self.runners.get_mut(&id).expect("looked up above").users.retain(|n| *n != request.name);
+                        }
                         return;
                     }
                     // A load already under way: join it.
                     waiters.push(reply);
+                    if joined {
+                        self.shares(id, &request.name, users);
+                    }
                     return;
                 }
                 Phase::Unloading { .. } => {}
@@ -581,14 +627,23 @@ impl Scheduler {
             let _ = reply.send(Err(ScheduleError::QueueFull(self.limits.max_queue)));
             return;
         }
-        // The same weights loaded with other load options: reload, i.e. retire the old runner.
+        // The same model with other load options: reload, i.e. retire its old runner. A
+        // runner that serves other models too is theirs as well: it stays, and this model
+        // gets a runner of its own (which makes room by the usual rules, reported as
+        // evictions); it no longer counts as served by the old one.
         let stale: Vec<RunnerId> = self
             .runners
             .iter()
-            .filter(|(_, e)| e.request.weights == request.weights && e.request.key != request.key && !e.draining)
+            .filter(|(_, e)| {
+                e.request.weights == request.weights
+                    && e.request.key != request.key
+                    && !e.draining
+                    && e.users.iter().all(|n| *n == request.name)
+            })
             .map(|(id, _)| *id)
             .collect();
         for id in stale {
+            tracing::info!(corral_event = "reload", corral_model = %request.name, runner = id, "reloading {} with other load options", request.name);
             self.retire(id, UnloadReason::Reloaded);
         }
         self.queue.push_back((request, reply));
@@ -627,6 +682,12 @@ impl Scheduler {
         for id in evict {
             self.begin_unload(id, UnloadReason::Evicted);
         }
+    }
+
+    /// Model `name` joined runner `id`, which now serves `users`.
+    fn shares(&self, id: RunnerId, name: &str, users: Vec<String>) {
+        tracing::info!(corral_event = "share", corral_model = %name, runner = id, "{name} shares the runner of {} (same weights and load options)", users[0]);
+        self.notify(Notice::Serving { runner: id, names: users });
     }
 
     /// Tells the views; nobody listening is fine.
@@ -709,6 +770,8 @@ impl Scheduler {
         self.runners.insert(
             id,
             Entry {
+                users: vec![request.name.clone()],
+                offload: None,
                 request,
                 phase: Phase::Loading { waiters: vec![reply] },
                 placement,
@@ -721,7 +784,21 @@ impl Scheduler {
                 unload_waiters: Vec::new(),
             },
         );
-        self.notify(Notice::Loading { runner: id, name: self.runners[&id].request.name.clone() });
+        let name = self.runners[&id].request.name.clone();
+        self.notify(Notice::Loading { runner: id, name: name.clone() });
+        // This model is served by its new runner from now on, not by one it shared.
+        let left: Vec<RunnerId> = self
+            .runners
+            .iter()
+            .filter(|(other, e)| **other != id && e.users.len() > 1 && e.users.contains(&name))
+            .map(|(other, _)| *other)
+            .collect();
+        for other in left {
+            let entry = self.runners.get_mut(&other).expect("listed above");
+            entry.users.retain(|n| *n != name);
+            let names = entry.users.clone();
+            self.notify(Notice::Serving { runner: other, names });
+        }
         // Requests for this model queued behind others join the load now, in their order:
         // none waits for the queue's head while its model loads or runs.
         let key = self.runners[&id].request.key.clone();
@@ -758,7 +835,8 @@ impl Scheduler {
                 if let Some(entry) = self.runners.remove(&runner) {
                     self.counters.unloads += 1;
                     let reason = entry.unload_reason.unwrap_or(UnloadReason::Requested);
-                    tracing::info!(corral_event = "unload", corral_model = %entry.request.name, runner, reason = reason.as_str(), "unloaded {} ({})", entry.request.name, reason.as_str());
+                    let served = entry.served();
+                    tracing::info!(corral_event = "unload", corral_model = %entry.main(), runner, reason = reason.as_str(), "unloaded {served} ({})", reason.as_str());
                     self.notify(Notice::Unloaded { runner, name: entry.request.name.clone(), reason, detail: None });
                     let waiters = match entry.phase {
                         Phase::Unloading { waiters } => waiters,
@@ -773,7 +851,8 @@ impl Scheduler {
             Event::Crashed { runner, reason } => {
                 if let Some(entry) = self.runners.remove(&runner) {
                     self.counters.crashes += 1;
-                    tracing::warn!(corral_event = "crash", corral_model = %entry.request.name, runner, "{} crashed: {reason}", entry.request.name);
+                    let served = entry.served();
+                    tracing::warn!(corral_event = "crash", corral_model = %entry.main(), runner, "{served} crashed: {reason}");
                     self.record_failure(&entry.request.key, reason.clone());
                     self.notify(Notice::Unloaded {
                         runner,
@@ -803,6 +882,7 @@ impl Scheduler {
             Err(reason) => {
                 self.counters.load_failures += 1;
                 let entry = self.runners.remove(&id).expect("looked up above");
+                tracing::warn!(corral_event = "load_failed", corral_model = %entry.request.name, runner = id, "{} failed to load: {reason}", entry.request.name);
                 self.record_failure(&entry.request.key, reason.clone());
                 self.notify(Notice::LoadFailed {
                     runner: id,
@@ -843,6 +923,7 @@ impl Scheduler {
                     }
                 });
                 entry.phase = Phase::Ready { stop: stop_tx, socket: socket.clone(), pid };
+                entry.offload = offload;
                 entry.idle_since = Instant::now();
                 let ready = Notice::Ready {
                     runner: id,
@@ -945,6 +1026,7 @@ impl Scheduler {
             .map(|(id, e)| LoadedModel {
                 id: *id,
                 name: e.request.name.clone(),
+                names: e.users.clone(),
                 key: e.request.key.clone(),
                 state: match e.phase {
                     Phase::Loading { .. } => "loading",
@@ -958,6 +1040,7 @@ impl Scheduler {
                 keep_alive: e.keep_alive,
                 pid: if let Phase::Ready { pid, .. } = e.phase { Some(pid) } else { None },
                 context_length: e.request.options.num_ctx,
+                offload: e.offload,
             })
             .collect()
     }

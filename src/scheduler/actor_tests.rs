@@ -257,7 +257,8 @@ async fn a_model_that_cannot_fit_is_refused_with_the_numbers() {
         err,
         ScheduleError::InsufficientMemory { model: "huge".into(), needed: 2000 * MIB, available: 1000 * MIB }
     );
-    assert!(err.to_string().contains("needs 2097152000 bytes"));
+    // In binary units, as people read them; the raw numbers stay in the error's fields.
+    assert_eq!(err.to_string(), "model 'huge' needs 2.0 GiB of memory, but at most 1000.0 MiB can be made available");
 }
 
 #[tokio::test(start_paused = true)]
@@ -537,4 +538,79 @@ async fn a_draining_runner_beside_its_replacement_gives_unique_metric_series() {
         assert!(seen.insert(series.to_owned()), "{series} twice in\n{text}");
     }
     drop((old, new));
+}
+
+/// `name`'s request for the same weights and load options as `model(of, …)`: another
+/// model name (a copy, or a Modelfile over the same weights).
+fn same_as(of: &str, name: &str, mib: u64) -> ModelRequest {
+    let mut request = model(of, mib);
+    request.name = name.to_owned();
+    request
+}
+
+#[tokio::test(start_paused = true)]
+async fn models_with_the_same_weights_and_options_share_a_runner_and_each_shows_loaded() {
+    let (fake, handle) = scheduler(1000, limits());
+    let mut notices = handle.subscribe();
+    let tiny = handle.acquire(model("tiny", 100)).await.expect("tiny");
+    let tiny2 = handle.acquire(same_as("tiny", "tiny2", 100)).await.expect("tiny2");
+    assert_eq!(tiny2.runner(), tiny.runner(), "one runner");
+    assert_eq!(fake.lines(), ["start 1 tiny"], "no second load");
+    let loaded = handle.loaded().await.expect("loaded");
+    assert_eq!(loaded.len(), 1);
+    assert_eq!(loaded[0].names, ["tiny", "tiny2"], "both models are served");
+    // The views are told who joined.
+    let mut serving = None;
+    while let Ok(notice) = notices.try_recv() {
+        if let super::actor::Notice::Serving { runner, names } = notice {
+            serving = Some((runner, names));
+        }
+    }
+    assert_eq!(serving, Some((tiny.runner(), vec!["tiny".to_owned(), "tiny2".to_owned()])));
+    // Unloading either stops the one process, for both.
+    drop((tiny, tiny2));
+    handle.unload_model("tiny2").await.expect("unload");
+    assert!(handle.loaded().await.expect("loaded").is_empty());
+    assert_eq!(fake.lines(), ["start 1 tiny", "stop 1"]);
+    assert_eq!(handle.unload_model("tiny2").await.expect_err("gone"), ScheduleError::NotLoaded("tiny2".into()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shared_load_under_way_is_joined_by_another_model() {
+    let (fake, handle) = scheduler(1000, limits());
+    let (a, b) = tokio::join!(handle.acquire(model("tiny", 100)), handle.acquire(same_as("tiny", "tiny2", 100)));
+    assert_eq!(a.expect("tiny").runner(), b.expect("tiny2").runner());
+    assert_eq!(fake.lines(), ["start 1 tiny"]);
+    assert_eq!(handle.loaded().await.expect("loaded")[0].names, ["tiny", "tiny2"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn other_options_for_another_model_never_replace_a_runner_it_does_not_own() {
+    let (fake, handle) = scheduler(1000, limits());
+    drop(handle.acquire(model("tiny", 100)).await.expect("tiny"));
+    // tiny2: the same weights with another context: a runner of its own, tiny's stays.
+    let mut tiny2 = same_as("tiny", "tiny2", 100);
+    tiny2.key = "key-tiny-ctx8192".into();
+    drop(handle.acquire(tiny2.clone()).await.expect("tiny2"));
+    assert_eq!(fake.lines(), ["start 1 tiny", "start 2 tiny2"], "nothing stopped");
+    let loaded = handle.loaded().await.expect("loaded");
+    let names: Vec<&[String]> = loaded.iter().map(|m| m.names.as_slice()).collect();
+    assert_eq!(names, [["tiny".to_owned()], ["tiny2".to_owned()]]);
+
+    // tiny2 shared tiny's runner, then asks with other options: it moves to its own
+    // runner and tiny's stays, serving tiny alone.
+    handle.unload_model("tiny2").await.expect("unload tiny2");
+    drop(handle.acquire(same_as("tiny", "tiny2", 100)).await.expect("tiny2 shares"));
+    assert_eq!(handle.loaded().await.expect("loaded")[0].names, ["tiny", "tiny2"]);
+    drop(handle.acquire(tiny2).await.expect("tiny2 with other options"));
+    let loaded = handle.loaded().await.expect("loaded");
+    let names: Vec<(u64, &[String])> = loaded.iter().map(|m| (m.id, m.names.as_slice())).collect();
+    assert_eq!(names, [(1, &["tiny".to_owned()][..]), (3, &["tiny2".to_owned()][..])]);
+    assert_eq!(fake.lines(), ["start 1 tiny", "start 2 tiny2", "stop 2", "start 3 tiny2"]);
+
+    // The model alone on its runner with other options is reloaded, as before.
+    let mut tiny_big = model("tiny", 100);
+    tiny_big.key = "key-tiny-ctx4096".into();
+    drop(handle.acquire(tiny_big).await.expect("tiny reloaded"));
+    assert_eq!(fake.lines()[4..], ["stop 1", "start 4 tiny"]);
 }

@@ -225,6 +225,6 @@ mod tests {
             assert!(err.contains(message), "{opts}: {err}");
         }
         let missing = build(&store, &ModelName::parse("nope").expect("name"), &Map::new(), None, false, DEFAULTS);
-        assert_eq!(missing.expect_err("missing").to_string(), "model \"nope:latest\" not found");
+        assert_eq!(missing.expect_err("missing").to_string(), "model 'nope:latest' not found");
     }
 }

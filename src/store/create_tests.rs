@@ -134,7 +134,7 @@ fn bad_inputs_are_named_and_change_nothing() {
         ("FROM ./garbage.gguf\n", "garbage.gguf is not a usable GGUF file"),
         ("FROM ./tiny.gguf\nADAPTER ./tiny.gguf\n", "tiny.gguf is a model, expected an adapter"),
         ("FROM ./tiny.gguf\nADAPTER ./garbage.gguf\n", "garbage.gguf is not a usable GGUF file"),
-        ("FROM nosuchmodel\n", "model \"nosuchmodel:latest\" not found"),
+        ("FROM nosuchmodel\n", "model 'nosuchmodel:latest' not found"),
         (&format!("FROM {}\n", Digest::of(b"never uploaded")), "is missing from the store"),
         ("FROM ./tiny.gguf\nADAPTER somemodel\n", "an adapter must be a GGUF file or a blob digest"),
         (&big_text("SYSTEM"), "the system prompt is 1.0 MiB (1048577 bytes), more than the limit of 1 MiB"),

@@ -49,10 +49,10 @@ const TEMP_PREFIX: &str = ".tmp-";
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// No manifest by that name.
-    #[error("model \"{0}\" not found")]
+    #[error("model '{0}' not found")]
     NotFound(String),
     /// The destination of a copy or create already exists (when that matters).
-    #[error("model \"{0}\" already exists")]
+    #[error("model '{0}' already exists")]
     Exists(String),
     /// Data did not match the digest it was announced with.
     #[error("digest mismatch: expected {expected}, got {actual}")]
@@ -335,7 +335,7 @@ impl Store {
                 Ok::<_, StoreError>(())
             });
             if let Err(e) = copied {
-                tracing::warn!(model = %listed.name, error = %e, "not importing a model whose blobs are damaged");
+                tracing::warn!(corral_model = %listed.name, error = %e, "not importing {}: its blobs are damaged", listed.name);
                 continue;
             }
             let (bytes, _) = match other.read_manifest(&listed.name) {

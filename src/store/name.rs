@@ -25,7 +25,7 @@ pub struct ModelName {
 
 /// Why a name is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid model name \"{name}\": {reason}")]
+#[error("invalid model name '{name}': {reason}")]
 pub struct InvalidName {
     /// The name as given (cut to a readable length).
     pub name: String,
@@ -140,10 +140,10 @@ fn check_part(what: &str, part: &str, max: usize, allowed: impl Fn(char) -> bool
         return Err(format!("the {what} is longer than {max} characters"));
     }
     if let Some(bad) = part.chars().find(|c| !allowed(*c)) {
-        return Err(format!("the {what} \"{part}\" contains {bad:?}"));
+        return Err(format!("the {what} '{part}' contains {bad:?}"));
     }
     if !part.starts_with(|c: char| c.is_ascii_alphanumeric()) {
-        return Err(format!("the {what} \"{part}\" must start with a letter or digit"));
+        return Err(format!("the {what} '{part}' must start with a letter or digit"));
     }
     Ok(())
 }
@@ -186,8 +186,8 @@ mod tests {
             ("", "empty"),
             ("   ", "empty"),
             ("a/b/c/d", "at most registry/namespace/model:tag"),
-            ("../etc/passwd", "the registry \"..\" must start"),
-            ("ns/..", "the model \"..\" must start"),
+            ("../etc/passwd", "the registry '..' must start"),
+            ("ns/..", "the model '..' must start"),
             ("model:", "the tag is empty"),
             ("/model", "the namespace is empty"),
             ("model:tag/x", "contains ':'"),

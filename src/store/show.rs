@@ -185,6 +185,25 @@ impl Store {
 }
 
 impl ModelDetails {
+    /// What the model can do, as Ollama names it: "completion" or "embedding", then
+    /// "tools" and "insert" (its template takes tools or a suffix) and "vision" (it has
+    /// a projector).
+    #[must_use]
+    pub fn capabilities(&self) -> Vec<&'static str> {
+        let template = self.template.as_deref().unwrap_or_default();
+        let mut capabilities = vec![if self.info.pooling_type.is_some() { "embedding" } else { "completion" }];
+        if template.contains(".Tools") {
+            capabilities.push("tools");
+        }
+        if template.contains(".Suffix") {
+            capabilities.push("insert");
+        }
+        if self.manifest.layers_of(manifest::PROJECTOR).next().is_some() {
+            capabilities.push("vision");
+        }
+        capabilities
+    }
+
     /// The parameters as Ollama's `/api/show` prints them: `name value` lines, aligned.
     #[must_use]
     pub fn parameters_text(&self) -> String {

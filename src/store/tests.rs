@@ -123,7 +123,7 @@ fn list_copy_and_delete_share_and_free_blobs() {
     assert_eq!(fs::read_dir(store.blobs_dir()).expect("blobs").count(), 0);
 
     let err = store.delete(&name("ns/b:2")).expect_err("gone");
-    assert_eq!(err.to_string(), "model \"ns/b:2\" not found");
+    assert_eq!(err.to_string(), "model 'ns/b:2' not found");
     assert!(matches!(store.copy(&name("nope"), &name("x")), Err(StoreError::NotFound(_))));
 }
 

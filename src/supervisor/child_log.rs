@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use nix::unistd::Pid;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::logparse::{LineSplitter, LoadReport, ParsedLine};
+use super::logparse::{LineSplitter, LoadReport, ParsedLine, Priorities};
 use super::runner::LogSink;
 use crate::systemd::Priority;
 
@@ -150,6 +150,7 @@ impl Reader {
         let mut splitter = LineSplitter::new();
         let mut buf = vec![0u8; 64 * 1024];
         let (mut listening, mut task_loop) = (false, false);
+        let mut priorities = Priorities::default();
         loop {
             let (lines, end) = match pipe.read(&mut buf) {
                 Ok(0) => (splitter.finish().into_iter().collect(), true),
@@ -172,7 +173,8 @@ impl Reader {
                     }
                     parsed
                 };
-                forward(&self.sink, &self.model, self.pid, &parsed);
+                let priority = priorities.of(&parsed);
+                forward(&self.sink, &self.model, self.pid, &parsed, priority);
             }
             if end {
                 return;
@@ -185,10 +187,11 @@ impl Reader {
     }
 }
 
-fn forward(sink: &LogSink, model: &str, pid: Pid, line: &ParsedLine<'_>) {
+/// One line to the journal (or to stderr through tracing), at `priority`.
+fn forward(sink: &LogSink, model: &str, pid: Pid, line: &ParsedLine<'_>, priority: u8) {
     match sink {
         LogSink::Journal(journal) => {
-            let priority = match line.priority() {
+            let priority = match priority {
                 0..=3 => Priority::Error,
                 4 => Priority::Warning,
                 5 => Priority::Notice,
@@ -196,14 +199,23 @@ fn forward(sink: &LogSink, model: &str, pid: Pid, line: &ParsedLine<'_>) {
                 _ => Priority::Debug,
             };
             let pid = pid.as_raw().to_string();
-            let fields = [("SYSLOG_IDENTIFIER", "llama-server"), ("CORRAL_MODEL", model), ("CORRAL_RUNNER_PID", &pid)];
+            // journald sets _PID from the socket's credentials, corrald's: no unprivileged
+            // sender can set another. SYSLOG_PID carries the child's, as syslog(3) senders
+            // do, and CORRAL_RUNNER_PID as on corrald's own entries about the runner.
+            let fields = [
+                ("SYSLOG_IDENTIFIER", "llama-server"),
+                ("SYSLOG_PID", &pid),
+                ("CORRAL_MODEL", model),
+                ("CORRAL_RUNNER_PID", &pid),
+            ];
             if let Err(e) = journal.send(priority, &line.message, &fields) {
                 tracing::debug!(error = %e, "cannot forward a llama-server line to the journal");
             }
         }
         LogSink::Tracing => {
+            // `pid`, not CORRAL_RUNNER_PID: on stderr only corrald's own events carry that.
             let (model, pid, message) = (model, pid.as_raw(), &line.message);
-            match line.priority() {
+            match priority {
                 0..=3 => tracing::error!(target: "llama-server", corral_model = model, pid, "{message}"),
                 4 => tracing::warn!(target: "llama-server", corral_model = model, pid, "{message}"),
                 // Info lines are many at -lv 4: they go to the journal, or to stderr at debug level.

@@ -83,7 +83,7 @@ pub const MAX_ERROR_LINES: usize = 8;
 /// Feed every chunk to [`push`](Self::push) in order, and call [`finish`](Self::finish)
 /// at end of file for a last line without a newline. The result does not depend on how
 /// the stream was cut into chunks. A line longer than the cap keeps its first `max_line`
-/// bytes (cut back to a whole UTF-8 character) followed by ` [… N bytes cut]`; the
+/// bytes (cut back to a whole UTF-8 character) followed by ` [… N KiB cut]` (the size cut, in binary units); the
 /// splitter never buffers more than `max_line` bytes.
 #[derive(Debug, Clone)]
 pub struct LineSplitter {
@@ -153,7 +153,7 @@ impl LineSplitter {
         let line = if self.cut > 0 {
             let whole = complete_prefix_len(&self.buf);
             let cut = self.cut + (self.buf.len() - whole);
-            format!("{} [… {cut} bytes cut]", String::from_utf8_lossy(&self.buf[..whole]))
+            format!("{} [… {} cut]", String::from_utf8_lossy(&self.buf[..whole]), crate::units::bytes(cut as u64))
         } else {
             String::from_utf8_lossy(&self.buf).into_owned()
         };
@@ -391,10 +391,56 @@ pub struct ParsedLine<'a> {
 }
 
 impl ParsedLine<'_> {
-    /// The syslog priority for journald: the level's, or 6 (info) without a level.
+    /// The syslog priority for journald: the level's, or 6 (info) without a level. The
+    /// server's chatter about each request (slot choice, prompt cache, sampler, timings:
+    /// about 20 info lines per chat) is debug: an admin's journal keeps the load, the
+    /// errors and the warnings, and `journalctl -p debug` shows the rest.
     #[must_use]
     pub fn priority(&self) -> u8 {
-        self.level.map_or(6, Level::priority)
+        match self.level {
+            Some(Level::Info) if is_request_chatter(&self.message) => Level::Debug.priority(),
+            level => level.map_or(6, Level::priority),
+        }
+    }
+}
+
+/// The priorities of a stream of lines: a line without a level of its own (the rest of a
+/// multi-line message, such as the sampler parameters under `sampler params:`) takes
+/// the priority of the line before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Priorities {
+    last: u8,
+}
+
+impl Default for Priorities {
+    fn default() -> Self {
+        Self { last: Level::Info.priority() }
+    }
+}
+
+impl Priorities {
+    /// The journald priority of `line`, the next line of the stream.
+    pub fn of(&mut self, line: &ParsedLine<'_>) -> u8 {
+        if line.level.is_some() {
+            self.last = line.priority();
+        }
+        self.last
+    }
+}
+
+/// Whether an info line is llama-server's per-request (or per-slot) chatter: every
+/// `slot <function>:` line, and the `srv <function>:` lines of request handling, i.e.
+/// all but those of the load (`load_model`, `init`) and of the server itself
+/// (`llama_server`: model loaded, listening, stopping).
+#[must_use]
+pub fn is_request_chatter(message: &str) -> bool {
+    let mut words = message.split_whitespace();
+    match (words.next(), words.next()) {
+        (Some("slot"), Some(_)) => true,
+        (Some("srv"), Some(function)) => {
+            function.ends_with(':') && !matches!(function, "llama_server:" | "load_model:" | "init:")
+        }
+        _ => false,
     }
 }
 
@@ -623,11 +669,23 @@ impl LoadReport {
         }
     }
 
-    /// The offload line's figures; `None` if none was printed (a build without GPU or RPC
-    /// backend, or verbosity below 4): then everything is on the CPU.
+    /// The layers that sit on a device: the offload line's figures, checked against the
+    /// model buffers. A build with the RPC backend prints "offloaded 5/5 layers to GPU"
+    /// even with no device at all, its weights then all in CPU buffers: layers count as
+    /// offloaded only when a device (a non-host buffer) holds model bytes. `None` if no
+    /// offload line was printed (a build without GPU or RPC backend, or verbosity below 4):
+    /// then everything is on the CPU.
     #[must_use]
     pub fn offload(&self) -> Option<Offload> {
-        self.offload
+        let mut offload = self.offload?;
+        let model_buffers: Vec<(&BufferKey, u64)> =
+            self.buffers().filter(|(key, _)| key.kind == BufferKind::Model).collect();
+        let on_device = model_buffers.iter().any(|(key, bytes)| *bytes > 0 && !is_host_buffer(&key.buffer));
+        // Without buffer lines there is nothing to check the line against.
+        if !model_buffers.is_empty() && !on_device {
+            offload.gpu_layers = 0;
+        }
+        Some(offload)
     }
 
     /// Every buffer size of the load, in key order.
@@ -784,12 +842,12 @@ mod tests {
             assert!(splitter.push(chunk).is_empty());
             assert!(splitter.buf.len() <= 16 && splitter.buf.capacity() <= 32);
         }
-        assert_eq!(splitter.push(b"\r\nnext\n"), [format!("{} [… 999984 bytes cut]", "x".repeat(16)), "next".into()]);
+        assert_eq!(splitter.push(b"\r\nnext\n"), [format!("{} [… 976.5 KiB cut]", "x".repeat(16)), "next".into()]);
         // Exactly at the cap is not cut, nor is the `\r` of `\r\n` just past it.
         assert_eq!(splitter.push(&[b"y".repeat(16).as_slice(), b"\r\n"].concat()), ["y".repeat(16)]);
         // Cut without a newline at the end.
         assert!(splitter.push(&b"z".repeat(20)).is_empty());
-        assert_eq!(splitter.finish(), Some(format!("{} [… 4 bytes cut]", "z".repeat(16))));
+        assert_eq!(splitter.finish(), Some(format!("{} [… 4 B cut]", "z".repeat(16))));
     }
 
     #[test]
@@ -797,10 +855,10 @@ mod tests {
         // 14 ASCII bytes, then a 3-byte euro sign across the 16-byte cap.
         let mut splitter = LineSplitter::with_max_line(16);
         let line = [b"a".repeat(14).as_slice(), "€€".as_bytes(), b"\n"].concat();
-        assert_eq!(splitter.push(&line), [format!("{} [… 6 bytes cut]", "a".repeat(14))]);
+        assert_eq!(splitter.push(&line), [format!("{} [… 6 B cut]", "a".repeat(14))]);
         // An invalid byte at the cut stays a replacement character.
         let line = [b"a".repeat(15).as_slice(), b"\xff\xff\n"].concat();
-        assert_eq!(splitter.push(&line), [format!("{}\u{fffd} [… 1 bytes cut]", "a".repeat(15))]);
+        assert_eq!(splitter.push(&line), [format!("{}\u{fffd} [… 1 B cut]", "a".repeat(15))]);
     }
 
     #[test]
@@ -1342,6 +1400,67 @@ mod tests {
             let _ = report.feed(line);
         }
         report
+    }
+
+    #[test]
+    fn per_request_chatter_is_debug_and_the_load_stays_info() {
+        // A served transcript: two requests after the load.
+        let lines = split_all(&mut LineSplitter::new(), &[&read_golden("cpu-ngl0.log")]);
+        let listening = lines.iter().position(|l| l.contains("listening on")).expect("a listening line");
+        let mut priorities = Priorities::default();
+        let all: Vec<u8> = lines.iter().map(|l| priorities.of(&parse_line(l))).collect();
+        let info_after: Vec<&String> = lines[listening + 1..]
+            .iter()
+            .zip(&all[listening + 1..])
+            .filter(|(l, p)| **p == 6 && !l.contains("common_memory_breakdown_print"))
+            .map(|(l, _)| l)
+            .collect();
+        assert!(info_after.is_empty(), "per-request lines at info: {info_after:#?}");
+        let debug_after = all[listening + 1..].iter().filter(|p| u32::from(**p) == 7).count();
+        assert!(debug_after >= 20, "the chatter is kept, at debug: {debug_after}");
+        // The load's milestones, warnings and errors keep their level.
+        for (line, priority) in [
+            ("0.00.014.881 I srv  llama_server: model loaded", 6),
+            ("0.00.014.897 I srv  llama_server: listening on unix:///x.sock", 6),
+            ("0.00.012.443 I srv    load_model: initializing, n_slots = 4", 6),
+            ("0.00.008.868 I load_tensors: offloaded 0/5 layers to GPU", 6),
+            ("0.00.030.463 I slot print_timing: id  3 | task 0 | prompt eval time = 3.79 ms", 7),
+            ("0.00.014.953 I srv  update_slots: all slots are idle", 7),
+            ("0.00.050.000 W srv          stop: cancel task, id_task = 3", 4),
+            ("0.00.050.000 E srv    send_error: task id = 4, error: x", 3),
+        ] {
+            assert_eq!(parse_line(line).priority(), priority, "{line}");
+        }
+        // The idle line is still the task loop's milestone, whatever its priority.
+        assert_eq!(parse_line("I srv  update_slots: all slots are idle").event, Some(LogEvent::SlotsIdle));
+    }
+
+    #[test]
+    fn layers_count_as_offloaded_only_when_a_device_holds_model_bytes() {
+        // An RPC-enabled build with no device prints a full offload while every weight
+        // sits in a CPU buffer (the CPU-only host): nothing is on a GPU.
+        let cpu_only = report_of(&[
+            "0.00.008.868 I load_tensors: offloaded 5/5 layers to GPU".to_owned(),
+            "0.00.008.869 I load_tensors:   CPU_Mapped model buffer size =     0.43 MiB".to_owned(),
+            "0.00.009.060 I llama_kv_cache:        CPU KV buffer size =     1.00 MiB".to_owned(),
+        ]);
+        assert_eq!(cpu_only.offload(), Some(Offload { gpu_layers: 0, total_layers: 5 }));
+        assert_eq!(cpu_only.vram_bytes(), 0);
+        // A device buffer that holds nothing is no offload either.
+        let empty_device = report_of(&[
+            "I load_tensors: offloaded 5/5 layers to GPU".to_owned(),
+            "I load_tensors:   CPU_Mapped model buffer size =     0.43 MiB".to_owned(),
+            "I load_tensors: CUDA0 model buffer size =     0.00 MiB".to_owned(),
+        ]);
+        assert_eq!(empty_device.offload().map(|o| o.gpu_layers), Some(0));
+        // Weights on a device: the line's figures stand (partial and full).
+        let mut full = report_of(&split_all(&mut LineSplitter::new(), &[&read_golden("rpc-ngl99.log")]));
+        assert_eq!(full.offload(), Some(Offload { gpu_layers: 5, total_layers: 5 }));
+        let partial = report_of(&split_all(&mut LineSplitter::new(), &[&read_golden("rpc-ngl2.log")]));
+        assert_eq!(partial.offload(), Some(Offload { gpu_layers: 2, total_layers: 5 }));
+        // No buffer lines at all: nothing to check against, the line is taken as said.
+        full = report_of(&["I load_tensors: offloaded 3/5 layers to GPU".to_owned()]);
+        assert_eq!(full.offload().map(|o| o.gpu_layers), Some(3));
     }
 
     #[test]

@@ -297,7 +297,8 @@ pub async fn load(config: &SupervisorConfig, spec: &RunnerSpec) -> Result<Runner
                 corral_event = "load-retry",
                 corral_model = %spec.model,
                 error = %e,
-                "out of memory with the projector on the GPU; retrying with the projector on the CPU"
+                "{}: out of memory with the projector on the GPU; retrying with the projector on the CPU",
+                spec.model
             );
             let placement = Placement { projector_on_cpu: true, ..spec.placement.clone() };
             load_once(config, spec, &placement).await
@@ -507,7 +508,8 @@ impl ChildWatcher {
                 corral_event = "crash",
                 corral_model = %self.model,
                 corral_runner_pid = self.pid.as_raw(),
-                "runner ended: {ended}"
+                "the runner of {} ended: {ended}",
+                self.model
             );
         }
         if let Some(ready) = ready.take() {
@@ -548,10 +550,10 @@ impl ChildWatcher {
             corral_total_layers = total_layers,
             corral_vram_bytes = report.vram_bytes(),
             corral_ram_bytes = report.ram_bytes(),
-            "{}: {gpu_layers}/{total_layers} layers on GPU, {} bytes of VRAM, {} bytes of RAM",
+            "{}: {gpu_layers} of {total_layers} layers on GPUs, {} of VRAM, {} of RAM",
             self.model,
-            report.vram_bytes(),
-            report.ram_bytes(),
+            crate::units::bytes(report.vram_bytes()),
+            crate::units::bytes(report.ram_bytes()),
         );
     }
 

@@ -208,7 +208,7 @@ async fn bad_calls_get_named_errors_and_change_nothing() {
         (
             "does not fit",
             manager.load("chat", HashMap::new()).await.map(drop),
-            "InsufficientMemory: model chat:latest needs",
+            "InsufficientMemory: model 'chat:latest' needs",
         ),
         ("unload not loaded", manager.unload("chat").await, "NotLoaded"),
         (
@@ -278,7 +278,7 @@ async fn failed_loads_a_full_queue_and_a_read_only_store_are_named() {
     let connection = daemon.connect().await;
     let manager = uncached_manager(&connection).await;
     let err = manager.load("chat", HashMap::new()).await.expect_err("cannot load").to_string();
-    assert!(err.contains("org.corral.Corral1.Error.LoadFailed: model chat:latest failed to load"), "{err}");
+    assert!(err.contains("org.corral.Corral1.Error.LoadFailed: model 'chat:latest' failed to load"), "{err}");
     let path = manager.get_model("chat").await.expect("GetModel");
     let chat = model(&connection, &path).await;
     assert_eq!(chat.state().await.expect("State"), "failed");

@@ -141,6 +141,8 @@ async fn create_from_an_uploaded_blob_streams_statuses_and_shows() {
     assert!(lines.len() > 1, "{lines:?}");
     assert!(lines.iter().all(|l| l["status"].is_string()), "{lines:?}");
     assert_eq!(lines.last(), Some(&json!({"status": "success"})));
+    let successes = lines.iter().filter(|l| l["status"] == "success").count();
+    assert_eq!(successes, 1, "success is streamed once: {lines:?}");
 
     let (status, shown) = post(&state, "/api/show", &json!({"model": "mine"})).await;
     assert_eq!(status, StatusCode::OK, "{shown}");

@@ -22,6 +22,7 @@ mod http_openai;
 mod http_store;
 mod journald;
 mod llama_server;
+mod models_habits;
 mod packages;
 mod private_bus;
 mod registry;

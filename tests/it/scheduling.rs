@@ -125,7 +125,7 @@ fn corrald_preloads_a_configured_model_reports_it_and_reaps_it_at_stop() {
     let notify = NotifyListener::start();
     let (mut corrald, port) = corrald_with(dir.path(), "[models.\"chat\"]\npreload = true\npinned = true\n", &notify);
     notify.wait_for("READY", "1", WAIT);
-    notify.wait_for("STATUS", &format!("serving on 127.0.0.1:{port}; 1 models loaded"), WAIT);
+    notify.wait_for("STATUS", &format!("serving on 127.0.0.1:{port}; 1 model loaded"), WAIT);
     corrald.wait_stderr("corral_event=\"offload\"", WAIT);
     corrald.wait_stderr("corral_runner_pid=", WAIT);
     let pids = runner_pids(&corrald);

@@ -221,7 +221,7 @@ fn a_preloaded_model_runs_in_its_own_cgroup_and_logs_to_the_journal() {
     ct.run(&["systemctl", "start", "corrald.service"]);
     poll_until(SETTLE, "corrald to report the loaded model", || {
         let status = ct.unit_property("corrald.service", "StatusText");
-        if status.ends_with("1 models loaded") { Ok(()) } else { Err(status) }
+        if status.ends_with("1 model loaded") { Ok(()) } else { Err(status) }
     });
     let offload = wait_event(&ct, "offload");
     assert!(offload.contains("chat:latest"), "{offload}");
