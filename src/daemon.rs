@@ -10,7 +10,7 @@
 //! the next connection waits in their backlog and starts a new instance.
 
 use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -52,6 +52,8 @@ use crate::systemd::{JOURNAL_SOCKET, JournalWriter};
 pub struct Daemon {
     /// Where the configuration came from, to read it again on reload.
     pub source: ConfigSource,
+    /// The layer under the files (`corrald --user`), applied again on reload.
+    pub base: toml::Table,
     /// The configuration at start.
     pub loaded: Loaded,
     /// The working directories.
@@ -68,7 +70,7 @@ pub struct Daemon {
 
 /// Runs the daemon until SIGTERM or SIGINT, then shuts down within `[server] shutdown_timeout`.
 pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
-    let Daemon { source, loaded, paths, sockets, notifier, watchdog, log_target } = daemon;
+    let Daemon { source, base, loaded, paths, sockets, notifier, watchdog, log_target } = daemon;
     let mut loaded = loaded;
     // Handlers first: a signal that arrives during start-up must not kill the process.
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
@@ -76,6 +78,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let mut sighup = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
 
     log_start(&loaded, &paths);
+    check_llama_server(&loaded.config.runner.llama_server);
 
     raise_open_files_limit();
     // Taking the cgroup tree moves the daemon into its leaf; runners become its siblings.
@@ -123,7 +126,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
             _ = sigterm.recv() => break None,
             _ = sigint.recv() => break None,
             _ = sighup.recv() => {
-                if reload(&source, &mut loaded, socket_activated, &notifier) {
+                if reload(&source, &base, &mut loaded, socket_activated, &notifier) {
                     scheduler.reconfigure(limits(&loaded.config, gpu_count)).await;
                 }
                 notifier.ready(&status);
@@ -189,6 +192,136 @@ fn log_start(loaded: &Loaded, paths: &Paths) {
         runtime_directory = %paths.runtime.display(),
         "corrald {} starting",
         http::VERSION,
+    );
+}
+
+/// Why the configured llama-server cannot run.  Each message names the key, so that the
+/// reader knows what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum LlamaServerProblem {
+    /// A bare name that no directory on `PATH` holds as an executable.
+    #[error(
+        "[runner] llama_server: \"{name}\" is not found on PATH ({path}); models cannot load until it is \
+         installed there or [runner] llama_server names the executable"
+    )]
+    NotOnPath {
+        /// The configured name.
+        name: String,
+        /// The `PATH` searched.
+        path: String,
+    },
+    /// A path that names nothing, or something that is not an executable file.
+    #[error("[runner] llama_server: {} {why}; models cannot load until it names the llama-server executable", .path.display())]
+    Unusable {
+        /// The configured path.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: String,
+    },
+}
+
+/// Where `llama_server` (a path, or a bare name looked up on `PATH`) resolves to, or why it
+/// cannot run.  A handful of lines, so no crate: the child's `PATH` is the daemon's.
+pub fn find_llama_server(llama_server: &Path) -> Result<PathBuf, LlamaServerProblem> {
+    if llama_server.components().count() > 1 || llama_server.is_absolute() {
+        return executable(llama_server).map(|()| llama_server.to_owned()).map_err(|why| {
+            LlamaServerProblem::Unusable { path: llama_server.to_owned(), why }
+        });
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(llama_server))
+        .find(|candidate| executable(candidate).is_ok())
+        .ok_or_else(|| LlamaServerProblem::NotOnPath {
+            name: llama_server.display().to_string(),
+            path: path.to_string_lossy().into_owned(),
+        })
+}
+
+/// Ok when `path` is a file this process may execute, else why not.
+fn executable(path: &Path) -> Result<(), String> {
+    let metadata = std::fs::metadata(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => "does not exist".to_owned(),
+        _ => format!("cannot be read: {e}"),
+    })?;
+    if !metadata.is_file() {
+        return Err("is not a file".to_owned());
+    }
+    nix::unistd::access(path, nix::unistd::AccessFlags::X_OK).map_err(|e| format!("is not executable: {}", e.desc()))
+}
+
+/// Checks `[runner] llama_server` at start: a warning now, naming the key and the path,
+/// instead of an error at the first chat.  The daemon starts either way (the store can
+/// still be used, and llama-server may be installed later).
+fn check_llama_server(llama_server: &Path) {
+    match find_llama_server(llama_server) {
+        Ok(found) => tracing::debug!(llama_server = %found.display(), "llama-server is {}", found.display()),
+        Err(e) => tracing::warn!(corral_event = "llama_server", error = %e, "{e}"),
+    }
+}
+
+/// With a rejected configuration: answers the connections systemd passed (the ones that
+/// started this instance, and those that come while it lingers) with 503 and the reason,
+/// until none came for a few seconds.  Without this, each waiting connection would start
+/// corrald again, and five failed starts in ten seconds stop corrald.socket.
+pub async fn refuse(sockets: Vec<(String, OwnedFd)>, reason: &str) {
+    /// The quiet time before exiting: longer than the start limit's 10 s / 5 starts, so a
+    /// steady client can never drive corrald.socket into its start limit.
+    const QUIET: Duration = Duration::from_secs(3);
+    /// The longest stay, well within systemd's start timeout.
+    const LINGER: Duration = Duration::from_secs(30);
+    if sockets.is_empty() {
+        return;
+    }
+    let listeners = match listeners::adopt(sockets) {
+        Ok(listeners) => listeners,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot answer the waiting connections: {e}");
+            return;
+        }
+    };
+    let message = crate::redact::for_client(
+        format!(
+            "corrald is not running: its configuration is rejected ({reason}); see `journalctl -u corrald` \
+             or run `corrald --check-config`"
+        ),
+        "config",
+    );
+    let body = Arc::new(serde_json::json!({ "error": message }).to_string());
+    let answered = Arc::new(AtomicU64::new(0));
+    let router = axum::Router::new().fallback({
+        let (body, answered) = (body.clone(), answered.clone());
+        move || {
+            answered.fetch_add(1, Ordering::Relaxed);
+            let body = (*body).clone();
+            async move {
+                (
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    [(axum::http::header::CONTENT_TYPE, "application/json; charset=utf-8")],
+                    body,
+                )
+            }
+        }
+    });
+    let shutdown = CancellationToken::new();
+    let mut servers = JoinSet::new();
+    for listener in listeners {
+        servers.spawn(listener.serve(router.clone(), Duration::from_secs(5), shutdown.clone()));
+    }
+    let started = Instant::now();
+    loop {
+        let before = answered.load(Ordering::Relaxed);
+        tokio::time::sleep(QUIET).await;
+        if answered.load(Ordering::Relaxed) == before || started.elapsed() >= LINGER {
+            break;
+        }
+    }
+    shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(2), async { while servers.join_next().await.is_some() {} }).await;
+    tracing::info!(
+        answered = answered.load(Ordering::Relaxed),
+        "answered {} waiting requests with the configuration error",
+        answered.load(Ordering::Relaxed)
     );
 }
 
@@ -277,7 +410,11 @@ async fn watchdog_ping(notifier: &Notifier, scheduler: &Handle, within: Duration
             false
         }
         Err(_) => {
-            tracing::error!(timeout = ?within, "the scheduler did not answer within {within:?}; no watchdog ping");
+            tracing::error!(
+                timeout = ?within,
+                "the scheduler did not answer within {}; no watchdog ping",
+                crate::durations::human(within)
+            );
             false
         }
     }
@@ -410,7 +547,7 @@ fn idle_exit_due(
         corral_event = "idle",
         idle_limit = ?limit,
         "nothing loaded or in flight for {}; exiting until the next connection",
-        humantime::format_duration(limit)
+        crate::durations::human(limit)
     );
     true
 }
@@ -587,16 +724,40 @@ fn take_cgroup_tree() -> Option<CgroupTree> {
 }
 
 /// Reads the configuration again; an invalid one is rejected and the current one kept.
-/// Returns whether a new one was applied.
-fn reload(source: &ConfigSource, current: &mut Loaded, socket_activated: bool, notifier: &Notifier) -> bool {
+/// Returns whether a new one was applied.  The entry says which changed keys take effect
+/// only at the next restart.
+fn reload(
+    source: &ConfigSource,
+    base: &toml::Table,
+    current: &mut Loaded,
+    socket_activated: bool,
+    notifier: &Notifier,
+) -> bool {
     notifier.reloading();
-    match source.load() {
+    match source.load_over(base.clone()) {
         Ok(new) => {
-            if !socket_activated && new.config.server.listen != current.config.server.listen {
-                tracing::warn!("server.listen changed; the new addresses take effect at the next start");
-            }
+            let changed = changed_keys(&current.table, &new.table);
+            let later: Vec<String> =
+                changed.iter().filter(|key| !applies_on_reload(key)).map(|key| shown_key(key)).collect();
+            let listen_unused = socket_activated && changed.iter().any(|k| k.first().is_some_and(|t| t == "server") && k.get(1).is_some_and(|k| k == "listen"));
             *current = new;
-            tracing::info!(corral_event = "reload", config_files = ?current.files, "configuration reloaded");
+            if later.is_empty() {
+                tracing::info!(corral_event = "reload", config_files = ?current.files, "configuration reloaded");
+            } else {
+                let list = later.join(", ");
+                let socket_note = if listen_unused {
+                    "; [server] listen applies only when systemd passes no socket (edit corrald.socket instead)"
+                } else {
+                    ""
+                };
+                tracing::warn!(
+                    corral_event = "reload",
+                    config_files = ?current.files,
+                    restart_needed = %list,
+                    "configuration reloaded, but these changed keys take effect only at the next restart \
+                     (`systemctl restart corrald`): {list}{socket_note}"
+                );
+            }
             true
         }
         Err(e) => {
@@ -607,6 +768,59 @@ fn reload(source: &ConfigSource, current: &mut Loaded, socket_activated: bool, n
             );
             false
         }
+    }
+}
+
+/// The keys a reload applies to the running daemon; every other key is read at start only.
+/// (A key added later needs a restart until it is added here.)
+const RELOADED_KEYS: &[&str] = &[
+    "scheduler.keep_alive",
+    "scheduler.keep_alive_min",
+    "scheduler.keep_alive_max",
+    "scheduler.max_loaded_models",
+    "scheduler.max_queue",
+    "server.exit_on_idle",
+    "server.shutdown_timeout",
+];
+
+fn applies_on_reload(key: &[String]) -> bool {
+    RELOADED_KEYS.contains(&key.join(".").as_str())
+}
+
+/// `["server", "listen"]` as people write it: `[server] listen`; a model's policy as
+/// `[models."NAME"] preload`.
+fn shown_key(key: &[String]) -> String {
+    match key {
+        [table] => format!("[{table}]"),
+        [models, name, rest @ ..] if models == "models" => {
+            let table = format!("[models.\"{name}\"]");
+            if rest.is_empty() { table } else { format!("{table} {}", rest.join(".")) }
+        }
+        [table, rest @ ..] => format!("[{table}] {}", rest.join(".")),
+        [] => String::new(),
+    }
+}
+
+/// The keys whose value differs between two merged configurations (set, changed or
+/// removed), down to the leaves of tables; arrays count as one value.
+fn changed_keys(old: &toml::Table, new: &toml::Table) -> Vec<Vec<String>> {
+    let mut changed = Vec::new();
+    diff_tables(&mut Vec::new(), old, new, &mut changed);
+    changed
+}
+
+fn diff_tables(prefix: &mut Vec<String>, old: &toml::Table, new: &toml::Table, out: &mut Vec<Vec<String>>) {
+    let keys: std::collections::BTreeSet<&String> = old.keys().chain(new.keys()).collect();
+    for key in keys {
+        prefix.push(key.clone());
+        match (old.get(key), new.get(key)) {
+            (Some(toml::Value::Table(a)), Some(toml::Value::Table(b))) => diff_tables(prefix, a, b, out),
+            (Some(toml::Value::Table(a)), None) => diff_tables(prefix, a, &toml::Table::new(), out),
+            (None, Some(toml::Value::Table(b))) => diff_tables(prefix, &toml::Table::new(), b, out),
+            (a, b) if a != b => out.push(prefix.clone()),
+            _ => {}
+        }
+        prefix.pop();
     }
 }
 

@@ -83,7 +83,8 @@ pub enum ScheduleError {
     },
     /// The model crashed recently; loads wait before trying again.
     #[error(
-        "model {model} failed {failures} times in a row, the last time with: {reason}; retrying after {retry_in:?}"
+        "model {model} failed {failures} times in a row, the last time with: {reason}; retrying after {}",
+        crate::durations::human(*retry_in)
     )]
     BackingOff {
         /// The model.
