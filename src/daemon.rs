@@ -224,9 +224,9 @@ pub enum LlamaServerProblem {
 /// cannot run.  A handful of lines, so no crate: the child's `PATH` is the daemon's.
 pub fn find_llama_server(llama_server: &Path) -> Result<PathBuf, LlamaServerProblem> {
     if llama_server.components().count() > 1 || llama_server.is_absolute() {
-        return executable(llama_server).map(|()| llama_server.to_owned()).map_err(|why| {
-            LlamaServerProblem::Unusable { path: llama_server.to_owned(), why }
-        });
+        return executable(llama_server)
+            .map(|()| llama_server.to_owned())
+            .map_err(|why| LlamaServerProblem::Unusable { path: llama_server.to_owned(), why });
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
@@ -739,7 +739,10 @@ fn reload(
             let changed = changed_keys(&current.table, &new.table);
             let later: Vec<String> =
                 changed.iter().filter(|key| !applies_on_reload(key)).map(|key| shown_key(key)).collect();
-            let listen_unused = socket_activated && changed.iter().any(|k| k.first().is_some_and(|t| t == "server") && k.get(1).is_some_and(|k| k == "listen"));
+            let listen_unused = socket_activated
+                && changed
+                    .iter()
+                    .any(|k| k.first().is_some_and(|t| t == "server") && k.get(1).is_some_and(|k| k == "listen"));
             *current = new;
             if later.is_empty() {
                 tracing::info!(corral_event = "reload", config_files = ?current.files, "configuration reloaded");
@@ -994,6 +997,58 @@ mod tests {
         assert!(watchdog_ping(&notifier, &handle, Duration::from_secs(30)).await);
         let n = manager.recv(&mut buf).expect("a message");
         assert_eq!(&buf[..n], b"WATCHDOG=1\n");
+    }
+
+    fn table(text: &str) -> toml::Table {
+        toml::from_str(text).expect("toml")
+    }
+
+    #[test]
+    fn a_reload_names_every_changed_key_that_needs_a_restart() {
+        let old = table(
+            "[server]\nlisten = [\"127.0.0.1:1\"]\n[scheduler]\nkeep_alive = \"5m\"\n[models.\"chat\"]\npreload = true\n",
+        );
+        let new = table(
+            "[server]\nlisten = [\"127.0.0.1:2\"]\n[scheduler]\nkeep_alive = \"9m\"\nmax_queue = 3\n\
+             [store]\npath = \"/x\"\n[runner]\nstream_idle_timeout = \"1m\"\n[dbus]\nbus = \"off\"\n",
+        );
+        let changed = super::changed_keys(&old, &new);
+        let later: Vec<String> =
+            changed.iter().filter(|k| !super::applies_on_reload(k)).map(|k| super::shown_key(k)).collect();
+        assert_eq!(
+            later,
+            [
+                "[dbus] bus",
+                "[models.\"chat\"] preload",
+                "[runner] stream_idle_timeout",
+                "[server] listen",
+                "[store] path"
+            ]
+        );
+        let live: Vec<String> = changed.iter().filter(|k| super::applies_on_reload(k)).map(|k| k.join(".")).collect();
+        assert_eq!(live, ["scheduler.keep_alive", "scheduler.max_queue"]);
+        assert!(super::changed_keys(&old, &old).is_empty());
+    }
+
+    #[test]
+    fn a_missing_or_unusable_llama_server_names_the_key_and_the_path() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let missing = dir.path().join("llama-server");
+        let text = super::find_llama_server(&missing).expect_err("missing").to_string();
+        assert!(text.starts_with("[runner] llama_server: "), "{text}");
+        assert!(text.contains(&format!("{} does not exist", missing.display())), "{text}");
+        std::fs::write(&missing, "#!/bin/sh\n").expect("write");
+        let text = super::find_llama_server(&missing).expect_err("not executable").to_string();
+        assert!(text.contains("is not executable"), "{text}");
+        let text = super::find_llama_server(dir.path()).expect_err("a directory").to_string();
+        assert!(text.contains("is not a file"), "{text}");
+        let text =
+            super::find_llama_server(std::path::Path::new("no-such-llama-server-here")).expect_err("none").to_string();
+        assert!(text.contains("\"no-such-llama-server-here\" is not found on PATH ("), "{text}");
+        assert_eq!(
+            super::find_llama_server(std::path::Path::new("sh")).expect("sh is on PATH").file_name(),
+            Some("sh".as_ref())
+        );
     }
 
     const QUIET: Activity = Activity { runners: 0, queued: 0, in_flight: 0, started: 0 };

@@ -30,7 +30,11 @@ impl fmt::Display for Human {
         if d < Duration::from_secs(10) {
             // One decimal, rounded; "5 s" rather than "5.0 s".
             let tenths = (millis + 50) / 100;
-            return if tenths % 10 == 0 { write!(f, "{} s", tenths / 10) } else { write!(f, "{}.{} s", tenths / 10, tenths % 10) };
+            return if tenths % 10 == 0 {
+                write!(f, "{} s", tenths / 10)
+            } else {
+                write!(f, "{}.{} s", tenths / 10, tenths % 10)
+            };
         }
         let secs = (millis + 500) / 1000;
         let (days, hours, mins, secs) = (secs / 86_400, secs / 3600 % 24, secs / 60 % 60, secs % 60);

@@ -13,6 +13,7 @@ pub mod bus;
 pub mod chat;
 pub mod cli;
 pub mod commands;
+pub mod completion;
 pub mod error;
 pub mod job;
 pub mod modelfile;
@@ -25,7 +26,7 @@ use std::path::PathBuf;
 
 use clap::CommandFactory;
 
-use self::bus::Bus;
+use self::bus::{Access, Bus, Choice};
 use self::cli::{Cli, Command};
 use self::commands::Style;
 use self::error::CtlError;
@@ -46,7 +47,7 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
         Command::Completions { shell } => {
             let mut script = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "corralctl", &mut script);
-            output::print(&String::from_utf8_lossy(&script))
+            output::print(&completion::with_model_names(shell, &String::from_utf8_lossy(&script)))
         }
         Command::Run(args) => {
             let chat = chat::Chat {
@@ -60,9 +61,15 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
             chat::run(chat, args.prompt.as_deref()).await
         }
         command => {
-            let bus = Bus::connect(cli.session).await?;
+            let choice = match (cli.session, cli.system) {
+                (true, _) => Choice::Session,
+                (_, true) => Choice::System,
+                _ => Choice::Auto,
+            };
+            let bus = Bus::connect(choice, access(&command)).await?;
             match command {
-                Command::List => commands::list(&bus, style).await,
+                Command::List { quiet: true } => commands::names(&bus).await,
+                Command::List { quiet: false } => commands::list(&bus, style).await,
                 Command::Ps => commands::ps(&bus, style).await,
                 Command::Show { model } => commands::show(&bus, style, &model).await,
                 Command::Load(args) => commands::load(&bus, style, &args).await,
@@ -78,5 +85,13 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
                 Command::Completions { .. } | Command::Run(_) => unreachable!("handled above"),
             }
         }
+    }
+}
+
+/// Whether `command` only reads (and must not start corrald) or changes something.
+fn access(command: &Command) -> Access {
+    match command {
+        Command::List { .. } | Command::Ps | Command::Show { .. } | Command::Status => Access::Read,
+        _ => Access::Change,
     }
 }
