@@ -15,6 +15,11 @@ what=${1:-deb}
 case $what in deb | rpm | all) ;; *) echo "usage: $0 [deb|rpm|all]" >&2; exit 2 ;; esac
 
 cargo build --release --locked --bin corrald --bin corralctl >&2
+# Shell completions come from the binary itself, so they always match its command line.
+mkdir -p target/completions
+target/release/corralctl completions bash >target/completions/corralctl
+target/release/corralctl completions zsh >target/completions/_corralctl
+target/release/corralctl completions fish >target/completions/corralctl.fish
 
 if [[ $what == deb || $what == all ]]; then
     bin=$(scripts/setup-packaging.sh)

@@ -224,8 +224,10 @@ impl Diagnosis {
     fn message(&self, detail: &str) -> String {
         let user = if self.bus == "session" { " --user" } else { "" };
         let Some(state) = &self.state else {
+            let reading = if self.reading { "; reading does not start it" } else { "" };
             return format!(
-                "corrald is not running (or not on the {} bus): start it with `systemctl{user} start corrald` ({detail})",
+                "corrald is not running (or not on the {} bus): start it with `systemctl{user} start corrald`{reading} \
+                 ({detail})",
                 self.bus
             );
         };
