@@ -196,7 +196,7 @@ async fn unit_properties(
 ) -> Option<std::collections::HashMap<String, zbus::zvariant::OwnedValue>> {
     let props = properties(connection, escaped).await?;
     let interface = zbus::names::InterfaceName::try_from("org.freedesktop.systemd1.Unit").ok()?;
-    props.get_all(interface.into()).await.ok()
+    props.get_all(interface).await.ok()
 }
 
 async fn properties(connection: &zbus::Connection, escaped: &str) -> Option<zbus::fdo::PropertiesProxy<'static>> {

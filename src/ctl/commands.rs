@@ -391,5 +391,9 @@ pub async fn names(bus: &Bus) -> Result<(), CtlError> {
     let mut names: Vec<String> = manager.list_models().await.or_bus(bus)?.into_iter().map(|(name, ..)| name).collect();
     names.sort();
     names.dedup();
-    print(&names.iter().map(|n| format!("{n}\n")).collect::<String>())
+    let mut text = names.join("\n");
+    if !text.is_empty() {
+        text.push('\n');
+    }
+    print(&text)
 }

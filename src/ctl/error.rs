@@ -263,10 +263,10 @@ impl Diagnosis {
             format!("corrald is not running: start it with `systemctl{user} start corrald` ({detail})")
         };
         if state.socket_result == "service-start-limit-hit" || state.socket_active == "failed" {
-            message.push_str(&format!(
-                "; corrald.socket stopped after too many failed starts, so port 11434 is closed: \
+            message = format!(
+                "{message}; corrald.socket stopped after too many failed starts, so port 11434 is closed: \
                  `systemctl{user} reset-failed corrald.socket corrald.service && systemctl{user} start corrald.socket`"
-            ));
+            );
         }
         message
     }
