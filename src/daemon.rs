@@ -256,7 +256,7 @@ fn executable(path: &Path) -> Result<(), String> {
 fn check_llama_server(llama_server: &Path) {
     match find_llama_server(llama_server) {
         Ok(found) => tracing::debug!(llama_server = %found.display(), "llama-server is {}", found.display()),
-        Err(e) => tracing::warn!(corral_event = "llama_server", error = %e, "{e}"),
+        Err(e) => tracing::warn!(error = %e, "{e}"),
     }
 }
 
