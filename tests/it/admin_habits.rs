@@ -269,3 +269,18 @@ fn bash_completes_model_names_from_corrald() {
     // Elsewhere, clap's own completion: subcommands.
     assert!(text.contains("sub:pull\nsub:push\n"), "{text}");
 }
+
+/// corrald(8) points only at what the packages ship, and at corral.toml(5).
+#[test]
+fn the_daemon_manual_names_shipped_files_and_the_configuration_manual() {
+    let root = crate::support::container::repo_root();
+    let page = std::fs::read_to_string(root.join("packaging/man/corrald.8")).expect("corrald.8");
+    let see_also = page.split(".SH SEE ALSO").nth(1).expect("a SEE ALSO section");
+    assert!(see_also.contains(".BR corral.toml (5)"), "{see_also}");
+    let cargo = std::fs::read_to_string(root.join("Cargo.toml")).expect("Cargo.toml");
+    for doc in page.split_whitespace().filter(|w| w.contains("/usr/share/doc/")) {
+        let shipped = doc.trim_start_matches("/usr/share/doc/corral/").trim_end_matches(['.', ',']);
+        assert!(cargo.contains(&format!("\"{shipped}\", \"usr/share/doc/corral/")), "corrald(8) names {doc}, which is not shipped");
+    }
+    assert!(page.contains("RestartPreventExitStatus=78") && page.contains("\\-\\-user"), "{page}");
+}
