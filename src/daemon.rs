@@ -78,11 +78,12 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let mut sighup = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
 
     log_start(&loaded, &paths);
-    check_llama_server(&loaded.config.runner.llama_server);
 
     raise_open_files_limit();
     // Taking the cgroup tree moves the daemon into its leaf; runners become its siblings.
     let cgroups = take_cgroup_tree();
+    // After the move: the probe's child must not land in the service's own cgroup.
+    check_llama_server(&loaded.config.runner.llama_server);
     let store = open_store(&loaded.config, &paths).await?;
     start_gc(&loaded.config, &store);
     // Listen before any runner starts: a start that fails to listen leaves nothing behind.
@@ -255,9 +256,45 @@ fn executable(path: &Path) -> Result<(), String> {
 /// still be used, and llama-server may be installed later).
 fn check_llama_server(llama_server: &Path) {
     match find_llama_server(llama_server) {
-        Ok(found) => tracing::debug!(llama_server = %found.display(), "llama-server is {}", found.display()),
+        Ok(found) => {
+            tracing::debug!(llama_server = %found.display(), "llama-server is {}", found.display());
+            // A wrong program (another tool, a broken build) is found by asking it, in the
+            // background: readiness does not wait for it.
+            tokio::spawn(probe_llama_server(found));
+        }
         Err(e) => tracing::warn!(error = %e, "{e}"),
     }
+}
+
+/// Runs `llama-server --version` and warns, naming the key and the path, unless it
+/// answers as llama.cpp's builds do (`version: ...`).
+async fn probe_llama_server(path: PathBuf) {
+    const WITHIN: Duration = Duration::from_secs(10);
+    let run = tokio::process::Command::new(&path)
+        .arg("--version")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let problem = match tokio::time::timeout(WITHIN, run).await {
+        Ok(Ok(out)) => {
+            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            if out.status.success() && text.lines().any(|l| l.starts_with("version: ")) {
+                let version = text.lines().find(|l| l.starts_with("version: ")).unwrap_or_default();
+                tracing::debug!(llama_server = %path.display(), "llama-server's {version}");
+                return;
+            }
+            let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("nothing").trim().to_owned();
+            format!("`--version` exited with {} and printed \"{first}\"", out.status)
+        }
+        Ok(Err(e)) => format!("it cannot be run: {e}"),
+        Err(_) => format!("`--version` did not answer within {}", crate::durations::human(WITHIN)),
+    };
+    tracing::warn!(
+        llama_server = %path.display(),
+        "[runner] llama_server: {} does not look like llama.cpp's llama-server ({problem}); loads will fail \
+         until it names the llama-server executable",
+        path.display()
+    );
 }
 
 /// With a rejected configuration: answers the connections systemd passed (the ones that

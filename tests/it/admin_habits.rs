@@ -101,6 +101,20 @@ fn a_missing_llama_server_is_named_at_start_and_at_load_without_its_path_for_cli
     // The journal (here stderr) has the whole path.
     corrald.wait_stderr(&format!("cannot start llama-server ([runner] llama_server = {})", missing.display()), WAIT);
 
+    // A program that is not llama-server is named too (asked for its version).
+    let wrong = write_config(
+        dir.path(),
+        "wrong.toml",
+        &format!(
+            "[server]\nlisten = [\"127.0.0.1:{}\"]\n[runner]\nllama_server = \"/bin/true\"\n[dbus]\nbus = \"off\"\n\
+             [gpu]\nfixed = true\nhost_memory = \"2GiB\"\n[store]\npath = \"{}\"\n",
+            free_port(),
+            dir.path().join("models").display()
+        ),
+    );
+    let other = Corrald::start(&["--config", wrong.to_str().expect("utf-8")], None);
+    other.wait_stderr("[runner] llama_server: /bin/true does not look like llama.cpp's llama-server", WAIT);
+
     // --check-config warns too, and still says the configuration is valid.
     let out = output_within(Command::new(CORRALD).args(["--check-config", "--config"]).arg(&config), WAIT);
     assert!(out.status.success(), "{}", describe(&out));
@@ -280,7 +294,10 @@ fn the_daemon_manual_names_shipped_files_and_the_configuration_manual() {
     let cargo = std::fs::read_to_string(root.join("Cargo.toml")).expect("Cargo.toml");
     for doc in page.split_whitespace().filter(|w| w.contains("/usr/share/doc/")) {
         let shipped = doc.trim_start_matches("/usr/share/doc/corral/").trim_end_matches(['.', ',']);
-        assert!(cargo.contains(&format!("\"{shipped}\", \"usr/share/doc/corral/")), "corrald(8) names {doc}, which is not shipped");
+        assert!(
+            cargo.contains(&format!("\"{shipped}\", \"usr/share/doc/corral/")),
+            "corrald(8) names {doc}, which is not shipped"
+        );
     }
     assert!(page.contains("RestartPreventExitStatus=78") && page.contains("\\-\\-user"), "{page}");
 }
