@@ -306,13 +306,10 @@ fn install_corralctl_and_d_bus(ct: &Container) {
 
 /// `corralctl ARGS` as `user` (`None`: root) inside the container.
 fn corralctl(ct: &Container, user: Option<&str>, args: &[&str]) -> std::process::Output {
+    let ids = user.map(|user| [format!("--reuid={user}"), format!("--regid={user}")]);
     let mut command = Vec::new();
-    let reuid;
-    let regid;
-    if let Some(user) = user {
-        reuid = format!("--reuid={user}");
-        regid = format!("--regid={user}");
-        command.extend_from_slice(&["setpriv", reuid.as_str(), regid.as_str(), "--init-groups", "--"]);
+    if let Some([uid, gid]) = &ids {
+        command.extend_from_slice(&["setpriv", uid.as_str(), gid.as_str(), "--init-groups", "--"]);
     }
     command.push("corralctl");
     command.extend_from_slice(args);
