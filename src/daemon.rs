@@ -298,10 +298,10 @@ async fn probe_llama_server(path: PathBuf) {
 }
 
 /// With a rejected configuration: answers the connections systemd passed (the ones that
-/// started this instance, and those that come while it lingers) with 503 and the reason,
+/// started this instance, and those that come while it lingers) with 503 and where to look,
 /// until none came for a few seconds.  Without this, each waiting connection would start
 /// corrald again, and five failed starts in ten seconds stop corrald.socket.
-pub async fn refuse(sockets: Vec<(String, OwnedFd)>, reason: &str) {
+pub async fn refuse(sockets: Vec<(String, OwnedFd)>) {
     /// The quiet time before exiting: longer than the start limit's 10 s / 5 starts, so a
     /// steady client can never drive corrald.socket into its start limit.
     const QUIET: Duration = Duration::from_secs(3);
@@ -317,13 +317,11 @@ pub async fn refuse(sockets: Vec<(String, OwnedFd)>, reason: &str) {
             return;
         }
     };
-    let message = crate::redact::for_client(
-        format!(
-            "corrald is not running: its configuration is rejected ({reason}); see `journalctl -u corrald` \
-             or run `corrald --check-config`"
-        ),
-        "config",
-    );
+    // The reason stays in the journal: a rejected value may be a secret (a token written
+    // where a list belongs), and this answer goes to anyone who can reach the socket,
+    // before any Host rule or token applies.
+    let message = "corrald is not running: its configuration is rejected; an administrator can see why with \
+                   `journalctl -u corrald` or `corrald --check-config`";
     let body = Arc::new(serde_json::json!({ "error": message }).to_string());
     let answered = Arc::new(AtomicU64::new(0));
     let router = axum::Router::new().fallback({

@@ -61,9 +61,9 @@ fn main() -> ExitCode {
                 "invalid configuration, not starting: {e} (check with `corrald --check-config`)"
             );
             handoff.notifier.status(&format!("invalid configuration: {e}"));
-            // The connections that started this instance are answered with the reason, so
+            // The connections that started this instance are answered (where to look), so
             // that they do not start it again and again until corrald.socket gives up.
-            runtime.block_on(daemon::refuse(handoff.sockets, &e.to_string()));
+            runtime.block_on(daemon::refuse(handoff.sockets));
             return ExitCode::from(EX_CONFIG);
         }
     };

@@ -36,7 +36,7 @@ fn get(port: u16, path: &str) -> (String, String) {
 }
 
 #[test]
-fn a_rejected_configuration_answers_the_waiting_connection_with_the_reason_and_exits_78() {
+fn a_rejected_configuration_answers_the_waiting_connection_and_exits_78() {
     let dir = tempfile::tempdir().expect("tempdir");
     let config = write_config(dir.path(), "corral.toml", "[scheduler]\nkeep_alive = \"soon\"\n");
     let notify = NotifyListener::start();
@@ -47,16 +47,19 @@ fn a_rejected_configuration_answers_the_waiting_connection_with_the_reason_and_e
         notify.path(),
         &[],
     );
-    // The connection that starts it gets the reason (without the server's paths), not a
-    // closed socket or a hang.
+    // The connection that starts it is told where to look, not left with a closed socket
+    // or a hang.
     let (status, body) = get(port, "/api/tags");
     assert!(status.contains("503"), "{status} {body}");
     let error: serde_json::Value = serde_json::from_str(&body).expect("JSON");
     let error = error["error"].as_str().expect("an error");
-    assert!(error.starts_with("corrald is not running: its configuration is rejected ("), "{error}");
-    assert!(error.contains("…/corral.toml:2: scheduler.keep_alive: \"soon\" is not a duration"), "{error}");
-    assert!(error.contains("`corrald --check-config`"), "{error}");
-    assert!(!error.contains(&dir.path().display().to_string()), "a server path reached the client: {error}");
+    assert!(error.starts_with("corrald is not running: its configuration is rejected"), "{error}");
+    assert!(error.contains("`journalctl -u corrald`") && error.contains("`corrald --check-config`"), "{error}");
+    // The reason itself (which may quote a secret) stays in the journal.
+    assert!(
+        !error.contains("soon") && !error.contains("corral.toml"),
+        "the rejected value reached the client: {error}"
+    );
     let status = corrald.wait_exit(WAIT);
     assert_eq!(status.code(), Some(78), "{}", corrald.stderr());
     // The log entry's message carries the reason itself, not only a field.

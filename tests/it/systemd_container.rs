@@ -342,7 +342,7 @@ fn a_broken_configuration_a_reload_and_a_stopped_service_follow_systemd_conventi
     for attempt in 1..=6 {
         let (code, body) = curl(&ct, &[], "http://127.0.0.1:11434/api/tags").expect("an answer, not a closed port");
         assert_eq!(code, 503, "attempt {attempt}: {body}");
-        assert!(body.contains("its configuration is rejected") && body.contains("is not a duration"), "{body}");
+        assert!(body.contains("its configuration is rejected") && body.contains("journalctl -u corrald"), "{body}");
         wait_active_state(&ct, "corrald.service", "failed");
         assert_eq!(ct.unit_property("corrald.service", "ExecMainStatus"), "78");
         assert_eq!(ct.unit_property("corrald.service", "NRestarts"), "0", "no restart for exit 78");
