@@ -61,11 +61,11 @@ impl Bus {
     /// Connects as `choice` says, for `access` (see the module).
     pub async fn connect(choice: Choice, access: Access) -> Result<Self, CtlError> {
         let (connection, kind) = match choice {
-            Choice::System => (connect("system").await?, "system"),
-            Choice::Session => (connect("session").await?, "session"),
-            Choice::Auto => match auto_session().await {
+            Choice::System => (connect("system", access).await?, "system"),
+            Choice::Session => (connect("session", access).await?, "session"),
+            Choice::Auto => match auto_session(access).await {
                 Some(session) => (session, "session"),
-                None => (connect("system").await?, "system"),
+                None => (connect("system", access).await?, "system"),
             },
         };
         let owner = ask(name_owner(&connection)).await.flatten();
@@ -129,10 +129,22 @@ impl Bus {
     }
 }
 
+/// The longest wait for an answer to a reading call: reading is quick, and a corrald that
+/// does not answer must not hang a script.  Changes (a load waits until the model is
+/// ready) have no limit.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Connects to the `kind` bus; a failure is about the bus, not corrald.
-async fn connect(kind: &'static str) -> Result<zbus::Connection, CtlError> {
-    let connecting =
-        async { if kind == "session" { zbus::Connection::session().await } else { zbus::Connection::system().await } };
+async fn connect(kind: &'static str, access: Access) -> Result<zbus::Connection, CtlError> {
+    let connecting = async {
+        let builder = if kind == "session" {
+            zbus::connection::Builder::session()?
+        } else {
+            zbus::connection::Builder::system()?
+        };
+        let builder = if access == Access::Read { builder.method_timeout(READ_TIMEOUT) } else { builder };
+        builder.build().await
+    };
     match tokio::time::timeout(ASK_TIMEOUT, connecting).await {
         Ok(Ok(connection)) => Ok(connection),
         Ok(Err(e)) => Err(CtlError::no_bus(kind, &e)),
@@ -145,8 +157,8 @@ async fn connect(kind: &'static str) -> Result<zbus::Connection, CtlError> {
 
 /// The session bus, when corrald runs there or the user manager has corrald's socket or
 /// service active; `None` means the system bus.
-async fn auto_session() -> Option<zbus::Connection> {
-    let session = tokio::time::timeout(ASK_TIMEOUT, zbus::Connection::session()).await.ok()?.ok()?;
+async fn auto_session(access: Access) -> Option<zbus::Connection> {
+    let session = connect("session", access).await.ok()?;
     if ask(name_owner(&session)).await.flatten().is_some() {
         return Some(session);
     }

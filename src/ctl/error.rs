@@ -120,6 +120,15 @@ impl CtlError {
                 let (name, message) = fdo_parts(&fdo);
                 Self::from_named(&name, message, bus)
             }
+            // A reading call that got no answer in time: corrald hangs, the bus does not.
+            zbus::Error::InputOutput(e) if e.kind() == std::io::ErrorKind::TimedOut => Self::NotRunning {
+                message: format!(
+                    "corrald does not answer (no reply within {}); see `journalctl{} -u corrald`",
+                    crate::durations::human(super::bus::READ_TIMEOUT),
+                    if bus == "session" { " --user" } else { "" }
+                ),
+                detail: e.to_string(),
+            },
             // No socket, or nothing listening on it: the bus itself is missing.
             e @ (zbus::Error::InputOutput(_) | zbus::Error::Address(_) | zbus::Error::Handshake(_)) => {
                 Self::no_bus(bus, &e)
@@ -363,6 +372,14 @@ mod tests {
         let text = e.to_string();
         assert!(text.starts_with("cannot connect to the system bus (No such file or directory)"), "{text}");
         assert!(text.contains("is D-Bus running?") && !text.contains("corrald is not running"), "{text}");
+    }
+
+    #[test]
+    fn a_reading_call_without_an_answer_says_corrald_does_not_answer() {
+        let io = std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out");
+        let e = CtlError::from_zbus(zbus::Error::InputOutput(io.into()), "system");
+        assert_eq!(e.exit_code(), EX_UNAVAILABLE);
+        assert_eq!(e.to_string(), "corrald does not answer (no reply within 30 s); see `journalctl -u corrald`");
     }
 
     #[test]
