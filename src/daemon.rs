@@ -171,7 +171,11 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     shutdown.cancel();
     let grace = loaded.config.server.shutdown_timeout;
     if tokio::time::timeout(grace, async { while servers.join_next().await.is_some() {} }).await.is_err() {
-        tracing::warn!(timeout = ?grace, "open connections did not finish in time; dropping them");
+        tracing::warn!(
+            timeout = ?grace,
+            "open connections did not finish within {}; dropping them",
+            crate::durations::human(grace)
+        );
         servers.abort_all();
     }
     // Every runner is stopped and reaped before the daemon exits.
