@@ -16,10 +16,12 @@ case $what in deb | rpm | all) ;; *) echo "usage: $0 [deb|rpm|all]" >&2; exit 2 
 
 cargo build --release --locked --bin corrald --bin corralctl >&2
 # Shell completions come from the binary itself, so they always match its command line.
+# (cargo-deb reads them from target/completions in the checkout, as Cargo.toml names them.)
+ctl=${CARGO_TARGET_DIR:-target}/release/corralctl
 mkdir -p target/completions
-target/release/corralctl completions bash >target/completions/corralctl
-target/release/corralctl completions zsh >target/completions/_corralctl
-target/release/corralctl completions fish >target/completions/corralctl.fish
+"$ctl" completions bash >target/completions/corralctl
+"$ctl" completions zsh >target/completions/_corralctl
+"$ctl" completions fish >target/completions/corralctl.fish
 
 if [[ $what == deb || $what == all ]]; then
     bin=$(scripts/setup-packaging.sh)
