@@ -15,6 +15,13 @@ what=${1:-deb}
 case $what in deb | rpm | all) ;; *) echo "usage: $0 [deb|rpm|all]" >&2; exit 2 ;; esac
 
 cargo build --release --locked --bin corrald --bin corralctl >&2
+# Shell completions come from the binary itself, so they always match its command line.
+# (cargo-deb reads them from target/completions in the checkout, as Cargo.toml names them.)
+ctl=${CARGO_TARGET_DIR:-target}/release/corralctl
+mkdir -p target/completions
+"$ctl" completions bash >target/completions/corralctl
+"$ctl" completions zsh >target/completions/_corralctl
+"$ctl" completions fish >target/completions/corralctl.fish
 
 if [[ $what == deb || $what == all ]]; then
     bin=$(scripts/setup-packaging.sh)

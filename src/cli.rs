@@ -19,6 +19,11 @@ pub struct Cli {
     #[arg(long)]
     pub check_config: bool,
 
+    /// Run as a user service (what the user units pass): serve D-Bus on the session bus
+    /// unless [dbus] bus says otherwise.
+    #[arg(long)]
+    pub user: bool,
+
     /// Write corral's tiny demo model (a few hundred KB of random weights, for trying things
     /// out) to PATH and exit.
     #[arg(long, value_name = "PATH")]
@@ -41,6 +46,18 @@ pub enum LogTarget {
 }
 
 impl Cli {
+    /// The layer under the configuration files: `[dbus] bus = "session"` for `--user`.
+    #[must_use]
+    pub fn config_base(&self) -> toml::Table {
+        let mut base = toml::Table::new();
+        if self.user {
+            let mut dbus = toml::Table::new();
+            dbus.insert("bus".into(), toml::Value::String("session".into()));
+            base.insert("dbus".into(), toml::Value::Table(dbus));
+        }
+        base
+    }
+
     /// The configuration to load: `--config PATH` (which must exist) or the default file (which may not).
     #[must_use]
     pub fn config_source(&self, paths: &Paths) -> ConfigSource {

@@ -466,6 +466,9 @@ pub struct Loaded {
     pub config: Config,
     /// The files that were read.
     pub files: Vec<PathBuf>,
+    /// The layers merged, before defaults are filled in: the keys the files (and the
+    /// base) set, for telling which keys a reload changed.
+    pub table: toml::Table,
 }
 
 impl ConfigSource {
@@ -479,6 +482,12 @@ impl ConfigSource {
 
     /// Reads, checks and merges all layers.
     pub fn load(&self) -> Result<Loaded, ConfigError> {
+        self.load_over(toml::Table::new())
+    }
+
+    /// [`ConfigSource::load`] on top of `base`, a layer between the built-in defaults and
+    /// the files (`corrald --user` puts `[dbus] bus = "session"` there).
+    pub fn load_over(&self, base: toml::Table) -> Result<Loaded, ConfigError> {
         let mut files = Vec::new();
         match std::fs::metadata(&self.file) {
             Ok(_) => files.push(self.file.clone()),
@@ -487,20 +496,20 @@ impl ConfigSource {
         }
         files.extend(drop_ins(&self.drop_in_dir())?);
 
-        let mut merged = toml::Table::new();
+        let mut merged = base;
         for path in &files {
             let table = check_file(path)?;
             merge(&mut merged, table);
         }
         // Each layer matched the schema on its own, and a merge of valid tables is valid.
-        let config = Config::deserialize(toml::Value::Table(merged)).map_err(|e| ConfigError::Invalid {
+        let config = Config::deserialize(toml::Value::Table(merged.clone())).map_err(|e| ConfigError::Invalid {
             path: self.file.clone(),
             line: None,
             key: None,
             message: e.to_string(),
         })?;
         check_together(&config, &files)?;
-        Ok(Loaded { config, files })
+        Ok(Loaded { config, files, table: merged })
     }
 }
 

@@ -10,7 +10,7 @@
 //! the next connection waits in their backlog and starts a new instance.
 
 use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -52,6 +52,8 @@ use crate::systemd::{JOURNAL_SOCKET, JournalWriter};
 pub struct Daemon {
     /// Where the configuration came from, to read it again on reload.
     pub source: ConfigSource,
+    /// The layer under the files (`corrald --user`), applied again on reload.
+    pub base: toml::Table,
     /// The configuration at start.
     pub loaded: Loaded,
     /// The working directories.
@@ -68,7 +70,7 @@ pub struct Daemon {
 
 /// Runs the daemon until SIGTERM or SIGINT, then shuts down within `[server] shutdown_timeout`.
 pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
-    let Daemon { source, loaded, paths, sockets, notifier, watchdog, log_target } = daemon;
+    let Daemon { source, base, loaded, paths, sockets, notifier, watchdog, log_target } = daemon;
     let mut loaded = loaded;
     // Handlers first: a signal that arrives during start-up must not kill the process.
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
@@ -80,6 +82,8 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     raise_open_files_limit();
     // Taking the cgroup tree moves the daemon into its leaf; runners become its siblings.
     let cgroups = take_cgroup_tree();
+    // After the move: the probe's child must not land in the service's own cgroup.
+    check_llama_server(&loaded.config.runner.llama_server);
     let store = open_store(&loaded.config, &paths).await?;
     start_gc(&loaded.config, &store);
     // Listen before any runner starts: a start that fails to listen leaves nothing behind.
@@ -125,7 +129,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
             _ = sigterm.recv() => break None,
             _ = sigint.recv() => break None,
             _ = sighup.recv() => {
-                if reload(&source, &mut loaded, socket_activated, &notifier) {
+                if reload(&source, &base, &mut loaded, socket_activated, &notifier) {
                     scheduler.reconfigure(limits(&loaded.config, gpu_count)).await;
                 }
                 notifier.ready(&status);
@@ -169,7 +173,11 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     shutdown.cancel();
     let grace = loaded.config.server.shutdown_timeout;
     if tokio::time::timeout(grace, async { while servers.join_next().await.is_some() {} }).await.is_err() {
-        tracing::warn!(timeout = ?grace, "open connections did not finish in time; dropping them");
+        tracing::warn!(
+            timeout = ?grace,
+            "open connections did not finish within {}; dropping them",
+            crate::durations::human(grace)
+        );
         servers.abort_all();
     }
     // Every runner is stopped and reaped before the daemon exits.
@@ -191,6 +199,170 @@ fn log_start(loaded: &Loaded, paths: &Paths) {
         runtime_directory = %paths.runtime.display(),
         "corrald {} starting",
         http::VERSION,
+    );
+}
+
+/// Why the configured llama-server cannot run.  Each message names the key, so that the
+/// reader knows what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum LlamaServerProblem {
+    /// A bare name that no directory on `PATH` holds as an executable.
+    #[error(
+        "[runner] llama_server: \"{name}\" is not found on PATH ({path}); models cannot load until it is \
+         installed there or [runner] llama_server names the executable"
+    )]
+    NotOnPath {
+        /// The configured name.
+        name: String,
+        /// The `PATH` searched.
+        path: String,
+    },
+    /// A path that names nothing, or something that is not an executable file.
+    #[error("[runner] llama_server: {} {why}; models cannot load until it names the llama-server executable", .path.display())]
+    Unusable {
+        /// The configured path.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: String,
+    },
+}
+
+/// Where `llama_server` (a path, or a bare name looked up on `PATH`) resolves to, or why it
+/// cannot run.  A handful of lines, so no crate: the child's `PATH` is the daemon's.
+pub fn find_llama_server(llama_server: &Path) -> Result<PathBuf, LlamaServerProblem> {
+    if llama_server.components().count() > 1 || llama_server.is_absolute() {
+        return executable(llama_server)
+            .map(|()| llama_server.to_owned())
+            .map_err(|why| LlamaServerProblem::Unusable { path: llama_server.to_owned(), why });
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(llama_server))
+        .find(|candidate| executable(candidate).is_ok())
+        .ok_or_else(|| LlamaServerProblem::NotOnPath {
+            name: llama_server.display().to_string(),
+            path: path.to_string_lossy().into_owned(),
+        })
+}
+
+/// Ok when `path` is a file this process may execute, else why not.
+fn executable(path: &Path) -> Result<(), String> {
+    let metadata = std::fs::metadata(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => "does not exist".to_owned(),
+        _ => format!("cannot be read: {e}"),
+    })?;
+    if !metadata.is_file() {
+        return Err("is not a file".to_owned());
+    }
+    nix::unistd::access(path, nix::unistd::AccessFlags::X_OK).map_err(|e| format!("is not executable: {}", e.desc()))
+}
+
+/// Checks `[runner] llama_server` at start: a warning now, naming the key and the path,
+/// instead of an error at the first chat.  The daemon starts either way (the store can
+/// still be used, and llama-server may be installed later).
+fn check_llama_server(llama_server: &Path) {
+    match find_llama_server(llama_server) {
+        Ok(found) => {
+            tracing::debug!(llama_server = %found.display(), "llama-server is {}", found.display());
+            // A wrong program (another tool, a broken build) is found by asking it, in the
+            // background: readiness does not wait for it.
+            tokio::spawn(probe_llama_server(found));
+        }
+        Err(e) => tracing::warn!(error = %e, "{e}"),
+    }
+}
+
+/// Runs `llama-server --version` and warns, naming the key and the path, unless it
+/// answers as llama.cpp's builds do (`version: ...`).
+async fn probe_llama_server(path: PathBuf) {
+    const WITHIN: Duration = Duration::from_secs(10);
+    let run = tokio::process::Command::new(&path)
+        .arg("--version")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let problem = match tokio::time::timeout(WITHIN, run).await {
+        Ok(Ok(out)) => {
+            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            if out.status.success() && text.lines().any(|l| l.starts_with("version: ")) {
+                let version = text.lines().find(|l| l.starts_with("version: ")).unwrap_or_default();
+                tracing::debug!(llama_server = %path.display(), "llama-server's {version}");
+                return;
+            }
+            let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("nothing").trim().to_owned();
+            format!("`--version` exited with {} and printed \"{first}\"", out.status)
+        }
+        Ok(Err(e)) => format!("it cannot be run: {e}"),
+        Err(_) => format!("`--version` did not answer within {}", crate::durations::human(WITHIN)),
+    };
+    tracing::warn!(
+        llama_server = %path.display(),
+        "[runner] llama_server: {} does not look like llama.cpp's llama-server ({problem}); loads will fail \
+         until it names the llama-server executable",
+        path.display()
+    );
+}
+
+/// With a rejected configuration: answers the connections systemd passed (the ones that
+/// started this instance, and those that come while it lingers) with 503 and where to look,
+/// until none came for a few seconds.  Without this, each waiting connection would start
+/// corrald again, and five failed starts in ten seconds stop corrald.socket.
+pub async fn refuse(sockets: Vec<(String, OwnedFd)>) {
+    /// The quiet time before exiting: longer than the start limit's 10 s / 5 starts, so a
+    /// steady client can never drive corrald.socket into its start limit.
+    const QUIET: Duration = Duration::from_secs(3);
+    /// The longest stay, well within systemd's start timeout.
+    const LINGER: Duration = Duration::from_secs(30);
+    if sockets.is_empty() {
+        return;
+    }
+    let listeners = match listeners::adopt(sockets) {
+        Ok(listeners) => listeners,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot answer the waiting connections: {e}");
+            return;
+        }
+    };
+    // The reason stays in the journal: a rejected value may be a secret (a token written
+    // where a list belongs), and this answer goes to anyone who can reach the socket,
+    // before any Host rule or token applies.
+    let message = "corrald is not running: its configuration is rejected; an administrator can see why with \
+                   `journalctl -u corrald` or `corrald --check-config`";
+    let body = Arc::new(serde_json::json!({ "error": message }).to_string());
+    let answered = Arc::new(AtomicU64::new(0));
+    let router = axum::Router::new().fallback({
+        let (body, answered) = (body.clone(), answered.clone());
+        move || {
+            answered.fetch_add(1, Ordering::Relaxed);
+            let body = (*body).clone();
+            async move {
+                (
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    [(axum::http::header::CONTENT_TYPE, "application/json; charset=utf-8")],
+                    body,
+                )
+            }
+        }
+    });
+    let shutdown = CancellationToken::new();
+    let mut servers = JoinSet::new();
+    for listener in listeners {
+        servers.spawn(listener.serve(router.clone(), Duration::from_secs(5), shutdown.clone()));
+    }
+    let started = Instant::now();
+    loop {
+        let before = answered.load(Ordering::Relaxed);
+        tokio::time::sleep(QUIET).await;
+        if answered.load(Ordering::Relaxed) == before || started.elapsed() >= LINGER {
+            break;
+        }
+    }
+    shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(2), async { while servers.join_next().await.is_some() {} }).await;
+    tracing::info!(
+        answered = answered.load(Ordering::Relaxed),
+        "answered {} waiting requests with the configuration error",
+        answered.load(Ordering::Relaxed)
     );
 }
 
@@ -279,7 +451,11 @@ async fn watchdog_ping(notifier: &Notifier, scheduler: &Handle, within: Duration
             false
         }
         Err(_) => {
-            tracing::error!(timeout = ?within, "the scheduler did not answer within {within:?}; no watchdog ping");
+            tracing::error!(
+                timeout = ?within,
+                "the scheduler did not answer within {}; no watchdog ping",
+                crate::durations::human(within)
+            );
             false
         }
     }
@@ -412,7 +588,7 @@ fn idle_exit_due(
         corral_event = "idle",
         idle_limit = ?limit,
         "nothing loaded or in flight for {}; exiting until the next connection",
-        humantime::format_duration(limit)
+        crate::durations::human(limit)
     );
     true
 }
@@ -589,16 +765,43 @@ fn take_cgroup_tree() -> Option<CgroupTree> {
 }
 
 /// Reads the configuration again; an invalid one is rejected and the current one kept.
-/// Returns whether a new one was applied.
-fn reload(source: &ConfigSource, current: &mut Loaded, socket_activated: bool, notifier: &Notifier) -> bool {
+/// Returns whether a new one was applied.  The entry says which changed keys take effect
+/// only at the next restart.
+fn reload(
+    source: &ConfigSource,
+    base: &toml::Table,
+    current: &mut Loaded,
+    socket_activated: bool,
+    notifier: &Notifier,
+) -> bool {
     notifier.reloading();
-    match source.load() {
+    match source.load_over(base.clone()) {
         Ok(new) => {
-            if !socket_activated && new.config.server.listen != current.config.server.listen {
-                tracing::warn!("server.listen changed; the new addresses take effect at the next start");
-            }
+            let changed = changed_keys(&current.table, &new.table);
+            let later: Vec<String> =
+                changed.iter().filter(|key| !applies_on_reload(key)).map(|key| shown_key(key)).collect();
+            let listen_unused = socket_activated
+                && changed
+                    .iter()
+                    .any(|k| k.first().is_some_and(|t| t == "server") && k.get(1).is_some_and(|k| k == "listen"));
             *current = new;
-            tracing::info!(corral_event = "reload", config_files = ?current.files, "configuration reloaded");
+            if later.is_empty() {
+                tracing::info!(corral_event = "reload", config_files = ?current.files, "configuration reloaded");
+            } else {
+                let list = later.join(", ");
+                let socket_note = if listen_unused {
+                    "; [server] listen applies only when systemd passes no socket (edit corrald.socket instead)"
+                } else {
+                    ""
+                };
+                tracing::warn!(
+                    corral_event = "reload",
+                    config_files = ?current.files,
+                    restart_needed = %list,
+                    "configuration reloaded, but these changed keys take effect only at the next restart \
+                     (`systemctl restart corrald`): {list}{socket_note}"
+                );
+            }
             true
         }
         Err(e) => {
@@ -609,6 +812,59 @@ fn reload(source: &ConfigSource, current: &mut Loaded, socket_activated: bool, n
             );
             false
         }
+    }
+}
+
+/// The keys a reload applies to the running daemon; every other key is read at start only.
+/// (A key added later needs a restart until it is added here.)
+const RELOADED_KEYS: &[&str] = &[
+    "scheduler.keep_alive",
+    "scheduler.keep_alive_min",
+    "scheduler.keep_alive_max",
+    "scheduler.max_loaded_models",
+    "scheduler.max_queue",
+    "server.exit_on_idle",
+    "server.shutdown_timeout",
+];
+
+fn applies_on_reload(key: &[String]) -> bool {
+    RELOADED_KEYS.contains(&key.join(".").as_str())
+}
+
+/// `["server", "listen"]` as people write it: `[server] listen`; a model's policy as
+/// `[models."NAME"] preload`.
+fn shown_key(key: &[String]) -> String {
+    match key {
+        [table] => format!("[{table}]"),
+        [models, name, rest @ ..] if models == "models" => {
+            let table = format!("[models.\"{name}\"]");
+            if rest.is_empty() { table } else { format!("{table} {}", rest.join(".")) }
+        }
+        [table, rest @ ..] => format!("[{table}] {}", rest.join(".")),
+        [] => String::new(),
+    }
+}
+
+/// The keys whose value differs between two merged configurations (set, changed or
+/// removed), down to the leaves of tables; arrays count as one value.
+fn changed_keys(old: &toml::Table, new: &toml::Table) -> Vec<Vec<String>> {
+    let mut changed = Vec::new();
+    diff_tables(&mut Vec::new(), old, new, &mut changed);
+    changed
+}
+
+fn diff_tables(prefix: &mut Vec<String>, old: &toml::Table, new: &toml::Table, out: &mut Vec<Vec<String>>) {
+    let keys: std::collections::BTreeSet<&String> = old.keys().chain(new.keys()).collect();
+    for key in keys {
+        prefix.push(key.clone());
+        match (old.get(key), new.get(key)) {
+            (Some(toml::Value::Table(a)), Some(toml::Value::Table(b))) => diff_tables(prefix, a, b, out),
+            (Some(toml::Value::Table(a)), None) => diff_tables(prefix, a, &toml::Table::new(), out),
+            (None, Some(toml::Value::Table(b))) => diff_tables(prefix, &toml::Table::new(), b, out),
+            (a, b) if a != b => out.push(prefix.clone()),
+            _ => {}
+        }
+        prefix.pop();
     }
 }
 
@@ -786,6 +1042,58 @@ mod tests {
         assert!(watchdog_ping(&notifier, &handle, Duration::from_secs(30)).await);
         let n = manager.recv(&mut buf).expect("a message");
         assert_eq!(&buf[..n], b"WATCHDOG=1\n");
+    }
+
+    fn table(text: &str) -> toml::Table {
+        toml::from_str(text).expect("toml")
+    }
+
+    #[test]
+    fn a_reload_names_every_changed_key_that_needs_a_restart() {
+        let old = table(
+            "[server]\nlisten = [\"127.0.0.1:1\"]\n[scheduler]\nkeep_alive = \"5m\"\n[models.\"chat\"]\npreload = true\n",
+        );
+        let new = table(
+            "[server]\nlisten = [\"127.0.0.1:2\"]\n[scheduler]\nkeep_alive = \"9m\"\nmax_queue = 3\n\
+             [store]\npath = \"/x\"\n[runner]\nstream_idle_timeout = \"1m\"\n[dbus]\nbus = \"off\"\n",
+        );
+        let changed = super::changed_keys(&old, &new);
+        let later: Vec<String> =
+            changed.iter().filter(|k| !super::applies_on_reload(k)).map(|k| super::shown_key(k)).collect();
+        assert_eq!(
+            later,
+            [
+                "[dbus] bus",
+                "[models.\"chat\"] preload",
+                "[runner] stream_idle_timeout",
+                "[server] listen",
+                "[store] path"
+            ]
+        );
+        let live: Vec<String> = changed.iter().filter(|k| super::applies_on_reload(k)).map(|k| k.join(".")).collect();
+        assert_eq!(live, ["scheduler.keep_alive", "scheduler.max_queue"]);
+        assert!(super::changed_keys(&old, &old).is_empty());
+    }
+
+    #[test]
+    fn a_missing_or_unusable_llama_server_names_the_key_and_the_path() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let missing = dir.path().join("llama-server");
+        let text = super::find_llama_server(&missing).expect_err("missing").to_string();
+        assert!(text.starts_with("[runner] llama_server: "), "{text}");
+        assert!(text.contains(&format!("{} does not exist", missing.display())), "{text}");
+        std::fs::write(&missing, "#!/bin/sh\n").expect("write");
+        let text = super::find_llama_server(&missing).expect_err("not executable").to_string();
+        assert!(text.contains("is not executable"), "{text}");
+        let text = super::find_llama_server(dir.path()).expect_err("a directory").to_string();
+        assert!(text.contains("is not a file"), "{text}");
+        let text =
+            super::find_llama_server(std::path::Path::new("no-such-llama-server-here")).expect_err("none").to_string();
+        assert!(text.contains("\"no-such-llama-server-here\" is not found on PATH ("), "{text}");
+        assert_eq!(
+            super::find_llama_server(std::path::Path::new("sh")).expect("sh is on PATH").file_name(),
+            Some("sh".as_ref())
+        );
     }
 
     const QUIET: Activity = Activity { runners: 0, queued: 0, in_flight: 0, started: 0 };

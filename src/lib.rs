@@ -10,6 +10,7 @@ pub mod ctl;
 pub mod daemon;
 pub mod dbus;
 pub mod demo_model;
+pub mod durations;
 pub mod gguf;
 pub mod gpu;
 pub mod http;

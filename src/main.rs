@@ -37,19 +37,12 @@ fn main() -> ExitCode {
     };
     let paths = Paths::from_process_env();
     let source = cli.config_source(&paths);
+    let base = cli.config_base();
     if cli.check_config {
-        return check_config(&source);
+        return check_config(&source, base);
     }
 
     let log_target = logging::init(cli.log_target, handoff.stderr_is_journal);
-    let loaded = match source.load() {
-        Ok(loaded) => loaded,
-        Err(e) => {
-            tracing::error!(error = %e, "invalid configuration");
-            handoff.notifier.status(&format!("invalid configuration: {e}"));
-            return ExitCode::from(EX_CONFIG);
-        }
-    };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -57,9 +50,27 @@ fn main() -> ExitCode {
             return ExitCode::from(EX_OSERR);
         }
     };
+    let loaded = match source.load_over(base.clone()) {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            // The reason is in the message itself: `journalctl -u corrald` and `systemctl
+            // status` show messages, not fields.
+            tracing::error!(
+                corral_event = "config",
+                error = %e,
+                "invalid configuration, not starting: {e} (check with `corrald --check-config`)"
+            );
+            handoff.notifier.status(&format!("invalid configuration: {e}"));
+            // The connections that started this instance are answered (where to look), so
+            // that they do not start it again and again until corrald.socket gives up.
+            runtime.block_on(daemon::refuse(handoff.sockets));
+            return ExitCode::from(EX_CONFIG);
+        }
+    };
     let notifier = handoff.notifier.clone();
     let daemon = Daemon {
         source,
+        base,
         loaded,
         paths,
         sockets: handoff.sockets,
@@ -77,8 +88,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn check_config(source: &ConfigSource) -> ExitCode {
-    match source.load() {
+fn check_config(source: &ConfigSource, base: toml::Table) -> ExitCode {
+    match source.load_over(base) {
         Ok(loaded) => {
             let mut out = std::io::stdout().lock();
             let _ = writeln!(out, "configuration is valid");
@@ -87,6 +98,10 @@ fn check_config(source: &ConfigSource) -> ExitCode {
             }
             for file in &loaded.files {
                 let _ = writeln!(out, "read {}", file.display());
+            }
+            // Not an error: models cannot load, but the daemon can start and serve the store.
+            if let Err(e) = daemon::find_llama_server(&loaded.config.runner.llama_server) {
+                let _ = writeln!(std::io::stderr(), "corrald: warning: {e}");
             }
             ExitCode::SUCCESS
         }

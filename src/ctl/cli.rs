@@ -15,9 +15,15 @@ use clap_complete::Shell;
 #[derive(Debug, Parser)]
 #[command(name = "corralctl", version)]
 pub struct Cli {
-    /// Talk to a corrald on the session bus instead of the system bus.
-    #[arg(long, global = true)]
+    /// Talk to the corrald of your user units, on your session bus. Without --user or
+    /// --system: the session bus when corrald runs there or your user manager has its
+    /// socket, else the system bus.
+    #[arg(long = "user", visible_alias = "session", global = true, conflicts_with = "system")]
     pub session: bool,
+
+    /// Talk to the system service, on the system bus.
+    #[arg(long, global = true)]
+    pub system: bool,
 
     /// Print machine-readable JSON instead of tables and progress.
     #[arg(long, global = true)]
@@ -33,7 +39,11 @@ pub struct Cli {
 pub enum Command {
     /// List the models in the store.
     #[command(visible_alias = "ls")]
-    List,
+    List {
+        /// Only the names, one a line (for scripts and shell completion).
+        #[arg(short, long)]
+        quiet: bool,
+    },
     /// List the loaded models: state, process, memory, expiry.
     Ps,
     /// Show one model's details and state.

@@ -460,3 +460,16 @@ pub async fn status(bus: &Bus, style: Style) -> Result<(), CtlError> {
         ("Keep-alive", output::keep_alive(status.default_keep_alive)),
     ]))
 }
+
+/// `list --quiet`: the names only, one a line, sorted (shell completion reads them).
+pub async fn names(bus: &Bus) -> Result<(), CtlError> {
+    let manager = bus.manager().await?;
+    let mut names: Vec<String> = manager.list_models().await.or_bus(bus)?.into_iter().map(|(name, ..)| name).collect();
+    names.sort();
+    names.dedup();
+    let mut text = names.join("\n");
+    if !text.is_empty() {
+        text.push('\n');
+    }
+    print(&text)
+}

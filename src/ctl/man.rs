@@ -23,8 +23,11 @@ job), or a local one (an unreadable Modelfile).
 Bad usage: unknown options or missing arguments.
 .TP
 \fB69\fR
-corrald cannot be reached (EX_UNAVAILABLE): it is not running, not on the bus asked for,
-or the bus itself is missing; for \fBrun\fR, its HTTP API does not answer.
+corrald cannot be reached (EX_UNAVAILABLE): it is not running (the message says why when
+the service manager knows: masked, a rejected configuration, the socket's start limit),
+not on the bus asked for, or the bus itself cannot be reached; for \fBrun\fR, its HTTP API
+does not answer. Reading (\fBlist\fR, \fBps\fR, \fBshow\fR, \fBstatus\fR) never starts
+corrald; the other commands start it by bus activation when it is stopped.
 .TP
 \fB77\fR
 Permission denied (EX_NOPERM): the bus policy allows loading, unloading and changing
@@ -33,6 +36,9 @@ models only to root and members of the group \fBcorral\fR.
 .TP
 \fBDBUS_SYSTEM_BUS_ADDRESS\fR
 The system bus to use instead of the standard socket.
+.TP
+\fBDBUS_SESSION_BUS_ADDRESS\fR
+The session bus (else \fI$XDG_RUNTIME_DIR/bus\fR), where the user units' corrald serves.
 .TP
 \fBCORRAL_HOST\fR
 For \fBrun\fR, when \fB\-\-host\fR is not given: corrald's HTTP API, read as Ollama reads
@@ -59,7 +65,7 @@ corralctl top \-\-once
 corralctl completions bash > /etc/bash_completion.d/corralctl
 .fi
 .SH "SEE ALSO"
-\fBcorrald\fR(8), \fBsystemctl\fR(1), \fBbusctl\fR(1)
+\fBcorrald\fR(8), \fBcorral.toml\fR(5), \fBsystemctl\fR(1), \fBbusctl\fR(1)
 "#;
 
 /// The manual page's text: clap's pages for the whole command, with the subcommands

@@ -15,6 +15,7 @@ pub mod bus;
 pub mod chat;
 pub mod cli;
 pub mod commands;
+pub mod completion;
 pub mod error;
 pub mod host;
 pub mod job;
@@ -29,7 +30,7 @@ use std::path::PathBuf;
 
 use clap::CommandFactory;
 
-use self::bus::Bus;
+use self::bus::{Access, Bus, Choice};
 use self::cli::{Cli, Command};
 use self::commands::Style;
 use self::error::CtlError;
@@ -54,7 +55,7 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
         Command::Completions { shell } => {
             let mut script = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "corralctl", &mut script);
-            output::print(&String::from_utf8_lossy(&script))
+            output::print(&completion::with_model_names(shell, &String::from_utf8_lossy(&script)))
         }
         Command::Run(args) => {
             let chat = chat::Chat {
@@ -73,9 +74,15 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
         }
         Command::Top(args) => top::run(top::Options { once: args.once, json: cli.json, session: cli.session }).await,
         command => {
-            let bus = Bus::connect(cli.session).await?;
+            let choice = match (cli.session, cli.system) {
+                (true, _) => Choice::Session,
+                (_, true) => Choice::System,
+                _ => Choice::Auto,
+            };
+            let bus = Bus::connect(choice, access(&command)).await?;
             match command {
-                Command::List => commands::list(&bus, style).await,
+                Command::List { quiet: true } => commands::names(&bus).await,
+                Command::List { quiet: false } => commands::list(&bus, style).await,
                 Command::Ps => commands::ps(&bus, style).await,
                 Command::Show { model, modelfile } => commands::show(&bus, style, &model, modelfile).await,
                 Command::Load(args) => commands::load(&bus, style, &args).await,
@@ -91,5 +98,13 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
                 Command::Completions { .. } | Command::Run(_) | Command::Top(_) => unreachable!("handled above"),
             }
         }
+    }
+}
+
+/// Whether `command` only reads (and must not start corrald) or changes something.
+fn access(command: &Command) -> Access {
+    match command {
+        Command::List { .. } | Command::Ps | Command::Show { .. } | Command::Status => Access::Read,
+        _ => Access::Change,
     }
 }

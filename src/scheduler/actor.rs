@@ -84,7 +84,7 @@ pub enum ScheduleError {
     /// The model crashed recently; loads wait before trying again.
     #[error(
         "model '{model}' failed {failures} times in a row, the last time with: {reason}; retrying in {}",
-        crate::units::duration(*.retry_in)
+        crate::durations::human(*retry_in)
     )]
     BackingOff {
         /// The model.

@@ -842,7 +842,7 @@ async fn fetch_range(
 /// reached`, `Connection reset by peer`) without reqwest's and hyper's wrappers.
 fn body_error(error: &reqwest::Error, read_timeout: Duration) -> String {
     if error.is_timeout() {
-        return format!("no data arrived for {read_timeout:?}");
+        return format!("no data arrived for {}", crate::durations::human(read_timeout));
     }
     let mut cause: &dyn std::error::Error = error;
     while let Some(next) = cause.source() {

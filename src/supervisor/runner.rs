@@ -145,8 +145,12 @@ impl std::fmt::Display for Exit {
 /// Why a load failed.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    /// The process could not be started.
-    #[error("cannot start {program}: {source}")]
+    /// The process could not be started.  The message names the key that sets the
+    /// program, and the program (a path, which client-facing copies shorten).
+    #[error(
+        "cannot start llama-server ([runner] llama_server = {program}{}): {source}",
+        if program.contains('/') { "" } else { ", looked up on PATH" }
+    )]
     Spawn {
         /// The executable.
         program: String,
@@ -160,7 +164,7 @@ pub enum LoadError {
     #[error("{0}")]
     Exited(Exit),
     /// The child printed nothing for the load timeout.
-    #[error("llama-server made no progress for {after:?} while loading{}", last.as_ref().map(|l| format!(": {l}")).unwrap_or_default())]
+    #[error("llama-server made no progress for {} while loading{}", crate::durations::human(*after), last.as_ref().map(|l| format!(": {l}")).unwrap_or_default())]
     Stalled {
         /// The timeout.
         after: Duration,

@@ -33,10 +33,10 @@ pub enum UpstreamError {
     #[error("request to the runner failed: {0}")]
     Http(#[from] hyper::Error),
     /// No answer in time.
-    #[error("the runner did not answer within {0:?}")]
+    #[error("the runner did not answer within {}", crate::durations::human(*.0))]
     Timeout(Duration),
     /// The runner fell silent in the middle of its answer.
-    #[error("the runner sent nothing for {} in the middle of its answer", humantime::format_duration(*.0))]
+    #[error("the runner sent nothing for {} in the middle of its answer", crate::durations::human(*.0))]
     Stalled(Duration),
 }
 
@@ -645,6 +645,6 @@ mod tests {
         assert!(matches!(error, UpstreamError::Stalled(d) if d == Duration::from_millis(200)), "{error}");
         assert!(started.elapsed() >= Duration::from_millis(200));
         assert!(!error.runner_gone(), "a stall is told apart from a death");
-        assert_eq!(error.to_string(), "the runner sent nothing for 200ms in the middle of its answer");
+        assert_eq!(error.to_string(), "the runner sent nothing for 200 ms in the middle of its answer");
     }
 }

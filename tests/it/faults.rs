@@ -177,7 +177,7 @@ async fn a_runner_silent_mid_stream_ends_the_request_with_an_error_and_is_stoppe
     assert_eq!(lines.len(), 3, "two tokens, then the error: {text}");
     assert_eq!(lines[0]["message"]["content"], " t0");
     let error = lines[2]["error"].as_str().unwrap_or_else(|| panic!("an error line last: {text}"));
-    assert!(error.contains("the runner sent nothing for 1s in the middle of its answer"), "{error}");
+    assert!(error.contains("the runner sent nothing for 1 s in the middle of its answer"), "{error}");
     // The silent runner is stopped and reaped; the next request loads a fresh one.
     let first = world.starts("chat")[0];
     until("the silent runner is stopped", async || !alive(first)).await;
@@ -198,14 +198,14 @@ async fn a_runner_silent_mid_stream_ends_openai_streams_with_an_error_event_and_
     assert_eq!(events.len(), 2, "one token, then the error: {text}");
     let error: Value = serde_json::from_str(events[1]).expect("a JSON event");
     let message = error["error"]["message"].as_str().unwrap_or_else(|| panic!("an error event: {text}"));
-    assert!(message.contains("sent nothing for 1s"), "{message}");
+    assert!(message.contains("sent nothing for 1 s"), "{message}");
     assert_eq!(error["error"]["type"], "server_error");
 
     // A non-streaming Ollama answer had not begun: a 500 naming the stall.
     let body = json!({ "model": "chat", "prompt": "hi", "stream": false });
     let (status, text) = request(&world, "/api/generate", &body).await;
     assert_eq!(status, 500, "{text}");
-    assert!(text.contains("sent nothing for 1s"), "{text}");
+    assert!(text.contains("sent nothing for 1 s"), "{text}");
 }
 
 /// corrald with two models loaded, then a reload that lowers `max_loaded_models` to 1:

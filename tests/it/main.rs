@@ -5,6 +5,8 @@
 
 mod support;
 
+mod admin_habits;
+
 mod check_config;
 mod clients;
 mod containment;

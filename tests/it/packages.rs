@@ -147,6 +147,18 @@ fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
     assert_eq!(ct.unit_property("corrald.socket", "SubState"), "listening");
     assert_eq!(ct.unit_property("corrald.service", "ActiveState"), "inactive");
     ct.run(&["test", "-f", "/usr/share/man/man5/corral.toml.5.gz"]);
+    // Shell completions, and a package that needs a system bus.
+    for file in [
+        "/usr/share/bash-completion/completions/corralctl",
+        "/usr/share/zsh/vendor-completions/_corralctl",
+        "/usr/share/fish/vendor_completions.d/corralctl.fish",
+    ] {
+        ct.run(&["test", "-s", file]);
+    }
+    let bash = ct.run(&["cat", "/usr/share/bash-completion/completions/corralctl"]);
+    assert!(bash.contains("corralctl list --quiet"), "model names are completed: {bash}");
+    let depends = ct.run(&["dpkg-query", "-W", "-f", "${Depends}", "corral"]);
+    assert!(depends.contains("default-dbus-system-bus | dbus-system-bus"), "{depends}");
     // The installed unit, as the running systemd sees it, keeps its exposure low.
     let security = ct.exec(&["systemd-analyze", "security", "--no-pager", "corrald.service"]);
     let security = String::from_utf8_lossy(&security.stdout);
@@ -314,6 +326,9 @@ fn the_rpm_holds_the_units_and_the_scriptlets() {
         "/usr/lib/tmpfiles.d/corral.conf",
         "/etc/corral/corral.toml",
         "/etc/corral/corral.toml.d",
+        "/usr/share/bash-completion/completions/corralctl",
+        "/usr/share/zsh/site-functions/_corralctl",
+        "/usr/share/fish/vendor_completions.d/corralctl.fish",
     ] {
         assert!(files.lines().any(|l| l == file), "{file} missing from the rpm:\n{files}");
     }
@@ -333,4 +348,5 @@ fn the_rpm_holds_the_units_and_the_scriptlets() {
     assert!(scripts.contains("try-restart corrald.socket corrald.service"), "{scripts}");
     let requires = query(&["--requires"]);
     assert!(requires.lines().any(|l| l.starts_with("systemd >= 252")), "{requires}");
+    assert!(requires.lines().any(|l| l.trim() == "dbus"), "{requires}");
 }

@@ -259,7 +259,7 @@ fn exit_on_idle_waits_for_requests_in_flight_then_exits_cleanly() {
     let status = corrald.wait_exit(WAIT);
     assert!(status.success(), "a clean exit: {status}\n{}", corrald.stderr());
     let stderr = corrald.stderr();
-    assert!(stderr.contains("nothing loaded or in flight for 1s; exiting until the next connection"), "{stderr}");
+    assert!(stderr.contains("nothing loaded or in flight for 1 s; exiting until the next connection"), "{stderr}");
     let stopping = notify.wait_for("STOPPING", "1", WAIT);
     assert!(stopping > 0);
 }

@@ -162,7 +162,10 @@ async fn a_missing_llama_server_is_a_spawn_error_naming_it() {
         .await
         .expect_err("no binary");
     assert!(matches!(err, LoadError::Spawn { .. }), "{err:?}");
-    assert!(err.to_string().contains("cannot start /nonexistent/llama-server"), "{err}");
+    assert!(
+        err.to_string().contains("cannot start llama-server ([runner] llama_server = /nonexistent/llama-server)"),
+        "{err}"
+    );
 }
 
 #[tokio::test]

@@ -270,3 +270,185 @@ fn an_idle_service_exits_and_the_next_connection_starts_it_again() {
     wait_active_state(&ct, "corrald.service", "active");
     assert_ne!(ct.unit_property("corrald.service", "MainPID"), first, "a new instance");
 }
+
+/// Installs what the package adds to [`Container::install_corral`]: `corralctl`, the bus
+/// policy and the activation file (then the bus reads them), and the user units in
+/// `/etc/systemd/user`.
+fn install_corralctl_and_d_bus(ct: &Container) {
+    let share = ct.share_dir().join("corral");
+    let root = crate::support::container::repo_root();
+    if std::fs::hard_link(env!("CARGO_BIN_EXE_corralctl"), share.join("corralctl")).is_err() {
+        std::fs::copy(env!("CARGO_BIN_EXE_corralctl"), share.join("corralctl")).expect("stage corralctl");
+    }
+    for (from, name) in [
+        ("dbus/org.corral.Corral1.conf", "policy.conf"),
+        ("dbus/org.corral.Corral1.service", "activation.service"),
+        ("systemd/user/corrald.service", "user.service"),
+        ("systemd/user/corrald.socket", "user.socket"),
+    ] {
+        std::fs::copy(root.join(from), share.join(name)).expect("stage");
+    }
+    ct.run(&["install", "-m", "0755", "/srv/host/corral/corralctl", "/usr/bin/corralctl"]);
+    let policy = "/usr/share/dbus-1/system.d/org.corral.Corral1.conf";
+    ct.run(&["install", "-D", "-m", "0644", "/srv/host/corral/policy.conf", policy]);
+    let activation = "/usr/share/dbus-1/system-services/org.corral.Corral1.service";
+    ct.run(&["install", "-D", "-m", "0644", "/srv/host/corral/activation.service", activation]);
+    ct.run(&["install", "-D", "-m", "0644", "/srv/host/corral/user.service", "/etc/systemd/user/corrald.service"]);
+    ct.run(&["install", "-D", "-m", "0644", "/srv/host/corral/user.socket", "/etc/systemd/user/corrald.socket"]);
+    ct.run(&[
+        "busctl",
+        "call",
+        "org.freedesktop.DBus",
+        "/org/freedesktop/DBus",
+        "org.freedesktop.DBus",
+        "ReloadConfig",
+    ]);
+}
+
+/// `corralctl ARGS` as `user` (`None`: root) inside the container.
+fn corralctl(ct: &Container, user: Option<&str>, args: &[&str]) -> std::process::Output {
+    let ids = user.map(|user| [format!("--reuid={user}"), format!("--regid={user}")]);
+    let mut command = Vec::new();
+    if let Some([uid, gid]) = &ids {
+        command.extend_from_slice(&["setpriv", uid.as_str(), gid.as_str(), "--init-groups", "--"]);
+    }
+    command.push("corralctl");
+    command.extend_from_slice(args);
+    ct.exec(&command)
+}
+
+/// A broken drop-in, a reload and a stopped or masked service, as admins meet them: the
+/// service fails once with 78 and is not restarted, the socket keeps listening and every
+/// connection is told why, corralctl says what to do without starting anything, a reload
+/// of a rejected configuration fails and one that changes start-only keys names them.
+#[test]
+fn a_broken_configuration_a_reload_and_a_stopped_service_follow_systemd_conventions() {
+    let ct = Container::boot("admin");
+    ct.install_corral();
+    install_corralctl_and_d_bus(&ct);
+    ct.run(&["useradd", "--no-create-home", "corral-reader"]);
+    let share = ct.share_dir();
+    std::fs::write(share.join("bad.toml"), "[scheduler]\nkeep_alive = \"soon\"\n").expect("bad");
+    std::fs::write(
+        share.join("restart.toml"),
+        "[store]\npath = \"/var/lib/corral/other\"\n[scheduler]\nmax_queue = 7\n",
+    )
+    .expect("restart");
+    let bad = "/etc/corral/corral.toml.d/50-bad.toml";
+    ct.run(&["install", "-D", "-m", "0644", "/srv/host/bad.toml", bad]);
+    ct.run(&["systemctl", "start", "corrald.socket"]);
+
+    // Each connection starts corrald once and is answered with the reason; more failed
+    // starts than the start limit allows (5 in 10 s) leave the socket listening.
+    for attempt in 1..=6 {
+        let (code, body) = curl(&ct, &[], "http://127.0.0.1:11434/api/tags").expect("an answer, not a closed port");
+        assert_eq!(code, 503, "attempt {attempt}: {body}");
+        assert!(body.contains("its configuration is rejected") && body.contains("journalctl -u corrald"), "{body}");
+        wait_active_state(&ct, "corrald.service", "failed");
+        assert_eq!(ct.unit_property("corrald.service", "ExecMainStatus"), "78");
+        assert_eq!(ct.unit_property("corrald.service", "NRestarts"), "0", "no restart for exit 78");
+        assert_eq!(ct.unit_property("corrald.socket", "SubState"), "listening", "attempt {attempt}");
+    }
+    // The journal's message carries the reason itself.
+    let entries = ct.journal("corrald.service");
+    assert!(
+        entries.iter().any(|e| field(e, "PRIORITY").as_deref() == Some("3")
+            && field(e, "MESSAGE")
+                .is_some_and(|m| m.contains("invalid configuration") && m.contains("is not a duration"))),
+        "{}",
+        summary(&entries)
+    );
+
+    // corralctl says what to do, at once, and starts nothing: reading or changing.
+    for (user, args) in [(Some("corral-reader"), &["ps"][..]), (None, &["load", "tiny"])] {
+        let started = std::time::Instant::now();
+        let out = corralctl(&ct, user, args);
+        assert_eq!(out.status.code(), Some(69), "{}", describe(&out));
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(text.contains("corrald is not running: its configuration is rejected"), "{text}");
+        assert!(text.contains("`journalctl -u corrald`") && text.contains("`corrald --check-config`"), "{text}");
+        assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
+        assert_eq!(ct.unit_property("corrald.service", "ActiveState"), "failed", "{args:?} started it");
+    }
+
+    // Fixed: it starts.  A reload of a rejected configuration fails and changes nothing.
+    ct.run(&["rm", bad]);
+    ct.run(&["systemctl", "reset-failed", "corrald.service"]);
+    ct.run(&["systemctl", "start", "corrald.service"]);
+    let main_pid = ct.unit_property("corrald.service", "MainPID");
+    ct.run(&["install", "-D", "-m", "0644", "/srv/host/bad.toml", bad]);
+    let out = ct.exec(&["systemctl", "reload", "corrald.service"]);
+    assert!(!out.status.success(), "the reload of a rejected configuration succeeded: {}", describe(&out));
+    assert_eq!(ct.unit_property("corrald.service", "ActiveState"), "active");
+    assert_eq!(ct.unit_property("corrald.service", "MainPID"), main_pid);
+    ct.run(&["rm", bad]);
+    // A reload that changes start-only keys names them (and not the ones it applied).
+    ct.run(&["install", "-D", "-m", "0644", "/srv/host/restart.toml", "/etc/corral/corral.toml.d/60-restart.toml"]);
+    ct.run(&["systemctl", "reload", "corrald.service"]);
+    let reload = wait_event(&ct, "reload");
+    assert!(reload.contains("take effect only at the next restart") && reload.contains("[store] path"), "{reload}");
+    assert!(!reload.contains("max_queue"), "{reload}");
+
+    // Stopped: reading does not start it.
+    ct.run(&["systemctl", "stop", "corrald.service"]);
+    wait_active_state(&ct, "corrald.service", "inactive");
+    let out = corralctl(&ct, Some("corral-reader"), &["ps"]);
+    assert_eq!(out.status.code(), Some(69), "{}", describe(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("reading does not start it"), "{}", describe(&out));
+    assert_eq!(ct.unit_property("corrald.service", "ActiveState"), "inactive", "corralctl ps started corrald");
+
+    // Masked: 69 and a clear message, for reading and changing.
+    // (A unit in /etc cannot be masked: moved where the package puts it.)
+    ct.run(&["mv", "/etc/systemd/system/corrald.service", "/usr/lib/systemd/system/corrald.service"]);
+    ct.run(&["systemctl", "mask", "corrald.service"]);
+    assert_eq!(ct.unit_property("corrald.service", "LoadState"), "masked");
+    for (user, args) in [(Some("corral-reader"), &["list"][..]), (None, &["load", "tiny"])] {
+        let out = corralctl(&ct, user, args);
+        assert_eq!(out.status.code(), Some(69), "{}", describe(&out));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("corrald.service is masked"), "{}", describe(&out));
+    }
+}
+
+/// The user units as shipped: `systemctl --user` starts corrald on the first connection,
+/// with D-Bus on the session bus, and a plain `corralctl` finds it there.
+#[test]
+fn the_user_units_work_with_corralctl_as_shipped() {
+    let ct = Container::boot("user-units");
+    ct.install_corral();
+    install_corralctl_and_d_bus(&ct);
+    ct.run(&["useradd", "--create-home", "corral-alice"]);
+    let uid = ct.run(&["id", "-u", "corral-alice"]);
+    ct.run(&["systemctl", "start", &format!("user@{uid}.service")]);
+    let runtime = format!("XDG_RUNTIME_DIR=/run/user/{uid}");
+    let as_alice = |args: &[&str]| {
+        let mut command = vec!["setpriv", "--reuid=corral-alice", "--regid=corral-alice", "--init-groups", "--", "env"];
+        command.push(&runtime);
+        command.extend_from_slice(args);
+        ct.exec(&command)
+    };
+    let ok = |args: &[&str]| {
+        let out = as_alice(args);
+        assert!(out.status.success(), "{args:?}: {}", describe(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    ok(&["systemctl", "--user", "daemon-reload"]);
+    ok(&["systemctl", "--user", "start", "corrald.socket"]);
+
+    // Before the first connection: corralctl looks on the session bus, and reading does
+    // not start corrald.
+    let out = as_alice(&["corralctl", "ps"]);
+    assert_eq!(out.status.code(), Some(69), "{}", describe(&out));
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("reading does not start it") && text.contains("systemctl --user start corrald"), "{text}");
+
+    let (code, body) = curl(&ct, &[], "http://127.0.0.1:11434/api/version").expect("the user socket answers");
+    assert_eq!(code, 200, "{body}");
+    poll_until(SETTLE, "the user's corrald on the session bus", || {
+        let out = as_alice(&["corralctl", "status"]);
+        if out.status.success() { Ok(()) } else { Err(describe(&out)) }
+    });
+    let status = ok(&["corralctl", "--json", "status"]);
+    assert!(status.contains(env!("CARGO_PKG_VERSION")), "{status}");
+    // Not the system bus: nothing of corral's runs there.
+    assert_eq!(ct.unit_property("corrald.service", "ActiveState"), "inactive");
+}
