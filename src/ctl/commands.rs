@@ -292,7 +292,7 @@ pub async fn create(bus: &Bus, style: Style, name: &str, file: &Path, home: Opti
     let text = modelfile::prepare(&text, dir, home)?;
     let mut watch = Watch::start(bus).await?;
     let path = bus.manager().await?.create(name, &text).await.or_bus(bus)?;
-    finish(watch.follow(bus, path, style.progress(false)).await?, style)
+    finish(watch.follow(bus, path, style.progress(true)).await?, style)
 }
 
 /// `cp`.
