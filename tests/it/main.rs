@@ -33,3 +33,4 @@ mod shipped;
 mod socket_activation;
 mod supervision;
 mod systemd_container;
+mod term_habits;
