@@ -114,9 +114,24 @@ pub struct TransferArgs {
 pub struct RunArgs {
     /// The model's name.
     pub model: String,
-    /// The message to send; without it, each line of standard input is one turn of a
-    /// conversation (`/bye` or end of input stops).
+    /// The message to send; without it, a conversation: at a terminal a prompt, else each
+    /// line of standard input is one turn. `"""` opens a message of several lines, `/?`
+    /// lists the commands (`/bye`, `/set`, `/show`, `/clear`, `/load`); Ctrl-C stops a reply.
+    /// A model the store lacks is pulled first, as `ollama run` does.
     pub prompt: Option<String>,
+    /// Show timings after each reply: durations, token counts and rates.
+    #[arg(long)]
+    pub verbose: bool,
+    /// The reply's format: `json`, or a JSON schema.
+    #[arg(long, value_name = "FORMAT")]
+    pub format: Option<String>,
+    /// How long the model stays loaded after the conversation: a duration such as "10m",
+    /// "0" to unload at once, "-1" for forever.
+    #[arg(long, visible_alias = "keep-alive", value_name = "DURATION", allow_hyphen_values = true)]
+    pub keepalive: Option<String>,
+    /// Allow plain HTTP to the registry when the model is pulled.
+    #[arg(long)]
+    pub insecure: bool,
     /// corrald's HTTP API: a URL such as `http://127.0.0.1:11434`, or a UNIX socket path
     /// such as /run/corral.sock.
     #[arg(long, env = "CORRAL_HOST", default_value = "http://127.0.0.1:11434", value_name = "URL|SOCKET")]

@@ -75,7 +75,7 @@ impl Watch {
 
     /// Follows the job at `path` until it ends, showing progress as `progress` says.
     pub async fn follow(&mut self, bus: &Bus, path: OwnedObjectPath, progress: Progress) -> Result<Outcome, CtlError> {
-        let mut view = View::new(progress);
+        let mut view = View::new(progress, Sink::Stdout);
         while let Some(message) = self.stream.next().await {
             let message = message.or_bus(bus)?;
             let header = message.header();
@@ -112,10 +112,20 @@ impl Watch {
     }
 }
 
+/// Where progress is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sink {
+    /// Standard output (`pull`, `push`, `create`).
+    Stdout,
+    /// Standard error (a pull before `run`, whose output is the reply).
+    Stderr,
+}
+
 /// What is on the screen: like Ollama's, one line per step, each layer's transfer a line
 /// with its own bar (drawn in place on a terminal, its last state kept), `success` last.
-struct View {
+pub struct View {
     progress: Progress,
+    sink: Sink,
     /// The job's current values, as its signals left them.
     status: String,
     total: u64,
@@ -138,8 +148,18 @@ struct Line {
 }
 
 impl View {
-    fn new(progress: Progress) -> Self {
-        Self { progress, status: String::new(), total: 0, completed: 0, open: None }
+    /// Nothing shown yet.
+    #[must_use]
+    pub fn new(progress: Progress, sink: Sink) -> Self {
+        Self { progress, sink, status: String::new(), total: 0, completed: 0, open: None }
+    }
+
+    /// Shows the job's state: its step (or layer) and how far it got.
+    pub fn set(&mut self, status: &str, total: u64, completed: u64) {
+        status.clone_into(&mut self.status);
+        self.total = total;
+        self.completed = completed;
+        self.update();
     }
 
     /// Applies a `PropertiesChanged` of the job.
@@ -178,12 +198,12 @@ impl View {
             });
             if !layer && self.progress == Progress::Lines {
                 let status = self.status.clone();
-                write_out(&format!("{status}\n"));
+                self.write(&format!("{status}\n"));
             }
         }
         if self.progress == Progress::Bar {
             if let Some(line) = &self.open {
-                write_out(&format!("\r{}\x1b[K", line.render(terminal_width(), false)));
+                self.write(&format!("\r{}\x1b[K", line.render(terminal_width(self.sink), false)));
             }
         }
     }
@@ -193,14 +213,29 @@ impl View {
     fn close(&mut self) {
         let Some(line) = self.open.take() else { return };
         match self.progress {
-            Progress::Bar => write_out(&format!("\r{}\x1b[K\n", line.render(terminal_width(), true))),
-            Progress::Lines if line.layer => write_out(&format!("{}\n", line.render(0, true))),
+            Progress::Bar => self.write(&format!("\r{}\x1b[K\n", line.render(terminal_width(self.sink), true))),
+            Progress::Lines if line.layer => self.write(&format!("{}\n", line.render(0, true))),
             Progress::Lines | Progress::Quiet => {}
         }
     }
 
-    fn finish(&mut self) {
+    /// Ends the last line.
+    pub fn finish(&mut self) {
         self.close();
+    }
+
+    /// Writes and flushes at once; a closed pipe is not the job's failure.
+    fn write(&self, text: &str) {
+        let _ = match self.sink {
+            Sink::Stdout => {
+                let mut out = std::io::stdout().lock();
+                out.write_all(text.as_bytes()).and_then(|()| out.flush())
+            }
+            Sink::Stderr => {
+                let mut out = std::io::stderr().lock();
+                out.write_all(text.as_bytes()).and_then(|()| out.flush())
+            }
+        };
     }
 }
 
@@ -286,19 +321,15 @@ fn eta(seconds: u64) -> String {
 }
 
 /// The terminal's columns (80 when it does not say).
-fn terminal_width() -> usize {
-    rustix::termios::tcgetwinsize(std::io::stdout())
-        .ok()
+fn terminal_width(sink: Sink) -> usize {
+    match sink {
+        Sink::Stdout => rustix::termios::tcgetwinsize(std::io::stdout()),
+        Sink::Stderr => rustix::termios::tcgetwinsize(std::io::stderr()),
+    }
+    .ok()
         .map(|size| usize::from(size.ws_col))
         .filter(|&columns| columns > 0)
         .unwrap_or(80)
-}
-
-/// Progress goes to standard output, flushed at once; a closed pipe is not the job's failure.
-fn write_out(text: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = out.write_all(text.as_bytes());
-    let _ = out.flush();
 }
 
 #[cfg(test)]

@@ -6,7 +6,8 @@
 //! - [`commands`]: list, ps, show, load, unload, pull, push, create, cp, rm, status;
 //! - [`job`]: following a job to its end, with a progress bar;
 //! - [`modelfile`]: a Modelfile's relative paths made absolute before it is sent;
-//! - [`chat`]: `run` over HTTP (TCP or a UNIX socket);
+//! - [`chat`]: the HTTP API (TCP or a UNIX socket): chat turns, show, pull, blob uploads;
+//! - [`repl`]: `run`'s conversation: multi-line input, `/` commands, Ctrl-C;
 //! - [`output`]: tables, units, JSON.
 
 pub mod bus;
@@ -17,6 +18,7 @@ pub mod error;
 pub mod job;
 pub mod modelfile;
 pub mod output;
+pub mod repl;
 
 #[cfg(test)]
 mod man;
@@ -49,15 +51,19 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
             output::print(&String::from_utf8_lossy(&script))
         }
         Command::Run(args) => {
+            let format = args.format.map(|f| serde_json::from_str(&f).unwrap_or(serde_json::Value::String(f)));
             let chat = chat::Chat {
-                host: chat::Host::parse(&args.host)?,
-                token: args.token,
+                api: chat::Api { host: chat::Host::parse(&args.host)?, token: args.token },
                 model: args.model,
                 json: cli.json,
                 options: args.options.into_iter().collect(),
+                format,
+                keep_alive: args.keepalive,
+                verbose: args.verbose,
+                system: None,
                 history: Vec::new(),
             };
-            chat::run(chat, args.prompt.as_deref()).await
+            repl::run(chat, args.prompt.as_deref(), args.insecure).await
         }
         command => {
             let bus = Bus::connect(cli.session).await?;
