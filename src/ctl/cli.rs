@@ -51,13 +51,21 @@ pub enum Command {
     Pull(TransferArgs),
     /// Push a model to the registry its name names, showing progress.
     Push(TransferArgs),
-    /// Create (or replace) a model from a Modelfile.
+    /// Create (or replace) a model from a Modelfile; its FROM and ADAPTER files are
+    /// uploaded over the HTTP API (each blob once), so corrald needs no access to them.
     Create {
         /// The new model's name.
         model: String,
         /// The Modelfile; relative FROM and ADAPTER paths are taken from its directory.
         #[arg(short = 'f', long = "file", value_name = "MODELFILE", default_value = "Modelfile")]
         file: PathBuf,
+        /// corrald's HTTP API, for the uploads: a URL such as `http://127.0.0.1:11434`, or
+        /// a UNIX socket path such as /run/corral.sock.
+        #[arg(long, env = "CORRAL_HOST", default_value = "http://127.0.0.1:11434", value_name = "URL|SOCKET")]
+        host: String,
+        /// A bearer token, for a daemon with `[server] api_tokens`.
+        #[arg(long, env = "CORRAL_API_TOKEN", hide_env_values = true, value_name = "TOKEN")]
+        token: Option<String>,
     },
     /// Copy a model to a new name (blobs are shared).
     Cp {

@@ -1,6 +1,7 @@
 //! The D-Bus commands: list, ps, show, load, unload, pull, push, create, cp, rm, status.
 
 use std::collections::{BTreeMap, HashMap};
+use std::io::Write as _;
 use std::path::Path;
 use std::time::SystemTime;
 
@@ -8,6 +9,7 @@ use serde::Serialize;
 use zbus::zvariant::{OwnedObjectPath, Value};
 
 use super::bus::{Bus, OrBus};
+use super::chat::Api;
 use super::cli::{LoadArgs, TransferArgs};
 use super::error::CtlError;
 use super::job::{Outcome, Progress, Watch};
@@ -282,14 +284,36 @@ pub async fn transfer(bus: &Bus, style: Style, push: bool, args: &TransferArgs) 
     finish(watch.follow(bus, path, style.progress(true)).await?, style)
 }
 
-/// `create`.
-pub async fn create(bus: &Bus, style: Style, name: &str, file: &Path, home: Option<&Path>) -> Result<(), CtlError> {
+/// `create`: the Modelfile's local files uploaded as blobs over the HTTP API at `api`
+/// (when it answers), then the model made over D-Bus.
+pub async fn create(
+    bus: &Bus,
+    style: Style,
+    name: &str,
+    file: &Path,
+    home: Option<&Path>,
+    api: &Api,
+) -> Result<(), CtlError> {
     let text = std::fs::read_to_string(file)
         .map_err(|source| CtlError::Io { what: format!("cannot read {}", file.display()), source })?;
     let file = std::path::absolute(file)
         .map_err(|source| CtlError::Io { what: format!("cannot resolve {}", file.display()), source })?;
     let dir = file.parent().unwrap_or(Path::new("/"));
-    let text = modelfile::prepare(&text, dir, home)?;
+    let prepared = modelfile::prepare(&text, dir, home)?;
+    let names = match modelfile::upload(api, &prepared.files, style.progress(true)).await {
+        Ok(names) => names,
+        // Without the HTTP API, corrald reads the files itself, where it can.
+        Err(CtlError::HttpUnreachable { host, detail }) if !prepared.files.is_empty() => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "corralctl: cannot reach corrald's HTTP API at {host} ({detail}) to upload the files; \
+                 corrald reads them by path (see --host)"
+            );
+            HashMap::new()
+        }
+        Err(e) => return Err(e),
+    };
+    let text = prepared.text(&names)?;
     let mut watch = Watch::start(bus).await?;
     let path = bus.manager().await?.create(name, &text).await.or_bus(bus)?;
     finish(watch.follow(bus, path, style.progress(true)).await?, style)

@@ -184,6 +184,8 @@ impl View {
             if let Some(line) = &mut self.open {
                 line.total = self.total;
                 line.completed = self.completed;
+                // A new step's first signal may still carry the previous step's count.
+                line.started_at = line.started_at.min(self.completed);
             }
         } else {
             self.close();
@@ -303,11 +305,13 @@ fn size(bytes: u64) -> String {
     }
 }
 
-/// Whether a status is a layer's transfer: `pulling` or `pushing` and 12 hex digits.
+/// Whether a status is a layer's transfer: `pulling`, `pushing` or `copying` (an upload),
+/// and 12 hex digits.
 fn is_layer(status: &str) -> bool {
     status
         .strip_prefix("pulling ")
         .or_else(|| status.strip_prefix("pushing "))
+        .or_else(|| status.strip_prefix("copying "))
         .is_some_and(|hex| hex.len() == 12 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 

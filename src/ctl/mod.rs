@@ -75,8 +75,9 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
                 Command::Unload { model } => commands::unload(&bus, style, &model).await,
                 Command::Pull(args) => commands::transfer(&bus, style, false, &args).await,
                 Command::Push(args) => commands::transfer(&bus, style, true, &args).await,
-                Command::Create { model, file } => {
-                    commands::create(&bus, style, &model, &file, env.home.as_deref()).await
+                Command::Create { model, file, host, token } => {
+                    let api = chat::Api { host: chat::Host::parse(&host)?, token };
+                    commands::create(&bus, style, &model, &file, env.home.as_deref(), &api).await
                 }
                 Command::Cp { source, destination } => commands::copy(&bus, style, &source, &destination).await,
                 Command::Rm { models } => commands::remove(&bus, style, &models).await,
