@@ -148,7 +148,9 @@ impl Api {
             .unwrap_or_else(|| String::from_utf8_lossy(&bytes).trim().to_owned());
         let message = if message.is_empty() { status.to_string() } else { message };
         Err(match status {
-            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => CtlError::HttpDenied { host: self.host.describe(), message },
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
+                CtlError::HttpDenied { host: self.host.describe(), message }
+            }
             _ => CtlError::Http { message },
         })
     }

@@ -331,9 +331,9 @@ fn terminal_width(sink: Sink) -> usize {
         Sink::Stderr => rustix::termios::tcgetwinsize(std::io::stderr()),
     }
     .ok()
-        .map(|size| usize::from(size.ws_col))
-        .filter(|&columns| columns > 0)
-        .unwrap_or(80)
+    .map(|size| usize::from(size.ws_col))
+    .filter(|&columns| columns > 0)
+    .unwrap_or(80)
 }
 
 #[cfg(test)]

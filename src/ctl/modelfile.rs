@@ -255,7 +255,10 @@ mod tests {
         ]);
         let sent = Modelfile::parse(&prepared.text(&names).expect("text")).expect("parses");
         assert_eq!(sent.from, names[&dir.path().join("w.gguf")]);
-        assert_eq!(sent.adapters, [names[&dir.path().join("a.gguf")].clone(), names[&dir.path().join("w.gguf")].clone()]);
+        assert_eq!(
+            sent.adapters,
+            [names[&dir.path().join("a.gguf")].clone(), names[&dir.path().join("w.gguf")].clone()]
+        );
     }
 
     #[test]

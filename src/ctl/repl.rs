@@ -117,7 +117,10 @@ pub async fn run(mut chat: Chat, prompt: Option<&str>, insecure: bool) -> Result
     });
     // Ctrl-C is caught only in a conversation at a terminal; elsewhere it ends corralctl.
     let mut interrupts = if interactive {
-        Some(signal(SignalKind::interrupt()).map_err(|source| CtlError::Io { what: "catching Ctrl-C".into(), source })?)
+        Some(
+            signal(SignalKind::interrupt())
+                .map_err(|source| CtlError::Io { what: "catching Ctrl-C".into(), source })?,
+        )
     } else {
         None
     };

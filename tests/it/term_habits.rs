@@ -96,7 +96,13 @@ fn ctl(rig: &BusDaemon, args: &[&str]) -> String {
     let mut all = vec![CORRALCTL];
     all.extend_from_slice(args);
     let out = rig.bus.run_as(None, &all);
-    assert!(out.status.success(), "corralctl {}: {}\ncorrald:\n{}", args.join(" "), describe(&out), rig.corrald.stderr());
+    assert!(
+        out.status.success(),
+        "corralctl {}: {}\ncorrald:\n{}",
+        args.join(" "),
+        describe(&out),
+        rig.corrald.stderr()
+    );
     String::from_utf8(out.stdout).expect("utf-8")
 }
 
@@ -245,7 +251,11 @@ fn run_at_a_terminal_handles_commands_multiline_input_and_verbose_like_ollama_ru
     term.line("hello\"\"\"");
     let screen = term.wait("the reply and its timings", |s| s.contains("eval rate:") && at_prompt(s));
     for label in ["total duration:", "load duration:", "prompt eval count:", "eval count:", "eval rate:"] {
-        assert_eq!(screen.lines().filter(|l| l.starts_with(label)).count(), 1, "{label} once, for one message:\n{screen}");
+        assert_eq!(
+            screen.lines().filter(|l| l.starts_with(label)).count(),
+            1,
+            "{label} once, for one message:\n{screen}"
+        );
     }
     assert!(screen.contains(" token(s)") && screen.contains(" tokens/s"), "{screen}");
     let total = screen.lines().find(|l| l.starts_with("total duration:")).expect("total");
@@ -300,7 +310,8 @@ fn ctrl_c_ends_the_reply_not_the_session() {
     term.wait("the prompt after the reply", at_prompt);
     poll_until(WAIT, "the interrupted request to end", || {
         let out = rig.bus.run_as(None, &[CORRALCTL, "--json", "ps"]);
-        let active: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("{e}: {}", describe(&out)))?;
+        let active: serde_json::Value =
+            serde_json::from_slice(&out.stdout).map_err(|e| format!("{e}: {}", describe(&out)))?;
         if active[0]["active_requests"] == 0 { Ok(()) } else { Err(active.to_string()) }
     });
 
@@ -327,7 +338,8 @@ fn run_pulls_a_model_the_store_lacks_as_ollama_run_does() {
     ctl(&rig, &["rm", &remote]);
 
     let host = format!("http://127.0.0.1:{}", rig.port);
-    let out = rig.bus.run_as(None, &[CORRALCTL, "run", &remote, "Hi", "--insecure", "-o", "num_predict=4", "--host", &host]);
+    let out =
+        rig.bus.run_as(None, &[CORRALCTL, "run", &remote, "Hi", "--insecure", "-o", "num_predict=4", "--host", &host]);
     assert!(out.status.success(), "{}", describe(&out));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.starts_with("pulling manifest\n") && stderr.contains("\nsuccess\n"), "{}", describe(&out));
