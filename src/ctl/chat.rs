@@ -473,7 +473,31 @@ pub async fn ensure_model(api: &Api, model: &str, insecure: bool) -> Result<(), 
 
 #[cfg(test)]
 mod tests {
-    use super::Host;
+    use super::{Host, Stats, duration};
+
+    #[test]
+    fn durations_are_for_people() {
+        assert_eq!(duration(5_593_436_487), "5.59 s");
+        assert_eq!(duration(350_000_000), "350 ms");
+        assert_eq!(duration(12_345_678), "12.3 ms");
+        assert_eq!(duration(850_000), "850 µs");
+        assert_eq!(duration(65_000_000_000), "1m 5s");
+    }
+
+    #[test]
+    fn verbose_prints_ollamas_timings() {
+        let stats: Stats = serde_json::from_str(
+            r#"{"total_duration": 2000000000, "load_duration": 500000000, "prompt_eval_count": 10,
+                "prompt_eval_duration": 100000000, "eval_count": 20, "eval_duration": 1000000000}"#,
+        )
+        .expect("stats");
+        assert_eq!(
+            stats.summary(),
+            "total duration:       2.00 s\nload duration:        500 ms\nprompt eval count:    10 token(s)\n\
+             prompt eval duration: 100 ms\nprompt eval rate:     100.00 tokens/s\neval count:           20 token(s)\n\
+             eval duration:        1.00 s\neval rate:            20.00 tokens/s\n"
+        );
+    }
 
     #[test]
     fn hosts_are_urls_or_socket_paths() {
