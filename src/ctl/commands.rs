@@ -300,14 +300,19 @@ pub async fn create(
         .map_err(|source| CtlError::Io { what: format!("cannot resolve {}", file.display()), source })?;
     let dir = file.parent().unwrap_or(Path::new("/"));
     let prepared = modelfile::prepare(&text, dir, home)?;
+    // A name corrald would refuse is refused before anything is uploaded.
+    crate::store::name::ModelName::parse(name).map_err(|e| CtlError::Invalid(e.to_string()))?;
+    if !style.json {
+        print("gathering model components\n")?;
+    }
     let names = match modelfile::upload(api, &prepared.files, style.progress(true)).await {
         Ok(names) => names,
-        // Without the HTTP API, corrald reads the files itself, where it can.
-        Err(CtlError::HttpUnreachable { host, detail }) if !prepared.files.is_empty() => {
+        // Without the HTTP API (or leave to upload on it), corrald reads the files itself,
+        // where it can.
+        Err(e @ (CtlError::HttpUnreachable { .. } | CtlError::HttpDenied { .. })) if !prepared.files.is_empty() => {
             let _ = writeln!(
                 std::io::stderr(),
-                "corralctl: cannot reach corrald's HTTP API at {host} ({detail}) to upload the files; \
-                 corrald reads them by path (see --host)"
+                "corralctl: cannot upload the files: {e}; corrald reads them by path instead"
             );
             HashMap::new()
         }
