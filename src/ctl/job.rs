@@ -1,7 +1,6 @@
 //! Following a job (pull, push, create, copy, delete) until it ends, with progress.
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::io::Write;
 use std::time::Instant;
 
@@ -259,34 +258,41 @@ impl Line {
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let percent = (fraction * 100.0).floor() as u32;
         let prefix = format!("{}: {percent:>3}%", self.status);
-        let finished = done || self.completed >= self.total;
-        let suffix = if finished {
-            size(self.total)
-        } else {
+        let running = (!(done || self.completed >= self.total)).then(|| {
             let elapsed = self.started.elapsed().as_secs_f64();
             let moved = self.completed.saturating_sub(self.started_at);
-            let mut suffix = format!("{}/{}", size(self.completed), size(self.total));
             #[allow(clippy::cast_precision_loss)]
-            if elapsed >= 1.0 && moved > 0 {
-                let rate = moved as f64 / elapsed;
+            let rate = (elapsed >= 1.0 && moved > 0).then(|| moved as f64 / elapsed);
+            rate.map_or_else(String::new, |rate| {
                 #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
                 let per_second = rate as u64;
-                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
                 let left = ((self.total - self.completed) as f64 / rate).ceil() as u64;
-                let _ = write!(suffix, "  {}/s  {}", size(per_second), eta(left));
-            }
-            suffix
-        };
+                format!("  {}/s  {}", size(per_second), eta(left))
+            })
+        });
         if width == 0 {
-            return format!("{prefix} {suffix}");
+            return match running {
+                None => format!("{prefix} {}", size(self.total)),
+                Some(rate) => format!("{prefix} {}/{}{rate}", size(self.completed), size(self.total)),
+            };
         }
+        // As Ollama's: the part after the bar has one width, so that the bars line up.
+        let suffix = match running {
+            None => format!("{:>9}", size(self.total)),
+            Some(rate) => format!("{:>9}/{:<9}{rate}", size(self.completed), size(self.total)),
+        };
+        let suffix = format!("{suffix:<SUFFIX$}");
         // Two edges and a space on each side of the bar.
-        let room = width.saturating_sub(prefix.chars().count() + suffix.chars().count() + 4).max(10);
+        let room = width.saturating_sub(prefix.chars().count() + SUFFIX + 4).max(10);
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
         let full = ((room as f64) * fraction).floor() as usize;
         format!("{prefix} ▕{}{}▏ {suffix}", "█".repeat(full), " ".repeat(room - full))
     }
 }
+
+/// The width of what follows a bar: `  1.5 GiB/  2.0 GiB  100 MiB/s  1h59m`.
+const SUFFIX: usize = 38;
 
 /// Bytes as Ollama shows them in progress, in binary units: `19 B`, `1.5 GiB`, `512 MiB`.
 fn size(bytes: u64) -> String {
@@ -359,11 +365,17 @@ mod tests {
         assert!(!is_layer("pulling manifest") && !is_layer("verifying sha256 digest") && !is_layer("success"));
         let done = line("pulling 0123456789ab", 512 << 20, 512 << 20).render(60, true);
         assert!(done.starts_with("pulling 0123456789ab: 100% ▕█"), "{done}");
-        assert!(done.ends_with("█▏ 512 MiB"), "{done}");
-        assert_eq!(done.chars().count(), 60, "{done}");
-        let half = line("pulling 0123456789ab", 100, 50).render(80, false);
-        assert!(half.starts_with("pulling 0123456789ab:  50% ▕") && half.ends_with("▏ 50 B/100 B"), "{half}");
-        assert!(half.contains("█ ") && half.chars().count() == 80, "{half}");
+        assert!(done.trim_end().ends_with("█▏   512 MiB"), "{done}");
+        assert_eq!(done.chars().count(), 26 + 4 + 10 + 38, "at least 10 columns of bar: {done}");
+        let half = line("pulling 0123456789ab", 100, 50).render(100, false);
+        assert!(
+            half.starts_with("pulling 0123456789ab:  50% ▕") && half.trim_end().ends_with("▏      50 B/100 B"),
+            "{half}"
+        );
+        assert!(half.contains("█ ") && half.chars().count() == 100, "{half}");
+        let full = line("pulling 0123456789ab", 100, 100).render(100, true);
+        let edge = |text: &str| text.chars().position(|c| c == '▏');
+        assert_eq!(edge(&full), edge(&half), "bars line up:\n{half}\n{full}");
         let plain = line("pushing 0123456789ab", 19, 19).render(0, true);
         assert_eq!(plain, "pushing 0123456789ab: 100% 19 B");
         assert_eq!(line("writing manifest", 0, 0).render(80, true), "writing manifest");

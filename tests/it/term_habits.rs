@@ -117,7 +117,7 @@ fn layer_line<'a>(line: &'a str, verb: &str, bar: bool) -> Option<&'a str> {
     let rest = rest.strip_prefix(": 100% ")?;
     let size = if bar {
         let rest = rest.strip_prefix('▕')?.trim_start_matches('█');
-        rest.strip_prefix("▏ ")?
+        rest.strip_prefix("▏ ")?.trim_start()
     } else {
         rest
     };
