@@ -391,3 +391,35 @@ fn create_uploads_a_file_corrald_cannot_see_once() {
     assert!(second.lines().any(|l| l.starts_with("using existing blob sha256:")), "{second}");
     ctl(&rig, &["show", "mine2"]);
 }
+
+#[test]
+fn run_takes_ollamas_flags_and_habits_without_a_terminal() {
+    let rig = rig();
+    let host = format!("http://127.0.0.1:{}", rig.port);
+    let args = ["--json", "run", "chat", "Hi", "--format", "json", "--verbose", "--keepalive", "0"];
+    let mut all = vec![CORRALCTL];
+    all.extend_from_slice(&args);
+    all.extend_from_slice(&["-o", "num_predict=8", "--host", &host]);
+    let out = rig.bus.run_as(None, &all);
+    assert!(out.status.success(), "{}", describe(&out));
+    let reply: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let content = reply["message"]["content"].as_str().expect("content");
+    assert!(content.trim_start().starts_with('{'), "--format json: {reply}");
+    assert!(reply["total_duration"].as_u64().is_some_and(|n| n > 0), "--verbose: {reply}");
+    assert!(reply["eval_count"].as_u64().is_some_and(|n| n > 0), "--verbose: {reply}");
+    // --keepalive 0: unloaded once the reply is done.
+    poll_until(WAIT, "the model to unload", || {
+        let ps = api_ps(&rig);
+        if ps["models"] == serde_json::json!([]) { Ok(()) } else { Err(ps.to_string()) }
+    });
+
+    // Piped: a `"""` block is one turn, commands answer on standard error, /bye ends.
+    let script = format!(
+        "printf '\"\"\"one\\ntwo\"\"\"\\n/set quiet\\n/bye\\nnever sent\\n' | {CORRALCTL} --json run chat -o num_predict=4 --host {host}"
+    );
+    let out = rig.bus.run_as(None, &["sh", "-c", &script]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.matches("\"assistant\"").count(), 1, "one reply for the block: {}", describe(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Set 'quiet' mode."), "{}", describe(&out));
+}
