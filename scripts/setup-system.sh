@@ -9,7 +9,7 @@ packages=(
     systemd dbus dbus-daemon dbus-bin libglib2.0-bin util-linux bsdutils passwd
     # clients the tests drive them with
     curl python3 python3-gi python3-venv procps
-    # a real terminal for the full-screen and interactive commands (corralctl top)
+    # a real terminal for corralctl's top, progress and run (send keys, read the screen)
     tmux
     # a real OCI registry for pull and push
     docker-registry

@@ -1,7 +1,7 @@
 //! `run MODEL [PROMPT]`: a chat with a model over corrald's HTTP API (`/api/chat`,
 //! streamed), on TCP or a UNIX socket.
 
-use std::io::{BufRead, IsTerminal, Write};
+use std::io::{IsTerminal, Write};
 
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
@@ -11,83 +11,50 @@ use serde::{Deserialize, Serialize};
 
 use super::error::CtlError;
 use super::host::Host;
+use super::job::{Progress, Sink, View};
 use super::output::{print, print_json};
 
-/// One message of the conversation.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Message {
-    /// user or assistant.
-    pub role: String,
-    /// The text.
-    pub content: String,
-}
-
-/// One NDJSON line of `/api/chat`'s stream.
-#[derive(Debug, Deserialize)]
-struct Chunk {
-    #[serde(default)]
-    message: Option<Message>,
-    #[serde(default)]
-    done: bool,
-    #[serde(default)]
-    error: Option<String>,
-}
-
-/// A chat session with one model.
-#[derive(Debug)]
-pub struct Chat {
+/// corrald's HTTP API, as one client reaches it: where, and with which token.
+#[derive(Debug, Clone)]
+pub struct Api {
     /// Where the API is.
     pub host: Host,
     /// A bearer token, if the daemon wants one.
     pub token: Option<String>,
-    /// The model.
-    pub model: String,
-    /// `--json`: one JSON object per reply instead of streamed text.
-    pub json: bool,
-    /// Model options sent with each request (`options` of `/api/chat`).
-    pub options: serde_json::Map<String, serde_json::Value>,
-    /// The conversation so far.
-    pub history: Vec<Message>,
 }
 
-impl Chat {
-    /// Sends `prompt`, streams the reply to standard output (unless `json`), and keeps both
-    /// in the history. Returns the reply.
-    pub async fn turn(&mut self, prompt: &str) -> Result<String, CtlError> {
-        self.history.push(Message { role: "user".into(), content: prompt.to_owned() });
-        let reply = self.send().await;
-        match reply {
-            Ok(reply) => {
-                self.history.push(Message { role: "assistant".into(), content: reply.clone() });
-                if self.json {
-                    print_json(&serde_json::json!({ "model": self.model, "message": self.history.last() }))?;
-                } else {
-                    print("\n")?;
-                }
-                Ok(reply)
-            }
-            Err(e) => {
-                // A failed turn is not part of the conversation.
-                self.history.pop();
-                Err(e)
-            }
-        }
-    }
+/// A streaming request body: chunks of a file read on a thread of its own.
+pub type Upload = http_body_util::StreamBody<
+    futures_util::stream::BoxStream<'static, Result<hyper::body::Frame<Bytes>, std::io::Error>>,
+>;
 
-    async fn send(&self) -> Result<String, CtlError> {
-        let body = serde_json::json!({
-            "model": self.model, "messages": self.history, "stream": true, "options": self.options,
-        });
-        let mut request = Request::post(self.host.target("/api/chat"))
-            .header(hyper::header::HOST, self.host.header())
-            .header(hyper::header::CONTENT_TYPE, "application/json");
+impl Api {
+    /// Sends `request` (its path and method set) with the Host and token headers, on a
+    /// connection of its own. Every request of corralctl's to the HTTP API goes here.
+    pub async fn send<B>(&self, request: Request<B>) -> Result<hyper::Response<hyper::body::Incoming>, CtlError>
+    where
+        B: hyper::body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let (mut parts, body) = request.into_parts();
+        // A path prefix of the host's (`OLLAMA_HOST=http://proxy/ollama`) goes first.
+        let path = parts.uri.path_and_query().map_or("/", hyper::http::uri::PathAndQuery::as_str);
+        parts.uri = self
+            .host
+            .target(path)
+            .parse()
+            .map_err(|_| CtlError::Invalid(format!("{} with {path} is not a valid request target", self.host.describe())))?;
+        parts.headers.insert(hyper::header::HOST, self.host.header().parse().expect("a valid Host header"));
         if let Some(token) = &self.token {
-            request = request.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
+            let value = format!("Bearer {token}")
+                .parse()
+                .map_err(|_| CtlError::Invalid("the API token is not a valid header value".into()))?;
+            parts.headers.insert(hyper::header::AUTHORIZATION, value);
         }
-        let request = request.body(Full::new(Bytes::from(body.to_string()))).expect("a valid request");
+        let request = Request::from_parts(parts, body);
         let unreachable = |detail: String| CtlError::HttpUnreachable { host: self.host.describe(), detail };
-
-        let response = match &self.host {
+        match &self.host {
             Host::Tcp { authority, .. } => {
                 let stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| unreachable(e.to_string()))?;
                 send_on(stream, request).await
@@ -97,117 +64,387 @@ impl Chat {
                 send_on(stream, request).await
             }
         }
-        .map_err(|e| unreachable(e.to_string()))?;
-
-        let status = response.status();
-        let mut body = response.into_body();
-        if !status.is_success() {
-            let bytes = body.collect().await.map(http_body_util::Collected::to_bytes).unwrap_or_default();
-            let message = serde_json::from_slice::<Chunk>(&bytes)
-                .ok()
-                .and_then(|c| c.error)
-                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).trim().to_owned());
-            let message = if message.is_empty() { status.to_string() } else { message };
-            return Err(match status {
-                StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
-                    CtlError::HttpDenied { host: self.host.describe(), message }
-                }
-                _ => CtlError::Http { message },
-            });
-        }
-
-        let mut reply = String::new();
-        let mut pending = Vec::new();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| CtlError::Http { message: format!("the reply broke off: {e}") })?;
-            let Ok(data) = frame.into_data() else { continue };
-            pending.extend_from_slice(&data);
-            while let Some(end) = pending.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = pending.drain(..=end).collect();
-                if self.chunk(&line, &mut reply)? {
-                    return Ok(reply);
-                }
-            }
-        }
-        if !pending.is_empty() && self.chunk(&pending, &mut reply)? {
-            return Ok(reply);
-        }
-        Err(CtlError::Http { message: "the reply ended before it was done".into() })
+        .map_err(|e| unreachable(e.to_string()))
     }
 
-    /// Handles one NDJSON line; `true` once the reply is done.
-    fn chunk(&self, line: &[u8], reply: &mut String) -> Result<bool, CtlError> {
-        let line = line.trim_ascii();
-        if line.is_empty() {
+    /// `POST path` with a JSON body; the answer's status and body once it is a success,
+    /// else the API's error.
+    pub async fn post_json(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, CtlError> {
+        let request = Request::post(path)
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .expect("a valid request");
+        self.checked(self.send(request).await?).await
+    }
+
+    /// The response if its status is a success, else its error message as a [`CtlError`].
+    pub async fn checked(
+        &self,
+        response: hyper::Response<hyper::body::Incoming>,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, CtlError> {
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let bytes = response.into_body().collect().await.map(http_body_util::Collected::to_bytes).unwrap_or_default();
+        let message = serde_json::from_slice::<Chunk>(&bytes)
+            .ok()
+            .and_then(|c| c.error)
+            .unwrap_or_else(|| String::from_utf8_lossy(&bytes).trim().to_owned());
+        let message = if message.is_empty() { status.to_string() } else { message };
+        Err(match status {
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
+                CtlError::HttpDenied { host: self.host.describe(), message }
+            }
+            _ => CtlError::Http { message },
+        })
+    }
+
+    /// `POST /api/show` for `model`: its JSON, `None` when there is no such model.
+    pub async fn show(&self, model: &str) -> Result<Option<serde_json::Value>, CtlError> {
+        let request = Request::post("/api/show")
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(serde_json::json!({ "model": model }).to_string())))
+            .expect("a valid request");
+        let response = self.send(request).await?;
+        if response.status() == StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        let response = self.checked(response).await?;
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| CtlError::Http { message: format!("the reply broke off: {e}") })?
+            .to_bytes();
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| CtlError::Http { message: format!("an unexpected reply to show: {e}") })
+    }
+
+    /// `POST /api/pull` for `model`, its progress shown on standard error as `pull` shows it.
+    pub async fn pull(&self, model: &str, insecure: bool, terminal: bool) -> Result<(), CtlError> {
+        let body = serde_json::json!({ "model": model, "insecure": insecure, "stream": true });
+        let response = self.post_json("/api/pull", &body).await?;
+        let mut view = View::new(if terminal { Progress::Bar } else { Progress::Lines }, Sink::Stderr);
+        let result = ndjson(response.into_body(), |line| {
+            let progress: PullProgress = serde_json::from_slice(line)
+                .map_err(|e| CtlError::Http { message: format!("an unexpected line from pull ({e})") })?;
+            if let Some(error) = progress.error {
+                return Err(CtlError::Http { message: error });
+            }
+            view.set(&progress.status, progress.total, progress.completed);
+            Ok(progress.status == "success")
+        })
+        .await;
+        view.finish();
+        match result {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(CtlError::Http { message: "the pull ended before it was done".into() }),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// `HEAD /api/blobs/<digest>`: whether corrald has the blob.
+    pub async fn has_blob(&self, digest: &str) -> Result<bool, CtlError> {
+        let request = Request::head(format!("/api/blobs/{digest}")).body(Full::new(Bytes::new())).expect("a request");
+        let response = self.send(request).await?;
+        if response.status() == StatusCode::NOT_FOUND {
             return Ok(false);
         }
-        let chunk: Chunk = serde_json::from_slice(line).map_err(|e| CtlError::Http {
-            message: format!("an unexpected line in the reply ({e}): {}", String::from_utf8_lossy(line)),
-        })?;
-        if let Some(error) = chunk.error {
-            return Err(CtlError::Http { message: error });
-        }
-        if let Some(message) = chunk.message {
-            if !self.json {
-                print(&message.content)?;
-            }
-            reply.push_str(&message.content);
-        }
-        Ok(chunk.done)
+        self.checked(response).await.map(|_| true)
+    }
+
+    /// `POST /api/blobs/<digest>` with `body`, `size` bytes (corrald checks the digest).
+    pub async fn upload_blob(&self, digest: &str, size: u64, body: Upload) -> Result<(), CtlError> {
+        let request = Request::post(format!("/api/blobs/{digest}"))
+            .header(hyper::header::CONTENT_TYPE, "application/octet-stream")
+            .header(hyper::header::CONTENT_LENGTH, size)
+            .body(body)
+            .expect("a valid request");
+        self.checked(self.send(request).await?).await.map(drop)
     }
 }
 
-async fn send_on<S>(
-    stream: S,
-    request: Request<Full<Bytes>>,
-) -> Result<hyper::Response<hyper::body::Incoming>, hyper::Error>
+/// One NDJSON line of `/api/pull`'s stream.
+#[derive(Debug, Deserialize)]
+struct PullProgress {
+    #[serde(default)]
+    status: String,
+    #[serde(default)]
+    total: u64,
+    #[serde(default)]
+    completed: u64,
+    #[serde(default)]
+    error: Option<String>,
+}
+
+/// Reads an NDJSON body, one line at a time, until `line` says it is done (`Ok(true)`);
+/// `Ok(false)` when the body ended first.
+async fn ndjson(
+    mut body: hyper::body::Incoming,
+    mut line: impl FnMut(&[u8]) -> Result<bool, CtlError>,
+) -> Result<bool, CtlError> {
+    let mut pending = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| CtlError::Http { message: format!("the reply broke off: {e}") })?;
+        let Ok(data) = frame.into_data() else { continue };
+        pending.extend_from_slice(&data);
+        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+            let text: Vec<u8> = pending.drain(..=end).collect();
+            let text = text.trim_ascii();
+            if !text.is_empty() && line(text)? {
+                return Ok(true);
+            }
+        }
+    }
+    let rest = pending.trim_ascii();
+    Ok(!rest.is_empty() && line(rest)?)
+}
+
+/// One message of the conversation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Message {
+    /// system, user or assistant.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+/// One NDJSON line of `/api/chat`'s stream; the last carries the timings.
+#[derive(Debug, Default, Deserialize)]
+struct Chunk {
+    #[serde(default)]
+    message: Option<Message>,
+    #[serde(default)]
+    done: bool,
+    #[serde(default)]
+    error: Option<String>,
+    #[serde(flatten)]
+    stats: Stats,
+}
+
+/// What `--verbose` shows after a reply: the timings of `/api/chat`'s last line.
+#[derive(Debug, Default, Clone, Copy, Deserialize, Serialize)]
+pub struct Stats {
+    #[serde(default)]
+    total_duration: u64,
+    #[serde(default)]
+    load_duration: u64,
+    #[serde(default)]
+    prompt_eval_count: u64,
+    #[serde(default)]
+    prompt_eval_duration: u64,
+    #[serde(default)]
+    eval_count: u64,
+    #[serde(default)]
+    eval_duration: u64,
+}
+
+impl Stats {
+    /// The lines `ollama run --verbose` prints, with durations for people.
+    #[must_use]
+    pub fn summary(&self) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        let mut line = |label: &str, value: String| {
+            let label = format!("{label}:");
+            let _ = writeln!(out, "{label:<22}{value}");
+        };
+        line("total duration", duration(self.total_duration));
+        line("load duration", duration(self.load_duration));
+        line("prompt eval count", format!("{} token(s)", self.prompt_eval_count));
+        if self.prompt_eval_duration > 0 {
+            line("prompt eval duration", duration(self.prompt_eval_duration));
+            line("prompt eval rate", rate(self.prompt_eval_count, self.prompt_eval_duration));
+        }
+        line("eval count", format!("{} token(s)", self.eval_count));
+        if self.eval_duration > 0 {
+            line("eval duration", duration(self.eval_duration));
+            line("eval rate", rate(self.eval_count, self.eval_duration));
+        }
+        out
+    }
+}
+
+/// Nanoseconds as people read them: `5.59 s`, `350 ms`, `12.3 ms`, `850 µs`, `1m 5s`.
+#[must_use]
+pub fn duration(nanos: u64) -> String {
+    #[allow(clippy::cast_precision_loss)]
+    let value = nanos as f64;
+    let significant = |v: f64, unit: &str| {
+        if v >= 100.0 {
+            format!("{v:.0} {unit}")
+        } else if v >= 10.0 {
+            format!("{v:.1} {unit}")
+        } else {
+            format!("{v:.2} {unit}")
+        }
+    };
+    match nanos {
+        0 => "0 s".to_owned(),
+        n if n >= 60_000_000_000 => format!("{}m {}s", n / 60_000_000_000, n / 1_000_000_000 % 60),
+        n if n >= 1_000_000_000 => significant(value / 1e9, "s"),
+        n if n >= 1_000_000 => significant(value / 1e6, "ms"),
+        _ => significant(value / 1e3, "µs"),
+    }
+}
+
+fn rate(count: u64, nanos: u64) -> String {
+    #[allow(clippy::cast_precision_loss)]
+    let per_second = count as f64 / (nanos as f64 / 1e9);
+    format!("{per_second:.2} tokens/s")
+}
+
+/// A chat session with one model.
+#[derive(Debug)]
+pub struct Chat {
+    /// The HTTP API.
+    pub api: Api,
+    /// The model.
+    pub model: String,
+    /// `--json`: one JSON object per reply instead of streamed text.
+    pub json: bool,
+    /// Model options sent with each request (`options` of `/api/chat`).
+    pub options: serde_json::Map<String, serde_json::Value>,
+    /// `format`: `"json"` or a JSON schema.
+    pub format: Option<serde_json::Value>,
+    /// `keep_alive`, as given.
+    pub keep_alive: Option<String>,
+    /// `--verbose`: the timings after each reply, on standard error.
+    pub verbose: bool,
+    /// The system message set with `/set system`, sent first.
+    pub system: Option<String>,
+    /// The conversation so far.
+    pub history: Vec<Message>,
+}
+
+impl Chat {
+    /// Sends `prompt`, streams the reply to standard output (unless `json`), and keeps both
+    /// in the history once the reply is whole. Returns the reply.
+    pub async fn turn(&mut self, prompt: &str) -> Result<String, CtlError> {
+        let user = Message { role: "user".into(), content: prompt.to_owned() };
+        let (reply, stats) = self.send(&user).await?;
+        self.history.push(user);
+        self.history.push(Message { role: "assistant".into(), content: reply.clone() });
+        if self.json {
+            let mut object = serde_json::json!({ "model": self.model, "message": self.history.last() });
+            if self.verbose {
+                if let (Some(object), Ok(serde_json::Value::Object(stats))) =
+                    (object.as_object_mut(), serde_json::to_value(stats))
+                {
+                    object.extend(stats);
+                }
+            }
+            print_json(&object)?;
+        } else {
+            print(if reply.ends_with('\n') { "\n" } else { "\n\n" })?;
+            if self.verbose {
+                let _ = writeln!(std::io::stderr().lock(), "{}", stats.summary());
+            }
+        }
+        Ok(reply)
+    }
+
+    /// The messages of a request: the system message, the conversation, the new one.
+    fn messages(&self, user: &Message) -> Vec<Message> {
+        let system = self.system.iter().map(|s| Message { role: "system".into(), content: s.clone() });
+        system.chain(self.history.iter().cloned()).chain(std::iter::once(user.clone())).collect()
+    }
+
+    async fn send(&self, user: &Message) -> Result<(String, Stats), CtlError> {
+        let mut body = serde_json::json!({
+            "model": self.model, "messages": self.messages(user), "stream": true, "options": self.options,
+        });
+        if let Some(format) = &self.format {
+            body["format"] = format.clone();
+        }
+        if let Some(keep_alive) = &self.keep_alive {
+            body["keep_alive"] = serde_json::Value::String(keep_alive.clone());
+        }
+        let response = self.api.post_json("/api/chat", &body).await?;
+        let mut reply = String::new();
+        let mut stats = Stats::default();
+        let done = ndjson(response.into_body(), |line| {
+            let chunk: Chunk = serde_json::from_slice(line).map_err(|e| CtlError::Http {
+                message: format!("an unexpected line in the reply ({e}): {}", String::from_utf8_lossy(line)),
+            })?;
+            if let Some(error) = chunk.error {
+                return Err(CtlError::Http { message: error });
+            }
+            if let Some(message) = chunk.message {
+                if !self.json {
+                    print(&message.content)?;
+                }
+                reply.push_str(&message.content);
+            }
+            if chunk.done {
+                stats = chunk.stats;
+            }
+            Ok(chunk.done)
+        })
+        .await?;
+        if done {
+            Ok((reply, stats))
+        } else {
+            Err(CtlError::Http { message: "the reply ended before it was done".into() })
+        }
+    }
+}
+
+async fn send_on<S, B>(stream: S, request: Request<B>) -> Result<hyper::Response<hyper::body::Incoming>, hyper::Error>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(connection);
     sender.send_request(request).await
 }
 
-/// `run`: one turn with `prompt`, or a conversation read line by line from standard input.
-pub async fn run(mut chat: Chat, prompt: Option<&str>) -> Result<(), CtlError> {
-    if let Some(prompt) = prompt {
-        chat.turn(prompt).await?;
+/// Makes sure `model` is there before a conversation: like `ollama run`, a model the
+/// store lacks is pulled (its progress on standard error).
+pub async fn ensure_model(api: &Api, model: &str, insecure: bool) -> Result<(), CtlError> {
+    if api.show(model).await?.is_some() {
         return Ok(());
     }
-    let interactive = std::io::stdin().is_terminal();
-    let (lines_tx, mut lines) = tokio::sync::mpsc::channel::<std::io::Result<String>>(1);
-    // Standard input blocks; a thread reads it so that the runtime does not.
-    std::thread::spawn(move || {
-        for line in std::io::stdin().lock().lines() {
-            if lines_tx.blocking_send(line).is_err() {
-                break;
-            }
-        }
-    });
-    loop {
-        if interactive {
-            let mut err = std::io::stderr().lock();
-            let _ = write!(err, ">>> ");
-            let _ = err.flush();
-        }
-        let Some(line) = lines.recv().await else { return Ok(()) };
-        let line = line.map_err(|source| CtlError::Io { what: "reading standard input".into(), source })?;
-        let line = line.trim();
-        if line.is_empty() {
-            continue;
-        }
-        if line == "/bye" || line == "/exit" {
-            return Ok(());
-        }
-        match chat.turn(line).await {
-            Ok(_) => {}
-            // In a conversation, a failed turn is reported and the next line tried;
-            // without a terminal, a script wants the failure.
-            Err(e) if interactive => {
-                let _ = writeln!(std::io::stderr(), "error: {e}");
-            }
-            Err(e) => return Err(e),
-        }
+    let terminal = std::io::stderr().is_terminal();
+    api.pull(model, insecure, terminal)
+        .await
+        .map_err(|e| CtlError::Http { message: format!("model '{model}' not found, and pulling it failed: {e}") })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Stats, duration};
+
+    #[test]
+    fn durations_are_for_people() {
+        assert_eq!(duration(5_593_436_487), "5.59 s");
+        assert_eq!(duration(350_000_000), "350 ms");
+        assert_eq!(duration(12_345_678), "12.3 ms");
+        assert_eq!(duration(850_000), "850 µs");
+        assert_eq!(duration(65_000_000_000), "1m 5s");
+    }
+
+    #[test]
+    fn verbose_prints_ollamas_timings() {
+        let stats: Stats = serde_json::from_str(
+            r#"{"total_duration": 2000000000, "load_duration": 500000000, "prompt_eval_count": 10,
+                "prompt_eval_duration": 100000000, "eval_count": 20, "eval_duration": 1000000000}"#,
+        )
+        .expect("stats");
+        assert_eq!(
+            stats.summary(),
+            "total duration:       2.00 s\nload duration:        500 ms\nprompt eval count:    10 token(s)\n\
+             prompt eval duration: 100 ms\nprompt eval rate:     100.00 tokens/s\neval count:           20 token(s)\n\
+             eval duration:        1.00 s\neval rate:            20.00 tokens/s\n"
+        );
     }
 }

@@ -66,13 +66,21 @@ pub enum Command {
     Pull(TransferArgs),
     /// Push a model to the registry its name names, showing progress.
     Push(TransferArgs),
-    /// Create (or replace) a model from a Modelfile.
+    /// Create (or replace) a model from a Modelfile; its FROM and ADAPTER files are
+    /// uploaded over the HTTP API (each blob once), so corrald needs no access to them.
     Create {
         /// The new model's name.
         model: String,
         /// The Modelfile; relative FROM and ADAPTER paths are taken from its directory.
         #[arg(short = 'f', long = "file", value_name = "MODELFILE", default_value = "Modelfile")]
         file: PathBuf,
+        /// corrald's HTTP API, for the uploads, as for `run`: without it `CORRAL_HOST`, else
+        /// `OLLAMA_HOST`, else `http://127.0.0.1:11434`.
+        #[arg(long, value_name = "URL|SOCKET")]
+        host: Option<String>,
+        /// A bearer token, for a daemon with `[server] api_tokens`.
+        #[arg(long, env = "CORRAL_API_TOKEN", hide_env_values = true, value_name = "TOKEN")]
+        token: Option<String>,
     },
     /// Copy a model to a new name (blobs are shared).
     Cp {
@@ -143,9 +151,24 @@ pub struct TransferArgs {
 pub struct RunArgs {
     /// The model's name.
     pub model: String,
-    /// The message to send; without it, each line of standard input is one turn of a
-    /// conversation (`/bye` or end of input stops).
+    /// The message to send; without it, a conversation: at a terminal a prompt, else each
+    /// line of standard input is one turn. `"""` opens a message of several lines, `/?`
+    /// lists the commands (`/bye`, `/set`, `/show`, `/clear`, `/load`); Ctrl-C stops a reply.
+    /// A model the store lacks is pulled first, as `ollama run` does.
     pub prompt: Option<String>,
+    /// Show timings after each reply: durations, token counts and rates.
+    #[arg(long)]
+    pub verbose: bool,
+    /// The reply's format: `json`, or a JSON schema.
+    #[arg(long, value_name = "FORMAT")]
+    pub format: Option<String>,
+    /// How long the model stays loaded after the conversation: a duration such as "10m",
+    /// "0" to unload at once, "-1" for forever.
+    #[arg(long, visible_alias = "keep-alive", value_name = "DURATION", allow_hyphen_values = true)]
+    pub keepalive: Option<String>,
+    /// Allow plain HTTP to the registry when the model is pulled.
+    #[arg(long)]
+    pub insecure: bool,
     /// corrald's HTTP API, read as Ollama reads `OLLAMA_HOST`: `[http://]HOST[:PORT][/PATH]`
     /// (port 11434 without a scheme; `0.0.0.0` is this machine), or a UNIX socket path such
     /// as /run/corral.sock. Without it: `CORRAL_HOST`, else `OLLAMA_HOST`, else

@@ -1,6 +1,7 @@
 //! The D-Bus commands: list, ps, show, load, unload, pull, push, create, cp, rm, status.
 
 use std::collections::{BTreeMap, HashMap};
+use std::io::Write as _;
 use std::path::Path;
 use std::time::SystemTime;
 
@@ -8,6 +9,7 @@ use serde::Serialize;
 use zbus::zvariant::{OwnedObjectPath, Value};
 
 use super::bus::{Bus, OrBus};
+use super::chat::Api;
 use super::cli::{LoadArgs, TransferArgs};
 use super::error::CtlError;
 use super::job::{Outcome, Progress, Watch};
@@ -358,17 +360,44 @@ pub async fn transfer(bus: &Bus, style: Style, push: bool, args: &TransferArgs) 
     finish(watch.follow(bus, path, style.progress(true)).await?, style)
 }
 
-/// `create`.
-pub async fn create(bus: &Bus, style: Style, name: &str, file: &Path, home: Option<&Path>) -> Result<(), CtlError> {
+/// `create`: the Modelfile's local files uploaded as blobs over the HTTP API at `api`
+/// (when it answers), then the model made over D-Bus.
+pub async fn create(
+    bus: &Bus,
+    style: Style,
+    name: &str,
+    file: &Path,
+    home: Option<&Path>,
+    api: &Api,
+) -> Result<(), CtlError> {
     let text = std::fs::read_to_string(file)
         .map_err(|source| CtlError::Io { what: format!("cannot read {}", file.display()), source })?;
     let file = std::path::absolute(file)
         .map_err(|source| CtlError::Io { what: format!("cannot resolve {}", file.display()), source })?;
     let dir = file.parent().unwrap_or(Path::new("/"));
-    let text = modelfile::prepare(&text, dir, home)?;
+    let prepared = modelfile::prepare(&text, dir, home)?;
+    // A name corrald would refuse is refused before anything is uploaded.
+    crate::store::name::ModelName::parse(name).map_err(|e| CtlError::Invalid(e.to_string()))?;
+    if !style.json {
+        print("gathering model components\n")?;
+    }
+    let names = match modelfile::upload(api, &prepared.files, style.progress(true)).await {
+        Ok(names) => names,
+        // Without the HTTP API (or leave to upload on it), corrald reads the files itself,
+        // where it can.
+        Err(e @ (CtlError::HttpUnreachable { .. } | CtlError::HttpDenied { .. })) if !prepared.files.is_empty() => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "corralctl: cannot upload the files: {e}; corrald reads them by path instead"
+            );
+            HashMap::new()
+        }
+        Err(e) => return Err(e),
+    };
+    let text = prepared.text(&names)?;
     let mut watch = Watch::start(bus).await?;
     let path = bus.manager().await?.create(name, &text).await.or_bus(bus)?;
-    finish(watch.follow(bus, path, style.progress(false)).await?, style)
+    finish(watch.follow(bus, path, style.progress(true)).await?, style)
 }
 
 /// `cp`.

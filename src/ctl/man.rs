@@ -64,6 +64,18 @@ corralctl top
 corralctl top \-\-once
 corralctl completions bash > /etc/bash_completion.d/corralctl
 .fi
+.SH "RUN AT A TERMINAL"
+As \fBollama run\fR: a model the store lacks is pulled first (its progress on standard
+error). At the \fB>>>\fR prompt, a line starting with \fB"""\fR begins a message of
+several lines, ended by a line ending with \fB"""\fR. Lines starting with \fB/\fR are
+commands, never sent to the model: \fB/?\fR or \fB/help\fR, \fB/set verbose\fR,
+\fB/set quiet\fR, \fB/set format json\fR, \fB/set noformat\fR,
+\fB/set parameter\fR \fIKEY VALUE\fR, \fB/set system\fR \fITEXT\fR,
+\fB/show info|license|modelfile|parameters|system|template\fR, \fB/load\fR \fIMODEL\fR,
+\fB/clear\fR, \fB/bye\fR. Ctrl-C stops the reply being written (the exchange is not
+kept) and the conversation goes on; at the prompt, a second Ctrl-C in a row, Ctrl-D or
+\fB/bye\fR ends it. Without a terminal, each line of standard input is a turn, with the
+same \fB"""\fR blocks and commands.
 .SH "SEE ALSO"
 \fBcorrald\fR(8), \fBcorral.toml\fR(5), \fBsystemctl\fR(1), \fBbusctl\fR(1)
 "#;

@@ -6,8 +6,9 @@
 //! - [`commands`]: list, ps, show, load, unload, pull, push, create, cp, rm, status;
 //! - [`job`]: following a job to its end, with a progress bar;
 //! - [`modelfile`]: a Modelfile's relative paths made absolute before it is sent;
-//! - [`chat`]: `run` over HTTP (TCP or a UNIX socket); [`host`]: where the API is
-//!   (`--host`, `CORRAL_HOST`, `OLLAMA_HOST`);
+//! - [`chat`]: the HTTP API (TCP or a UNIX socket): chat turns, show, pull, blob uploads;
+//!   [`host`]: where the API is (`--host`, `CORRAL_HOST`, `OLLAMA_HOST`);
+//! - [`repl`]: `run`'s conversation: multi-line input, `/` commands, Ctrl-C;
 //! - [`top`]: the live full-screen view;
 //! - [`output`]: tables, units, JSON.
 
@@ -21,6 +22,7 @@ pub mod host;
 pub mod job;
 pub mod modelfile;
 pub mod output;
+pub mod repl;
 pub mod top;
 
 #[cfg(test)]
@@ -58,19 +60,26 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
             output::print(&completion::with_model_names(shell, &String::from_utf8_lossy(&script)))
         }
         Command::Run(args) => {
+            let format = args.format.map(|f| serde_json::from_str(&f).unwrap_or(serde_json::Value::String(f)));
             let chat = chat::Chat {
-                host: host::Host::resolve(
-                    args.host.as_deref(),
-                    env.corral_host.as_deref(),
-                    env.ollama_host.as_deref(),
-                )?,
-                token: args.token,
+                api: chat::Api {
+                    host: host::Host::resolve(
+                        args.host.as_deref(),
+                        env.corral_host.as_deref(),
+                        env.ollama_host.as_deref(),
+                    )?,
+                    token: args.token,
+                },
                 model: args.model,
                 json: cli.json,
                 options: args.options.into_iter().collect(),
+                format,
+                keep_alive: args.keepalive,
+                verbose: args.verbose,
+                system: None,
                 history: Vec::new(),
             };
-            chat::run(chat, args.prompt.as_deref()).await
+            repl::run(chat, args.prompt.as_deref(), args.insecure).await
         }
         Command::Top(args) => top::run(top::Options { once: args.once, json: cli.json, session: cli.session }).await,
         command => {
@@ -89,8 +98,11 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
                 Command::Unload { model } => commands::unload(&bus, style, &model).await,
                 Command::Pull(args) => commands::transfer(&bus, style, false, &args).await,
                 Command::Push(args) => commands::transfer(&bus, style, true, &args).await,
-                Command::Create { model, file } => {
-                    commands::create(&bus, style, &model, &file, env.home.as_deref()).await
+                Command::Create { model, file, host, token } => {
+                    let host =
+                        host::Host::resolve(host.as_deref(), env.corral_host.as_deref(), env.ollama_host.as_deref())?;
+                    let api = chat::Api { host, token };
+                    commands::create(&bus, style, &model, &file, env.home.as_deref(), &api).await
                 }
                 Command::Cp { source, destination } => commands::copy(&bus, style, &source, &destination).await,
                 Command::Rm { models } => commands::remove(&bus, style, &models).await,

@@ -1,45 +1,179 @@
-//! A Modelfile as sent to corrald: checked here first, with relative `FROM` and `ADAPTER`
-//! paths made absolute, since the daemon has no working directory of the caller's.
+//! A Modelfile as sent to corrald: checked here first, its local `FROM` and `ADAPTER`
+//! files uploaded as blobs over the HTTP API (as Ollama's client does: corrald may not see
+//! the caller's files, its unit hides `/home`) and named by digest; without the HTTP API,
+//! named by absolute path, since the daemon has no working directory of the caller's.
 //!
 //! The Modelfile is parsed, its paths changed, and written again by the store's writer,
 //! so the daemon reads exactly the texts the file has (a line inside a quoted value that
 //! looks like `FROM ./x` stays text); comments are not sent.
 
+use std::collections::HashMap;
+use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
+use futures_util::StreamExt;
+use hyper::body::{Bytes, Frame};
+
+use super::chat::{Api, Upload};
 use super::error::CtlError;
+use super::job::{Progress, Sink, View};
+use crate::store::digest::{Digest, Hasher};
 use crate::store::modelfile::Modelfile;
 
-/// Checks `text` (read from a file in `dir`) and returns it with every relative `FROM` and
-/// `ADAPTER` path made absolute against `dir` (`~/` against `home`). A path that names no
-/// file is refused here, naming its line.
-pub fn prepare(text: &str, dir: &Path, home: Option<&Path>) -> Result<String, CtlError> {
+/// A Modelfile checked, with its local files (`FROM` and `ADAPTER` paths) made absolute.
+#[derive(Debug)]
+pub struct Prepared {
+    modelfile: Modelfile,
+    /// The local files it names, each once, in order.
+    pub files: Vec<PathBuf>,
+}
+
+/// Checks `text` (read from a file in `dir`) and makes every relative `FROM` and `ADAPTER`
+/// path absolute against `dir` (`~/` against `home`). A path that names no file is refused
+/// here, naming its line.
+pub fn prepare(text: &str, dir: &Path, home: Option<&Path>) -> Result<Prepared, CtlError> {
     let (mut modelfile, lines) = Modelfile::parse_located(text).map_err(|e| CtlError::Invalid(e.to_string()))?;
+    let mut files: Vec<PathBuf> = Vec::new();
     let sources = std::iter::once(("FROM", &mut modelfile.from))
         .chain(modelfile.adapters.iter_mut().map(|a| ("ADAPTER", a)))
         .zip(lines);
     for ((instruction, value), line) in sources {
-        let Some(path) = absolute(value.trim(), dir, home) else { continue };
+        let Some(path) = local(value.trim(), dir, home) else { continue };
         if !path.exists() {
             return Err(CtlError::Invalid(format!(
                 "Modelfile line {line}: {instruction} {value}: no such file {}",
                 path.display()
             )));
         }
-        let path = path
+        let text = path
             .to_str()
             .ok_or_else(|| CtlError::Invalid(format!("Modelfile line {line}: {} is not UTF-8", path.display())))?;
-        path.clone_into(value);
+        text.clone_into(value);
+        if !files.contains(&path) {
+            files.push(path);
+        }
     }
-    modelfile.write("").map_err(|e| CtlError::Invalid(format!("Modelfile: {e}")))
+    Ok(Prepared { modelfile, files })
 }
 
-/// The absolute path `value` names when it is a relative path (by the daemon's rule: it
-/// starts with `.` or `~`, ends in `.gguf`, or exists), else `None` (an absolute path, a
-/// digest or a model name, sent as written).
-fn absolute(value: &str, dir: &Path, home: Option<&Path>) -> Option<PathBuf> {
-    if value.starts_with('/') || value.starts_with("sha256:") || value.starts_with("sha256-") {
+impl Prepared {
+    /// The Modelfile to send, each local file named by `names` (its blob's digest) instead of
+    /// its path; a file not in `names` keeps its absolute path.
+    pub fn text(mut self, names: &HashMap<PathBuf, String>) -> Result<String, CtlError> {
+        let values = std::iter::once(&mut self.modelfile.from).chain(self.modelfile.adapters.iter_mut());
+        for value in values {
+            if let Some(name) = names.get(Path::new(value.as_str())) {
+                name.clone_into(value);
+            }
+        }
+        self.modelfile.write("").map_err(|e| CtlError::Invalid(format!("Modelfile: {e}")))
+    }
+}
+
+/// Uploads each file as a blob, as Ollama's client does: hashed here, asked for with
+/// `HEAD /api/blobs/<digest>`, sent only when corrald lacks it (corrald checks the digest).
+/// corrald then needs no access to the caller's files (its unit hides `/home`).
+/// Returns each file's digest.
+pub async fn upload(api: &Api, files: &[PathBuf], progress: Progress) -> Result<HashMap<PathBuf, String>, CtlError> {
+    let mut names = HashMap::new();
+    for path in files {
+        let (digest, size) = hash(path.clone()).await?;
+        let name = digest.to_string();
+        let mut view = View::new(progress, Sink::Stdout);
+        let status = format!("copying {}", &digest.hex()[..12]);
+        if api.has_blob(&name).await? {
+            view.set(&format!("using existing blob {name}"), 0, 0);
+        } else {
+            let sent = Arc::new(AtomicU64::new(0));
+            let body = file_body(path.clone(), Arc::clone(&sent));
+            let mut upload = std::pin::pin!(api.upload_blob(&name, size, body));
+            let mut ticker = tokio::time::interval(std::time::Duration::from_millis(100));
+            loop {
+                tokio::select! {
+                    result = &mut upload => {
+                        result?;
+                        break;
+                    }
+                    _ = ticker.tick() => view.set(&status, size, sent.load(Ordering::Relaxed)),
+                }
+            }
+            view.set(&status, size, size);
+        }
+        view.finish();
+        names.insert(path.clone(), name);
+    }
+    Ok(names)
+}
+
+/// The file's digest and size, read on a blocking thread.
+async fn hash(path: PathBuf) -> Result<(Digest, u64), CtlError> {
+    let what = format!("cannot read {}", path.display());
+    tokio::task::spawn_blocking(move || {
+        let mut file = std::fs::File::open(&path)?;
+        let mut hasher = Hasher::default();
+        let mut buffer = vec![0; 1 << 20];
+        loop {
+            let n = file.read(&mut buffer)?;
+            if n == 0 {
+                return Ok(hasher.finish());
+            }
+            hasher.update(&buffer[..n]);
+        }
+    })
+    .await
+    .map_err(|e| CtlError::Io { what: what.clone(), source: std::io::Error::other(e) })?
+    .map_err(|source| CtlError::Io { what, source })
+}
+
+/// The file as a request body, read on a thread of its own, counting what was sent.
+fn file_body(path: PathBuf, sent: Arc<AtomicU64>) -> Upload {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    std::thread::spawn(move || {
+        let mut file = match std::fs::File::open(&path) {
+            Ok(file) => file,
+            Err(e) => {
+                let _ = tx.blocking_send(Err(e));
+                return;
+            }
+        };
+        loop {
+            let mut buffer = vec![0; 1 << 20];
+            match file.read(&mut buffer) {
+                Ok(0) => return,
+                Ok(n) => {
+                    buffer.truncate(n);
+                    if tx.blocking_send(Ok(Bytes::from(buffer))).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    let _ = tx.blocking_send(Err(e));
+                    return;
+                }
+            }
+        }
+    });
+    let stream = futures_util::stream::unfold((rx, sent), |(mut rx, sent)| async move {
+        let chunk = rx.recv().await?;
+        if let Ok(bytes) = &chunk {
+            sent.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        }
+        Some((chunk.map(Frame::data), (rx, sent)))
+    });
+    http_body_util::StreamBody::new(stream.boxed())
+}
+
+/// The absolute path of the local file `value` names: an absolute path, or a relative one
+/// (by the daemon's rule: it starts with `.` or `~`, ends in `.gguf`, or exists); `None`
+/// for a digest or a model name, sent as written.
+fn local(value: &str, dir: &Path, home: Option<&Path>) -> Option<PathBuf> {
+    if value.starts_with("sha256:") || value.starts_with("sha256-") {
         return None;
+    }
+    if value.starts_with('/') {
+        return Some(normalize(Path::new(value)));
     }
     if let (Some(rest), Some(home)) = (value.strip_prefix("~/"), home) {
         return Some(home.join(rest));
@@ -67,10 +201,16 @@ fn normalize(path: &Path) -> PathBuf {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
     use std::path::Path;
 
-    use super::prepare;
+    use crate::ctl::error::CtlError;
     use crate::store::modelfile::Modelfile;
+
+    /// The Modelfile as sent when no file is uploaded: with absolute paths.
+    fn prepare(text: &str, dir: &Path, home: Option<&Path>) -> Result<String, CtlError> {
+        super::prepare(text, dir, home)?.text(&HashMap::new())
+    }
 
     #[test]
     fn relative_paths_become_absolute_and_the_rest_is_kept() {
@@ -91,12 +231,34 @@ mod tests {
     }
 
     #[test]
-    fn names_digests_and_absolute_paths_are_sent_as_written() {
+    fn names_and_digests_are_sent_as_written() {
         let dir = tempfile::tempdir().expect("tempdir");
-        for from in ["llama3:8b", "/srv/models/x.gguf", "sha256-0123"] {
+        for from in ["llama3:8b", "sha256-0123"] {
             let out = prepare(&format!("FROM {from}\n"), dir.path(), None).expect("prepared");
             assert_eq!(Modelfile::parse(&out).expect("parses").from, from);
         }
+        let e = prepare("FROM /srv/models/x.gguf\n", dir.path(), None).expect_err("no such file");
+        assert!(e.to_string().contains("no such file /srv/models/x.gguf"), "{e}");
+    }
+
+    #[test]
+    fn local_files_are_listed_once_and_replaced_by_their_digests() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("w.gguf"), b"x").expect("write");
+        std::fs::write(dir.path().join("a.gguf"), b"y").expect("write");
+        let text = format!("FROM ./w.gguf\nADAPTER {}/a.gguf\nADAPTER w.gguf\n", dir.path().display());
+        let prepared = super::prepare(&text, dir.path(), None).expect("prepared");
+        assert_eq!(prepared.files, [dir.path().join("w.gguf"), dir.path().join("a.gguf")]);
+        let names = HashMap::from([
+            (dir.path().join("w.gguf"), "sha256:".to_owned() + &"1".repeat(64)),
+            (dir.path().join("a.gguf"), "sha256:".to_owned() + &"2".repeat(64)),
+        ]);
+        let sent = Modelfile::parse(&prepared.text(&names).expect("text")).expect("parses");
+        assert_eq!(sent.from, names[&dir.path().join("w.gguf")]);
+        assert_eq!(
+            sent.adapters,
+            [names[&dir.path().join("a.gguf")].clone(), names[&dir.path().join("w.gguf")].clone()]
+        );
     }
 
     #[test]

@@ -65,6 +65,9 @@ struct JobData {
     total: u64,
     completed: u64,
     error: String,
+    /// The last state of each step that ended since the last report: reports are
+    /// throttled, but a client still sees every step and how far it got.
+    ended_steps: Vec<(String, u64, u64)>,
 }
 
 struct Job {
@@ -178,6 +181,10 @@ async fn run(
         move |p: Progress| {
             {
                 let mut d = lock(&data);
+                if d.status != p.status && !d.status.is_empty() {
+                    let ended = (std::mem::take(&mut d.status), d.total, d.completed);
+                    d.ended_steps.push(ended);
+                }
                 d.status = p.status;
                 d.total = p.total.unwrap_or(0);
                 d.completed = p.completed.unwrap_or(0);
@@ -212,18 +219,34 @@ async fn run(
     retire(&shared, &connection, path).await;
 }
 
-/// Emits the job's property changes, at most every [`PROGRESS_INTERVAL`].
+/// Emits the job's property changes, at most every [`PROGRESS_INTERVAL`], each step that
+/// ended meanwhile first (with its last values), so that no step is lost to the throttle.
 async fn report_progress(connection: Connection, path: OwnedObjectPath, mut changed: tokio::sync::watch::Receiver<()>) {
     while changed.changed().await.is_ok() {
-        if let Ok(iface) = connection.object_server().interface::<_, Job>(&path).await {
-            let emitter = iface.signal_emitter();
-            let job = iface.get().await;
-            let _ = job.status_changed(emitter).await;
-            let _ = job.total_changed(emitter).await;
-            let _ = job.completed_changed(emitter).await;
-        }
+        report_now(&connection, &path).await;
         tokio::time::sleep(PROGRESS_INTERVAL).await;
     }
+    report_now(&connection, &path).await;
+}
+
+async fn report_now(connection: &Connection, path: &OwnedObjectPath) {
+    let Ok(iface) = connection.object_server().interface::<_, Job>(path).await else { return };
+    let emitter = iface.signal_emitter();
+    let job = iface.get().await;
+    let ended = std::mem::take(&mut lock(&job.data).ended_steps);
+    for (status, total, completed) in ended {
+        let changed = std::collections::HashMap::from([
+            ("Status", zbus::zvariant::Value::from(status)),
+            ("Total", zbus::zvariant::Value::from(total)),
+            ("Completed", zbus::zvariant::Value::from(completed)),
+        ]);
+        let interface = zbus::names::InterfaceName::from_static_str_unchecked("org.corral.Corral1.Job");
+        let _ = zbus::fdo::Properties::properties_changed(emitter, interface, changed, std::borrow::Cow::Borrowed(&[]))
+            .await;
+    }
+    let _ = job.status_changed(emitter).await;
+    let _ = job.total_changed(emitter).await;
+    let _ = job.completed_changed(emitter).await;
 }
 
 async fn announce(connection: &Connection, path: &OwnedObjectPath, success: bool, error: &str) -> zbus::Result<()> {

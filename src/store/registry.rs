@@ -215,6 +215,18 @@ pub enum RegistryError {
         /// The start of the answer's body.
         body: String,
     },
+    /// An HTTPS request was answered in plain HTTP: the registry serves only HTTP, which
+    /// the client must allow (rustls reports it as an invalid TLS content type).
+    #[error(
+        "registry {registry} answered in plain HTTP, not HTTPS, for {what}: if it serves only HTTP, \
+         use --insecure (`\"insecure\": true` in the API)"
+    )]
+    PlainHttp {
+        /// The registry host.
+        registry: String,
+        /// What was asked for.
+        what: String,
+    },
     /// The registry could not be reached or the request failed before an answer.
     #[error("cannot reach registry {registry} for {what}: {detail}")]
     Transport {
@@ -359,6 +371,25 @@ fn chain(error: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     text
+}
+
+/// Whether a TLS handshake failed because the server answered in plain HTTP: its first
+/// byte (`H` of `HTTP/1.1`) is no TLS record type.
+fn answered_in_plain_http(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(error);
+    while let Some(cause) = source {
+        if let Some(rustls::Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType)) = cause.downcast_ref() {
+            return true;
+        }
+        // An io::Error's `source` skips the error it wraps: look at that one too.
+        if let Some(inner) = cause.downcast_ref::<io::Error>().and_then(io::Error::get_ref) {
+            if answered_in_plain_http(inner) {
+                return true;
+            }
+        }
+        source = cause.source();
+    }
+    false
 }
 
 /// The state of a blob download, as pulls waiting on it see it.
@@ -1211,6 +1242,14 @@ impl Remote {
         })
     }
 
+    /// A request that got no answer: a plain-HTTP answer to HTTPS is named as such.
+    fn transport(&self, what: String, error: &reqwest::Error) -> RegistryError {
+        if answered_in_plain_http(error) {
+            return RegistryError::PlainHttp { registry: self.registry.clone(), what };
+        }
+        RegistryError::Transport { registry: self.registry.clone(), what, detail: chain(error) }
+    }
+
     fn unauthorized(&self, what: &str, reason: String) -> RegistryError {
         RegistryError::Unauthorized { registry: self.registry.clone(), what: what.to_owned(), reason }
     }
@@ -1229,11 +1268,7 @@ impl Remote {
             if let Some(token) = token {
                 request = request.bearer_auth(token);
             }
-            let response = request.send().await.map_err(|e| RegistryError::Transport {
-                registry: self.registry.clone(),
-                what: what.to_owned(),
-                detail: chain(&e),
-            })?;
+            let response = request.send().await.map_err(|e| self.transport(what.to_owned(), &e))?;
             if response.status() != StatusCode::UNAUTHORIZED {
                 return Ok(response);
             }
@@ -1281,13 +1316,13 @@ impl Remote {
                 query.append_pair("scope", scope);
             }
         }
-        let response = self.client()?.get(url).timeout(self.config().request_timeout).send().await.map_err(|e| {
-            RegistryError::Transport {
-                registry: self.registry.clone(),
-                what: format!("a token for {what} from {realm}"),
-                detail: chain(&e),
-            }
-        })?;
+        let response = self
+            .client()?
+            .get(url)
+            .timeout(self.config().request_timeout)
+            .send()
+            .await
+            .map_err(|e| self.transport(format!("a token for {what} from {realm}"), &e))?;
         let status = response.status();
         if !status.is_success() {
             let body = excerpt(response).await;

@@ -263,13 +263,13 @@ fn corralctl_pushes_and_pulls_back_with_progress() {
 
     rig.fails(None, &["pull", &format!("{}/me/absent:1", registry.host()), "--insecure"], 1, "failed: ");
 
-    // On a terminal (script(1) gives it one), pull draws a progress bar instead of lines.
+    // On a terminal (script(1) gives it one), pull draws a bar per layer.
     rig.ok(&["rm", &remote]);
     let on_tty =
         rig.daemon.bus.run_as(None, &["script", "-qec", &format!("{CORRALCTL} pull {remote} --insecure"), "/dev/null"]);
     assert!(on_tty.status.success(), "{}", describe(&on_tty));
     let screen = text(&on_tty);
-    assert!(screen.contains('%') && screen.contains("] ") && screen.contains("success"), "no bar: {screen:?}");
+    assert!(screen.contains("100% ▕") && screen.contains("success"), "no bar: {screen:?}");
     assert_eq!(rig.json(&["show", &remote])["digest"], digest);
 }
 

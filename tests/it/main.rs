@@ -38,3 +38,4 @@ mod socket_activation;
 mod supervision;
 mod systemd_container;
 mod top_habits;
+mod term_habits;
