@@ -88,11 +88,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     start_gc(&loaded.config, &store);
     // Listen before any runner starts: a start that fails to listen leaves nothing behind.
     let socket_activated = !sockets.is_empty();
-    let listeners = if socket_activated {
-        listeners::adopt(sockets)?
-    } else {
-        listeners::bind(&loaded.config.server.listen).await?
-    };
+    let listeners = listen(sockets, &loaded.config).await?;
     let (scheduler, inventory, scheduler_task) = start_scheduler(&loaded.config, &paths, cgroups, log_target).await?;
     let gpu_count = inventory.gpus.len();
     preload(&loaded.config, &store, &scheduler);
@@ -187,6 +183,14 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     }
     tracing::info!("corrald stopped");
     Ok(())
+}
+
+/// The sockets systemd passed, or else the configured `[server] listen` addresses bound.
+async fn listen(
+    sockets: Vec<(String, OwnedFd)>,
+    config: &Config,
+) -> Result<Vec<listeners::Listener>, listeners::ListenError> {
+    if sockets.is_empty() { listeners::bind(&config.server.listen).await } else { listeners::adopt(sockets) }
 }
 
 /// The journal's first entry: version, configuration files and directories.

@@ -40,11 +40,9 @@ impl Api {
         let (mut parts, body) = request.into_parts();
         // A path prefix of the host's (`OLLAMA_HOST=http://proxy/ollama`) goes first.
         let path = parts.uri.path_and_query().map_or("/", hyper::http::uri::PathAndQuery::as_str);
-        parts.uri = self
-            .host
-            .target(path)
-            .parse()
-            .map_err(|_| CtlError::Invalid(format!("{} with {path} is not a valid request target", self.host.describe())))?;
+        parts.uri = self.host.target(path).parse().map_err(|_| {
+            CtlError::Invalid(format!("{} with {path} is not a valid request target", self.host.describe()))
+        })?;
         parts.headers.insert(hyper::header::HOST, self.host.header().parse().expect("a valid Host header"));
         if let Some(token) = &self.token {
             let value = format!("Bearer {token}")

@@ -53,6 +53,11 @@ pub struct Env {
 /// Runs the command `cli` names.
 pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
     let style = Style { json: cli.json, terminal: env.terminal };
+    let choice = match (cli.session, cli.system) {
+        (true, _) => Choice::Session,
+        (_, true) => Choice::System,
+        _ => Choice::Auto,
+    };
     match cli.command {
         Command::Completions { shell } => {
             let mut script = Vec::new();
@@ -81,13 +86,8 @@ pub async fn execute(cli: Cli, env: &Env) -> Result<(), CtlError> {
             };
             repl::run(chat, args.prompt.as_deref(), args.insecure).await
         }
-        Command::Top(args) => top::run(top::Options { once: args.once, json: cli.json, session: cli.session }).await,
+        Command::Top(args) => top::run(top::Options { once: args.once, json: cli.json, bus: choice }).await,
         command => {
-            let choice = match (cli.session, cli.system) {
-                (true, _) => Choice::Session,
-                (_, true) => Choice::System,
-                _ => Choice::Auto,
-            };
             let bus = Bus::connect(choice, access(&command)).await?;
             match command {
                 Command::List { quiet: true } => commands::names(&bus).await,

@@ -37,5 +37,5 @@ mod shipped;
 mod socket_activation;
 mod supervision;
 mod systemd_container;
-mod top_habits;
 mod term_habits;
+mod top_habits;

@@ -43,8 +43,8 @@ pub struct Options {
     pub once: bool,
     /// The snapshot as JSON.
     pub json: bool,
-    /// Talk to the session bus.
-    pub session: bool,
+    /// Which bus.
+    pub bus: crate::ctl::bus::Choice,
 }
 
 /// Runs `top`.
@@ -57,7 +57,8 @@ pub async fn run(options: Options) -> Result<(), CtlError> {
                 .to_owned(),
         ));
     }
-    let bus = Bus::connect(options.session).await?;
+    // Reading only: `top` never starts a stopped corrald.
+    let bus = Bus::connect(options.bus, crate::ctl::bus::Access::Read).await?;
     // Subscribed before the first read, so no change falls between them.
     let mut signals = Signals::subscribe(&bus).await?;
     let mut state = State::default();
