@@ -304,44 +304,56 @@ struct Received {
     host: String,
 }
 
-/// A fake API on `127.0.0.1` that answers one `/api/chat` with a one-line reply and tells
-/// what it received.
+/// A fake API on `127.0.0.1` that answers `run`'s `/api/show` (the model is there) and
+/// one `/api/chat` with a one-line reply, and tells what the chat request was.
 fn fake_api() -> (u16, std::sync::mpsc::Receiver<Received>) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = listener.local_addr().expect("addr").port();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let Ok((stream, _)) = listener.accept() else { return };
-        let mut reader = BufReader::new(stream);
-        let mut line = String::new();
-        reader.read_line(&mut line).expect("request line");
-        let (mut host, mut length) = (String::new(), 0usize);
-        loop {
-            let mut header = String::new();
-            reader.read_line(&mut header).expect("header");
-            let header = header.trim_end();
-            if header.is_empty() {
-                break;
-            }
-            let (name, value) = header.split_once(':').expect("header");
-            match name.to_ascii_lowercase().as_str() {
-                "host" => value.trim().clone_into(&mut host),
-                "content-length" => length = value.trim().parse().expect("length"),
-                _ => {}
+        while let Ok((stream, _)) = listener.accept() {
+            if let Some(chat) = answer(stream) {
+                let _ = tx.send(chat);
+                return;
             }
         }
-        let mut body = vec![0; length];
-        reader.read_exact(&mut body).expect("body");
-        let reply = "{\"message\":{\"role\":\"assistant\",\"content\":\"pong\"},\"done\":true}\n";
-        let mut stream = reader.into_inner();
-        let _ = write!(
-            stream,
-            "HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{reply}",
-            reply.len()
-        );
-        let _ = tx.send(Received { line: line.trim_end().to_owned(), host });
     });
     (port, rx)
+}
+
+/// Reads one request from `stream` and answers it: `{}` for `/api/show`, else a chat
+/// reply; the chat request as received, `None` for the show.
+fn answer<S: Read + Write>(stream: S) -> Option<Received> {
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("request line");
+    let (mut host, mut length) = (String::new(), 0usize);
+    loop {
+        let mut header = String::new();
+        reader.read_line(&mut header).expect("header");
+        let header = header.trim_end();
+        if header.is_empty() {
+            break;
+        }
+        let (name, value) = header.split_once(':').expect("header");
+        match name.to_ascii_lowercase().as_str() {
+            "host" => value.trim().clone_into(&mut host),
+            "content-length" => length = value.trim().parse().expect("length"),
+            _ => {}
+        }
+    }
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body).expect("body");
+    let show = line.contains("/api/show ");
+    let reply =
+        if show { "{}\n" } else { "{\"message\":{\"role\":\"assistant\",\"content\":\"pong\"},\"done\":true}\n" };
+    let mut stream = reader.into_inner();
+    let _ = write!(
+        stream,
+        "HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{reply}",
+        reply.len()
+    );
+    (!show).then(|| Received { line: line.trim_end().to_owned(), host })
 }
 
 /// `corralctl run chat ping` with `env` (and no other host variable).
@@ -403,19 +415,16 @@ fn corralctl_reaches_the_api_on_a_unix_socket_named_in_corral_host() {
     let sock = dir.path().join("api.sock");
     let listener = std::os::unix::net::UnixListener::bind(&sock).expect("bind");
     let server = std::thread::spawn(move || {
-        let (stream, _) = listener.accept().expect("accept");
-        let mut reader = BufReader::new(stream);
-        let mut head = String::new();
-        while reader.read_line(&mut head).expect("read") > 2 {}
-        let mut stream = reader.into_inner();
-        let reply = "{\"message\":{\"role\":\"assistant\",\"content\":\"pong\"},\"done\":true}\n";
-        let _ =
-            write!(stream, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{reply}", reply.len());
-        head
+        loop {
+            let (stream, _) = listener.accept().expect("accept");
+            if let Some(chat) = answer(stream) {
+                return chat;
+            }
+        }
     });
     let out = run_with(&[("CORRAL_HOST", format!("unix:{}", sock.display())), ("OLLAMA_HOST", "0.0.0.0".into())], &[]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "pong");
-    let head = server.join().expect("server");
-    assert!(head.starts_with("POST /api/chat HTTP/1.1"), "{head}");
+    let chat = server.join().expect("server");
+    assert_eq!(chat.line, "POST /api/chat HTTP/1.1");
 }

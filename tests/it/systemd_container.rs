@@ -188,7 +188,7 @@ fn unix_socket_activates_and_admits_only_group_corral() {
     let text = String::from_utf8_lossy(&out.stdout);
     let (body, code) = text.rsplit_once('\n').expect("status line");
     assert_eq!(code.trim(), "200", "{text}");
-    assert!(body.contains(&format!("\"version\":\"{}\"", env!("CARGO_PKG_VERSION"))), "{body}");
+    assert!(body.contains(&format!("\"corral_version\":\"{}\"", env!("CARGO_PKG_VERSION"))), "{body}");
     wait_active_state(&ct, "corrald.service", "active");
     let ready = wait_event(&ct, "ready");
     assert!(ready.contains("/run/corral.sock"), "ready MESSAGE: {ready:?}");
