@@ -632,6 +632,7 @@ async fn serve_dbus(config: &Config, state: &http::AppState, inventory: gpu::Inv
         host_memory: inventory.host.available_bytes,
         limits,
         read_only: config.store.read_only,
+        tokens: Arc::clone(&state.tokens),
     };
     match dbus::serve(config.dbus.bus, context).await {
         Ok(service) => {

@@ -64,6 +64,8 @@ pub struct Context {
     pub limits: Limits,
     /// Whether the store refuses writes (`[store] read_only`).
     pub read_only: bool,
+    /// The HTTP API's token counters (each model's last speed).
+    pub tokens: Arc<crate::http::state::Tokens>,
 }
 
 /// A running D-Bus service; dropping it stops following changes (the connection closes

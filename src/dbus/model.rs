@@ -213,6 +213,11 @@ impl Model {
     }
 
     #[zbus(property(emits_changed_signal = "false"))]
+    fn tokens_per_second(&self) -> f64 {
+        self.shared.context.tokens.speed(&self.get(|d| d.short_name.clone()))
+    }
+
+    #[zbus(property(emits_changed_signal = "false"))]
     async fn active_requests(&self) -> zbus::fdo::Result<u32> {
         let name = self.get(|d| d.short_name.clone());
         let loaded =

@@ -458,6 +458,9 @@ impl Generation {
     fn done(&self, delta: &Delta) -> Map<String, Value> {
         let p = &self.parser;
         self.tokens.record(p.prompt_tokens.unwrap_or(0), p.eval_tokens.unwrap_or(0));
+        if let (Some(generated), Some(ns)) = (p.eval_tokens, p.eval_ns) {
+            self.tokens.record_speed(&self.model, generated, Duration::from_nanos(ns));
+        }
         let mut reply = chunk(self.kind, &self.model, delta);
         reply.insert("done".into(), Value::Bool(true));
         let reason = if p.finish_reason.as_deref() == Some("length") { "length" } else { "stop" };

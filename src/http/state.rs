@@ -1,8 +1,10 @@
 //! What handlers share: the model store, the scheduler's address and the request checks.
 //! All are cheap to clone; handlers keep no state of their own.
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use super::safety::Safety;
 use crate::scheduler::actor::Handle;
@@ -31,18 +33,46 @@ pub struct AppState {
     pub templates: crate::prompt_template::Renderer,
 }
 
-/// Token counters since start.
+/// Token counters since start, and each model's speed in its last answer.
 #[derive(Debug, Default)]
 pub struct Tokens {
     prompt: AtomicU64,
     generated: AtomicU64,
+    /// Generated tokens per second in each model's last `/api/chat` or `/api/generate`
+    /// answer, by the model's name; at most [`MAX_SPEEDS`] names (the store's models).
+    speeds: Mutex<HashMap<String, f64>>,
 }
+
+/// How many models' speeds are kept; past it the map starts again (names come from the
+/// store, so this is only a bound, never reached in practice).
+const MAX_SPEEDS: usize = 4096;
 
 impl Tokens {
     /// Adds one answer's prompt and generated tokens.
     pub fn record(&self, prompt: u64, generated: u64) {
         self.prompt.fetch_add(prompt, Ordering::Relaxed);
         self.generated.fetch_add(generated, Ordering::Relaxed);
+    }
+
+    /// Records `model`'s last answer: `generated` tokens in `generating` (the prompt's
+    /// time left out, as Ollama's `eval rate`).
+    pub fn record_speed(&self, model: &str, generated: u64, generating: Duration) {
+        if generated == 0 || generating.is_zero() {
+            return;
+        }
+        #[allow(clippy::cast_precision_loss)] // token counts are far below 2^52
+        let speed = generated as f64 / generating.as_secs_f64();
+        let mut speeds = self.speeds.lock().unwrap_or_else(PoisonError::into_inner);
+        if speeds.len() >= MAX_SPEEDS && !speeds.contains_key(model) {
+            speeds.clear();
+        }
+        speeds.insert(model.to_owned(), speed);
+    }
+
+    /// Generated tokens per second in `model`'s last answer; 0 before one.
+    #[must_use]
+    pub fn speed(&self, model: &str) -> f64 {
+        self.speeds.lock().unwrap_or_else(PoisonError::into_inner).get(model).copied().unwrap_or(0.0)
     }
 
     /// Prompt tokens and generated tokens so far.
@@ -109,10 +139,30 @@ pub(crate) fn absent_backend() -> Arc<dyn crate::scheduler::backend::Backend> {
             inherited_env: Vec::new(),
             log_sink: LogSink::Tracing,
             cgroups: None,
-            stop_grace: std::time::Duration::from_secs(1),
+            stop_grace: Duration::from_secs(1),
         },
-        load_timeout: std::time::Duration::from_secs(5),
+        load_timeout: Duration::from_secs(5),
         devices: Vec::new(),
         probe: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::Tokens;
+
+    #[test]
+    fn each_models_last_speed_is_kept() {
+        let tokens = Tokens::default();
+        assert!(tokens.speed("chat").abs() < f64::EPSILON, "none before an answer");
+        tokens.record_speed("chat", 20, Duration::from_secs(2));
+        tokens.record_speed("embed", 0, Duration::from_secs(1));
+        tokens.record_speed("other", 5, Duration::ZERO);
+        assert!((tokens.speed("chat") - 10.0).abs() < 1e-9);
+        assert!(tokens.speed("embed").abs() < f64::EPSILON && tokens.speed("other").abs() < f64::EPSILON);
+        tokens.record_speed("chat", 30, Duration::from_secs(1));
+        assert!((tokens.speed("chat") - 30.0).abs() < 1e-9, "the last answer counts");
+    }
 }

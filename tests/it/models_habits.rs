@@ -321,3 +321,33 @@ fn a_cpu_only_load_reports_no_layers_on_a_gpu() {
     assert!(text.lines().any(|l| l.starts_with("GPU layers:") && l.ends_with("0 of 5 (all on the CPU)")), "{text}");
     assert!(rig.daemon.corrald.stderr().contains("0 of 5 layers on GPUs"), "{}", rig.daemon.corrald.stderr());
 }
+
+#[test]
+fn top_shows_each_models_speed_in_its_last_answer() {
+    let rig = Rig::start();
+    rig.ok(&["load", "chat"]);
+    let speed = |rig: &Rig| {
+        let snapshot = rig.json(&["top", "--once"]);
+        let models = snapshot["models"].as_array().expect("models").clone();
+        ps_entry(&models, "chat:latest")["speed"].as_str().expect("speed").to_owned()
+    };
+    assert_eq!(speed(&rig), "-", "no answer yet");
+
+    let addr = SocketAddr::from(([127, 0, 0, 1], rig.daemon.port));
+    let body = serde_json::json!({
+        "model": "chat", "stream": false, "options": {"num_predict": 8},
+        "messages": [{"role": "user", "content": "hi"}],
+    })
+    .to_string();
+    let response =
+        http::request(std::net::TcpStream::connect(addr).expect("connect"), "POST", "/api/chat", Some(&body));
+    assert_eq!(response.status, 200, "{}", response.body);
+    let reply = response.json();
+    let (count, nanos) = (reply["eval_count"].as_f64().expect("count"), reply["eval_duration"].as_f64().expect("ns"));
+    assert!(count > 0.0 && nanos > 0.0, "{reply}");
+
+    // The D-Bus property (read by `top` each second) is the answer's eval rate.
+    let shown: f64 = speed(&rig).parse().expect("a number of tokens per second");
+    let expected = count / (nanos / 1e9);
+    assert!((shown - expected).abs() <= 0.05 + expected * 1e-6, "top shows {shown}, the answer says {expected}");
+}

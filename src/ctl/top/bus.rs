@@ -2,7 +2,8 @@
 //! path (PropertiesChanged, InterfacesAdded/Removed, the Manager's own signals), taken
 //! before the first read so no change falls between; the first read (the Manager's
 //! properties and `GetManagedObjects`); the counters corrald does not signal
-//! (`QueueDepth`, `ActiveRequests`, `ExpiresAt`) read again on each refresh; and Unload.
+//! (`QueueDepth`, `ActiveRequests`, `ExpiresAt`, `TokensPerSecond`) read again on each
+//! refresh; and Unload.
 //! Everything read is decoded into the view model's [`Update`]s.
 
 use std::collections::HashMap;
@@ -205,6 +206,12 @@ fn model_props(props: &HashMap<String, OwnedValue>) -> Vec<ModelProp> {
             "RamBytes" => long(v).map(ModelProp::RamBytes),
             "ExpiresAt" => long(v).map(ModelProp::ExpiresAt),
             "ActiveRequests" => word(v).map(ModelProp::ActiveRequests),
+            "TokensPerSecond" => v.downcast_ref::<f64>().ok().map(|speed| {
+                // Tenths, saturating: a display value, never negative.
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                let tenths = (speed * 10.0).round().clamp(0.0, f64::from(u32::MAX)) as u32;
+                ModelProp::TokensPerSecond(tenths)
+            }),
             _ => None,
         })
         .collect()

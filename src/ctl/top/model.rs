@@ -70,6 +70,8 @@ pub enum ModelProp {
     ExpiresAt(u64),
     /// Requests holding it.
     ActiveRequests(u32),
+    /// Generated tokens per second in its last answer, in tenths (0 before one).
+    TokensPerSecond(u32),
 }
 
 /// Something corrald announced with a signal.
@@ -163,6 +165,8 @@ pub struct ModelEntry {
     pub expires_at: u64,
     /// Requests holding it.
     pub active_requests: u32,
+    /// Generated tokens per second in its last answer, in tenths; 0 before one.
+    pub speed_tenths: u32,
 }
 
 impl ModelEntry {
@@ -179,6 +183,7 @@ impl ModelEntry {
             ModelProp::RamBytes(v) => self.ram_bytes = v,
             ModelProp::ExpiresAt(v) => self.expires_at = v,
             ModelProp::ActiveRequests(v) => self.active_requests = v,
+            ModelProp::TokensPerSecond(v) => self.speed_tenths = v,
         }
     }
 
@@ -263,6 +268,8 @@ pub struct Row {
     pub ram: String,
     /// Requests holding it.
     pub active: u32,
+    /// Generated tokens per second in its last answer: "12.5", "-" before one.
+    pub speed: String,
     /// When it unloads: "in 4m 59s", "-".
     pub until: String,
     /// Why it failed, if it did.
@@ -466,6 +473,11 @@ impl State {
                     vram: if ready || m.vram_bytes > 0 { size(m.vram_bytes) } else { "-".to_owned() },
                     ram: if ready || m.ram_bytes > 0 { size(m.ram_bytes) } else { "-".to_owned() },
                     active: m.active_requests,
+                    speed: if m.speed_tenths == 0 {
+                        "-".to_owned()
+                    } else {
+                        format!("{}.{}", m.speed_tenths / 10, m.speed_tenths % 10)
+                    },
                     until: expires(m.expires_at, now),
                     error: m.last_error.clone(),
                     selected: self.selected.as_ref() == Some(path),
@@ -615,6 +627,7 @@ pub(crate) mod tests {
             ModelProp::RamBytes(GIB),
             ModelProp::ExpiresAt(1_299_500_000),
             ModelProp::ActiveRequests(1),
+            ModelProp::TokensPerSecond(125),
         ]);
         s.apply(Update::Model { path: "/m/tiny".into(), props: ready }, now);
         s.apply(Update::Model { path: "/m/big".into(), props: model("big:q4", "loading") }, now);

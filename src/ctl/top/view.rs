@@ -42,10 +42,11 @@ struct Column {
 
 const COLUMNS: &[Column] = &[
     Column { header: "STATE", width: 9, drop_rank: 0, cell: |r| r.state.clone() },
-    Column { header: "PID", width: 7, drop_rank: 4, cell: |r| r.pid.clone() },
+    Column { header: "PID", width: 7, drop_rank: 6, cell: |r| r.pid.clone() },
     Column { header: "WHERE", width: 9, drop_rank: 3, cell: |r| r.place.clone() },
     Column { header: "VRAM", width: 10, drop_rank: 2, cell: |r| r.vram.clone() },
     Column { header: "RAM", width: 10, drop_rank: 1, cell: |r| r.ram.clone() },
+    Column { header: "TOK/S", width: 5, drop_rank: 2, cell: |r| r.speed.clone() },
     Column { header: "REQ", width: 3, drop_rank: 5, cell: |r| r.active.to_string() },
     Column { header: "UNLOADS", width: 10, drop_rank: 1, cell: |r| r.until.clone() },
 ];
@@ -307,12 +308,14 @@ mod tests {
         assert!(find(&lines, "GPU-0 ").contains("free 15.0 GiB"), "{all}");
         assert!(find(&lines, "GPU-1 ").contains("free 3.0 GiB"), "{all}");
         let header = find(&lines, "  NAME");
-        for column in ["STATE", "PID", "WHERE", "VRAM", "RAM", "REQ", "UNLOADS"] {
+        // At 80 columns the pid goes first (`corralctl ps` has it), the speed stays.
+        for column in ["STATE", "WHERE", "VRAM", "RAM", "TOK/S", "REQ", "UNLOADS"] {
             assert!(header.contains(column), "{column} missing at 80 columns:\n{all}");
         }
+        assert!(!header.contains("PID"), "{all}");
         assert!(find(&lines, "  big:q4").contains("loading"), "{all}");
         let tiny = find(&lines, "> tiny:latest");
-        for cell in ["ready", "4242", "GPU 5/5", "6.0 GiB", "1.0 GiB", " 1 ", "in 4m 59s"] {
+        for cell in ["ready", "GPU 5/5", "6.0 GiB", "1.0 GiB", "12.5", " 1 ", "in 4m 59s"] {
             assert!(tiny.contains(cell), "{cell:?} missing from {tiny:?}:\n{all}");
         }
         assert!(lines.iter().any(|l| l.starts_with("EVENTS (UTC)")), "{all}");
