@@ -11,6 +11,8 @@ packages=(
     curl python3 python3-gi python3-venv procps
     # a real terminal for corralctl's top, progress and run (send keys, read the screen)
     tmux
+    # the shells whose completions the tests check (bash is always there)
+    zsh
     # a real OCI registry for pull and push
     docker-registry
     # checking the man pages

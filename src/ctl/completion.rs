@@ -1,5 +1,5 @@
 //! Shell completion: clap's scripts, plus model names from corrald where a command takes
-//! a stored model (bash and fish). The names come from `corralctl list --quiet`, which
+//! a stored model (bash, zsh and fish). The names come from `corralctl list --quiet`, which
 //! reads without starting corrald and prints nothing when it is not running.
 
 use clap_complete::Shell;
@@ -50,6 +50,47 @@ else
 fi
 "#;
 
+/// zsh: a function offering model names, defined before clap's `_corralctl` (which runs as
+/// soon as the file is autoloaded); [`zsh`] points the stored-model arguments at it.
+/// `compadd -a` takes the names whole, colons and all.
+const ZSH_MODELS: &str = r#"
+# Model names, from corrald (`corralctl list --quiet` never starts it).
+(( $+functions[_corralctl_models] )) ||
+_corralctl_models() {
+    local -a names
+    names=(${(f)"$(corralctl list --quiet 2>/dev/null)"})
+    compadd -a names
+}
+"#;
+
+/// clap's zsh script with the arguments that name a stored model (not a new name, nor a
+/// registry's) completed by `_corralctl_models`.
+fn zsh(script: &str) -> String {
+    let stored = |line: &str| {
+        let line = line.trim_start();
+        (line.starts_with("':model -- The model'\\''s name") && !line.contains("with its registry"))
+            || line.starts_with("':source -- ")
+            || line.starts_with("'*::models -- ")
+    };
+    let mut out = String::with_capacity(script.len() + ZSH_MODELS.len());
+    for (i, line) in script.lines().enumerate() {
+        match line.rfind(":_default'") {
+            Some(at) if stored(line) => {
+                out.push_str(&line[..at]);
+                out.push_str(":_corralctl_models'");
+                out.push_str(&line[at + ":_default'".len()..]);
+            }
+            _ => out.push_str(line),
+        }
+        out.push('\n');
+        // After `#compdef corralctl`, the first line.
+        if i == 0 {
+            out.push_str(ZSH_MODELS);
+        }
+    }
+    out
+}
+
 /// `script`, clap's completion for `shell`, with model names where the shell allows.
 #[must_use]
 pub fn with_model_names(shell: Shell, script: &str) -> String {
@@ -59,6 +100,7 @@ pub fn with_model_names(shell: Shell, script: &str) -> String {
             "{script}\n# Model names, from corrald (`corralctl list --quiet` never starts it).\n\
              complete -c corralctl -n \"__fish_seen_subcommand_from {TAKES_A_MODEL}\" -f -a \"(corralctl list --quiet 2>/dev/null)\"\n"
         ),
+        Shell::Zsh => zsh(script),
         _ => script.to_owned(),
     }
 }
@@ -85,6 +127,16 @@ mod tests {
         assert!(bash.contains(" show load unload stop rm push cp run "), "{bash}");
         let fish = script(Shell::Fish);
         assert!(fish.contains("__fish_seen_subcommand_from show load") && fish.contains("list --quiet"), "{fish}");
+        let zsh = script(Shell::Zsh);
+        assert!(zsh.starts_with("#compdef corralctl\n\n# Model names") && zsh.contains("list --quiet"), "{zsh}");
+        let completed: Vec<&str> = zsh.lines().filter(|l| l.contains(":_corralctl_models'")).collect();
+        // show, load, unload (stop), rm, cp's source, run; not create's new name, cp's
+        // destination, nor a registry's names (pull, push).
+        assert!(completed.iter().any(|l| l.contains("':source -- ")), "{completed:?}");
+        assert!(completed.iter().any(|l| l.contains("'*::models -- ")), "{completed:?}");
+        assert!(completed.len() >= 6, "{completed:?}");
+        assert!(completed.iter().all(|l| !l.contains("new model") && !l.contains("registry")), "{completed:?}");
+        assert!(zsh.contains("':destination -- The new name:_default'"), "{zsh}");
         // Every subcommand that takes a stored model is offered names.
         for sub in ["show", "load", "unload", "rm", "push", "cp", "run"] {
             assert!(Cli::command().find_subcommand(sub).is_some(), "{sub}");

@@ -287,6 +287,33 @@ fn bash_completes_model_names_from_corrald() {
     assert!(text.contains("sub:pull\nsub:push\n"), "{text}");
 }
 
+/// zsh: the stored-model arguments are completed by `_corralctl_models`, which offers
+/// corrald's model names whole (colons and all). Completion itself needs a terminal, so
+/// `compadd` is stood in for by one that prints what it was given.
+#[test]
+fn zsh_completes_model_names_from_corrald() {
+    let rig = BusDaemon::start("[gpu]\nfixed = true\nhost_memory = \"2GiB\"\n");
+    let bin = Path::new(CORRALCTL).parent().expect("bin dir").display().to_string();
+    let script = format!(
+        "export PATH={bin}:$PATH\n\
+         corralctl completions zsh > $TMPDIR/_corralctl || exit 1\n\
+         zsh -n $TMPDIR/_corralctl || exit 1\n\
+         grep -c ':_corralctl_models' $TMPDIR/_corralctl\n\
+         compdef() {{ :; }}\n\
+         source $TMPDIR/_corralctl\n\
+         compadd() {{ [[ $1 == -a ]] && printf 'name:%s\\n' \"${{(@P)2}}\"; }}\n\
+         _corralctl_models\n"
+    );
+    let tmp = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let out = rig.bus.run_as(None, &["env", &format!("TMPDIR={}", tmp.path().display()), "zsh", "-f", "-c", &script]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let pointed = text.lines().next().and_then(|n| n.parse::<u32>().ok()).expect("grep's count");
+    assert!(pointed >= 6, "show, load, unload, rm, cp and run complete names: {text}");
+    assert!(text.contains("name:chat:latest\nname:embed:latest\n"), "{text}");
+}
+
 /// corrald(8) points only at what the packages ship, and at corral.toml(5).
 #[test]
 fn the_daemon_manual_names_shipped_files_and_the_configuration_manual() {
