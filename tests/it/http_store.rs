@@ -15,7 +15,7 @@ use corral::store::name::ModelName;
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
-use crate::support::api::state;
+use crate::support::api::{blob_files, state};
 use crate::support::registry::DockerRegistry;
 
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -58,15 +58,6 @@ fn blob_path(digest: &Digest) -> String {
 fn chunked(data: &[u8]) -> Body {
     let chunks: Vec<Result<Bytes, std::io::Error>> = data.chunks(4096).map(|c| Ok(Bytes::copy_from_slice(c))).collect();
     Body::from_stream(futures_util::stream::iter(chunks))
-}
-
-fn blob_files(state: &AppState) -> Vec<String> {
-    let mut names: Vec<String> = fs::read_dir(state.store.blobs_dir())
-        .expect("blobs/")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

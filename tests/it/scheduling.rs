@@ -2,7 +2,6 @@
 //! of two tiny models forces an eviction; and corrald preloading a model from its
 //! configuration, reporting it in STATUS=, and reaping it at stop.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,9 +12,9 @@ use corral::store::name::ModelName;
 use nix::sys::signal::Signal;
 
 use crate::support::api::{backend, demo_store, limits};
-use crate::support::corrald::{Corrald, free_port, write_config};
+use crate::support::corrald::{Corrald, on_demo_store_with};
+use crate::support::http;
 use crate::support::notify::NotifyListener;
-use crate::support::{http, llama};
 
 const WAIT: Duration = Duration::from_secs(60);
 const MIB: u64 = 1 << 20;
@@ -91,24 +90,6 @@ async fn a_fixed_inventory_that_holds_one_model_evicts_the_other() {
     assert!(!alive(embed_pid), "shutdown reaps every runner");
 }
 
-/// corrald on a store of `chat` and `embed`, the real llama-server, a fixed 4 GiB host
-/// and `models` (TOML `[models."…"]` tables) preloaded; returns it and its port.
-fn corrald_with(dir: &Path, models: &str, notify: &NotifyListener) -> (Corrald, u16) {
-    drop(demo_store(dir));
-    let port = free_port();
-    let config = write_config(
-        dir,
-        "corral.toml",
-        &format!(
-            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
-             [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n{models}",
-            dir.join("models").display(),
-            llama::bin_dir().join("llama-server").display(),
-        ),
-    );
-    (Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path())), port)
-}
-
 /// The runner pids of the `offload` events corrald logged.
 fn runner_pids(corrald: &Corrald) -> Vec<u32> {
     corrald
@@ -123,7 +104,8 @@ fn runner_pids(corrald: &Corrald) -> Vec<u32> {
 fn corrald_preloads_a_configured_model_reports_it_and_reaps_it_at_stop() {
     let dir = tempfile::tempdir().expect("tempdir");
     let notify = NotifyListener::start();
-    let (mut corrald, port) = corrald_with(dir.path(), "[models.\"chat\"]\npreload = true\npinned = true\n", &notify);
+    let (mut corrald, port) =
+        on_demo_store_with(dir.path(), "[models.\"chat\"]\npreload = true\npinned = true\n", &notify);
     notify.wait_for("READY", "1", WAIT);
     notify.wait_for("STATUS", &format!("serving on 127.0.0.1:{port}; 1 model loaded"), WAIT);
     corrald.wait_stderr("corral_event=\"offload\"", WAIT);
@@ -141,7 +123,7 @@ fn no_runner_outlives_a_sigkilled_corrald() {
     let dir = tempfile::tempdir().expect("tempdir");
     let notify = NotifyListener::start();
     let models = "[models.\"chat\"]\npreload = true\n[models.\"embed\"]\npreload = true\n";
-    let (mut corrald, port) = corrald_with(dir.path(), models, &notify);
+    let (mut corrald, port) = on_demo_store_with(dir.path(), models, &notify);
     notify.wait_for("STATUS", &format!("serving on 127.0.0.1:{port}; 2 models loaded"), WAIT);
     // The offload lines may reach the pipe a moment after the status.
     let runners = crate::support::container::poll_until(WAIT, "two offload events", || {

@@ -15,12 +15,10 @@ use axum::http::{Request, StatusCode};
 use corral::config::ServerConfig;
 use corral::http::{AppState, LocalNames, Safety, router};
 use corral::scheduler::actor::Scheduler;
-use corral::scheduler::backend::SupervisorBackend;
 use corral::scheduler::footprints::Footprints;
 use corral::scheduler::request::Defaults;
 use corral::store::Store;
 use corral::store::digest::Digest;
-use corral::supervisor::runner::{LogSink, SupervisorConfig};
 use tower::ServiceExt;
 
 use crate::support::api::{demo_store, limits};
@@ -433,19 +431,8 @@ fn uploads_beyond_max_uploads_get_503_with_retry_after() {
 /// A router over [`demo_store`] whose runners would use a llama-server that does not exist.
 fn in_process(dir: &Path, server: &ServerConfig) -> AppState {
     let store: Store = demo_store(dir);
-    let backend = SupervisorBackend {
-        config: SupervisorConfig {
-            llama_server: MISSING_LLAMA.into(),
-            runtime_dir: dir.to_owned(),
-            inherited_env: Vec::new(),
-            log_sink: LogSink::Tracing,
-            cgroups: None,
-            stop_grace: Duration::from_secs(1),
-        },
-        load_timeout: Duration::from_secs(5),
-        devices: Vec::new(),
-        probe: None,
-    };
+    let mut backend = crate::support::api::backend(dir);
+    backend.config.llama_server = MISSING_LLAMA.into();
     let (scheduler, handle) = Scheduler::new(Arc::new(backend), Vec::new(), 4 << 30, limits(), Footprints::in_memory());
     tokio::spawn(scheduler.run());
     let mut state = AppState::for_tests(store, handle, Defaults { num_ctx: 512, parallel: 1 });

@@ -21,7 +21,7 @@ use corral::store::name::ModelName;
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
-use crate::support::api::state;
+use crate::support::api::{blob_files, state};
 use crate::support::registry::{Action, DockerRegistry, Proxy};
 
 /// The most any one request may take, however loaded the machine.
@@ -70,15 +70,6 @@ async fn create_from_modelfile(state: &AppState, model: &str, modelfile: &Modelf
         "stream": false,
     });
     post(state, "/api/create", &request).await
-}
-
-fn blob_files(state: &AppState) -> Vec<String> {
-    let mut names: Vec<String> = fs::read_dir(state.store.blobs_dir())
-        .expect("blobs/")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
 }
 
 /// Texts that end the old writer's `"""` early, or read differently than written.

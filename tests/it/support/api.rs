@@ -108,3 +108,13 @@ pub async fn leases_reach_zero(state: &AppState) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The names in the store's blob directory, sorted.
+pub fn blob_files(state: &AppState) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(state.store.blobs_dir())
+        .expect("blobs/")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}

@@ -175,9 +175,9 @@ impl Drop for Corrald {
 }
 
 /// corrald on the demo models' store in `dir` (`support::api::demo_store`), with the real
-/// llama-server, a fixed CPU-only inventory and a free loopback port; returned ready,
-/// with its port and the notify listener it reported to.
-pub fn on_demo_store(dir: &Path) -> (Corrald, u16, crate::support::notify::NotifyListener) {
+/// llama-server, a fixed CPU-only inventory of 4 GiB, `extra` appended to its
+/// configuration and a free loopback port; started (not yet ready), with its port.
+pub fn on_demo_store_with(dir: &Path, extra: &str, notify: &crate::support::notify::NotifyListener) -> (Corrald, u16) {
     crate::support::api::demo_store(dir);
     let port = free_port();
     let config = write_config(
@@ -185,13 +185,19 @@ pub fn on_demo_store(dir: &Path) -> (Corrald, u16, crate::support::notify::Notif
         "corral.toml",
         &format!(
             "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
-             [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n",
+             [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n{extra}",
             dir.join("models").display(),
             crate::support::llama::bin_dir().join("llama-server").display(),
         ),
     );
+    (Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path())), port)
+}
+
+/// [`on_demo_store_with`] and nothing more, returned ready, with the notify listener it
+/// reported to.
+pub fn on_demo_store(dir: &Path) -> (Corrald, u16, crate::support::notify::NotifyListener) {
     let notify = crate::support::notify::NotifyListener::start();
-    let corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    let (corrald, port) = on_demo_store_with(dir, "", &notify);
     notify.wait_for("READY", "1", Duration::from_secs(60));
     (corrald, port, notify)
 }
