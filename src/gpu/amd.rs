@@ -69,6 +69,7 @@ pub fn gpus(sys: &Path) -> Vec<Gpu> {
                     free_bytes: card.total.saturating_sub(card.used),
                     driver: driver.clone(),
                     compute: None,
+                    endpoint: None,
                 });
             }
             Ok(None) => {}

@@ -31,6 +31,7 @@ impl FixedProbe {
                 free_bytes: device.memory,
                 driver: None,
                 compute: None,
+                endpoint: None,
             })
             .collect();
         let host = config.host_memory.map(|bytes| HostMemory { total_bytes: bytes, available_bytes: bytes });

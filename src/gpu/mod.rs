@@ -48,6 +48,8 @@ pub struct Gpu {
     pub driver: Option<String>,
     /// Its compute capability (`"8.9"` for CUDA), when known.
     pub compute: Option<String>,
+    /// For an RPC device ([`Backend::Rpc`]): its worker's `host:port`.
+    pub endpoint: Option<String>,
 }
 
 /// The host's memory.
@@ -259,6 +261,7 @@ mod tests {
             free_bytes: 100 * MIB,
             driver: None,
             compute: None,
+            endpoint: None,
         };
         reserve(&mut gpu, 512 * MIB);
         assert_eq!((gpu.total_bytes, gpu.free_bytes), (512 * MIB, 0));

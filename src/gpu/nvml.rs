@@ -112,6 +112,7 @@ fn read_device(nvml: &Nvml, index: u32, driver: Option<String>) -> Result<Gpu, N
         free_bytes: memory.free,
         driver,
         compute,
+        endpoint: None,
     })
 }
 

@@ -234,11 +234,18 @@ impl Placement {
     }
 }
 
-/// Free host memory next to `runners`: CPU runners use all of their footprint, GPU
-/// runners their host part.
+impl Placement {
+    /// The bytes of a runner with `footprint` that sit in host memory: all of a CPU
+    /// runner's, a GPU runner's host part.
+    #[must_use]
+    pub fn host_bytes(&self, footprint: Footprint) -> u64 {
+        if *self == Self::Cpu { footprint.total() } else { footprint.ram }
+    }
+}
+
+/// Free host memory next to `runners`.
 fn host_free(snapshot: &Snapshot, runners: &[&RunnerView]) -> u64 {
-    let used: u64 =
-        runners.iter().map(|r| if r.placement == Placement::Cpu { r.footprint.total() } else { r.footprint.ram }).sum();
+    let used: u64 = runners.iter().map(|r| r.placement.host_bytes(r.footprint)).sum();
     snapshot.host_usable.saturating_sub(used)
 }
 

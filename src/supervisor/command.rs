@@ -112,6 +112,8 @@ pub enum Backend {
     Rocm,
     /// Vulkan (`GGML_VK_VISIBLE_DEVICES`).
     Vulkan,
+    /// A ggml `rpc-server` worker, reached with `--rpc` (no visibility variable).
+    Rpc,
 }
 
 impl Backend {
@@ -122,14 +124,16 @@ impl Backend {
             Self::Cuda => "cuda",
             Self::Rocm => "rocm",
             Self::Vulkan => "vulkan",
+            Self::Rpc => "rpc",
         }
     }
 
-    fn visibility_variable(self) -> &'static str {
+    fn visibility_variable(self) -> Option<&'static str> {
         match self {
-            Self::Cuda => "CUDA_VISIBLE_DEVICES",
-            Self::Rocm => "ROCR_VISIBLE_DEVICES",
-            Self::Vulkan => "GGML_VK_VISIBLE_DEVICES",
+            Self::Cuda => Some("CUDA_VISIBLE_DEVICES"),
+            Self::Rocm => Some("ROCR_VISIBLE_DEVICES"),
+            Self::Vulkan => Some("GGML_VK_VISIBLE_DEVICES"),
+            Self::Rpc => None,
         }
     }
 }
@@ -246,8 +250,8 @@ fn environment(inherited: &[(OsString, OsString)], placement: &Placement) -> Vec
         inherited.iter().filter(|(k, _)| INHERITED_VARIABLES.iter().any(|allowed| k == allowed)).cloned().collect();
     for backend in [Backend::Cuda, Backend::Rocm, Backend::Vulkan] {
         let ids: Vec<&str> = placement.devices.iter().filter(|d| d.backend == backend).map(|d| d.id.as_str()).collect();
-        if !ids.is_empty() {
-            env.push((backend.visibility_variable().into(), ids.join(",").into()));
+        if let (false, Some(variable)) = (ids.is_empty(), backend.visibility_variable()) {
+            env.push((variable.into(), ids.join(",").into()));
         }
     }
     env

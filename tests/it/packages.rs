@@ -209,6 +209,7 @@ fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
     d_bus_on_the_system_bus(&ct, &runner);
 
     let remote = pull_from_a_local_registry(&ct);
+    the_readme_first_steps_work(&ct);
 
     // A restart stops the runner with the old instance.
     let main_pid = ct.unit_property("corrald.service", "MainPID");
@@ -245,6 +246,38 @@ fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
     for gone in ["/var/lib/corral", "/etc/corral", "/usr/bin/corrald"] {
         assert!(!ct.exec(&["test", "-e", gone]).status.success(), "{gone} is left after purge");
     }
+}
+
+/// The shell commands of the README section headed `heading` (its first `sh` block).
+fn readme_commands(heading: &str) -> Vec<String> {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
+    let section = readme.split_once(&format!("\n{heading}\n")).map(|(_, rest)| rest).expect("the README section");
+    let block = section.split_once("```sh\n").and_then(|(_, rest)| rest.split_once("```")).expect("a sh block").0;
+    block.lines().filter(|l| !l.trim().is_empty()).map(str::to_owned).collect()
+}
+
+/// The README's "First steps", line by line as a new user types them, on the installed
+/// package (the pull from the public registry needs the internet: the local registry's
+/// pull above stands for it).
+fn the_readme_first_steps_work(ct: &Container) {
+    let commands = readme_commands("### First steps");
+    assert!(commands.len() >= 8, "{commands:?}");
+    let mut ran = Vec::new();
+    for command in commands.iter().filter(|c| !c.contains("llama3.2")) {
+        let out = ct.exec(&["bash", "-euo", "pipefail", "-c", command]);
+        assert!(out.status.success(), "the README's `{command}` failed: {}", describe(&out));
+        ran.push((command.as_str(), String::from_utf8_lossy(&out.stdout).into_owned()));
+    }
+    let output = |what: &str| {
+        ran.iter().find(|(c, _)| c.contains(what)).map(|(_, o)| o.as_str()).unwrap_or_else(|| panic!("no {what}"))
+    };
+    assert!(output("api/version").contains("\"version\""), "{ran:?}");
+    assert!(output("api/create").contains("success"), "{ran:?}");
+    assert!(output("api/chat").contains("\"done\":true"), "{ran:?}");
+    assert!(output("corralctl ps").contains("tiny:latest"), "{ran:?}");
+    assert!(output("busctl introspect").contains("org.corral.Corral1.Manager"), "{ran:?}");
+    assert!(output("CORRAL_EVENT=offload").contains("CORRAL_RUNNER_PID"), "{ran:?}");
+    assert!(output("systemctl status").contains("runner-"), "{ran:?}");
 }
 
 /// `busctl` and `corralctl` on the container's real system bus, under the installed
