@@ -123,6 +123,7 @@ fn main() {
             placement: Placement::default(),
             load_timeout: Duration::from_secs(60),
             memory_max: None,
+            planned: Vec::new(),
         };
         let (elapsed, reported) = runtime.block_on(async {
             let start = Instant::now();

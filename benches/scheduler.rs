@@ -191,12 +191,15 @@ fn scenario(gpus: usize, case: Case) -> (Snapshot, Footprint) {
     let gpu_views = (0..gpus)
         .map(|index| {
             let used: u64 = runners.iter().map(|r| r.placement.vram_on(index, r.footprint.vram)).sum();
-            GpuView { index, usable: used + extra }
+            GpuView { index, name: format!("gpu{index}"), usable: used + extra }
         })
         .collect();
     let host_usable = if gpus == 0 { host_used + extra } else { host_used + 64 * GIB };
     let max_loaded = if case == Case::CountLimit { 20 } else { 32 };
-    (Snapshot { gpus: gpu_views, host_usable, runners, max_loaded }, Footprint { vram: need_vram, ram: 0 })
+    (
+        Snapshot { gpus: gpu_views, host_usable, runners, max_loaded, partial_offload: false },
+        Footprint { vram: need_vram, ram: 0 },
+    )
 }
 
 struct DecisionRow {
@@ -399,6 +402,7 @@ fn model_request(index: u64, need: u64, model_file: PathBuf) -> ModelRequest {
         files: ModelFiles { model: model_file, projector: None, adapters: Vec::new() },
         options: LoadOptions::default(),
         need: Footprint { vram: need, ram: 0 },
+        layers: 0,
         keep_alive: None,
         pinned: false,
     }
@@ -410,6 +414,7 @@ fn limits(max_loaded: usize, max_queue: usize) -> Limits {
         max_queue,
         default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
         clamp: Clamp::default(),
+        partial_offload: true,
     }
 }
 
@@ -650,7 +655,7 @@ fn in_process(requests: usize, v: Variant) -> Setup {
             if v.holds { "held" } else { "no hold" }
         ),
         backend: Arc::new(InstantBackend { load: v.load, stop: v.load }),
-        gpus: vec![GpuView { index: 0, usable: budget }],
+        gpus: vec![GpuView { index: 0, name: "gpu0".into(), usable: budget }],
         host_usable: 64 * GIB,
         limits: limits(v.max_loaded, requests + 1),
         models,
@@ -709,6 +714,7 @@ fn with_fake(fake: &Path, dir: &Path, requests: usize) -> Setup {
             load_timeout: Duration::from_secs(30),
             devices: Vec::new(),
             probe: None,
+            projections: None,
         }),
         gpus: Vec::new(),
         host_usable: 64 * GIB,
@@ -729,7 +735,7 @@ async fn fast_path(iterations: usize) -> Spread {
     let backend = Arc::new(InstantBackend { load: Duration::ZERO, stop: Duration::ZERO });
     let (scheduler, handle) = Scheduler::new(
         backend,
-        vec![GpuView { index: 0, usable: 80 * GIB }],
+        vec![GpuView { index: 0, name: "gpu0".into(), usable: 80 * GIB }],
         64 * GIB,
         limits(32, 64),
         Footprints::in_memory(),

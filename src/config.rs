@@ -215,6 +215,9 @@ pub struct SchedulerConfig {
     pub num_ctx: u32,
     /// Request slots per runner (`-np`).
     pub num_parallel: u32,
+    /// Whether a model too big for the GPUs may run partly on the CPU (as Ollama does);
+    /// with `false` such a load fails at once with the memory each device has.
+    pub partial_offload: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -228,6 +231,7 @@ impl Default for SchedulerConfig {
             load_timeout: Duration::from_secs(5 * 60),
             num_ctx: 4096,
             num_parallel: 1,
+            partial_offload: true,
         }
     }
 }

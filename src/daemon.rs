@@ -684,9 +684,14 @@ async fn start_scheduler(
         load_timeout: config.scheduler.load_timeout,
         devices: inventory.gpus.iter().map(|g| Device { backend: g.backend, id: g.id.clone() }).collect(),
         probe: Some(probe),
+        projections: None,
     };
-    let gpus: Vec<GpuView> =
-        inventory.gpus.iter().enumerate().map(|(index, g)| GpuView { index, usable: g.free_bytes }).collect();
+    let gpus: Vec<GpuView> = inventory
+        .gpus
+        .iter()
+        .enumerate()
+        .map(|(index, g)| GpuView { index, name: g.name.clone(), usable: g.free_bytes })
+        .collect();
     let limits = limits(config, gpus.len());
     let max_loaded = limits.max_loaded;
     tracing::info!(
@@ -713,6 +718,7 @@ fn limits(config: &Config, gpu_count: usize) -> Limits {
         max_queue: usize::try_from(config.scheduler.max_queue).unwrap_or(usize::MAX),
         default_keep_alive: KeepAlive::For(config.scheduler.keep_alive),
         clamp: Clamp { min: config.scheduler.keep_alive_min, max: config.scheduler.keep_alive_max },
+        partial_offload: config.scheduler.partial_offload,
     }
 }
 
@@ -828,6 +834,7 @@ const RELOADED_KEYS: &[&str] = &[
     "scheduler.keep_alive_max",
     "scheduler.max_loaded_models",
     "scheduler.max_queue",
+    "scheduler.partial_offload",
     "server.exit_on_idle",
     "server.shutdown_timeout",
 ];
@@ -937,6 +944,7 @@ mod tests {
             max_queue: 8,
             default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
             clamp: Clamp::default(),
+            partial_offload: true,
         };
         Scheduler::new(backend, Vec::new(), 1 << 30, limits, Footprints::in_memory())
     }
@@ -949,6 +957,7 @@ mod tests {
             files: ModelFiles { model: PathBuf::from("/blobs/m"), projector: None, adapters: Vec::new() },
             options: LoadOptions::default(),
             need: Footprint { vram: 0, ram: 1 << 20 },
+            layers: 0,
             keep_alive: None,
             pinned: false,
         }

@@ -115,6 +115,7 @@ mod tests {
             },
             queue_depth: 5,
             loaded: vec![LoadedModel {
+                devices: Vec::new(),
                 id: 1,
                 name: "tiny:latest".into(),
                 names: vec!["tiny:latest".into()],

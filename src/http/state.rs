@@ -120,6 +120,7 @@ pub(crate) fn for_tests(backend: Arc<dyn crate::scheduler::backend::Backend>) ->
         max_queue: 8,
         default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
         clamp: Clamp::default(),
+        partial_offload: true,
     };
     let (scheduler, handle) = Scheduler::new(backend, Vec::new(), 1 << 30, limits, Footprints::in_memory());
     tokio::spawn(scheduler.run());
@@ -144,6 +145,7 @@ pub(crate) fn absent_backend() -> Arc<dyn crate::scheduler::backend::Backend> {
         load_timeout: Duration::from_secs(5),
         devices: Vec::new(),
         probe: None,
+        projections: None,
     })
 }
 

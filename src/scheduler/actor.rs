@@ -17,9 +17,10 @@ use tokio::time::Instant;
 use super::backend::{Backend, LiveRunner, StartRequest};
 use super::footprints::Footprints;
 use super::keep_alive::{self, Clamp, KeepAlive};
-use super::policy::{self, Decision, Footprint, GpuView, Placement, RunnerId, RunnerView, Snapshot};
+use super::policy::{self, Decision, Footprint, GpuView, Need, Placement, RunnerId, RunnerView, Snapshot};
 use crate::supervisor::command::{LoadOptions, ModelFiles};
 use crate::supervisor::logparse::Offload;
+use crate::supervisor::runner::DeviceMemory;
 
 /// What a request asks for.
 #[derive(Debug, Clone)]
@@ -38,6 +39,8 @@ pub struct ModelRequest {
     pub options: LoadOptions,
     /// What it is expected to need (learned from earlier loads, or estimated).
     pub need: Footprint,
+    /// The layers llama.cpp can offload (blocks and output layer; 0 when unknown).
+    pub layers: u32,
     /// The client's keep-alive, if it sent one.
     pub keep_alive: Option<KeepAlive>,
     /// Never evicted once loaded.
@@ -55,6 +58,8 @@ pub struct Limits {
     pub default_keep_alive: KeepAlive,
     /// Bounds on what clients ask for.
     pub clamp: Clamp,
+    /// Whether a model too big for the GPUs may run partly on the CPU.
+    pub partial_offload: bool,
 }
 
 /// Why a request got no runner.
@@ -64,14 +69,23 @@ pub enum ScheduleError {
     #[error("server busy: {0} requests are already waiting for a model to load")]
     QueueFull(usize),
     /// Even with every evictable model unloaded it would not fit.
-    #[error("model '{model}' needs {} of memory, but at most {} can be made available", crate::units::bytes(*.needed), crate::units::bytes(*.available))]
+    #[error(
+        "model '{model}' needs {} of memory, but at most {} can be made available{}",
+        crate::units::bytes(*.needed),
+        crate::units::bytes(*.available),
+        rooms(.devices, *.host)
+    )]
     InsufficientMemory {
         /// The model.
         model: String,
-        /// Bytes needed.
+        /// Bytes needed: on one device, or in host memory when there are none.
         needed: u64,
-        /// Bytes that could be freed.
+        /// Bytes that could be freed there (0: only the count of models stands in the way).
         available: u64,
+        /// Each device with the bytes that could be made available on it.
+        devices: Vec<(String, u64)>,
+        /// The host memory that could be made available.
+        host: u64,
     },
     /// The runner failed to start.
     #[error("model '{model}' failed to load: {reason}")]
@@ -134,6 +148,8 @@ pub struct LoadedModel {
     pub context_length: u32,
     /// The layers it placed on GPUs, once ready (when llama-server said).
     pub offload: Option<Offload>,
+    /// Each device's memory, planned and actual, once ready.
+    pub devices: Vec<DeviceMemory>,
 }
 
 /// Counters since start, for `/metrics`.
@@ -166,6 +182,27 @@ pub struct Stats {
     pub queue_depth: usize,
     /// The runners.
     pub loaded: Vec<LoadedModel>,
+}
+
+/// What a runner placed at `placement` takes: a partial one holds on its GPUs only their
+/// shares, and the layers left on the CPU in host memory.
+fn planned_footprint(placement: &Placement, need: Need) -> Footprint {
+    match placement {
+        Placement::Partial { shares, .. } => {
+            let on_gpus = shares.iter().map(|(_, bytes)| *bytes).fold(0, u64::saturating_add);
+            let footprint = need.footprint;
+            Footprint { vram: on_gpus, ram: footprint.ram.saturating_add(footprint.vram.saturating_sub(on_gpus)) }
+        }
+        _ => need.footprint,
+    }
+}
+
+/// ` (RPC0: 200 MiB, RPC1: 180 MiB; host: 2 GiB)`: each device's room, for the message.
+fn rooms(devices: &[(String, u64)], host: u64) -> String {
+    let devices: Vec<String> =
+        devices.iter().map(|(name, bytes)| format!("{name}: {}", crate::units::bytes(*bytes))).collect();
+    let devices = if devices.is_empty() { String::new() } else { format!("{}; ", devices.join(", ")) };
+    format!(" ({devices}host memory: {})", crate::units::bytes(host))
 }
 
 /// Why a runner stopped.
@@ -410,6 +447,7 @@ enum Command {
 #[derive(Debug)]
 enum Event {
     Started { runner: RunnerId, result: Result<Box<dyn LiveRunner>, String> },
+    Projected { key: String, result: Result<Footprint, String> },
     Released { runner: RunnerId },
     Stopped { runner: RunnerId },
     Crashed { runner: RunnerId, reason: String },
@@ -435,6 +473,8 @@ struct Entry {
     users: Vec<String>,
     phase: Phase,
     offload: Option<Offload>,
+    /// Each device's memory, planned and actual, once ready.
+    devices: Vec<DeviceMemory>,
     placement: Placement,
     footprint: Footprint,
     leases: u32,
@@ -479,6 +519,12 @@ pub struct Scheduler {
     events: mpsc::UnboundedReceiver<Event>,
     events_tx: mpsc::UnboundedSender<Event>,
     learned: Footprints,
+    /// llama.cpp's projection of each request key's footprint (`Err`: the estimate stands
+    /// in, for the reason given); a key absent here and in `projecting` is not asked yet.
+    projected: BTreeMap<String, Result<Footprint, String>>,
+    projecting: Option<String>,
+    /// Models whose estimate was already reported as standing in for a projection.
+    estimated: std::collections::BTreeSet<String>,
     counters: Counters,
     notices: broadcast::Sender<Notice>,
 }
@@ -511,6 +557,9 @@ impl Scheduler {
             events,
             events_tx,
             learned,
+            projected: BTreeMap::new(),
+            projecting: None,
+            estimated: std::collections::BTreeSet::new(),
             counters: Counters::default(),
             notices: notices.clone(),
         };
@@ -724,11 +773,14 @@ impl Scheduler {
                 self.acquire(request, reply);
                 continue;
             }
-            let need = self.learned.get(&request.key).unwrap_or(request.need);
+            let request = request.clone();
+            let Some(need) = self.need(&request) else { return };
+            let need = Need { footprint: need, layers: request.layers };
             match policy::decide(&self.snapshot(), need) {
                 Decision::Load(placement) => {
                     let (request, reply) = self.queue.pop_front().expect("checked above");
-                    self.start(request, placement, need, reply);
+                    let footprint = planned_footprint(&placement, need);
+                    self.start(request, placement, footprint, reply);
                 }
                 Decision::MakeRoom { evict, drain } => {
                     self.counters.evictions += (evict.len() + drain.len()) as u64;
@@ -744,13 +796,48 @@ impl Scheduler {
                     return;
                 }
                 Decision::Wait => return,
-                Decision::NoFit { needed, available } => {
+                Decision::NoFit { needed, available, gpus, host } => {
                     let (request, reply) = self.queue.pop_front().expect("checked above");
-                    let _ =
-                        reply.send(Err(ScheduleError::InsufficientMemory { model: request.name, needed, available }));
+                    let devices = gpus
+                        .into_iter()
+                        .map(|(index, room)| (self.gpus.get(index).map_or_else(String::new, |g| g.name.clone()), room))
+                        .collect();
+                    let model = request.name;
+                    let error =
+                        ScheduleError::InsufficientMemory { model: model.clone(), needed, available, devices, host };
+                    tracing::warn!(corral_event = "no_fit", corral_model = %model, "{error}");
+                    let _ = reply.send(Err(error));
                 }
             }
         }
+    }
+
+    /// What `request` needs: llama.cpp's projection, else what its last load measured,
+    /// else the estimate (reported once per model). `None` while the projection is
+    /// being made: the queue waits for it (a second or so, once per key).
+    fn need(&mut self, request: &ModelRequest) -> Option<Footprint> {
+        match self.projected.get(&request.key) {
+            Some(Ok(projected)) => return Some(*projected),
+            Some(Err(reason)) => {
+                if self.estimated.insert(request.name.clone()) {
+                    tracing::info!(corral_event = "estimate", corral_model = %request.name,
+                        "{}: planning with an estimate, since llama.cpp's projection cannot be had: {reason}", request.name);
+                }
+            }
+            None => {
+                if self.projecting.is_none() {
+                    self.projecting = Some(request.key.clone());
+                    let projected = self.backend.project(&request.files, &request.options);
+                    let events = self.events_tx.clone();
+                    let key = request.key.clone();
+                    tokio::spawn(async move {
+                        let _ = events.send(Event::Projected { key, result: projected.await });
+                    });
+                }
+                return None;
+            }
+        }
+        Some(self.learned.get(&request.key).unwrap_or(request.need))
     }
 
     fn start(&mut self, request: ModelRequest, placement: Placement, need: Footprint, reply: Reply) {
@@ -762,6 +849,7 @@ impl Scheduler {
             files: request.files.clone(),
             options: request.options.clone(),
             placement: placement.clone(),
+            footprint: need,
         };
         tracing::info!(corral_event = "load", corral_model = %request.name, runner = id, ?placement, "loading {}", request.name);
         self.counters.loads += 1;
@@ -772,6 +860,7 @@ impl Scheduler {
             Entry {
                 users: vec![request.name.clone()],
                 offload: None,
+                devices: Vec::new(),
                 request,
                 phase: Phase::Loading { waiters: vec![reply] },
                 placement,
@@ -805,8 +894,20 @@ impl Scheduler {
         let (joining, rest): (VecDeque<_>, VecDeque<_>) =
             std::mem::take(&mut self.queue).into_iter().partition(|(queued, _)| queued.key == key);
         self.queue = rest;
-        if let Some(Entry { phase: Phase::Loading { waiters }, .. }) = self.runners.get_mut(&id) {
-            waiters.extend(joining.into_iter().map(|(_, reply)| reply));
+        if let Some(Entry { phase: Phase::Loading { waiters }, users, .. }) = self.runners.get_mut(&id) {
+            let mut joined = Vec::new();
+            for (queued, reply) in joining {
+                // Another model of the same weights and options shares the load.
+                if !users.contains(&queued.name) {
+                    users.push(queued.name.clone());
+                    joined.push(queued.name);
+                }
+                waiters.push(reply);
+            }
+            let users = users.clone();
+            for name in joined {
+                self.shares(id, &name, users.clone());
+            }
         }
         let backend = Arc::clone(&self.backend);
         let events = self.events_tx.clone();
@@ -819,6 +920,12 @@ impl Scheduler {
     fn on_event(&mut self, event: Event) {
         match event {
             Event::Started { runner, result } => self.started(runner, result),
+            Event::Projected { key, result } => {
+                self.projecting = None;
+                // Bounded by the keys of models asked for; a failure is asked again after a restart.
+                self.projected.insert(key, result);
+                self.schedule();
+            }
             Event::Released { runner } => {
                 if let Some(entry) = self.runners.get_mut(&runner) {
                     entry.leases = entry.leases.saturating_sub(1);
@@ -908,6 +1015,7 @@ impl Scheduler {
                 let socket = live.socket();
                 let pid = live.pid();
                 let offload = live.offload();
+                let devices = live.devices();
                 let (stop_tx, stop_rx) = oneshot::channel::<()>();
                 let events = self.events_tx.clone();
                 // The runner's own task: stop on request, report a crash otherwise.
@@ -924,6 +1032,7 @@ impl Scheduler {
                 });
                 entry.phase = Phase::Ready { stop: stop_tx, socket: socket.clone(), pid };
                 entry.offload = offload;
+                entry.devices = devices;
                 entry.idle_since = Instant::now();
                 let ready = Notice::Ready {
                     runner: id,
@@ -1017,13 +1126,20 @@ impl Scheduler {
                 draining: e.draining || matches!(e.phase, Phase::Unloading { .. }),
             })
             .collect();
-        Snapshot { gpus: self.gpus.clone(), host_usable: self.host_usable, runners, max_loaded: self.limits.max_loaded }
+        Snapshot {
+            gpus: self.gpus.clone(),
+            host_usable: self.host_usable,
+            runners,
+            max_loaded: self.limits.max_loaded,
+            partial_offload: self.limits.partial_offload,
+        }
     }
 
     fn loaded_models(&self) -> Vec<LoadedModel> {
         self.runners
             .iter()
             .map(|(id, e)| LoadedModel {
+                devices: e.devices.clone(),
                 id: *id,
                 name: e.request.name.clone(),
                 names: e.users.clone(),
@@ -1069,7 +1185,7 @@ impl Scheduler {
                 Some(Event::Started { runner, result: Err(_) } | Event::Crashed { runner, .. }) => {
                     self.runners.remove(&runner);
                 }
-                Some(Event::Released { .. }) => {}
+                Some(Event::Released { .. } | Event::Projected { .. }) => {}
                 None => break,
             }
         }

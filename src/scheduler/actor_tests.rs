@@ -108,6 +108,7 @@ fn limits() -> Limits {
         max_queue: 8,
         default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
         clamp: Clamp::default(),
+        partial_offload: true,
     }
 }
 
@@ -128,6 +129,7 @@ fn model(name: &str, mib: u64) -> ModelRequest {
         files: ModelFiles { model: PathBuf::from(format!("/blobs/{name}")), projector: None, adapters: Vec::new() },
         options: LoadOptions::default(),
         need: Footprint { vram: mib * MIB, ram: 0 },
+        layers: 0,
         keep_alive: None,
         pinned: false,
     }
@@ -255,10 +257,19 @@ async fn a_model_that_cannot_fit_is_refused_with_the_numbers() {
     let err = handle.acquire(model("huge", 2000)).await.expect_err("no fit");
     assert_eq!(
         err,
-        ScheduleError::InsufficientMemory { model: "huge".into(), needed: 2000 * MIB, available: 1000 * MIB }
+        ScheduleError::InsufficientMemory {
+            model: "huge".into(),
+            needed: 2000 * MIB,
+            available: 1000 * MIB,
+            devices: vec![],
+            host: 1000 * MIB
+        }
     );
     // In binary units, as people read them; the raw numbers stay in the error's fields.
-    assert_eq!(err.to_string(), "model 'huge' needs 2.0 GiB of memory, but at most 1000.0 MiB can be made available");
+    assert_eq!(
+        err.to_string(),
+        "model 'huge' needs 2.0 GiB of memory, but at most 1000.0 MiB can be made available (host memory: 1000.0 MiB)"
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -7,11 +7,13 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::ffi::OsString;
+
 use super::policy::{Footprint, Placement};
 use crate::gpu::MemoryProbe;
-use crate::supervisor::command::{self, LoadOptions, ModelFiles};
+use crate::supervisor::command::{self, Backend as Family, DevicePlan, LoadOptions, ModelFiles, PlannedDevice};
 use crate::supervisor::logparse::Offload;
-use crate::supervisor::runner::{self, Runner, RunnerSpec, SupervisorConfig};
+use crate::supervisor::runner::{self, DeviceMemory, HOST, Runner, RunnerSpec, SupervisorConfig};
 
 /// A boxed future, as trait objects return them.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -29,6 +31,8 @@ pub struct StartRequest {
     pub options: LoadOptions,
     /// Where the scheduler placed it.
     pub placement: Placement,
+    /// What the scheduler planned it to use there.
+    pub footprint: Footprint,
 }
 
 /// A started runner.
@@ -43,6 +47,10 @@ pub trait LiveRunner: Send + 'static {
     fn offload(&self) -> Option<Offload> {
         None
     }
+    /// Each device's memory, planned and actual.
+    fn devices(&self) -> Vec<DeviceMemory> {
+        Vec::new()
+    }
     /// Stops it; resolves once it is reaped.
     fn stop(self: Box<Self>) -> BoxFuture<'static, ()>;
     /// Resolves (with a reason) if it dies on its own.
@@ -53,6 +61,28 @@ pub trait LiveRunner: Send + 'static {
 pub trait Backend: Send + Sync + 'static {
     /// Starts one; resolves once it is ready, or with why it could not start.
     fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, String>>;
+
+    /// What a model would take with all its layers on one device (the first of the
+    /// inventory; the host when there is none), as llama.cpp projects it; `Err` says why
+    /// no projection can be had (the scheduler then estimates).
+    fn project(&self, files: &ModelFiles, options: &LoadOptions) -> BoxFuture<'static, Result<Footprint, String>> {
+        let _ = (files, options);
+        Box::pin(async { Err("this backend makes no projections".to_owned()) })
+    }
+}
+
+/// llama.cpp's own memory projection of a load (`llama-fit-params`).
+pub trait Projections: std::fmt::Debug + Send + Sync + 'static {
+    /// Bytes per device name (the host as [`HOST`]) that a load with these
+    /// `llama-fit-params` arguments and environment takes.
+    fn project(
+        &self,
+        files: &ModelFiles,
+        options: &LoadOptions,
+        placement: &command::Placement,
+        args: Vec<OsString>,
+        env: Vec<(OsString, OsString)>,
+    ) -> BoxFuture<'static, Result<Vec<(String, u64)>, String>>;
 }
 
 /// The real backend: llama-server children through the supervisor.
@@ -66,6 +96,8 @@ pub struct SupervisorBackend {
     pub devices: Vec<command::Device>,
     /// Per-process GPU memory (NVML), where the probe can tell.
     pub probe: Option<Arc<dyn MemoryProbe>>,
+    /// llama.cpp's projections, where `llama-fit-params` is there.
+    pub projections: Option<Arc<dyn Projections>>,
 }
 
 impl std::fmt::Debug for dyn MemoryProbe {
@@ -77,38 +109,148 @@ impl std::fmt::Debug for dyn MemoryProbe {
 impl Backend for SupervisorBackend {
     fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, String>> {
         let config = self.config.clone();
-        let devices = match &request.placement {
-            Placement::Gpu(index) => self.devices.get(*index).cloned().into_iter().collect(),
-            Placement::Spread(shares) => {
-                shares.iter().filter_map(|(index, _)| self.devices.get(*index).cloned()).collect()
-            }
-            Placement::Cpu => Vec::new(),
-        };
-        let mut options = request.options.clone();
-        if request.placement == Placement::Cpu && !self.devices.is_empty() {
-            // Placed on the CPU although GPUs exist: keep the weights off them.
-            options.num_gpu = Some(0);
-        }
-        let spec = RunnerSpec {
+        let placement = child_placement(&self.devices, &request.placement);
+        // Without an exact projection, the plan is the scheduler's own split of the footprint.
+        let mut planned: Vec<(String, u64)> = planned_shares(&self.devices, &placement, &request);
+        let projection = self.projections.clone().map(|p| {
+            let (args, env) = command::projection(&request.files, &request.options, &placement, &config.inherited_env);
+            p.project(&request.files, &request.options, &placement, args, env)
+        });
+        let mut spec = RunnerSpec {
             id: request.id,
             model: request.model.clone(),
             files: request.files.clone(),
-            options,
-            placement: command::Placement { devices, ..command::Placement::default() },
+            options: request.options.clone(),
+            placement,
             load_timeout: self.load_timeout,
             memory_max: None,
+            planned: Vec::new(),
         };
         let probe = self.probe.clone();
         Box::pin(async move {
+            if let Some(projection) = projection {
+                match projection.await {
+                    Ok(exact) => planned = exact,
+                    Err(e) => tracing::debug!(corral_model = %spec.model, "no exact projection for the load: {e}"),
+                }
+            }
+            spec.planned = planned;
             let runner = runner::load(&config, &spec).await.map_err(|e| e.to_string())?;
-            Ok(Box::new(SupervisedRunner { runner, probe }) as Box<dyn LiveRunner>)
+            let buffers = spec.placement.plan.map(|p| p.devices).unwrap_or_default();
+            Ok(Box::new(SupervisedRunner { runner, probe, planned: spec.planned, buffers }) as Box<dyn LiveRunner>)
         })
     }
+
+    fn project(&self, files: &ModelFiles, options: &LoadOptions) -> BoxFuture<'static, Result<Footprint, String>> {
+        let Some(projections) = self.projections.clone() else {
+            return Box::pin(async { Err(format!("`llama-fit-params` was not found beside {}", "llama-server")) });
+        };
+        // Every layer on the first device, or on the CPU when there is none.
+        let whole = if self.devices.is_empty() { Placement::Cpu } else { Placement::Gpu(0) };
+        let placement = child_placement(&self.devices, &whole);
+        let (args, env) = command::projection(files, options, &placement, &self.config.inherited_env);
+        let device = placement.plan.as_ref().and_then(|p| p.devices.first()).map(|d| d.name.clone());
+        let projected = projections.project(files, options, &placement, args, env);
+        Box::pin(async move {
+            let rows = projected.await?;
+            let bytes = |name: &str| rows.iter().filter(|(n, _)| n == name).map(|(_, b)| *b).sum::<u64>();
+            let host = bytes(HOST);
+            Ok(match device {
+                Some(device) => Footprint { vram: bytes(&device), ram: host },
+                None => Footprint { vram: 0, ram: host },
+            })
+        })
+    }
+}
+
+/// The child's view of a placement: which local GPUs it sees, which workers it reaches,
+/// and the devices (by llama.cpp's names) that take its layers.
+///
+/// llama.cpp names local devices by family and position among the visible ones
+/// (`CUDA0`, `ROCm1`, `Vulkan0`) and RPC devices in the order their workers are given to
+/// `--rpc`, every device of each worker counted (`RPC0`, `RPC1`, …).
+#[must_use]
+pub fn child_placement(all: &[command::Device], placement: &Placement) -> command::Placement {
+    let (chosen, layers): (Vec<(usize, u64)>, Option<u32>) = match placement {
+        Placement::Gpu(index) => (vec![(*index, 1)], None),
+        Placement::Spread(shares) => (shares.clone(), None),
+        Placement::Partial { shares, layers, .. } => (shares.clone(), Some(*layers)),
+        Placement::Cpu => (Vec::new(), None),
+    };
+    let chosen: Vec<(usize, &command::Device, u64)> =
+        chosen.into_iter().filter_map(|(index, bytes)| all.get(index).map(|d| (index, d, bytes))).collect();
+    let local: Vec<command::Device> =
+        chosen.iter().filter(|(_, d, _)| d.backend != Family::Rpc).map(|(_, d, _)| (*d).clone()).collect();
+    let mut rpc_servers: Vec<String> = Vec::new();
+    for (_, device, _) in &chosen {
+        if device.backend == Family::Rpc && !rpc_servers.contains(&device.id) {
+            rpc_servers.push(device.id.clone());
+        }
+    }
+    // (name, buffer name) of a device.
+    let names = |index: usize, device: &command::Device| -> (String, String) {
+        if device.backend == Family::Rpc {
+            // Every device of the workers before this one, then its place among its worker's.
+            let before = rpc_servers
+                .iter()
+                .take_while(|server| **server != device.id)
+                .map(|server| all.iter().filter(|d| d.backend == Family::Rpc && d.id == *server).count())
+                .sum::<usize>();
+            let within = all[..index].iter().filter(|d| d.backend == Family::Rpc && d.id == device.id).count();
+            return (format!("RPC{}", before + within), format!("RPC{within}[{}]", device.id));
+        }
+        let prefix = match device.backend {
+            Family::Cuda => "CUDA",
+            Family::Rocm => "ROCm",
+            Family::Vulkan => "Vulkan",
+            Family::Rpc => unreachable!("handled above"),
+        };
+        let position = local.iter().take_while(|d| *d != device).filter(|d| d.backend == device.backend).count();
+        let name = format!("{prefix}{position}");
+        (name.clone(), name)
+    };
+    let devices: Vec<PlannedDevice> = chosen
+        .iter()
+        .map(|(index, device, bytes)| {
+            let (name, buffer) = names(*index, device);
+            // -ts takes relative shares: MiB keep the numbers short.
+            PlannedDevice { name, buffer, share: (bytes >> 20).max(1) }
+        })
+        .collect();
+    command::Placement {
+        devices: local,
+        rpc_servers,
+        plan: Some(DevicePlan { devices, layers }),
+        ..command::Placement::default()
+    }
+}
+
+/// The scheduler's plan per device name: each device's share of the footprint, the
+/// host's part as [`HOST`].
+fn planned_shares(all: &[command::Device], child: &command::Placement, request: &StartRequest) -> Vec<(String, u64)> {
+    let footprint = request.footprint;
+    let mut planned: Vec<(String, u64)> = Vec::new();
+    if let Some(plan) = &child.plan {
+        let indices: Vec<usize> = match &request.placement {
+            Placement::Gpu(index) => vec![*index],
+            Placement::Spread(shares) | Placement::Partial { shares, .. } => shares.iter().map(|(i, _)| *i).collect(),
+            Placement::Cpu => Vec::new(),
+        };
+        for (index, device) in indices.iter().zip(&plan.devices) {
+            if all.get(*index).is_some() {
+                planned.push((device.name.clone(), request.placement.vram_on(*index, footprint.vram)));
+            }
+        }
+    }
+    planned.push((HOST.to_owned(), request.placement.host_bytes(footprint)));
+    planned
 }
 
 struct SupervisedRunner {
     runner: Runner,
     probe: Option<Arc<dyn MemoryProbe>>,
+    planned: Vec<(String, u64)>,
+    buffers: Vec<PlannedDevice>,
 }
 
 impl LiveRunner for SupervisedRunner {
@@ -133,6 +275,10 @@ impl LiveRunner for SupervisedRunner {
 
     fn offload(&self) -> Option<Offload> {
         self.runner.report().offload()
+    }
+
+    fn devices(&self) -> Vec<DeviceMemory> {
+        runner::device_memory(&self.planned, &self.buffers, self.runner.report())
     }
 
     fn stop(self: Box<Self>) -> BoxFuture<'static, ()> {

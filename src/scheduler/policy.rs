@@ -34,11 +34,29 @@ pub fn estimate(weights: u64, kv_cache: u64, projector: u64) -> Footprint {
     Footprint { vram: weights.saturating_add(kv_cache).saturating_add(projector).saturating_add(margin), ram: 64 << 20 }
 }
 
+/// What a model needs, and how it can be cut.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Need {
+    /// Memory with every layer on one device (`vram`), and beside it in host memory.
+    pub footprint: Footprint,
+    /// The layers llama.cpp can offload (the blocks and the output layer); 0 when unknown,
+    /// which rules out a partial offload.
+    pub layers: u32,
+}
+
+impl From<Footprint> for Need {
+    fn from(footprint: Footprint) -> Self {
+        Self { footprint, layers: 0 }
+    }
+}
+
 /// A GPU as the scheduler plans with it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuView {
     /// Its index in the inventory.
     pub index: usize,
+    /// Its name, for messages.
+    pub name: String,
     /// What corral may use on it: total, less the configured reserve and what other
     /// processes use.
     pub usable: u64,
@@ -78,6 +96,8 @@ pub struct Snapshot {
     pub runners: Vec<RunnerView>,
     /// Most runners at once.
     pub max_loaded: usize,
+    /// Whether a model too big for the devices may run partly on the CPU.
+    pub partial_offload: bool,
 }
 
 /// Where a model runs.
@@ -88,6 +108,16 @@ pub enum Placement {
     /// Split over several GPUs: each index with the bytes it takes, in proportion to the
     /// room each had (how llama.cpp splits by default).
     Spread(Vec<(usize, u64)>),
+    /// `layers` of the model's `of` layers on GPUs (each index with the bytes it takes),
+    /// the rest on the CPU.
+    Partial {
+        /// Each GPU with the bytes it takes.
+        shares: Vec<(usize, u64)>,
+        /// Layers on the GPUs.
+        layers: u32,
+        /// The model's offloadable layers.
+        of: u32,
+    },
     /// On the CPU, in host memory.
     Cpu,
 }
@@ -110,16 +140,22 @@ pub enum Decision {
     Wait,
     /// It cannot fit even with every evictable runner gone.
     NoFit {
-        /// Bytes it needs.
+        /// Bytes it needs: on one GPU, or in host memory when there are none.
         needed: u64,
-        /// The most that could be made available.
+        /// The most that could be made available there (0: only the count limit stands
+        /// in the way).
         available: u64,
+        /// Each GPU with the room that could be made on it.
+        gpus: Vec<(usize, u64)>,
+        /// The host memory that could be made available.
+        host: u64,
     },
 }
 
 /// Decides how to load a model that needs `need`.
 #[must_use]
-pub fn decide(snapshot: &Snapshot, need: Footprint) -> Decision {
+pub fn decide(snapshot: &Snapshot, need: impl Into<Need>) -> Decision {
+    let need = need.into();
     let all: Vec<&RunnerView> = snapshot.runners.iter().collect();
     if all.len() < snapshot.max_loaded.max(1) {
         if let Some(placement) = place(snapshot, &all, need) {
@@ -151,13 +187,17 @@ pub fn decide(snapshot: &Snapshot, need: Footprint) -> Decision {
         return Decision::Wait;
     }
     let kept: Vec<&RunnerView> = snapshot.runners.iter().filter(|r| r.pinned).collect();
+    let gpus: Vec<(usize, u64)> = snapshot.gpus.iter().map(|g| (g.index, gpu_free(g, &kept))).collect();
+    let host = host_free(snapshot, &kept);
+    let footprint = need.footprint;
     if place(snapshot, &kept, need).is_some() {
         // Only the count limit stands in the way, and pinned runners fill it.
-        return Decision::NoFit { needed: need.total(), available: 0 };
+        return Decision::NoFit { needed: footprint.total(), available: 0, gpus, host };
     }
-    let most_free_gpu = snapshot.gpus.iter().map(|g| gpu_free(g, &kept)).max().unwrap_or(0);
-    let available = if snapshot.gpus.is_empty() { host_free(snapshot, &kept) } else { most_free_gpu };
-    Decision::NoFit { needed: if snapshot.gpus.is_empty() { need.total() } else { need.vram }, available }
+    let most_free_gpu = gpus.iter().map(|(_, room)| *room).max().unwrap_or(0);
+    let (needed, available) =
+        if snapshot.gpus.is_empty() { (footprint.total(), host) } else { (footprint.vram, most_free_gpu) };
+    Decision::NoFit { needed, available, gpus, host }
 }
 
 /// Which runners go so that at most `max_loaded` stay (after a reload lowered the
@@ -187,12 +227,15 @@ pub fn shed(snapshot: &Snapshot) -> Option<Decision> {
 }
 
 /// Where `need` fits next to `runners`, if anywhere: one GPU (the one with most room),
-/// else spread over GPUs, else the CPU when there are no GPUs.
-fn place(snapshot: &Snapshot, runners: &[&RunnerView], need: Footprint) -> Option<Placement> {
+/// else spread over GPUs, else (when allowed) partly on GPUs and the rest on the CPU,
+/// else the CPU when there are no GPUs.
+fn place(snapshot: &Snapshot, runners: &[&RunnerView], need: Need) -> Option<Placement> {
+    let (layers, need) = (need.layers, need.footprint);
+    let host = host_free(snapshot, runners);
     if snapshot.gpus.is_empty() {
-        return (host_free(snapshot, runners) >= need.total()).then_some(Placement::Cpu);
+        return (host >= need.total()).then_some(Placement::Cpu);
     }
-    if host_free(snapshot, runners) < need.ram {
+    if host < need.ram {
         return None;
     }
     let mut free: Vec<(usize, u64)> = snapshot.gpus.iter().map(|g| (g.index, gpu_free(g, runners))).collect();
@@ -214,7 +257,33 @@ fn place(snapshot: &Snapshot, runners: &[&RunnerView], need: Footprint) -> Optio
             .collect();
         return Some(Placement::Spread(shares));
     }
-    None
+    if snapshot.partial_offload { partial(&usable, host, need, layers) } else { None }
+}
+
+/// As many whole layers on the GPUs with room as fit there, the rest in host memory: a
+/// layer is taken to cost an equal share of the model's GPU footprint (its output layer
+/// and compute buffers included, so the estimate errs on the safe side).
+fn partial(usable: &[(usize, u64)], host: u64, need: Footprint, layers: u32) -> Option<Placement> {
+    if layers < 2 {
+        return None;
+    }
+    let per_layer = need.vram.div_ceil(u64::from(layers)).max(1);
+    let mut left = layers - 1; // at least one on the CPU, or it would have been a full offload
+    let mut shares = Vec::new();
+    for (index, room) in usable {
+        let here = u32::try_from(room / per_layer).unwrap_or(u32::MAX).min(left);
+        if here > 0 {
+            shares.push((*index, u64::from(here) * per_layer));
+            left -= here;
+        }
+    }
+    let on_gpus = layers - 1 - left;
+    let cpu_bytes = u64::from(layers - on_gpus).saturating_mul(per_layer);
+    (on_gpus > 0 && host >= need.ram.saturating_add(cpu_bytes)).then_some(Placement::Partial {
+        shares,
+        layers: on_gpus,
+        of: layers,
+    })
 }
 
 /// Free memory on a GPU next to `runners`.
@@ -228,7 +297,9 @@ impl Placement {
     pub fn vram_on(&self, index: usize, vram: u64) -> u64 {
         match self {
             Self::Gpu(i) if *i == index => vram,
-            Self::Spread(shares) => shares.iter().filter(|(i, _)| *i == index).map(|(_, bytes)| bytes).sum(),
+            Self::Spread(shares) | Self::Partial { shares, .. } => {
+                shares.iter().filter(|(i, _)| *i == index).map(|(_, bytes)| bytes).sum()
+            }
             _ => 0,
         }
     }
@@ -255,7 +326,9 @@ mod tests {
 
     use proptest::prelude::{Strategy, any, prop_assert, proptest};
 
-    use super::{Decision, Footprint, GpuView, KeepAlive, Placement, RunnerView, Snapshot, decide, estimate, shed};
+    use super::{
+        Decision, Footprint, GpuView, KeepAlive, Need, Placement, RunnerView, Snapshot, decide, estimate, shed,
+    };
 
     const GIB: u64 = 1 << 30;
 
@@ -274,7 +347,11 @@ mod tests {
     }
 
     fn gpus(sizes: &[u64]) -> Vec<GpuView> {
-        sizes.iter().enumerate().map(|(index, gib)| GpuView { index, usable: gib * GIB }).collect()
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(index, gib)| GpuView { index, name: format!("gpu{index}"), usable: gib * GIB })
+            .collect()
     }
 
     fn need(gib: u64) -> Footprint {
@@ -290,8 +367,13 @@ mod tests {
 
     #[test]
     fn placement_prefers_one_gpu_then_spreads_then_fails() {
-        let snap =
-            |sizes: &[u64]| Snapshot { gpus: gpus(sizes), host_usable: 64 * GIB, runners: vec![], max_loaded: 3 };
+        let snap = |sizes: &[u64]| Snapshot {
+            partial_offload: false,
+            gpus: gpus(sizes),
+            host_usable: 64 * GIB,
+            runners: vec![],
+            max_loaded: 3,
+        };
         assert_eq!(decide(&snap(&[8, 24]), need(10)), Decision::Load(Placement::Gpu(1)), "the roomiest that fits");
         assert_eq!(decide(&snap(&[8, 8]), need(6)), Decision::Load(Placement::Gpu(0)), "ties go to the first");
         assert_eq!(
@@ -303,10 +385,60 @@ mod tests {
             Decision::Load(Placement::Spread(vec![(0, 14 * GIB / 4), (1, 14 * GIB * 3 / 4)])),
             "shares follow the room"
         );
-        assert_eq!(decide(&snap(&[8, 8]), need(20)), Decision::NoFit { needed: 20 * GIB, available: 8 * GIB });
-        let cpu = Snapshot { gpus: vec![], host_usable: 16 * GIB, runners: vec![], max_loaded: 3 };
+        assert_eq!(
+            decide(&snap(&[8, 8]), need(20)),
+            Decision::NoFit {
+                needed: 20 * GIB,
+                available: 8 * GIB,
+                gpus: vec![(0, 8 * GIB), (1, 8 * GIB)],
+                host: 64 * GIB
+            }
+        );
+        let cpu =
+            Snapshot { partial_offload: false, gpus: vec![], host_usable: 16 * GIB, runners: vec![], max_loaded: 3 };
         assert_eq!(decide(&cpu, need(10)), Decision::Load(Placement::Cpu));
-        assert_eq!(decide(&cpu, need(20)), Decision::NoFit { needed: 20 * GIB, available: 16 * GIB });
+        assert_eq!(
+            decide(&cpu, need(20)),
+            Decision::NoFit { needed: 20 * GIB, available: 16 * GIB, gpus: vec![], host: 16 * GIB }
+        );
+    }
+
+    #[test]
+    fn a_model_too_big_for_the_gpus_runs_partly_on_the_cpu_only_when_allowed() {
+        // 10 layers of 1 GiB each; GPUs of 3 and 4 GiB take 7 of them, the CPU the rest.
+        let need = Need { footprint: Footprint { vram: 10 * GIB, ram: GIB }, layers: 10 };
+        let mut snap = Snapshot {
+            partial_offload: true,
+            gpus: gpus(&[3, 4]),
+            host_usable: 8 * GIB,
+            runners: vec![],
+            max_loaded: 3,
+        };
+        assert_eq!(
+            decide(&snap, need),
+            Decision::Load(Placement::Partial { shares: vec![(1, 4 * GIB), (0, 3 * GIB)], layers: 7, of: 10 })
+        );
+        // Not enough host memory for the layers left on the CPU.
+        snap.host_usable = 3 * GIB;
+        assert!(matches!(decide(&snap, need), Decision::NoFit { .. }));
+        // Not allowed: the fast failure names every GPU's room and the host's.
+        snap.host_usable = 8 * GIB;
+        snap.partial_offload = false;
+        assert_eq!(
+            decide(&snap, need),
+            Decision::NoFit {
+                needed: 10 * GIB,
+                available: 4 * GIB,
+                gpus: vec![(0, 3 * GIB), (1, 4 * GIB)],
+                host: 8 * GIB
+            }
+        );
+        // Unknown layer count: no partial plan.
+        snap.partial_offload = true;
+        assert!(matches!(decide(&snap, Need { layers: 0, ..need }), Decision::NoFit { .. }));
+        // A partial runner's GPU bytes count on its GPUs.
+        let placement = Placement::Partial { shares: vec![(1, 4 * GIB), (0, 3 * GIB)], layers: 7, of: 10 };
+        assert_eq!(placement.vram_on(1, 7 * GIB), 4 * GIB);
     }
 
     #[test]
@@ -319,7 +451,13 @@ mod tests {
         b.last_used = now.checked_sub(Duration::from_secs(60)).expect("an hour ahead");
         c.keep_alive = KeepAlive::For(Duration::from_secs(10));
         c.last_used = now;
-        let snap = Snapshot { gpus: gpus(&[12]), host_usable: 64 * GIB, runners: vec![a, b, c], max_loaded: 10 };
+        let snap = Snapshot {
+            partial_offload: false,
+            gpus: gpus(&[12]),
+            host_usable: 64 * GIB,
+            runners: vec![a, b, c],
+            max_loaded: 10,
+        };
         assert_eq!(decide(&snap, need(4)), Decision::MakeRoom { evict: vec![3], drain: vec![] }, "shortest keep-alive");
         assert_eq!(
             decide(&snap, need(8)),
@@ -334,13 +472,24 @@ mod tests {
         busy.leases = 2;
         busy.keep_alive = KeepAlive::For(Duration::ZERO);
         let idle = runner(2, Placement::Gpu(0), 2 * GIB);
-        let snap =
-            Snapshot { gpus: gpus(&[8]), host_usable: 64 * GIB, runners: vec![busy.clone(), idle], max_loaded: 10 };
+        let snap = Snapshot {
+            partial_offload: false,
+            gpus: gpus(&[8]),
+            host_usable: 64 * GIB,
+            runners: vec![busy.clone(), idle],
+            max_loaded: 10,
+        };
         assert_eq!(decide(&snap, need(2)), Decision::MakeRoom { evict: vec![2], drain: vec![] });
         assert_eq!(decide(&snap, need(7)), Decision::MakeRoom { evict: vec![2], drain: vec![1] });
         // While it drains, the decision is to wait, not to evict again.
         busy.draining = true;
-        let snap = Snapshot { gpus: gpus(&[8]), host_usable: 64 * GIB, runners: vec![busy], max_loaded: 10 };
+        let snap = Snapshot {
+            partial_offload: false,
+            gpus: gpus(&[8]),
+            host_usable: 64 * GIB,
+            runners: vec![busy],
+            max_loaded: 10,
+        };
         assert_eq!(decide(&snap, need(7)), Decision::Wait);
     }
 
@@ -348,13 +497,23 @@ mod tests {
     fn pinned_runners_are_never_evicted() {
         let mut pinned = runner(1, Placement::Gpu(0), 6 * GIB);
         pinned.pinned = true;
-        let snap = Snapshot { gpus: gpus(&[8]), host_usable: 64 * GIB, runners: vec![pinned], max_loaded: 10 };
-        assert_eq!(decide(&snap, need(4)), Decision::NoFit { needed: 4 * GIB, available: 2 * GIB });
+        let snap = Snapshot {
+            partial_offload: false,
+            gpus: gpus(&[8]),
+            host_usable: 64 * GIB,
+            runners: vec![pinned],
+            max_loaded: 10,
+        };
+        assert_eq!(
+            decide(&snap, need(4)),
+            Decision::NoFit { needed: 4 * GIB, available: 2 * GIB, gpus: vec![(0, 2 * GIB)], host: 64 * GIB }
+        );
     }
 
     #[test]
     fn the_count_limit_evicts_even_when_memory_is_plenty() {
         let snap = Snapshot {
+            partial_offload: false,
             gpus: gpus(&[80]),
             host_usable: 64 * GIB,
             runners: vec![runner(1, Placement::Gpu(0), GIB), runner(2, Placement::Gpu(0), GIB)],
@@ -365,7 +524,10 @@ mod tests {
         for r in &mut all_pinned.runners {
             r.pinned = true;
         }
-        assert_eq!(decide(&all_pinned, need(1)), Decision::NoFit { needed: GIB, available: 0 });
+        assert_eq!(
+            decide(&all_pinned, need(1)),
+            Decision::NoFit { needed: GIB, available: 0, gpus: vec![(0, 78 * GIB)], host: 64 * GIB }
+        );
     }
 
     #[test]
@@ -380,6 +542,7 @@ mod tests {
         let mut pinned = runner(4, Placement::Gpu(0), GIB);
         pinned.pinned = true;
         let snap = |max_loaded: usize, runners: Vec<RunnerView>| Snapshot {
+            partial_offload: false,
             gpus: gpus(&[80]),
             host_usable: 64 * GIB,
             runners,
@@ -411,17 +574,24 @@ mod tests {
     fn loading_runners_count_and_make_us_wait() {
         let mut loading = runner(1, Placement::Gpu(0), 6 * GIB);
         loading.loading = true;
-        let snap = Snapshot { gpus: gpus(&[8]), host_usable: 64 * GIB, runners: vec![loading], max_loaded: 10 };
+        let snap = Snapshot {
+            partial_offload: false,
+            gpus: gpus(&[8]),
+            host_usable: 64 * GIB,
+            runners: vec![loading],
+            max_loaded: 10,
+        };
         assert_eq!(decide(&snap, need(2)), Decision::Load(Placement::Gpu(0)));
         assert_eq!(decide(&snap, need(4)), Decision::Wait);
     }
 
     #[test]
     fn host_memory_bounds_gpu_placements_too() {
-        let snap = Snapshot { gpus: gpus(&[8]), host_usable: GIB, runners: vec![], max_loaded: 3 };
+        let snap =
+            Snapshot { partial_offload: false, gpus: gpus(&[8]), host_usable: GIB, runners: vec![], max_loaded: 3 };
         assert_eq!(
             decide(&snap, Footprint { vram: GIB, ram: 2 * GIB }),
-            Decision::NoFit { needed: GIB, available: 8 * GIB }
+            Decision::NoFit { needed: GIB, available: 8 * GIB, gpus: vec![(0, 8 * GIB)], host: GIB }
         );
     }
 
@@ -459,7 +629,7 @@ mod tests {
                     r
                 })
                 .collect();
-            let snap = Snapshot { gpus, host_usable: host * GIB, runners, max_loaded };
+            let snap = Snapshot { partial_offload: false, gpus, host_usable: host * GIB, runners, max_loaded };
             let need = Footprint { vram: want * GIB / 2, ram: 0 };
             match decide(&snap, need) {
                 Decision::Load(placement) => {

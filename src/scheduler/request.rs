@@ -133,6 +133,8 @@ pub fn from_details(
         files,
         options: load,
         need,
+        // The blocks and the output layer, as llama.cpp counts them for `-ngl`.
+        layers: shown.info.block_count.map_or(0, |n| u32::try_from(n.saturating_add(1)).unwrap_or(u32::MAX)),
         keep_alive,
         pinned,
     })

@@ -86,12 +86,36 @@ pub enum Pooling {
 /// Where the scheduler placed a model.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Placement {
-    /// The devices the child may see; empty means every device llama.cpp finds.
+    /// The local GPUs the child may see; empty means every device llama.cpp finds.
     pub devices: Vec<Device>,
     /// Keep the projector on the CPU (the retry after a projector out-of-memory, or no room on the GPU).
     pub projector_on_cpu: bool,
     /// llama.cpp RPC workers (`host:port`) serving as extra devices.
     pub rpc_servers: Vec<String>,
+    /// The plan, when corral made one: then llama.cpp's own fit is off, so the child
+    /// does exactly what was planned.
+    pub plan: Option<DevicePlan>,
+}
+
+/// Which devices take the model's layers, as llama.cpp names them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DevicePlan {
+    /// The devices, in `--device` order; none means the CPU only.
+    pub devices: Vec<PlannedDevice>,
+    /// Layers on those devices (`-ngl`); `None` for all of them.
+    pub layers: Option<u32>,
+}
+
+/// One device of a [`DevicePlan`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedDevice {
+    /// Its name for `--device` and in `llama-fit-params` output (`CUDA0`, `RPC1`).
+    pub name: String,
+    /// Its buffers' name in llama.cpp's log: the device name for local GPUs, the worker's
+    /// own device name and address for RPC devices (`RPC0[10.0.0.2:50052]`).
+    pub buffer: String,
+    /// Its share of the layers (`-ts`, relative).
+    pub share: u64,
 }
 
 /// A GPU the child may use.
@@ -176,7 +200,6 @@ pub struct Request<'a> {
 #[must_use]
 pub fn invocation(r: &Request<'_>) -> Invocation {
     let mut args = Args::default();
-    let o = r.options;
     args.flag_value("-m", r.files.model.as_os_str());
     args.flag_value("--host", r.socket.as_os_str());
     args.flag_value("-a", r.alias);
@@ -185,6 +208,28 @@ pub fn invocation(r: &Request<'_>) -> Invocation {
     args.flag("--no-webui");
     args.flag("--offline");
     args.flag("--metrics");
+    model_args(&mut args, r.files, r.options, r.placement);
+    Invocation { program: r.program.to_owned(), args: args.0, env: environment(r.inherited_env, r.placement) }
+}
+
+/// The arguments and environment `llama-fit-params` needs to project the memory of the
+/// load [`invocation`] starts: the same model-shaping flags, without the server's own.
+#[must_use]
+pub fn projection(
+    files: &ModelFiles,
+    options: &LoadOptions,
+    placement: &Placement,
+    inherited_env: &[(OsString, OsString)],
+) -> (Vec<OsString>, Vec<(OsString, OsString)>) {
+    let mut args = Args::default();
+    args.flag_value("-m", files.model.as_os_str());
+    model_args(&mut args, files, options, placement);
+    (args.0, environment(inherited_env, placement))
+}
+
+/// Everything that decides what is loaded where: shared by the server and the projection.
+fn model_args(args: &mut Args, files: &ModelFiles, options: &LoadOptions, placement: &Placement) {
+    let o = options;
     args.flag_value("-c", (u64::from(o.num_ctx) * u64::from(o.parallel.max(1))).to_string());
     args.flag_value("-np", o.parallel.max(1).to_string());
     if let Some(batch) = o.num_batch {
@@ -222,27 +267,51 @@ pub fn invocation(r: &Request<'_>) -> Invocation {
             args.flag_value("--pooling", name);
         }
     }
-    // Without -ngl, llama.cpp's own fit decides how many layers the devices take.
-    if let Some(layers) = o.num_gpu {
-        args.flag_value("-ngl", layers.to_string());
+    // `--rpc` first: the devices it adds must exist when `--device` names them.
+    if !placement.rpc_servers.is_empty() {
+        args.flag_value("--rpc", placement.rpc_servers.join(","));
+    }
+    // A client's num_gpu forces -ngl, as in Ollama; otherwise corral's plan decides, or,
+    // without one, llama.cpp's own fit.
+    let layers = o.num_gpu.or_else(|| placement.plan.as_ref().and_then(|p| p.layers));
+    match &placement.plan {
+        Some(plan) if o.main_gpu.is_none() => {
+            args.flag_value("--fit", "off");
+            if plan.devices.is_empty() {
+                args.flag_value("--device", "none");
+                args.flag_value("-ngl", "0");
+            } else {
+                let names: Vec<&str> = plan.devices.iter().map(|d| d.name.as_str()).collect();
+                args.flag_value("--device", names.join(","));
+                args.flag_value("-ngl", layers.map_or_else(|| "all".to_owned(), |n| n.to_string()));
+                if plan.devices.len() > 1 {
+                    let split: Vec<String> = plan.devices.iter().map(|d| d.share.max(1).to_string()).collect();
+                    args.flag_value("-ts", split.join(","));
+                }
+            }
+        }
+        _ => {
+            if let Some(layers) = layers {
+                args.flag_value("-ngl", layers.to_string());
+            }
+        }
     }
     if let Some(gpu) = o.main_gpu {
         args.flag_value("-sm", "none");
         args.flag_value("-mg", gpu.to_string());
     }
-    if let Some(projector) = &r.files.projector {
+    if let Some(projector) = &files.projector {
         args.flag_value("--mmproj", projector.as_os_str());
-        if r.placement.projector_on_cpu || o.num_gpu == Some(0) {
+        if placement.projector_on_cpu
+            || layers == Some(0)
+            || placement.plan.as_ref().is_some_and(|p| p.devices.is_empty())
+        {
             args.flag("--no-mmproj-offload");
         }
     }
-    for adapter in &r.files.adapters {
+    for adapter in &files.adapters {
         args.flag_value("--lora", adapter.as_os_str());
     }
-    if !r.placement.rpc_servers.is_empty() {
-        args.flag_value("--rpc", r.placement.rpc_servers.join(","));
-    }
-    Invocation { program: r.program.to_owned(), args: args.0, env: environment(r.inherited_env, r.placement) }
 }
 
 fn environment(inherited: &[(OsString, OsString)], placement: &Placement) -> Vec<(OsString, OsString)> {

@@ -705,6 +705,21 @@ impl LoadReport {
         saturating_sum(self.buffers().filter(|(key, _)| !is_host_buffer(&key.buffer)))
     }
 
+    /// Bytes in the buffers of one buffer type, over every kind (`CUDA0`,
+    /// `RPC0[10.0.0.2:50052]`: an RPC worker's device is named by the worker).
+    #[must_use]
+    pub fn device_bytes(&self, buffer: &str) -> u64 {
+        saturating_sum(self.buffers().filter(|(key, _)| key.buffer == buffer))
+    }
+
+    /// The buffer types on devices (not the host) the load used, in name order.
+    #[must_use]
+    pub fn devices(&self) -> Vec<String> {
+        let names: std::collections::BTreeSet<&str> =
+            self.buffers.keys().filter(|key| !is_host_buffer(&key.buffer)).map(|key| key.buffer.as_str()).collect();
+        names.into_iter().map(str::to_owned).collect()
+    }
+
     /// Bytes in host buffers ([`is_host_buffer`]). Mapped weights (`CPU_Mapped`) count
     /// although the page cache backs them.
     #[must_use]

@@ -23,7 +23,7 @@ use tokio::task::JoinHandle;
 
 use super::cgroup::{CgroupTree, MemoryUsage, RunnerCgroup};
 use super::child_log::{ChildLog, Milestone};
-use super::command::{self, Invocation, LoadOptions, ModelFiles, Placement};
+use super::command::{self, Invocation, LoadOptions, ModelFiles, Placement, PlannedDevice};
 use super::logparse::{ErrorClass, LoadReport};
 use super::upstream;
 use crate::systemd::JournalWriter;
@@ -71,6 +71,50 @@ pub struct RunnerSpec {
     pub load_timeout: Duration,
     /// A memory limit for the runner's cgroup.
     pub memory_max: Option<u64>,
+    /// The bytes the plan expects on each device, by llama.cpp's device names, the host
+    /// as [`HOST`]; reported next to what the child really took.
+    pub planned: Vec<(String, u64)>,
+}
+
+/// The name the host's memory goes by in plans and reports (as `llama-fit-params` prints it).
+pub const HOST: &str = "Host";
+
+/// One device's memory for a runner: planned before the load, and what llama.cpp
+/// reported allocating.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// The device as llama.cpp names it (`CUDA0`, `RPC1`), or [`HOST`].
+    pub device: String,
+    /// What the plan expected, when there was a plan for it.
+    pub planned: Option<u64>,
+    /// What the child's buffers took there.
+    pub actual: u64,
+}
+
+/// Each device of the plan, and each other device the child used, with both figures; the
+/// host last. `buffers` maps planned device names to their buffers' names in the log.
+#[must_use]
+pub fn device_memory(planned: &[(String, u64)], buffers: &[PlannedDevice], report: &LoadReport) -> Vec<DeviceMemory> {
+    let buffer_of = |device: &str| {
+        buffers.iter().find(|b| b.name == device).map_or_else(|| device.to_owned(), |b| b.buffer.clone())
+    };
+    let mut devices: Vec<(String, String)> =
+        planned.iter().filter(|(name, _)| name != HOST).map(|(name, _)| (name.clone(), buffer_of(name))).collect();
+    for buffer in report.devices() {
+        if !devices.iter().any(|(_, b)| *b == buffer) {
+            devices.push((buffer.clone(), buffer));
+        }
+    }
+    let mut memory: Vec<DeviceMemory> = devices
+        .into_iter()
+        .map(|(device, buffer)| {
+            let planned = planned.iter().find(|(name, _)| *name == device).map(|(_, bytes)| *bytes);
+            DeviceMemory { actual: report.device_bytes(&buffer), device, planned }
+        })
+        .collect();
+    let host = planned.iter().find(|(name, _)| name == HOST).map(|(_, bytes)| *bytes);
+    memory.push(DeviceMemory { device: HOST.to_owned(), planned: host, actual: report.ram_bytes() });
+    memory
 }
 
 /// Why a child ended or failed to load.
@@ -352,7 +396,14 @@ async fn load_once(config: &SupervisorConfig, spec: &RunnerSpec, placement: &Pla
             return Err(spawn_error(e));
         }
     };
-    let watcher = ChildWatcher { model: spec.model.clone(), pid, socket: socket.clone(), cgroup: cgroup.clone() };
+    let watcher = ChildWatcher {
+        model: spec.model.clone(),
+        planned: spec.planned.clone(),
+        buffers: spec.placement.plan.clone().map(|p| p.devices).unwrap_or_default(),
+        pid,
+        socket: socket.clone(),
+        cgroup: cgroup.clone(),
+    };
     let task = tokio::spawn(watcher.run(child, log, ready_tx, stop_rx, exit_tx));
     let mut runner = Runner {
         id: spec.id,
@@ -453,6 +504,8 @@ enum ReadyError {
 /// request, and publishes how it ended. Its output is read by a [`ChildLog`].
 struct ChildWatcher {
     model: String,
+    planned: Vec<(String, u64)>,
+    buffers: Vec<PlannedDevice>,
     pid: Pid,
     socket: PathBuf,
     cgroup: Option<Arc<RunnerCgroup>>,
@@ -546,6 +599,31 @@ impl ChildWatcher {
 
     fn log_offload(&self, report: &LoadReport) {
         let (gpu_layers, total_layers) = report.offload().map_or((0, 0), |o| (o.gpu_layers, o.total_layers));
+        let devices = device_memory(&self.planned, &self.buffers, report);
+        let planned_vram: u64 =
+            devices.iter().filter(|d| d.device != HOST).filter_map(|d| d.planned).fold(0, u64::saturating_add);
+        let host_planned = devices.iter().find(|d| d.device == HOST).and_then(|d| d.planned);
+        // `RPC0:planned=N,actual=M;Host:…` for machines; the message says it for people.
+        let fields: Vec<String> = devices
+            .iter()
+            .map(|d| match d.planned {
+                Some(planned) => format!("{}:planned={planned},actual={}", d.device, d.actual),
+                None => format!("{}:actual={}", d.device, d.actual),
+            })
+            .collect();
+        let shown: Vec<String> = devices
+            .iter()
+            .filter(|d| d.planned.is_some() || d.actual > 0)
+            .map(|d| match d.planned {
+                Some(planned) => format!(
+                    "{} {} planned, {} actual",
+                    d.device,
+                    crate::units::bytes(planned),
+                    crate::units::bytes(d.actual)
+                ),
+                None => format!("{} {}", d.device, crate::units::bytes(d.actual)),
+            })
+            .collect();
         tracing::info!(
             corral_event = "offload",
             corral_model = %self.model,
@@ -554,10 +632,14 @@ impl ChildWatcher {
             corral_total_layers = total_layers,
             corral_vram_bytes = report.vram_bytes(),
             corral_ram_bytes = report.ram_bytes(),
-            "{}: {gpu_layers} of {total_layers} layers on GPUs, {} of VRAM, {} of RAM",
+            corral_planned_vram_bytes = planned_vram,
+            corral_planned_ram_bytes = host_planned,
+            corral_devices = fields.join(";"),
+            "{}: {gpu_layers} of {total_layers} layers on GPUs, {} of VRAM, {} of RAM ({})",
             self.model,
             crate::units::bytes(report.vram_bytes()),
             crate::units::bytes(report.ram_bytes()),
+            shown.join("; "),
         );
     }
 

@@ -91,6 +91,7 @@ impl Fake {
             placement: Placement::default(),
             load_timeout,
             memory_max: None,
+            planned: Vec::new(),
         }
     }
 

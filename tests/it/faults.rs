@@ -59,6 +59,7 @@ impl World {
             load_timeout: Duration::from_secs(30),
             devices: Vec::new(),
             probe: None,
+            projections: None,
         };
         let limits = corral::scheduler::actor::Limits { max_loaded, ..limits() };
         let (scheduler, handle) =

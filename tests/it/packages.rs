@@ -269,7 +269,7 @@ fn the_readme_first_steps_work(ct: &Container) {
         ran.push((command.as_str(), String::from_utf8_lossy(&out.stdout).into_owned()));
     }
     let output = |what: &str| {
-        ran.iter().find(|(c, _)| c.contains(what)).map(|(_, o)| o.as_str()).unwrap_or_else(|| panic!("no {what}"))
+        ran.iter().find(|(c, _)| c.contains(what)).map_or_else(|| panic!("no {what}"), |(_, o)| o.as_str())
     };
     assert!(output("api/version").contains("\"version\""), "{ran:?}");
     assert!(output("api/create").contains("success"), "{ran:?}");

@@ -39,6 +39,7 @@ fn spec(id: u64, model: PathBuf, options: LoadOptions, placement: Placement) -> 
         placement,
         load_timeout: LOAD_TIMEOUT,
         memory_max: None,
+        planned: Vec::new(),
     }
 }
 

@@ -92,6 +92,7 @@ async fn main() -> ExitCode {
             placement: Placement { rpc_servers: args.rpc.clone(), ..Placement::default() },
             load_timeout: Duration::from_secs(60),
             memory_max: None,
+            planned: Vec::new(),
         };
         match runner::load(&config, &spec).await {
             Ok(runner) => {

@@ -52,6 +52,7 @@ pub fn backend(dir: &Path) -> SupervisorBackend {
         load_timeout: Duration::from_secs(60),
         devices: Vec::new(),
         probe: None,
+        projections: None,
     }
 }
 
@@ -62,6 +63,7 @@ pub fn limits() -> Limits {
         max_queue: 16,
         default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
         clamp: Clamp::default(),
+        partial_offload: true,
     }
 }
 
