@@ -140,7 +140,7 @@ impl Projector {
                 program: program(),
                 status,
                 class: report.failure_class(),
-                message: report.failure_message().map(str::to_owned),
+                message: failure_message(&report),
             });
         }
         let (out, complete) = out;
@@ -149,6 +149,18 @@ impl Projector {
         }
         Projection::parse(&out).map_err(|source| ProjectionError::Unreadable { program: program(), source })
     }
+}
+
+/// The error line that says most: the first of the most telling class, or when none is
+/// classified, the last one (after an uncaught exception, `what(): …` rather than
+/// `terminate called …`; llama.cpp's own error lines may be lost in an abort, since its
+/// log is written by a thread of its own).
+fn failure_message(report: &LoadReport) -> Option<String> {
+    let message = match report.failure_class() {
+        Some(ErrorClass::Other) => report.errors().last().map(|line| line.message.as_str()),
+        _ => report.failure_message(),
+    };
+    message.map(|m| m.trim().to_owned())
 }
 
 /// SIGKILL to the projection's process group (a crashing llama.cpp may have started a
