@@ -19,4 +19,4 @@ pub use key::ProjectionKey;
 pub use parse::{
     DeviceUsage, MAX_LINE, MAX_MIB, MAX_NAME, MAX_OUTPUT, MAX_ROWS, ParseError, Projection, RESOLUTION, Usage,
 };
-pub use projector::{PROGRAM, ProjectionError, Projector, Unavailable, locate};
+pub use projector::{PROGRAM, ProjectionError, Projector, Unavailable, locate, log_availability};

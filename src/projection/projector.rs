@@ -270,6 +270,22 @@ pub fn locate(runner: &RunnerConfig, path: Option<&OsStr>) -> Result<PathBuf, Un
     Ok(beside)
 }
 
+/// Checks at start where llama-fit-params is: found, at debug; missing, a warning that
+/// says the estimate will be used and which key to set.  Never an error: corrald runs
+/// without projections.
+pub fn log_availability(runner: &RunnerConfig, path: Option<&OsStr>) -> Option<PathBuf> {
+    match locate(runner, path) {
+        Ok(found) => {
+            tracing::debug!(llama_fit_params = %found.display(), "memory projections by {}", found.display());
+            Some(found)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "{e}");
+            None
+        }
+    }
+}
+
 /// A path as given, or a bare name looked up on `path`.
 fn resolve(program: &Path, path: Option<&OsStr>) -> Result<PathBuf, String> {
     if program.is_absolute() || program.components().count() > 1 {

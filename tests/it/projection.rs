@@ -12,7 +12,7 @@ use corral::projection::{ParseError, Projection, ProjectionCache, ProjectionErro
 use corral::store::digest::Digest;
 use corral::supervisor::logparse::ErrorClass;
 
-use crate::support::corrald::free_port;
+use crate::support::corrald::{CORRALD, free_port, write_config};
 use crate::support::llama::{RpcServer, bin_dir};
 
 const MIB: u64 = 1 << 20;
@@ -262,4 +262,32 @@ fn a_cached_projection_survives_a_reload_from_disk() {
     let reloaded = ProjectionCache::load(path);
     assert_eq!(reloaded.get(&key), Some(&projection));
     assert_eq!(reloaded.get(&ProjectionKey { gpu_layers: Some(99), ..key }), None);
+}
+
+#[test]
+fn check_config_warns_when_the_projector_is_missing_and_passes_anyway() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = bin_dir().join("llama-server");
+    let check = |runner: &str| {
+        let config = write_config(dir.path(), "corral.toml", &format!("[runner]\n{runner}"));
+        let out = std::process::Command::new(CORRALD)
+            .args(["--check-config", "--config"])
+            .arg(&config)
+            .output()
+            .expect("run corrald");
+        assert_eq!(out.status.code(), Some(0), "{out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // Beside llama-server: nothing to say.
+    let stderr = check(&format!("llama_server = \"{}\"\n", server.display()));
+    assert!(stderr.is_empty(), "{stderr}");
+    let missing = dir.path().join("no-llama-fit-params");
+    let stderr = check(&format!(
+        "llama_server = \"{}\"\nllama_fit_params = \"{}\"\nprojection_timeout = \"10s\"\n",
+        server.display(),
+        missing.display()
+    ));
+    assert!(stderr.starts_with("corrald: warning: [runner] llama_fit_params: "), "{stderr}");
+    assert!(stderr.contains(&format!("{} does not exist", missing.display())), "{stderr}");
+    assert!(stderr.contains("planned with corral's estimate"), "{stderr}");
 }
