@@ -124,11 +124,11 @@ impl Projector {
         let pid = child.id();
         let stdout = child.stdout.take();
         let stderr = child.stderr.take();
-        let run = async {
-            let (out, report, status) = tokio::join!(read_capped(stdout), read_errors(stderr), child.wait());
-            (out, report, status)
-        };
+        let started = std::time::Instant::now();
+        let run = async { tokio::join!(read_capped(stdout), read_errors(stderr), child.wait()) };
         let Ok((out, report, status)) = tokio::time::timeout(self.timeout, run).await else {
+            // The group outlives a reaped leader only while a member (holding the pipes) is
+            // alive, so its id cannot have been reused.
             kill_group(pid);
             let _ = child.start_kill();
             let _ = tokio::time::timeout(REAP_TIMEOUT, child.wait()).await;
@@ -147,7 +147,15 @@ impl Projector {
         if !complete {
             return Err(ProjectionError::Unreadable { program: program(), source: ParseError::TooLong });
         }
-        Projection::parse(&out).map_err(|source| ProjectionError::Unreadable { program: program(), source })
+        let projection =
+            Projection::parse(&out).map_err(|source| ProjectionError::Unreadable { program: program(), source })?;
+        tracing::debug!(
+            devices = projection.devices().len(),
+            host = projection.host_total(),
+            "llama-fit-params projected in {}",
+            human(started.elapsed())
+        );
+        Ok(projection)
     }
 }
 
@@ -246,13 +254,15 @@ pub enum Unavailable {
     },
     /// llama-server itself is not found, so neither is its neighbour.
     #[error(
-        "[runner] llama_server \"{}\" is not found on PATH, so llama-fit-params is not found beside it; memory \
-         projections are unavailable: set [runner] llama_fit_params",
+        "[runner] llama_server \"{}\" {why}, so llama-fit-params is not found beside it; memory projections are \
+         unavailable and loads are planned with corral's estimate: set [runner] llama_fit_params",
         .name.display()
     )]
     NoLlamaServer {
-        /// The configured name.
+        /// The configured name or path.
         name: PathBuf,
+        /// What is wrong with it.
+        why: String,
     },
 }
 
@@ -264,7 +274,7 @@ pub fn locate(runner: &RunnerConfig, path: Option<&OsStr>) -> Result<PathBuf, Un
         return resolve(configured, path).map_err(|why| Unavailable::Configured { path: configured.clone(), why });
     }
     let server = resolve(&runner.llama_server, path)
-        .map_err(|_| Unavailable::NoLlamaServer { name: runner.llama_server.clone() })?;
+        .map_err(|why| Unavailable::NoLlamaServer { name: runner.llama_server.clone(), why })?;
     let beside = server.parent().unwrap_or_else(|| Path::new(".")).join(PROGRAM);
     executable(&beside).map_err(|why| Unavailable::NotBeside { path: beside.clone(), why })?;
     Ok(beside)
@@ -348,6 +358,9 @@ mod tests {
         assert_eq!(locate(&runner(Path::new("llama-server"), None), path), Ok(fit.clone()));
         let err = locate(&runner(Path::new("llama-server"), None), Some(dir.path().as_os_str())).expect_err("none");
         assert!(err.to_string().starts_with("[runner] llama_server \"llama-server\" is not found on PATH"), "{err}");
+        let gone = dir.path().join("gone/llama-server");
+        let err = locate(&runner(&gone, None), path).expect_err("no llama-server");
+        assert!(err.to_string().contains("llama-server\" does not exist, so llama-fit-params"), "{err}");
 
         // Configured: used as is (a bare name on PATH), and checked.
         let other = script(dir.path(), "fit-elsewhere");
