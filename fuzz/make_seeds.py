@@ -120,6 +120,18 @@ SEED = {
                                       "usage": {"prompt_tokens": 3, "completion_tokens": 4}}).encode(),
         "no-newline": b"\x01data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}",
     },
+    "fit_projection": {
+        # Real llama-fit-params b11434 output: the CPU alone, two rpc-servers.
+        "cpu": "Host 0 1 3 \n",
+        "rpc": "RPC0 0 0 10 \nRPC1 0 0 10 \nHost 0 0 9 \n",
+        "cuda": "CUDA0 15360 2048 512 \nCUDA1 14000 2048 512 \nHost 300 0 40 \n",
+        "fitted-args": "-c 4096 -ngl 99 -ts 1,1\n",
+        "huge": "CUDA0 99999999999999999999 0 0\nHost 1073741825 0 0\n",
+        "dup": "RPC0 0 0 1\nRPC0 0 0 1\nHost 0 0 1\n",
+        "after-host": "Host 0 0 1\nRPC0 0 0 1\n",
+        "json": json.dumps({"devices": [{"name": "RPC0", "usage": {"model": 1048576, "context": 0, "compute": 3}}],
+                            "host": {"model": 0, "context": 0, "compute": 0}}),
+    },
     "keep_alive": {n: n for n in ["5m", "1h30m", "-1m", "0", "300", "1.5h", "300ms", "2562047h47m16.854775807s",
                                   "99999999999h", "1.2.3s", "5 minutes", "-1", "1e300", "null", "[1]",
                                   "\"10s\"", "3.5"]},

@@ -179,6 +179,13 @@ impl Default for StoreConfig {
 pub struct RunnerConfig {
     /// The llama-server executable: a bare name is looked up on `PATH`.
     pub llama_server: PathBuf,
+    /// llama.cpp's `llama-fit-params`, which projects a load's memory before it starts (a
+    /// bare name is looked up on `PATH`); unset: `llama-fit-params` beside `llama_server`.
+    /// Without it, loads are planned with corral's estimate.
+    pub llama_fit_params: Option<PathBuf>,
+    /// How long one projection may take before it is killed (and the estimate used).
+    #[serde(deserialize_with = "positive_duration")]
+    pub projection_timeout: Duration,
     /// A runner that sends nothing for this long in the middle of an answer is stopped,
     /// and the request ends with an error.
     #[serde(deserialize_with = "positive_duration")]
@@ -187,7 +194,12 @@ pub struct RunnerConfig {
 
 impl Default for RunnerConfig {
     fn default() -> Self {
-        Self { llama_server: PathBuf::from("llama-server"), stream_idle_timeout: Duration::from_secs(5 * 60) }
+        Self {
+            llama_server: PathBuf::from("llama-server"),
+            llama_fit_params: None,
+            projection_timeout: Duration::from_secs(30),
+            stream_idle_timeout: Duration::from_secs(5 * 60),
+        }
     }
 }
 
@@ -636,6 +648,8 @@ mod tests {
         assert_eq!(c.scheduler.max_loaded_models, 0);
         assert_eq!(c.runner.llama_server, Path::new("llama-server"));
         assert_eq!(c.runner.stream_idle_timeout, Duration::from_secs(300));
+        assert_eq!(c.runner.llama_fit_params, None, "beside llama_server");
+        assert_eq!(c.runner.projection_timeout, Duration::from_secs(30));
         assert_eq!(c.store.path, None);
         assert!(c.models.is_empty());
         assert!(c.server.allowed_hosts.is_empty() && c.server.api_tokens.is_empty());
@@ -684,6 +698,8 @@ gc_interval = "off"
 gc_grace = "10m"
 [runner]
 llama_server = "/opt/llama/bin/llama-server"
+llama_fit_params = "/opt/llama/bin/llama-fit-params"
+projection_timeout = "5s"
 stream_idle_timeout = "90s"
 [scheduler]
 keep_alive = "1h30m"
@@ -723,6 +739,8 @@ keep_alive = "10m"
         assert_eq!((c.store.gc_interval, c.store.gc_grace), (None, Duration::from_secs(600)));
         assert_eq!(c.runner.llama_server, Path::new("/opt/llama/bin/llama-server"));
         assert_eq!(c.runner.stream_idle_timeout, Duration::from_secs(90));
+        assert_eq!(c.runner.llama_fit_params.as_deref(), Some(Path::new("/opt/llama/bin/llama-fit-params")));
+        assert_eq!(c.runner.projection_timeout, Duration::from_secs(5));
         assert_eq!(c.scheduler.keep_alive, Duration::from_secs(5400));
         assert_eq!(c.scheduler.max_loaded_models, 4);
         assert_eq!(c.scheduler.max_queue, 10);
@@ -878,6 +896,23 @@ keep_alive = "10m"
             (
                 &[("corral.toml", "[runner]\nstream_idle_timeout = 30\n")],
                 &["corral.toml:2", "runner.stream_idle_timeout", "expected a string"],
+            ),
+            (
+                &[("corral.toml", "[runner]\nprojection_timeout = \"0s\"\n")],
+                &["corral.toml:2", "runner.projection_timeout", "\"0s\" is zero"],
+            ),
+            (
+                &[("corral.toml", "[runner]\nprojection_timeout = \"half a minute\"\n")],
+                &["corral.toml:2", "runner.projection_timeout", "is not a duration"],
+            ),
+            (
+                &[("corral.toml", "[runner]\nprojection_timeout = 30\n")],
+                &["runner.projection_timeout", "expected a string"],
+            ),
+            (&[("corral.toml", "[runner]\nllama_fit_params = 1\n")], &["runner.llama_fit_params", "expected"]),
+            (
+                &[("corral.toml", "[runner]\nllama_fit_param = \"x\"\n")],
+                &["corral.toml:2", "runner.llama_fit_param", "unknown field", "`llama_fit_params`"],
             ),
             (&[("corral.toml", "[models.\"a\"]\npinned = \"yes\"\n")], &["models.a.pinned", "expected a boolean"]),
             (&[("corral.toml", "[server\n")], &["corral.toml:1", "unclosed table, expected `]`"]),

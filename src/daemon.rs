@@ -84,6 +84,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let cgroups = take_cgroup_tree();
     // After the move: the probe's child must not land in the service's own cgroup.
     check_llama_server(&loaded.config.runner.llama_server);
+    crate::projection::log_availability(&loaded.config.runner, std::env::var_os("PATH").as_deref());
     let store = open_store(&loaded.config, &paths).await?;
     start_gc(&loaded.config, &store);
     // Listen before any runner starts: a start that fails to listen leaves nothing behind.

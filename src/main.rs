@@ -103,6 +103,10 @@ fn check_config(source: &ConfigSource, base: toml::Table) -> ExitCode {
             if let Err(e) = daemon::find_llama_server(&loaded.config.runner.llama_server) {
                 let _ = writeln!(std::io::stderr(), "corrald: warning: {e}");
             }
+            // Nor is a missing llama-fit-params: loads are then planned with the estimate.
+            if let Err(e) = corral::projection::locate(&loaded.config.runner, std::env::var_os("PATH").as_deref()) {
+                let _ = writeln!(std::io::stderr(), "corrald: warning: {e}");
+            }
             ExitCode::SUCCESS
         }
         Err(e) => {

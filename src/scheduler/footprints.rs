@@ -3,12 +3,15 @@
 //! restart, uses it instead of the conservative estimate.
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
 use super::policy::Footprint;
+pub use crate::state_file::PendingWrite;
+
+/// What the warnings call this file's data.
+const WHAT: &str = "learned footprints";
 
 /// The file's record of one footprint.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -35,13 +38,7 @@ impl Footprints {
     /// warning for an unreadable one: the estimates then apply until models load again).
     #[must_use]
     pub fn load(path: PathBuf) -> Self {
-        let map = match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
-                tracing::warn!(path = %path.display(), error = %e, "ignoring unreadable learned footprints");
-                BTreeMap::new()
-            }),
-            Err(_) => BTreeMap::new(),
-        };
+        let map = crate::state_file::load(&path, WHAT);
         Self { path: Some(path), map }
     }
 
@@ -55,34 +52,8 @@ impl Footprints {
     pub fn record(&mut self, key: &str, footprint: Footprint) -> Option<PendingWrite> {
         self.map.insert(key.to_owned(), Stored { vram: footprint.vram, ram: footprint.ram });
         let path = self.path.clone()?;
-        Some(PendingWrite { path, bytes: serde_json::to_vec_pretty(&self.map).expect("a map of numbers serializes") })
+        Some(PendingWrite::new(path, &self.map, WHAT))
     }
-}
-
-/// A snapshot of the footprints to write.
-#[derive(Debug)]
-pub struct PendingWrite {
-    path: PathBuf,
-    bytes: Vec<u8>,
-}
-
-impl PendingWrite {
-    /// Writes it atomically (temporary file, sync, rename); failures are logged, not fatal.
-    pub fn write(self) {
-        if let Err(e) = write_atomic(&self.path, &self.bytes) {
-            tracing::warn!(path = %self.path.display(), error = %e, "cannot save learned footprints");
-        }
-    }
-}
-
-fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or_else(|| Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let mut temp = tempfile::Builder::new().prefix(".tmp-").tempfile_in(dir)?;
-    temp.write_all(bytes)?;
-    temp.as_file().sync_all()?;
-    temp.persist(path).map_err(|e| e.error)?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ mod llama_server;
 mod models_habits;
 mod packages;
 mod private_bus;
+mod projection;
 mod registry;
 mod scheduling;
 mod security_http;

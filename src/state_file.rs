@@ -1,0 +1,97 @@
+//! A JSON file in the state directory that a task owns in memory: read once at start
+//! (missing or damaged, it starts empty), and written whole, off that task, with an atomic
+//! rename, so that a crash leaves either the old file or the new one.
+//!
+//! The learned footprints and the projection cache both keep their state this way.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// Reads `path` as JSON; a missing file gives the default, an unreadable or damaged one
+/// gives the default with a warning naming `what` (the data is a cache: the daemon goes on
+/// without it).
+#[must_use]
+pub fn load<T: DeserializeOwned + Default>(path: &Path, what: &str) -> T {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+            tracing::warn!(path = %path.display(), error = %e, "ignoring unreadable {what}");
+            T::default()
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => T::default(),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot read {what}; starting without them");
+            T::default()
+        }
+    }
+}
+
+/// A snapshot of the state to write, taken on the owning task; [`PendingWrite::write`]
+/// does the IO (on the blocking pool).
+#[derive(Debug)]
+pub struct PendingWrite {
+    path: PathBuf,
+    bytes: Vec<u8>,
+    what: &'static str,
+}
+
+impl PendingWrite {
+    /// The snapshot of `value` for `path`; `what` names the data in a failure's warning.
+    ///
+    /// # Panics
+    ///
+    /// When `value` does not serialize to JSON, which for the plain data kept here (maps
+    /// and lists of numbers and strings) is a bug.
+    #[must_use]
+    pub fn new<T: Serialize>(path: PathBuf, value: &T, what: &'static str) -> Self {
+        let bytes = serde_json::to_vec_pretty(value).unwrap_or_else(|e| panic!("{what} do not serialize: {e}"));
+        Self { path, bytes, what }
+    }
+
+    /// Writes it atomically (temporary file, sync, rename); failures are logged, not fatal.
+    pub fn write(self) {
+        if let Err(e) = write_atomic(&self.path, &self.bytes) {
+            tracing::warn!(path = %self.path.display(), error = %e, "cannot save {}", self.what);
+        }
+    }
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or_else(|| Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let mut temp = tempfile::Builder::new().prefix(".tmp-").tempfile_in(dir)?;
+    temp.write_all(bytes)?;
+    temp.as_file().sync_all()?;
+    temp.persist(path).map_err(|e| e.error)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::{PendingWrite, load};
+
+    #[test]
+    fn a_written_value_loads_back_and_a_missing_or_damaged_file_is_the_default() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("deep/state/x.json");
+        assert_eq!(load::<BTreeMap<String, u64>>(&path, "things"), BTreeMap::new());
+        let value = BTreeMap::from([("a".to_owned(), 1_u64)]);
+        PendingWrite::new(path.clone(), &value, "things").write();
+        assert_eq!(load::<BTreeMap<String, u64>>(&path, "things"), value);
+        // Nothing left beside it: the temporary file was renamed.
+        let names: Vec<_> = std::fs::read_dir(path.parent().expect("dir")).expect("list").collect();
+        assert_eq!(names.len(), 1);
+        std::fs::write(&path, b"{ damaged").expect("damage");
+        assert_eq!(load::<BTreeMap<String, u64>>(&path, "things"), BTreeMap::new());
+        // A directory where the file should be: read fails, default; the write fails, logged.
+        let blocked = dir.path().join("blocked");
+        std::fs::create_dir(&blocked).expect("mkdir");
+        assert_eq!(load::<BTreeMap<String, u64>>(&blocked, "things"), BTreeMap::new());
+        PendingWrite::new(blocked.clone(), &value, "things").write();
+        assert!(blocked.is_dir());
+    }
+}
