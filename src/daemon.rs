@@ -32,11 +32,14 @@ use crate::dbus;
 use crate::gpu;
 use crate::http::{self, listeners};
 use crate::paths::Paths;
+use crate::projection::{ProjectionCache, Projector};
 use crate::scheduler::actor::{Handle, Limits, Scheduler, Stats};
+use crate::scheduler::backend::Projections;
 use crate::scheduler::backend::SupervisorBackend;
 use crate::scheduler::footprints::Footprints;
 use crate::scheduler::keep_alive::{Clamp, KeepAlive};
 use crate::scheduler::policy::GpuView;
+use crate::scheduler::projections::CachedProjections;
 use crate::scheduler::request;
 use crate::store::Store;
 use crate::store::name::ModelName;
@@ -685,7 +688,12 @@ async fn start_scheduler(
         load_timeout: config.scheduler.load_timeout,
         devices: inventory.gpus.iter().map(|g| Device { backend: g.backend, id: g.id.clone() }).collect(),
         probe: Some(probe),
-        projections: None,
+        projections: Projector::from_config(&config.runner, std::env::var_os("PATH").as_deref()).ok().map(
+            |projector| {
+                let cache = ProjectionCache::load(paths.state.join("projections.json"));
+                Arc::new(CachedProjections::new(projector, cache)) as Arc<dyn Projections>
+            },
+        ),
     };
     let gpus: Vec<GpuView> = inventory
         .gpus

@@ -160,13 +160,17 @@ pub(super) fn internal(message: &str, path: &str) -> ApiError {
     ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message, path)
 }
 
-/// The scheduler's refusals as HTTP: busy is 503 with a `Retry-After`, the rest 500
-/// with the reason (the memory numbers, the load failure).
+/// The scheduler's refusals as HTTP: busy is 503 with a `Retry-After`, a model that
+/// cannot fit even with every other one unloaded 507 (the memory each device has is in
+/// the message), the rest 500 with the reason (the load failure).
 pub(super) fn schedule_error(error: &ScheduleError, path: &str) -> ApiError {
     match error {
         ScheduleError::QueueFull(_) | ScheduleError::BackingOff { .. } | ScheduleError::ShuttingDown => {
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string(), path)
                 .with_header(header::RETRY_AFTER, HeaderValue::from_static("1"))
+        }
+        ScheduleError::InsufficientMemory { .. } => {
+            ApiError::new(StatusCode::INSUFFICIENT_STORAGE, error.to_string(), path)
         }
         _ => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string(), path),
     }

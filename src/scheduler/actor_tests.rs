@@ -625,3 +625,57 @@ async fn other_options_for_another_model_never_replace_a_runner_it_does_not_own(
     drop(handle.acquire(tiny_big).await.expect("tiny reloaded"));
     assert_eq!(fake.lines()[4..], ["stop 1", "start 4 tiny"]);
 }
+
+/// Ollama's deadlock (ollama/ollama#17408): a request for a model that is being evicted
+/// revived it mid-eviction while the model that evicted it waited for its memory. Here a
+/// request for a model on its way out waits for it to be gone, then loads it afresh (making
+/// room again by the usual rules), and every request is served.
+#[tokio::test(start_paused = true)]
+async fn a_model_being_evicted_is_not_revived_mid_eviction() {
+    let (fake, handle) = scheduler(1000, limits());
+    drop(handle.acquire(model("a", 700)).await.expect("a"));
+    let mut notices = handle.subscribe();
+    // b evicts a; while a stops (50 ms), a is asked for again.
+    let b = handle.acquire(model("b", 700));
+    let again = async {
+        loop {
+            if let Ok(super::actor::Notice::Unloading { .. }) = notices.recv().await {
+                break;
+            }
+        }
+        handle.acquire(model("a", 700)).await
+    };
+    let (b, again) = tokio::join!(
+        async {
+            let lease = b.await.expect("b");
+            // b is used and released, so a may evict it in turn.
+            drop(lease);
+        },
+        again
+    );
+    let () = b;
+    let again = again.expect("a again");
+    assert_eq!(fake.lines(), ["start 1 a", "stop 1", "start 2 b", "stop 2", "start 3 a"]);
+    assert_eq!(again.runner(), 3, "a fresh runner, not the one being stopped");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_model_too_big_for_any_device_is_refused_at_once_naming_each_device() {
+    let fake = Fake::default();
+    let gpus = vec![
+        GpuView { index: 0, name: "RPC0".into(), usable: 300 * MIB },
+        GpuView { index: 1, name: "RPC1".into(), usable: 200 * MIB },
+    ];
+    let no_partial = Limits { partial_offload: false, ..limits() };
+    let (scheduler, handle) =
+        Scheduler::new(Arc::new(fake.clone()), gpus, 400 * MIB, no_partial, Footprints::in_memory());
+    tokio::spawn(scheduler.run());
+    let mut big = model("big", 600);
+    big.layers = 10;
+    let err = handle.acquire(big).await.expect_err("no fit");
+    assert!(
+        err.to_string().ends_with("(RPC0: 300.0 MiB, RPC1: 200.0 MiB; host memory: 400.0 MiB)"),
+        "each device's room is named: {err}"
+    );
+    assert!(fake.lines().is_empty(), "nothing was started");
+}

@@ -291,3 +291,45 @@ impl LiveRunner for SupervisedRunner {
         Box::pin(async move { self.runner.exited().await.to_string() })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Placement, child_placement};
+    use crate::supervisor::command::{Backend, Device, PlannedDevice};
+
+    fn device(backend: Backend, id: &str) -> Device {
+        Device { backend, id: id.into() }
+    }
+
+    #[test]
+    fn devices_get_llama_cpp_names_and_workers_their_buffer_names() {
+        // Two local GPUs, a worker with two devices, a worker with one.
+        let all = vec![
+            device(Backend::Cuda, "GPU-a"),
+            device(Backend::Cuda, "GPU-b"),
+            device(Backend::Rpc, "10.0.0.2:50052"),
+            device(Backend::Rpc, "10.0.0.2:50052"),
+            device(Backend::Rpc, "10.0.0.3:50052"),
+        ];
+        let child = child_placement(&all, &Placement::Spread(vec![(1, 2 << 30), (3, 1 << 30), (4, 1 << 30)]));
+        assert_eq!(child.devices, [device(Backend::Cuda, "GPU-b")], "only the chosen GPU is visible");
+        assert_eq!(child.rpc_servers, ["10.0.0.2:50052", "10.0.0.3:50052"]);
+        let plan = child.plan.expect("a plan");
+        assert_eq!(
+            plan.devices,
+            [
+                PlannedDevice { name: "CUDA0".into(), buffer: "CUDA0".into(), share: 2048 },
+                // Every device of a worker given to --rpc counts, in order.
+                PlannedDevice { name: "RPC1".into(), buffer: "RPC1[10.0.0.2:50052]".into(), share: 1024 },
+                PlannedDevice { name: "RPC2".into(), buffer: "RPC0[10.0.0.3:50052]".into(), share: 1024 },
+            ]
+        );
+        assert_eq!(plan.layers, None, "all layers");
+        let partial = child_placement(&all, &Placement::Partial { shares: vec![(4, 1 << 30)], layers: 5, of: 9 });
+        let plan = partial.plan.expect("a plan");
+        assert_eq!((plan.devices[0].name.as_str(), plan.layers), ("RPC0", Some(5)));
+        let cpu = child_placement(&all, &Placement::Cpu);
+        assert!(cpu.devices.is_empty() && cpu.rpc_servers.is_empty());
+        assert!(cpu.plan.expect("a plan").devices.is_empty(), "the CPU alone");
+    }
+}

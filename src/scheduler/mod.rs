@@ -13,6 +13,7 @@ pub mod backend;
 pub mod footprints;
 pub mod keep_alive;
 pub mod policy;
+pub mod projections;
 pub mod request;
 
 #[cfg(test)]

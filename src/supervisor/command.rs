@@ -345,7 +345,10 @@ mod tests {
     use std::ffi::OsString;
     use std::path::{Path, PathBuf};
 
-    use super::{Backend, Device, FlashAttention, LoadOptions, ModelFiles, Placement, Pooling, Request, invocation};
+    use super::{
+        Backend, Device, DevicePlan, FlashAttention, LoadOptions, ModelFiles, Placement, PlannedDevice, Pooling,
+        Request, invocation,
+    };
 
     fn files() -> ModelFiles {
         ModelFiles { model: PathBuf::from("/blobs/m"), projector: None, adapters: Vec::new() }
@@ -492,6 +495,56 @@ mod tests {
                 base.clone(),
                 Placement { rpc_servers: vec!["10.0.0.2:50052".into(), "10.0.0.3:50052".into()], ..cpu.clone() },
                 "-c 4096 -np 1 -fa auto --rpc 10.0.0.2:50052,10.0.0.3:50052",
+            ),
+            (
+                "a plan over two workers: llama.cpp's fit is off, the devices and split are explicit",
+                files(),
+                base.clone(),
+                Placement {
+                    rpc_servers: vec!["10.0.0.2:50052".into(), "10.0.0.3:50052".into()],
+                    plan: Some(DevicePlan {
+                        devices: vec![
+                            PlannedDevice { name: "RPC0".into(), buffer: "RPC0[10.0.0.2:50052]".into(), share: 300 },
+                            PlannedDevice { name: "RPC1".into(), buffer: "RPC0[10.0.0.3:50052]".into(), share: 0 },
+                        ],
+                        layers: None,
+                    }),
+                    ..cpu.clone()
+                },
+                "-c 4096 -np 1 -fa auto --rpc 10.0.0.2:50052,10.0.0.3:50052 --fit off --device RPC0,RPC1 -ngl all -ts 300,1",
+            ),
+            (
+                "a partial plan on one device: its layers only",
+                files(),
+                base.clone(),
+                Placement {
+                    plan: Some(DevicePlan {
+                        devices: vec![PlannedDevice { name: "CUDA0".into(), buffer: "CUDA0".into(), share: 1 }],
+                        layers: Some(9),
+                    }),
+                    ..cpu.clone()
+                },
+                "-c 4096 -np 1 -fa auto --fit off --device CUDA0 -ngl 9",
+            ),
+            (
+                "a client's num_gpu forces -ngl over the plan, as in Ollama",
+                files(),
+                LoadOptions { num_gpu: Some(3), ..base.clone() },
+                Placement {
+                    plan: Some(DevicePlan {
+                        devices: vec![PlannedDevice { name: "CUDA0".into(), buffer: "CUDA0".into(), share: 1 }],
+                        layers: None,
+                    }),
+                    ..cpu.clone()
+                },
+                "-c 4096 -np 1 -fa auto --fit off --device CUDA0 -ngl 3",
+            ),
+            (
+                "a plan on the CPU keeps every device out",
+                files(),
+                base.clone(),
+                Placement { plan: Some(DevicePlan::default()), ..cpu.clone() },
+                "-c 4096 -np 1 -fa auto --fit off --device none -ngl 0",
             ),
             (
                 "a huge context does not overflow",
