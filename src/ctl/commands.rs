@@ -246,7 +246,6 @@ pub async fn ps(bus: &Bus, style: Style) -> Result<(), CtlError> {
                 m.short_name.clone(),
                 m.state.clone(),
                 if m.pid == 0 { "-".to_owned() } else { m.pid.to_string() },
-                size(m.devices.iter().map(|d| d.bytes).sum()),
                 placement(&m.devices, &labels),
                 m.active_requests.to_string(),
                 expires(m.expires_micros, now),
@@ -254,29 +253,55 @@ pub async fn ps(bus: &Bus, style: Style) -> Result<(), CtlError> {
             ]
         })
         .collect();
-    print(&table(&["NAME", "STATE", "PID", "SIZE", "PLACEMENT", "ACTIVE", "UNTIL", "SHARED WITH"], &rows))
+    print(&narrow(&["NAME", "STATE", "PID", "PLACEMENT", "ACTIVE", "UNTIL", "SHARED WITH"], rows))
 }
 
-/// Short names for `ps`, by device name: a worker's device by its worker's name, a local
-/// GPU as `GPU<n>` (its position in the list), the host as `Host`.
+/// A table within 80 columns where it can be: the ACTIVE column gives way first, then PID
+/// (`--json` has them all).
+fn narrow(headers: &[&str], mut rows: Vec<Vec<String>>) -> String {
+    let mut headers = headers.to_vec();
+    let mut text = table(&headers, &rows);
+    for column in ["ACTIVE", "PID"] {
+        if text.lines().all(|l| l.chars().count() <= 80) {
+            break;
+        }
+        let Some(at) = headers.iter().position(|h| *h == column) else { continue };
+        headers.remove(at);
+        for row in &mut rows {
+            row.remove(at);
+        }
+        text = table(&headers, &rows);
+    }
+    text
+}
+
+/// Short names for `ps` and `status`, by device name: `GPU<n>` for the n-th local GPU,
+/// `RPC<n>` for the n-th worker device (as llama.cpp numbers them when a runner gets
+/// every worker), `Host` for host memory.
 fn device_labels(devices: &[(String, String, String, u64, u64, u64)]) -> HashMap<String, String> {
+    let (mut gpus, mut rpcs) = (0, 0);
     devices
         .iter()
-        .enumerate()
-        .map(|(position, (kind, name, description, ..))| {
+        .map(|(kind, name, ..)| {
             let label = match kind.as_str() {
                 "host" => "Host".to_owned(),
-                "rpc" => description.clone(),
-                _ => format!("GPU{position}"),
+                "rpc" => {
+                    rpcs += 1;
+                    format!("RPC{}", rpcs - 1)
+                }
+                _ => {
+                    gpus += 1;
+                    format!("GPU{}", gpus - 1)
+                }
             };
             (name.clone(), label)
         })
         .collect()
 }
 
-/// Where a model's memory is, as shares of its size: "w1 80%, Host 20%"; "-" when not known.
+/// Where a model's memory is, as shares of its size: "RPC0 80%, Host 20%"; "-" when not known.
 fn placement(devices: &[ModelDevice], labels: &HashMap<String, String>) -> String {
-    let total: u64 = devices.iter().map(|d| d.bytes).sum();
+    let total: u128 = devices.iter().map(|d| u128::from(d.bytes)).sum();
     if total == 0 {
         return "-".to_owned();
     }
@@ -285,7 +310,7 @@ fn placement(devices: &[ModelDevice], labels: &HashMap<String, String>) -> Strin
         .map(|d| {
             let label = labels.get(&d.name).map_or(d.name.as_str(), String::as_str);
             // Rounded to the nearest percent; u128 so that no size overflows.
-            let percent = (u128::from(d.bytes) * 100 + u128::from(total) / 2) / u128::from(total);
+            let percent = (u128::from(d.bytes) * 100 + total / 2) / total;
             format!("{label} {percent}%")
         })
         .collect::<Vec<_>>()
@@ -510,6 +535,8 @@ fn finish(outcome: Outcome, style: Style) -> Result<(), CtlError> {
 /// `status`.
 pub async fn status(bus: &Bus, style: Style) -> Result<(), CtlError> {
     let m = bus.manager().await?;
+    let listed = m.devices().await.or_bus(bus)?;
+    let labels = device_labels(&listed);
     let status = Status {
         version: m.version().await.or_bus(bus)?,
         gpus: m
@@ -525,10 +552,7 @@ pub async fn status(bus: &Bus, style: Style) -> Result<(), CtlError> {
                 usable_bytes,
             })
             .collect(),
-        devices: m
-            .devices()
-            .await
-            .or_bus(bus)?
+        devices: listed
             .into_iter()
             .map(|(kind, name, description, total_bytes, usable_bytes, used_bytes)| DeviceInfo {
                 kind,
@@ -552,22 +576,22 @@ pub async fn status(bus: &Bus, style: Style) -> Result<(), CtlError> {
     let loaded = if status.loaded_models.is_empty() { "none".to_owned() } else { status.loaded_models.join(", ") };
     print(&fields(&[
         ("Version", status.version.clone()),
-        ("Devices", devices_text(&status.devices)),
+        ("Devices", devices_text(&status.devices, &labels)),
         ("Loaded models", format!("{} of at most {}: {loaded}", status.loaded_models.len(), status.max_loaded_models)),
         ("Queue depth", format!("{} of at most {}", status.queue_depth, status.max_queue)),
         ("Keep-alive", output::keep_alive(status.default_keep_alive)),
     ]))
 }
 
-/// One line per device: "rpc  w1 (rpc:h:1#0): 12 MiB used, 200 MiB usable of 200 MiB".
-fn devices_text(devices: &[DeviceInfo]) -> String {
+/// One line per device: "RPC0  w1 (rpc:h:1#0):  12 MiB used, 200 MiB usable of 200 MiB".
+fn devices_text(devices: &[DeviceInfo], labels: &HashMap<String, String>) -> String {
     let rows: Vec<Vec<String>> = devices
         .iter()
         .map(|d| {
             let named =
                 if d.kind == "host" { d.description.clone() } else { format!("{} ({})", d.description, d.name) };
             vec![
-                d.kind.clone(),
+                labels.get(&d.name).cloned().unwrap_or_else(|| d.kind.clone()),
                 format!("{named}:"),
                 format!("{} used, {} usable of {}", size(d.used_bytes), size(d.usable_bytes), size(d.total_bytes)),
             ]
@@ -588,4 +612,44 @@ pub async fn names(bus: &Bus) -> Result<(), CtlError> {
         text.push('\n');
     }
     print(&text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ModelDevice, device_labels, narrow, placement};
+
+    #[test]
+    fn devices_get_short_labels_and_placements_read_as_shares() {
+        let row = |kind: &str, name: &str| (kind.to_owned(), name.to_owned(), String::new(), 0, 0, 0);
+        let labels = device_labels(&[
+            row("cuda", "GPU-a"),
+            row("rpc", "rpc:h:1#0"),
+            row("rpc", "rpc:h:2#0"),
+            row("vulkan", "v"),
+            row("host", "host"),
+        ]);
+        let label = |name: &str| labels[name].as_str();
+        assert_eq!(
+            [label("GPU-a"), label("rpc:h:1#0"), label("rpc:h:2#0"), label("v"), label("host")],
+            ["GPU0", "RPC0", "RPC1", "GPU1", "Host"]
+        );
+        let share = |name: &str, bytes| ModelDevice { name: name.into(), kind: String::new(), bytes };
+        assert_eq!(placement(&[share("rpc:h:1#0", 80), share("host", 20)], &labels), "RPC0 80%, Host 20%");
+        assert_eq!(placement(&[share("unknown", 5)], &labels), "unknown 100%");
+        assert_eq!(placement(&[], &labels), "-");
+        assert_eq!(placement(&[share("host", u64::MAX), share("v", u64::MAX)], &labels), "Host 50%, GPU1 50%");
+    }
+
+    #[test]
+    fn wide_tables_drop_active_then_pid() {
+        let rows = |name: &str| vec![vec![name.to_owned(), "1".to_owned(), "2".to_owned()]];
+        assert_eq!(narrow(&["NAME", "PID", "ACTIVE"], rows("short")), "NAME   PID  ACTIVE\nshort  1    2\n");
+        let long = "x".repeat(75);
+        assert_eq!(
+            narrow(&["NAME", "PID", "ACTIVE"], rows(&long)),
+            format!("NAME{}  PID\n{long}  1\n", " ".repeat(71))
+        );
+        let longer = "x".repeat(79);
+        assert_eq!(narrow(&["NAME", "PID", "ACTIVE"], rows(&longer)), format!("NAME\n{longer}\n"));
+    }
 }
