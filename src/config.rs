@@ -296,7 +296,7 @@ pub struct WorkerConfig {
     /// Where it listens: `HOST:PORT`, the host an IPv4 address or a host name.
     pub address: WorkerAddress,
     /// Its name in logs and listings; its address when not given. Unique.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "worker_name")]
     pub name: Option<String>,
     /// The most corral plans with on each of its devices (a shared worker, or a test's
     /// small device); all the memory it reports when not given.
@@ -360,6 +360,18 @@ impl<'de> Deserialize<'de> for WorkerAddress {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
     }
+}
+
+/// A worker's name: a line of 1 to 64 printable characters (it goes into logs, listings
+/// and D-Bus).
+fn worker_name<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    let name = String::deserialize(d)?;
+    if name.trim().is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control) {
+        return Err(serde::de::Error::custom(format!(
+            "{name:?} is not a worker name; expected 1 to 64 printable characters, like \"gpu-box\""
+        )));
+    }
+    Ok(Some(name))
 }
 
 /// A host name as RFC 1123 has it: dot-separated labels of letters, digits and inner
@@ -1159,6 +1171,14 @@ memory = "200MiB"
                 &["corral.toml:4", "workers[1].address", "IPv6"],
             ),
             (&[("corral.toml", "[[workers]]\nname = \"a\"\n")], &["workers[0]", "missing field `address`"]),
+            (
+                &[("corral.toml", "[[workers]]\naddress = \"h:1\"\nname = \"\"\n")],
+                &["corral.toml:3", "workers[0].name", "\"\" is not a worker name", "1 to 64 printable"],
+            ),
+            (
+                &[("corral.toml", "[[workers]]\naddress = \"h:1\"\nname = \"a\\nb\"\n")],
+                &["corral.toml:3", "workers[0].name", "is not a worker name"],
+            ),
             (&[("corral.toml", "[[workers]]\naddress = 50052\n")], &["workers[0].address", "expected a string"]),
             (
                 &[("corral.toml", "[[workers]]\naddress = \"h:1\"\nmemory = \"200M\"\n")],

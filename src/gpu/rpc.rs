@@ -67,7 +67,7 @@ impl Workers {
                 Ok(listed) => {
                     tracing::info!(
                         corral_worker = worker.name(),
-                        address = worker.address.as_str(),
+                        corral_worker_address = worker.address.as_str(),
                         devices = listed.len(),
                         "worker {} ({}) has {}",
                         worker.name(),
@@ -79,8 +79,8 @@ impl Workers {
                 Err(e) => tracing::warn!(
                     corral_event = "worker-down",
                     corral_worker = worker.name(),
-                    address = worker.address.as_str(),
-                    reason = %e,
+                    corral_worker_address = worker.address.as_str(),
+                    corral_reason = %e,
                     "worker {} ({}) left out: {e}",
                     worker.name(),
                     worker.address
