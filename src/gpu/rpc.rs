@@ -310,7 +310,10 @@ pub fn ask(llama_server: &Path, address: &str, timeout: Duration) -> Result<Vec<
         .map_err(|source| WorkerError::Spawn { program: llama_server.to_owned(), source })?;
     let pid = child.id();
     let (Some(stdout), Some(stderr)) = (child.stdout.take(), child.stderr.take()) else {
-        unreachable!("both pipes were asked for");
+        kill_group(pid);
+        let _ = child.wait();
+        let source = std::io::Error::other("its output pipes are missing");
+        return Err(WorkerError::Spawn { program: llama_server.to_owned(), source });
     };
     let (done, finished) = std::sync::mpsc::channel();
     let out_done = done.clone();
@@ -337,7 +340,9 @@ pub fn ask(llama_server: &Path, address: &str, timeout: Duration) -> Result<Vec<
     if closed < 2 {
         kill_group(pid);
         let _ = child.wait();
-        let _ = (out.join(), err.join());
+        // The readers end when the pipes close; nothing waits for them (a process that
+        // left the group could hold a pipe open).
+        drop((out, err));
         return Err(WorkerError::Timeout(timeout));
     }
     let status = child.wait().map_err(|source| WorkerError::Spawn { program: llama_server.to_owned(), source })?;
