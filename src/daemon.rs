@@ -842,6 +842,7 @@ fn applies_on_reload(key: &[String]) -> bool {
 /// `[models."NAME"] preload`.
 fn shown_key(key: &[String]) -> String {
     match key {
+        [workers] if workers == "workers" => "[[workers]]".to_owned(),
         [table] => format!("[{table}]"),
         [models, name, rest @ ..] if models == "models" => {
             let table = format!("[models.\"{name}\"]");
@@ -1062,7 +1063,8 @@ mod tests {
         );
         let new = table(
             "[server]\nlisten = [\"127.0.0.1:2\"]\n[scheduler]\nkeep_alive = \"9m\"\nmax_queue = 3\n\
-             [store]\npath = \"/x\"\n[runner]\nstream_idle_timeout = \"1m\"\n[dbus]\nbus = \"off\"\n",
+             [store]\npath = \"/x\"\n[runner]\nstream_idle_timeout = \"1m\"\n[dbus]\nbus = \"off\"\n\
+             [[workers]]\naddress = \"h:1\"\n",
         );
         let changed = super::changed_keys(&old, &new);
         let later: Vec<String> =
@@ -1074,7 +1076,8 @@ mod tests {
                 "[models.\"chat\"] preload",
                 "[runner] stream_idle_timeout",
                 "[server] listen",
-                "[store] path"
+                "[store] path",
+                "[[workers]]"
             ]
         );
         let live: Vec<String> = changed.iter().filter(|k| super::applies_on_reload(k)).map(|k| k.join(".")).collect();
