@@ -546,6 +546,60 @@ mod tests {
         );
     }
 
+    #[tokio::test]
+    async fn ps_lists_a_model_on_a_worker_device_with_its_host_part() {
+        use crate::gpu::{Backend as Kind, Gpu, HostMemory, Inventory};
+        use crate::scheduler::actor::{Limits, Scheduler};
+        use crate::scheduler::footprints::Footprints;
+        use crate::scheduler::keep_alive::{Clamp, KeepAlive};
+        use crate::scheduler::policy::GpuView;
+
+        let (dir, mut state) = for_tests(absent_backend());
+        let limits = Limits {
+            max_loaded: 2,
+            max_queue: 8,
+            default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
+            clamp: Clamp::default(),
+        };
+        // One RPC device of 1 GiB: the runner (100 bytes of VRAM, 50 of RAM) goes there.
+        let gpus = vec![GpuView { index: 0, usable: 1 << 30 }];
+        let (scheduler, handle) = Scheduler::new(Arc::new(Immediate), gpus, 1 << 30, limits, Footprints::in_memory());
+        tokio::spawn(scheduler.run());
+        state.scheduler = handle;
+        state.inventory = Arc::new(Inventory {
+            gpus: vec![Gpu {
+                index: 0,
+                id: "rpc:127.0.0.1:50052#0".into(),
+                name: "worker".into(),
+                backend: Kind::Rpc,
+                total_bytes: 1 << 30,
+                free_bytes: 1 << 30,
+                driver: None,
+                compute: None,
+                endpoint: Some("127.0.0.1:50052".into()),
+            }],
+            host: HostMemory { total_bytes: 1 << 30, available_bytes: 1 << 30 },
+        });
+        create(&dir, &state, "tiny", "FROM ./tiny.gguf\n");
+        let name = ModelName::parse("tiny").expect("name");
+        let defaults = Defaults { num_ctx: 1024, parallel: 1 };
+        let model_request =
+            request::build(&state.store, &name, &serde_json::Map::new(), None, false, defaults).expect("request");
+        drop(state.scheduler.acquire(model_request).await.expect("loaded"));
+        let (status, body) = call(&state, Method::GET, "/api/ps", "").await;
+        assert_eq!(status, StatusCode::OK);
+        let m = &body["models"][0];
+        assert_eq!(
+            m["devices"],
+            json!([
+                {"name": "rpc:127.0.0.1:50052#0", "kind": "rpc", "bytes": 100},
+                {"name": "host", "kind": "host", "bytes": 50},
+            ]),
+            "{body}"
+        );
+        assert_eq!((m["size"].as_u64(), m["size_vram"].as_u64()), (Some(150), Some(100)), "{body}");
+    }
+
     #[test]
     fn forever_is_about_292_years_away() {
         let text = super::rfc3339(SystemTime::now() + super::FOREVER);
