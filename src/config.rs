@@ -34,6 +34,8 @@ pub struct Config {
     pub dbus: DbusConfig,
     /// `[models."NAME"]`: per-model policy.
     pub models: BTreeMap<String, ModelPolicy>,
+    /// `[[workers]]`: ggml `rpc-server` endpoints whose devices models may be placed on.
+    pub workers: Vec<WorkerConfig>,
 }
 
 /// `[dbus]`.
@@ -303,6 +305,105 @@ fn backend<'de, D: Deserializer<'de>>(d: D) -> Result<crate::supervisor::command
     }
 }
 
+/// One `[[workers]]` entry: a ggml `rpc-server` whose devices corral plans with.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Where it listens: `HOST:PORT`, the host an IPv4 address or a host name.
+    pub address: WorkerAddress,
+    /// Its name in logs and listings; its address when not given. Unique.
+    #[serde(default, deserialize_with = "worker_name")]
+    pub name: Option<String>,
+    /// The most corral plans with on each of its devices (a shared worker, or a test's
+    /// small device); all the memory it reports when not given.
+    #[serde(default, deserialize_with = "byte_size_opt")]
+    pub memory: Option<u64>,
+}
+
+impl WorkerConfig {
+    /// Its name: `name`, else its address.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        self.name.as_deref().unwrap_or(self.address.as_str())
+    }
+}
+
+/// A worker's `HOST:PORT`, checked: llama.cpp's RPC client splits it at the first colon
+/// and connects over IPv4 (`gethostbyname`), and `--rpc` separates workers with commas.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct WorkerAddress(String);
+
+impl WorkerAddress {
+    /// The address as written: `HOST:PORT`.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for WorkerAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::str::FromStr for WorkerAddress {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let expected = "expected HOST:PORT with an IPv4 address or a host name, like \"127.0.0.1:50052\"";
+        let Some((host, port)) = s.rsplit_once(':') else {
+            return Err(format!("\"{s}\" has no port; {expected}"));
+        };
+        if host.starts_with('[') || host.parse::<std::net::Ipv6Addr>().is_ok() {
+            return Err(format!("\"{s}\": llama.cpp's RPC client cannot reach IPv6 addresses; {expected}"));
+        }
+        if !port.bytes().all(|b| b.is_ascii_digit()) || !matches!(port.parse::<u16>(), Ok(1..)) {
+            return Err(format!("\"{s}\": \"{port}\" is not a port (1 to 65535); {expected}"));
+        }
+        let looks_numeric = host.split('.').all(|part| !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()));
+        if looks_numeric {
+            host.parse::<std::net::Ipv4Addr>()
+                .map_err(|_| format!("\"{s}\": \"{host}\" is not an IPv4 address; {expected}"))?;
+        } else if !is_host_name(host) {
+            return Err(format!("\"{s}\": \"{host}\" is not a host name; {expected}"));
+        }
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl<'de> Deserialize<'de> for WorkerAddress {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// A worker's name: a line of 1 to 64 printable characters (it goes into logs, listings
+/// and D-Bus).
+fn worker_name<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    let name = String::deserialize(d)?;
+    if name.trim().is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control) {
+        return Err(serde::de::Error::custom(format!(
+            "{name:?} is not a worker name; expected 1 to 64 printable characters, like \"gpu-box\""
+        )));
+    }
+    Ok(Some(name))
+}
+
+/// A host name as RFC 1123 has it: dot-separated labels of letters, digits and inner
+/// hyphens, each at most 63 bytes, 253 in all.
+fn is_host_name(host: &str) -> bool {
+    !host.is_empty()
+        && host.len() <= 253
+        && host.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
+}
+
 /// Parses a byte size with a unit: `"512MiB"`, `"8GiB"`, `"1.5GB"`, `"0"`.
 ///
 /// Units are B, kB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of 1024),
@@ -543,7 +644,52 @@ fn check_together(config: &Config, files: &[PathBuf]) -> Result<(), ConfigError>
                 .into(),
         });
     }
+    check_workers(&config.workers, files)
+}
+
+/// Worker names (their addresses when unnamed) and addresses are unique: the error
+/// names the last line that repeats one.
+fn check_workers(workers: &[WorkerConfig], files: &[PathBuf]) -> Result<(), ConfigError> {
+    let mut names = std::collections::HashSet::new();
+    let mut addresses = std::collections::HashSet::new();
+    for worker in workers {
+        let (key, value, what) = if !addresses.insert(worker.address.as_str()) {
+            ("address", worker.address.as_str(), "address")
+        } else if !names.insert(worker.name()) {
+            (if worker.name.is_some() { "name" } else { "address" }, worker.name(), "name")
+        } else {
+            continue;
+        };
+        let (path, line) = where_value(files, key, value);
+        return Err(ConfigError::Invalid {
+            path,
+            line,
+            key: Some(format!("workers.{key}")),
+            message: format!(
+                "two workers have the {what} \"{value}\"; each worker needs its own address and name \
+                 (the name defaults to the address)"
+            ),
+        });
+    }
     Ok(())
+}
+
+/// The last line of `files` that sets `key` to the string `value`, and its file.
+fn where_value(files: &[PathBuf], key: &str, value: &str) -> (PathBuf, Option<usize>) {
+    let quoted = [format!("\"{value}\""), format!("'{value}'")];
+    for path in files.iter().rev() {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let line = text.lines().collect::<Vec<_>>().iter().rposition(|l| {
+            l.trim_start()
+                .strip_prefix(key)
+                .and_then(|rest| rest.trim_start().strip_prefix('='))
+                .is_some_and(|rest| quoted.iter().any(|q| rest.trim_start().starts_with(q.as_str())))
+        });
+        if let Some(index) = line {
+            return (path.clone(), Some(index + 1));
+        }
+    }
+    (files.last().cloned().unwrap_or_default(), None)
 }
 
 /// The last of `files` with a line setting `key` (in any table), and that line.
@@ -992,6 +1138,121 @@ reserve = "0"
         .gpu;
         assert!(gpu.fixed);
         assert_eq!((gpu.devices.len(), gpu.host_memory, gpu.reserve), (1, Some(2 * GIB), MIB));
+    }
+
+    #[test]
+    fn workers_are_read_with_their_defaults() {
+        assert!(load(&[]).expect("defaults").config.workers.is_empty(), "no worker unless configured");
+        let workers = load(&[(
+            "corral.toml",
+            r#"
+[[workers]]
+address = "127.0.0.1:50052"
+
+[[workers]]
+address = "gpu-box.lan:50053"
+name = "gpu-box"
+memory = "200MiB"
+"#,
+        )])
+        .expect("valid")
+        .config
+        .workers;
+        let [a, b] = &workers[..] else { panic!("two workers: {workers:?}") };
+        assert_eq!((a.address.as_str(), a.name.as_deref(), a.memory), ("127.0.0.1:50052", None, None));
+        assert_eq!(a.name(), "127.0.0.1:50052", "the name defaults to the address");
+        assert_eq!(
+            (b.address.to_string(), b.name(), b.memory),
+            ("gpu-box.lan:50053".to_owned(), "gpu-box", Some(200 * MIB))
+        );
+    }
+
+    #[test]
+    fn worker_addresses_are_ipv4_or_host_names_with_a_port() {
+        for good in ["127.0.0.1:50052", "localhost:1", "a-b.example.org:65535", "10.0.0.2:50052", "x:8"] {
+            assert_eq!(good.parse::<super::WorkerAddress>().map(|a| a.to_string()), Ok(good.to_owned()), "{good}");
+        }
+        let bad: &[(&str, &str)] = &[
+            ("127.0.0.1", "has no port"),
+            ("", "has no port"),
+            ("127.0.0.1:", "is not a port"),
+            ("127.0.0.1:0", "is not a port"),
+            ("127.0.0.1:65536", "is not a port"),
+            ("127.0.0.1:+5", "is not a port"),
+            ("127.0.0.1:5x", "is not a port"),
+            ("[::1]:50052", "IPv6"),
+            ("::1:50052", "IPv6"),
+            ("256.0.0.1:50052", "is not an IPv4 address"),
+            ("1.2.3:50052", "is not an IPv4 address"),
+            (":50052", "is not a host name"),
+            ("a,b:50052", "is not a host name"),
+            ("-a:50052", "is not a host name"),
+            ("a..b:50052", "is not a host name"),
+            ("a b:50052", "is not a host name"),
+            ("http://a:50052", "is not a"),
+        ];
+        for (text, want) in bad {
+            let err = text.parse::<super::WorkerAddress>().expect_err(text);
+            assert!(err.contains(want), "{text:?}: {err}");
+            assert!(err.contains("like \"127.0.0.1:50052\""), "{err}");
+        }
+    }
+
+    #[test]
+    fn worker_errors_name_the_file_the_line_and_the_key() {
+        let cases: &[Case<'_>] = &[
+            (
+                &[("corral.toml", "[[workers]]\naddress = \"127.0.0.1\"\n")],
+                &["corral.toml:2", "workers[0].address", "\"127.0.0.1\" has no port"],
+            ),
+            (
+                &[("corral.toml", "[[workers]]\naddress = \"127.0.0.1:1\"\n[[workers]]\naddress = \"[::1]:2\"\n")],
+                &["corral.toml:4", "workers[1].address", "IPv6"],
+            ),
+            (&[("corral.toml", "[[workers]]\nname = \"a\"\n")], &["workers[0]", "missing field `address`"]),
+            (
+                &[("corral.toml", "[[workers]]\naddress = \"h:1\"\nname = \"\"\n")],
+                &["corral.toml:3", "workers[0].name", "\"\" is not a worker name", "1 to 64 printable"],
+            ),
+            (
+                &[("corral.toml", "[[workers]]\naddress = \"h:1\"\nname = \"a\\nb\"\n")],
+                &["corral.toml:3", "workers[0].name", "is not a worker name"],
+            ),
+            (&[("corral.toml", "[[workers]]\naddress = 50052\n")], &["workers[0].address", "expected a string"]),
+            (
+                &[("corral.toml", "[[workers]]\naddress = \"h:1\"\nmemory = \"200M\"\n")],
+                &["corral.toml:3", "workers[0].memory", "\"200M\" is not a byte size"],
+            ),
+            (
+                &[("corral.toml", "[[workers]]\naddress = \"h:1\"\nport = 1\n")],
+                &["corral.toml:3", "workers[0].port", "unknown field `port`", "`address`, `name`, `memory`"],
+            ),
+            (&[("corral.toml", "[workers]\naddress = \"h:1\"\n")], &["workers", "expected a sequence"]),
+            (
+                &[(
+                    "corral.toml",
+                    "[[workers]]\naddress = \"h:1\"\nname = \"w\"\n[[workers]]\naddress = \"h:2\"\nname = \"w\"\n",
+                )],
+                &["corral.toml:6", "workers.name", "two workers have the name \"w\""],
+            ),
+            (
+                &[
+                    ("corral.toml", "[[workers]]\naddress = \"h:1\"\n"),
+                    ("corral.toml.d/10-more.toml", "[[workers]]\naddress = \"h:1\"\n[[workers]]\naddress = \"h:1\"\n"),
+                ],
+                &["10-more.toml:4", "workers.address", "the address \"h:1\""],
+            ),
+            (
+                &[("corral.toml", "[[workers]]\naddress = \"h:1\"\n[[workers]]\naddress = \"h:2\"\nname = \"h:1\"\n")],
+                &["corral.toml:5", "workers.name", "the name \"h:1\""],
+            ),
+        ];
+        for (files, wanted) in cases {
+            let err = error(files);
+            for w in *wanted {
+                assert!(err.contains(w), "error for {files:?} should contain {w:?}: {err}");
+            }
+        }
     }
 
     #[test]

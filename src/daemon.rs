@@ -106,9 +106,9 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let mut servers = JoinSet::new();
     let requests = Requests::default();
-    let state = app_state(&loaded.config, store.clone(), scheduler.clone());
+    let state = app_state(&loaded.config, store.clone(), scheduler.clone(), Arc::new(inventory));
     // Served before READY=1, so that a client started after the service finds the name.
-    let mut bus = serve_dbus(&loaded.config, &state, inventory).await;
+    let mut bus = serve_dbus(&loaded.config, &state).await;
     let router = http::router(state).layer(from_fn_with_state(requests.clone(), count_requests));
     for listener in listeners {
         servers.spawn(listener.serve(router.clone(), loaded.config.server.header_timeout, shutdown.clone()));
@@ -602,7 +602,7 @@ fn idle_exit_due(
 }
 
 /// What the HTTP handlers share, from the configuration at start.
-fn app_state(config: &Config, store: Store, scheduler: Handle) -> http::AppState {
+fn app_state(config: &Config, store: Store, scheduler: Handle, inventory: Arc<gpu::Inventory>) -> http::AppState {
     let registry = Registry::new(RegistryConfig {
         insecure: config.store.insecure_registries.clone(),
         ..RegistryConfig::default()
@@ -616,24 +616,24 @@ fn app_state(config: &Config, store: Store, scheduler: Handle) -> http::AppState
         tokens: Arc::default(),
         upstream: crate::supervisor::upstream::Pool::new(config.runner.stream_idle_timeout),
         templates: crate::prompt_template::Renderer::default(),
+        inventory,
     }
 }
 
 /// Serves the D-Bus interface, unless `[dbus] bus = "off"`. Without a bus (or the right
 /// to own the name) corrald still serves HTTP: D-Bus is a view, and a missing bus on a
 /// development machine must not stop the daemon.
-async fn serve_dbus(config: &Config, state: &http::AppState, inventory: gpu::Inventory) -> Option<dbus::Service> {
+async fn serve_dbus(config: &Config, state: &http::AppState) -> Option<dbus::Service> {
     if config.dbus.bus == BusKind::Off {
         return None;
     }
-    let limits = limits(config, inventory.gpus.len());
+    let limits = limits(config, state.inventory.gpus.len());
     let context = dbus::Context {
         store: state.store.clone(),
         scheduler: state.scheduler.clone(),
         registry: state.registry.clone(),
         defaults: state.defaults,
-        gpus: inventory.gpus,
-        host_memory: inventory.host.available_bytes,
+        inventory: Arc::clone(&state.inventory),
         limits,
         read_only: config.store.read_only,
         tokens: Arc::clone(&state.tokens),
@@ -659,8 +659,10 @@ async fn start_scheduler(
     log_target: LogTarget,
 ) -> anyhow::Result<(Handle, gpu::Inventory, tokio::task::JoinHandle<()>)> {
     let gpu_config = config.gpu.clone();
+    // The workers are asked through llama-server, as the runners will see them.
+    let workers = gpu::rpc::Workers::new(config.runner.llama_server.clone(), config.workers.clone());
     let (probe, inventory) = tokio::task::spawn_blocking(move || {
-        let probe: Arc<dyn gpu::MemoryProbe> = Arc::from(gpu::probe(&gpu_config, &gpu::Roots::system()));
+        let probe: Arc<dyn gpu::MemoryProbe> = Arc::from(gpu::probe(&gpu_config, workers, &gpu::Roots::system()));
         let inventory = probe.inventory();
         (probe, inventory)
     })
@@ -707,7 +709,7 @@ async fn start_scheduler(
         gpus = inventory.gpus.len(),
         host_bytes = inventory.host.available_bytes,
         max_loaded,
-        "scheduling on {} GPU(s) and {} bytes of host memory",
+        "scheduling on {} device(s) and {} bytes of host memory",
         inventory.gpus.len(),
         inventory.host.available_bytes
     );
@@ -856,6 +858,7 @@ fn applies_on_reload(key: &[String]) -> bool {
 /// `[models."NAME"] preload`.
 fn shown_key(key: &[String]) -> String {
     match key {
+        [workers] if workers == "workers" => "[[workers]]".to_owned(),
         [table] => format!("[{table}]"),
         [models, name, rest @ ..] if models == "models" => {
             let table = format!("[models.\"{name}\"]");
@@ -1078,7 +1081,8 @@ mod tests {
         );
         let new = table(
             "[server]\nlisten = [\"127.0.0.1:2\"]\n[scheduler]\nkeep_alive = \"9m\"\nmax_queue = 3\n\
-             [store]\npath = \"/x\"\n[runner]\nstream_idle_timeout = \"1m\"\n[dbus]\nbus = \"off\"\n",
+             [store]\npath = \"/x\"\n[runner]\nstream_idle_timeout = \"1m\"\n[dbus]\nbus = \"off\"\n\
+             [[workers]]\naddress = \"h:1\"\n",
         );
         let changed = super::changed_keys(&old, &new);
         let later: Vec<String> =
@@ -1090,7 +1094,8 @@ mod tests {
                 "[models.\"chat\"] preload",
                 "[runner] stream_idle_timeout",
                 "[server] listen",
-                "[store] path"
+                "[store] path",
+                "[[workers]]"
             ]
         );
         let live: Vec<String> = changed.iter().filter(|k| super::applies_on_reload(k)).map(|k| k.join(".")).collect();

@@ -44,7 +44,7 @@ pub enum Command {
         #[arg(short, long)]
         quiet: bool,
     },
-    /// List the loaded models: state, process, memory, expiry.
+    /// List the loaded models: state, process, where their memory is (device by device), expiry.
     Ps,
     /// Show one model's details and state.
     Show {
@@ -95,7 +95,7 @@ pub enum Command {
         #[arg(required = true)]
         models: Vec<String>,
     },
-    /// Show the daemon's version, memory, limits and what is loaded.
+    /// Show the daemon's version, devices (memory, usable, used), limits and what is loaded.
     Status,
     /// Watch devices, loaded models, the queue and events live, full screen (needs a terminal).
     ///

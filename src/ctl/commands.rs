@@ -89,12 +89,42 @@ pub struct ModelInfo {
     pub ram_bytes: u64,
     /// The other models served by the same llama-server process.
     pub shared_with: Vec<String>,
+    /// Where its memory is, device by device, the host last.
+    pub devices: Vec<ModelDevice>,
     /// When an idle model unloads (RFC 3339); `None` for not at all.
     pub expires_at: Option<String>,
     /// Requests holding it.
     pub active_requests: u32,
     #[serde(skip)]
     expires_micros: u64,
+}
+
+/// A model's memory on one device.
+#[derive(Debug, Serialize)]
+pub struct ModelDevice {
+    /// The device's stable id, as `status` lists it (`host` for host memory).
+    pub name: String,
+    /// cuda, rocm, vulkan, rpc or host.
+    pub kind: String,
+    /// Bytes of the model there.
+    pub bytes: u64,
+}
+
+/// A device, as `status` shows it.
+#[derive(Debug, Serialize)]
+pub struct DeviceInfo {
+    /// cuda, rocm, vulkan, rpc or host.
+    pub kind: String,
+    /// Stable id.
+    pub name: String,
+    /// Product name, or the worker's name.
+    pub description: String,
+    /// Bytes in all.
+    pub total_bytes: u64,
+    /// Bytes corral may plan with.
+    pub usable_bytes: u64,
+    /// Bytes corral's runners use now.
+    pub used_bytes: u64,
 }
 
 /// A GPU, as `status` shows it.
@@ -117,8 +147,10 @@ pub struct GpuInfo {
 pub struct Status {
     /// corrald's version.
     pub version: String,
-    /// GPUs found at start.
+    /// GPUs found at start (superseded by `devices`).
     pub gpus: Vec<GpuInfo>,
+    /// Every device, the host last, with what corral uses on it.
+    pub devices: Vec<DeviceInfo>,
     /// Host memory for models, in bytes.
     pub host_memory: u64,
     /// Models loading, ready or unloading.
@@ -175,6 +207,13 @@ async fn model_info(bus: &Bus, path: OwnedObjectPath) -> Result<ModelInfo, CtlEr
         vram_bytes: m.vram_bytes().await.or_bus(bus)?,
         ram_bytes: m.ram_bytes().await.or_bus(bus)?,
         shared_with: m.shared_with().await.or_bus(bus)?,
+        devices: m
+            .devices()
+            .await
+            .or_bus(bus)?
+            .into_iter()
+            .map(|(name, kind, bytes)| ModelDevice { name, kind, bytes })
+            .collect(),
         expires_at: expires_rfc3339(expires_micros),
         active_requests: m.active_requests().await.or_bus(bus)?,
         expires_micros,
@@ -184,6 +223,7 @@ async fn model_info(bus: &Bus, path: OwnedObjectPath) -> Result<ModelInfo, CtlEr
 /// `ps`.
 pub async fn ps(bus: &Bus, style: Style) -> Result<(), CtlError> {
     let manager = bus.manager().await?;
+    let labels = device_labels(&manager.devices().await.or_bus(bus)?);
     let mut loaded = Vec::new();
     for name in manager.loaded_models().await.or_bus(bus)? {
         // A model unloaded between the two calls is simply not shown.
@@ -206,15 +246,75 @@ pub async fn ps(bus: &Bus, style: Style) -> Result<(), CtlError> {
                 m.short_name.clone(),
                 m.state.clone(),
                 if m.pid == 0 { "-".to_owned() } else { m.pid.to_string() },
-                size(m.vram_bytes),
-                size(m.ram_bytes),
+                placement(&m.devices, &labels),
                 m.active_requests.to_string(),
                 expires(m.expires_micros, now),
                 if m.shared_with.is_empty() { "-".to_owned() } else { m.shared_with.join(", ") },
             ]
         })
         .collect();
-    print(&table(&["NAME", "STATE", "PID", "VRAM", "RAM", "ACTIVE", "UNTIL", "SHARED WITH"], &rows))
+    print(&narrow(&["NAME", "STATE", "PID", "PLACEMENT", "ACTIVE", "UNTIL", "SHARED WITH"], rows))
+}
+
+/// A table within 80 columns where it can be: the ACTIVE column gives way first, then PID
+/// (`--json` has them all).
+fn narrow(headers: &[&str], mut rows: Vec<Vec<String>>) -> String {
+    let mut headers = headers.to_vec();
+    let mut text = table(&headers, &rows);
+    for column in ["ACTIVE", "PID"] {
+        if text.lines().all(|l| l.chars().count() <= 80) {
+            break;
+        }
+        let Some(at) = headers.iter().position(|h| *h == column) else { continue };
+        headers.remove(at);
+        for row in &mut rows {
+            row.remove(at);
+        }
+        text = table(&headers, &rows);
+    }
+    text
+}
+
+/// Short names for `ps` and `status`, by device name: `GPU<n>` for the n-th local GPU,
+/// `RPC<n>` for the n-th worker device (as llama.cpp numbers them when a runner gets
+/// every worker), `Host` for host memory.
+fn device_labels(devices: &[(String, String, String, u64, u64, u64)]) -> HashMap<String, String> {
+    let (mut gpus, mut rpcs) = (0, 0);
+    devices
+        .iter()
+        .map(|(kind, name, ..)| {
+            let label = match kind.as_str() {
+                "host" => "Host".to_owned(),
+                "rpc" => {
+                    rpcs += 1;
+                    format!("RPC{}", rpcs - 1)
+                }
+                _ => {
+                    gpus += 1;
+                    format!("GPU{}", gpus - 1)
+                }
+            };
+            (name.clone(), label)
+        })
+        .collect()
+}
+
+/// Where a model's memory is, as shares of its size: "RPC0 80%, Host 20%"; "-" when not known.
+fn placement(devices: &[ModelDevice], labels: &HashMap<String, String>) -> String {
+    let total: u128 = devices.iter().map(|d| u128::from(d.bytes)).sum();
+    if total == 0 {
+        return "-".to_owned();
+    }
+    devices
+        .iter()
+        .map(|d| {
+            let label = labels.get(&d.name).map_or(d.name.as_str(), String::as_str);
+            // Rounded to the nearest percent; u128 so that no size overflows.
+            let percent = (u128::from(d.bytes) * 100 + total / 2) / total;
+            format!("{label} {percent}%")
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// `show`, or with `modelfile` only the model's Modelfile (as `ollama show --modelfile`).
@@ -435,6 +535,8 @@ fn finish(outcome: Outcome, style: Style) -> Result<(), CtlError> {
 /// `status`.
 pub async fn status(bus: &Bus, style: Style) -> Result<(), CtlError> {
     let m = bus.manager().await?;
+    let listed = m.devices().await.or_bus(bus)?;
+    let labels = device_labels(&listed);
     let status = Status {
         version: m.version().await.or_bus(bus)?,
         gpus: m
@@ -450,6 +552,17 @@ pub async fn status(bus: &Bus, style: Style) -> Result<(), CtlError> {
                 usable_bytes,
             })
             .collect(),
+        devices: listed
+            .into_iter()
+            .map(|(kind, name, description, total_bytes, usable_bytes, used_bytes)| DeviceInfo {
+                kind,
+                name,
+                description,
+                total_bytes,
+                usable_bytes,
+                used_bytes,
+            })
+            .collect(),
         host_memory: m.host_memory().await.or_bus(bus)?,
         loaded_models: m.loaded_models().await.or_bus(bus)?,
         queue_depth: m.queue_depth().await.or_bus(bus)?,
@@ -460,34 +573,32 @@ pub async fn status(bus: &Bus, style: Style) -> Result<(), CtlError> {
     if style.json {
         return print_json(&status);
     }
-    let gpus = if status.gpus.is_empty() {
-        "none (models run on the CPU)".to_owned()
-    } else {
-        status
-            .gpus
-            .iter()
-            .map(|g| {
-                format!(
-                    "{} {} ({}): {} of {} usable",
-                    g.id,
-                    g.name,
-                    g.driver,
-                    size(g.usable_bytes),
-                    size(g.total_bytes)
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("\n                ")
-    };
     let loaded = if status.loaded_models.is_empty() { "none".to_owned() } else { status.loaded_models.join(", ") };
     print(&fields(&[
         ("Version", status.version.clone()),
-        ("GPUs", gpus),
-        ("Host memory", size(status.host_memory)),
+        ("Devices", devices_text(&status.devices, &labels)),
         ("Loaded models", format!("{} of at most {}: {loaded}", status.loaded_models.len(), status.max_loaded_models)),
         ("Queue depth", format!("{} of at most {}", status.queue_depth, status.max_queue)),
         ("Keep-alive", output::keep_alive(status.default_keep_alive)),
     ]))
+}
+
+/// One line per device: "RPC0  w1 (rpc:h:1#0):  12 MiB used, 200 MiB usable of 200 MiB".
+fn devices_text(devices: &[DeviceInfo], labels: &HashMap<String, String>) -> String {
+    let rows: Vec<Vec<String>> = devices
+        .iter()
+        .map(|d| {
+            let named =
+                if d.kind == "host" { d.description.clone() } else { format!("{} ({})", d.description, d.name) };
+            vec![
+                labels.get(&d.name).cloned().unwrap_or_else(|| d.kind.clone()),
+                format!("{named}:"),
+                format!("{} used, {} usable of {}", size(d.used_bytes), size(d.usable_bytes), size(d.total_bytes)),
+            ]
+        })
+        .collect();
+    // The table's header is not wanted here: it is the first line.
+    table(&["", "", ""], &rows).lines().skip(1).collect::<Vec<_>>().join("\n")
 }
 
 /// `list --quiet`: the names only, one a line, sorted (shell completion reads them).
@@ -501,4 +612,44 @@ pub async fn names(bus: &Bus) -> Result<(), CtlError> {
         text.push('\n');
     }
     print(&text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ModelDevice, device_labels, narrow, placement};
+
+    #[test]
+    fn devices_get_short_labels_and_placements_read_as_shares() {
+        let row = |kind: &str, name: &str| (kind.to_owned(), name.to_owned(), String::new(), 0, 0, 0);
+        let labels = device_labels(&[
+            row("cuda", "GPU-a"),
+            row("rpc", "rpc:h:1#0"),
+            row("rpc", "rpc:h:2#0"),
+            row("vulkan", "v"),
+            row("host", "host"),
+        ]);
+        let label = |name: &str| labels[name].as_str();
+        assert_eq!(
+            [label("GPU-a"), label("rpc:h:1#0"), label("rpc:h:2#0"), label("v"), label("host")],
+            ["GPU0", "RPC0", "RPC1", "GPU1", "Host"]
+        );
+        let share = |name: &str, bytes| ModelDevice { name: name.into(), kind: String::new(), bytes };
+        assert_eq!(placement(&[share("rpc:h:1#0", 80), share("host", 20)], &labels), "RPC0 80%, Host 20%");
+        assert_eq!(placement(&[share("unknown", 5)], &labels), "unknown 100%");
+        assert_eq!(placement(&[], &labels), "-");
+        assert_eq!(placement(&[share("host", u64::MAX), share("v", u64::MAX)], &labels), "Host 50%, GPU1 50%");
+    }
+
+    #[test]
+    fn wide_tables_drop_active_then_pid() {
+        let rows = |name: &str| vec![vec![name.to_owned(), "1".to_owned(), "2".to_owned()]];
+        assert_eq!(narrow(&["NAME", "PID", "ACTIVE"], rows("short")), "NAME   PID  ACTIVE\nshort  1    2\n");
+        let long = "x".repeat(75);
+        assert_eq!(
+            narrow(&["NAME", "PID", "ACTIVE"], rows(&long)),
+            format!("NAME{}  PID\n{long}  1\n", " ".repeat(71))
+        );
+        let longer = "x".repeat(79);
+        assert_eq!(narrow(&["NAME", "PID", "ACTIVE"], rows(&longer)), format!("NAME\n{longer}\n"));
+    }
 }

@@ -179,19 +179,32 @@ impl Manager {
         crate::http::VERSION
     }
 
+    /// Superseded by `Devices`; kept for compatibility.
     #[zbus(property(emits_changed_signal = "const"))]
     fn gpus(&self) -> Vec<(String, String, String, u64, u64)> {
         self.shared
             .context
+            .inventory
             .gpus
             .iter()
             .map(|g| (g.id.clone(), g.name.clone(), g.backend.as_str().to_owned(), g.total_bytes, g.free_bytes))
             .collect()
     }
 
+    /// Every device, the host last: (kind, name, description, total, usable, used by
+    /// corral). The use is asked of the scheduler on each get: it changes with every load.
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn devices(&self) -> zbus::fdo::Result<Vec<(String, String, String, u64, u64, u64)>> {
+        let stats = self.shared.context.scheduler.stats().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
+        Ok(crate::gpu::usage(&self.shared.context.inventory, &stats.loaded)
+            .into_iter()
+            .map(|d| (d.kind.to_owned(), d.name, d.description, d.total_bytes, d.usable_bytes, d.used_bytes))
+            .collect())
+    }
+
     #[zbus(property(emits_changed_signal = "const"))]
     fn host_memory(&self) -> u64 {
-        self.shared.context.host_memory
+        self.shared.context.inventory.host.available_bytes
     }
 
     #[zbus(property)]

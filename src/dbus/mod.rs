@@ -30,7 +30,7 @@ use zbus::connection::Builder;
 use zbus::zvariant::OwnedObjectPath;
 
 use crate::config::BusKind;
-use crate::gpu::Gpu;
+use crate::gpu::Inventory;
 use crate::scheduler::actor::{Handle, Limits};
 use crate::scheduler::request::Defaults;
 use crate::store::Store;
@@ -56,10 +56,8 @@ pub struct Context {
     pub registry: Registry,
     /// Load defaults from the configuration.
     pub defaults: Defaults,
-    /// The GPUs found at start.
-    pub gpus: Vec<Gpu>,
-    /// Host memory usable for models.
-    pub host_memory: u64,
+    /// The devices (GPUs, then the workers' RPC devices) and host memory found at start.
+    pub inventory: Arc<Inventory>,
     /// The scheduler's limits at start (reloads arrive as notices).
     pub limits: Limits,
     /// Whether the store refuses writes (`[store] read_only`).

@@ -224,6 +224,19 @@ impl Model {
             self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
         Ok(loaded.iter().filter(|m| m.names.contains(&name)).map(|m| m.leases).sum())
     }
+
+    /// Where its runner's memory is, read from the scheduler on each get.
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn devices(&self) -> zbus::fdo::Result<Vec<(String, String, u64)>> {
+        let name = self.get(|d| d.short_name.clone());
+        let loaded =
+            self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
+        let Some(runner) = loaded.iter().find(|m| m.names.contains(&name)) else { return Ok(Vec::new()) };
+        Ok(crate::gpu::model_devices(&self.shared.context.inventory, &runner.placement, runner.footprint)
+            .into_iter()
+            .map(|(kind, device, bytes)| (device, kind.to_owned(), bytes))
+            .collect())
+    }
 }
 
 fn epoch_micros(time: SystemTime) -> u64 {

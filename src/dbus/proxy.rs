@@ -59,9 +59,12 @@ pub trait Manager {
     /// corrald's version.
     #[zbus(property)]
     fn version(&self) -> zbus::Result<String>;
-    /// GPUs: (id, name, driver, total, usable).
+    /// GPUs: (id, name, driver, total, usable). Superseded by `devices`.
     #[zbus(property)]
     fn gpus(&self) -> zbus::Result<Vec<(String, String, String, u64, u64)>>;
+    /// Devices, the host last: (kind, name, description, total, usable, used by corral).
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn devices(&self) -> zbus::Result<Vec<(String, String, String, u64, u64, u64)>>;
     /// Host memory for models.
     #[zbus(property)]
     fn host_memory(&self) -> zbus::Result<u64>;
@@ -152,6 +155,9 @@ pub trait Model {
     /// Requests holding it.
     #[zbus(property(emits_changed_signal = "false"))]
     fn active_requests(&self) -> zbus::Result<u32>;
+    /// Where its runner's memory is: (device name, kind, bytes), the host last.
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn devices(&self) -> zbus::Result<Vec<(String, String, u64)>>;
 }
 
 /// `org.corral.Corral1.Job`.

@@ -1,42 +1,52 @@
-//! GPU and host memory: what the scheduler fits models into.
+//! Devices and host memory: what the scheduler fits models into.
 //!
 //! A [`MemoryProbe`] answers with an owned [`Inventory`] snapshot each time it is asked.
 //! [`probe`] picks one from the configuration: the fixed inventory of `[gpu] devices`
 //! (CPU-only hosts, tests), or a [`SystemProbe`] that combines NVIDIA GPUs through NVML
 //! ([`nvml`]; no library means no NVIDIA GPUs), AMD GPUs through sysfs ([`amd`]) and host
-//! memory from `/proc/meminfo` ([`host`]).  Every filesystem root and the NVML handle are
-//! passed in, so tests point them at a temporary directory.
+//! memory from `/proc/meminfo` ([`host`]).  Either way the devices of the `[[workers]]`
+//! (ggml `rpc-server`s, [`rpc`]) follow the local GPUs.  Every filesystem root, program
+//! and the NVML handle are passed in, so tests point them at a temporary directory.
+//! [`usage`] is the per-device view the D-Bus, `/metrics` and `/api/ps` show.
 
 pub mod amd;
 pub mod fixed;
 pub mod host;
 pub mod nvml;
+pub mod rpc;
+mod usage;
 
 use std::path::PathBuf;
 
 pub use crate::supervisor::command::Backend;
+pub use usage::{DeviceUse, HOST_NAME, model_devices, usage};
 
 use crate::config::GpuConfig;
 
 /// Everything the scheduler plans with, at one moment.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Inventory {
-    /// The GPUs: NVIDIA first, then AMD, each in its driver's order.
+    /// Every offload device: the local GPUs (NVIDIA first, then AMD, each in its driver's
+    /// order), then the workers' RPC devices (in `[[workers]]` order).
     pub gpus: Vec<Gpu>,
     /// The host's memory.
     pub host: HostMemory,
 }
 
-/// One GPU.
+/// One offload device: a local GPU, or a worker's RPC device.
 ///
-/// With [`probe`], `total_bytes` and `free_bytes` are already less `[gpu] reserve`.
+/// With [`probe`], `total_bytes` and `free_bytes` are already less `[gpu] reserve` (and
+/// capped by the worker's `memory`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Gpu {
-    /// Its index among the GPUs of its backend, as the driver counts them.
+    /// Its index among the GPUs of its backend, as the driver counts them; for an RPC
+    /// device, its position among its worker's devices.
     pub index: u32,
-    /// A stable id: the UUID (`GPU-…`) where the driver has one, else the PCI address.
+    /// A stable id: the UUID (`GPU-…`) where the driver has one, else the PCI address;
+    /// `rpc:HOST:PORT#N` for a worker's device.
     pub id: String,
-    /// Its product name.
+    /// Its product name; for an RPC device, its worker's name (with `#N` when the
+    /// worker has several devices).
     pub name: String,
     /// Its driver family.
     pub backend: Backend,
@@ -94,9 +104,10 @@ impl Roots {
 
 /// The probe for this configuration: the fixed inventory when `[gpu] fixed` is set, else a
 /// [`SystemProbe`] with NVML (when its library loads), AMD sysfs and `/proc/meminfo`.
-/// Either way `[gpu] reserve` is taken off every GPU's total and free memory.
+/// Either way the devices of `workers` follow the local GPUs, and `[gpu] reserve` is
+/// taken off every device's total and free memory.
 #[must_use]
-pub fn probe(config: &GpuConfig, roots: &Roots) -> Box<dyn MemoryProbe> {
+pub fn probe(config: &GpuConfig, workers: rpc::Workers, roots: &Roots) -> Box<dyn MemoryProbe> {
     let inner: Box<dyn MemoryProbe> = if config.fixed {
         tracing::info!(gpus = config.devices.len(), "using the fixed GPU inventory from [gpu]");
         Box::new(fixed::FixedProbe::new(config, roots))
@@ -106,6 +117,8 @@ pub fn probe(config: &GpuConfig, roots: &Roots) -> Box<dyn MemoryProbe> {
         }
         Box::new(SystemProbe::new(nvml::NvmlProbe::new(), roots.clone()))
     };
+    let inner: Box<dyn MemoryProbe> =
+        if workers.workers.is_empty() { inner } else { Box::new(WithWorkers { inner, workers }) };
     if config.reserve == 0 { inner } else { Box::new(Reserved { inner, reserve: config.reserve }) }
 }
 
@@ -140,6 +153,25 @@ impl MemoryProbe for SystemProbe {
     }
 }
 
+/// Another probe with the workers' devices after its own; the workers are asked on each
+/// inventory.
+struct WithWorkers {
+    inner: Box<dyn MemoryProbe>,
+    workers: rpc::Workers,
+}
+
+impl MemoryProbe for WithWorkers {
+    fn inventory(&self) -> Inventory {
+        let mut inventory = self.inner.inventory();
+        inventory.gpus.extend(self.workers.devices());
+        inventory
+    }
+
+    fn process_vram(&self, pid: u32) -> Option<u64> {
+        self.inner.process_vram(pid)
+    }
+}
+
 /// Another probe with `reserve` bytes taken off every GPU.
 struct Reserved {
     inner: Box<dyn MemoryProbe>,
@@ -171,8 +203,8 @@ mod tests {
     use std::fs;
     use std::path::Path;
 
-    use super::{Backend, Gpu, HostMemory, Roots, probe, reserve};
-    use crate::config::{FixedGpu, GpuConfig};
+    use super::{Backend, Gpu, HostMemory, Roots, probe, reserve, rpc};
+    use crate::config::{FixedGpu, GpuConfig, WorkerConfig};
 
     const MIB: u64 = 1024 * 1024;
     const GIB: u64 = 1024 * MIB;
@@ -201,6 +233,53 @@ mod tests {
         }
     }
 
+    fn no_workers() -> rpc::Workers {
+        rpc::Workers::default()
+    }
+
+    /// Workers answered by a script: `down:*` cannot be reached, the others have one
+    /// device of 1 GiB with 768 MiB free.
+    fn scripted_workers(dir: &Path, addresses: &[&str]) -> rpc::Workers {
+        use std::os::unix::fs::PermissionsExt as _;
+        let program = dir.join("llama-server");
+        fs::write(
+            &program,
+            "#!/bin/sh\ncase \"$2\" in down:*) echo 'Failed to connect' >&2; exit 1;; esac\n\
+             echo 'Available devices:'\necho \"  RPC0: $2 (1024 MiB, 768 MiB free)\"\n",
+        )
+        .expect("write");
+        fs::set_permissions(&program, fs::Permissions::from_mode(0o755)).expect("chmod");
+        let workers = addresses
+            .iter()
+            .map(|a| WorkerConfig { address: a.parse().expect("address"), name: None, memory: None })
+            .collect();
+        rpc::Workers::new(program, workers)
+    }
+
+    #[test]
+    fn workers_devices_follow_the_gpus_fixed_or_probed_with_the_reserve_taken_off() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let roots = fake_roots(dir.path());
+        let mut config = fixed_config();
+        config.reserve = 256 * MIB;
+        let workers = scripted_workers(dir.path(), &["w:1", "down:2", "w:3"]);
+        let fixed = probe(&config, workers.clone(), &roots).inventory();
+        let ids: Vec<_> = fixed.gpus.iter().map(|g| (g.id.as_str(), g.backend, g.total_bytes, g.free_bytes)).collect();
+        assert_eq!(
+            ids,
+            [
+                ("0", Backend::Cuda, 8 * GIB - 256 * MIB, 8 * GIB - 256 * MIB),
+                ("x", Backend::Vulkan, 4 * GIB - 256 * MIB, 4 * GIB - 256 * MIB),
+                ("rpc:w:1#0", Backend::Rpc, GIB - 256 * MIB, 512 * MIB),
+                ("rpc:w:3#0", Backend::Rpc, GIB - 256 * MIB, 512 * MIB),
+            ]
+        );
+        config.fixed = false;
+        let probed = probe(&config, workers, &roots).inventory();
+        let kinds: Vec<_> = probed.gpus.iter().map(|g| g.backend).collect();
+        assert_eq!(kinds.last_chunk::<3>(), Some(&[Backend::Rocm, Backend::Rpc, Backend::Rpc]), "{probed:?}");
+    }
+
     #[test]
     fn system_roots_are_sys_and_proc() {
         let roots = Roots::system();
@@ -212,11 +291,11 @@ mod tests {
     fn probe_uses_the_fixed_inventory_when_configured_and_probes_nothing() {
         let dir = tempfile::tempdir().expect("tempdir");
         let roots = fake_roots(dir.path());
-        let inventory = probe(&fixed_config(), &roots).inventory();
+        let inventory = probe(&fixed_config(), no_workers(), &roots).inventory();
         let names: Vec<_> = inventory.gpus.iter().map(|g| g.name.as_str()).collect();
         assert_eq!(names, ["test0", "test1"], "the AMD card under the fake sysfs is not probed");
         assert_eq!(inventory.host, HostMemory { total_bytes: 32 * GIB, available_bytes: 32 * GIB });
-        assert_eq!(probe(&fixed_config(), &roots).process_vram(1), None);
+        assert_eq!(probe(&fixed_config(), no_workers(), &roots).process_vram(1), None);
     }
 
     #[test]
@@ -225,7 +304,7 @@ mod tests {
         let roots = fake_roots(dir.path());
         let mut config = fixed_config();
         config.fixed = false;
-        let inventory = probe(&config, &roots).inventory();
+        let inventory = probe(&config, no_workers(), &roots).inventory();
         assert!(inventory.gpus.iter().all(|g| g.name != "test0"), "configured devices are ignored");
         let amd: Vec<_> = inventory.gpus.iter().filter(|g| g.backend == Backend::Rocm).collect();
         assert_eq!(amd.len(), 1, "{inventory:?}");
@@ -239,13 +318,13 @@ mod tests {
         let roots = fake_roots(dir.path());
         let mut config = fixed_config();
         config.reserve = 512 * MIB;
-        let fixed = probe(&config, &roots).inventory();
+        let fixed = probe(&config, no_workers(), &roots).inventory();
         assert_eq!(fixed.gpus[0].total_bytes, 8 * GIB - 512 * MIB);
         assert_eq!(fixed.gpus[1].free_bytes, 4 * GIB - 512 * MIB);
         assert_eq!(fixed.host.total_bytes, 32 * GIB, "host memory has no reserve");
 
         config.fixed = false;
-        let probed = probe(&config, &roots).inventory();
+        let probed = probe(&config, no_workers(), &roots).inventory();
         let amd = probed.gpus.iter().find(|g| g.backend == Backend::Rocm).expect("AMD card");
         assert_eq!((amd.total_bytes, amd.free_bytes), (16 * GIB - 512 * MIB, 15 * GIB - 512 * MIB));
     }

@@ -3,7 +3,9 @@
 //! Names start with `corral_`; per-runner series carry `model`, `state` and `runner`
 //! labels. The runner's id keeps each series unique: a model can have two runners at
 //! once (one draining beside its replacement after its load options changed, or two
-//! load-option variants), and a scrape must never show one series twice.
+//! load-option variants), and a scrape must never show one series twice.  Per-device
+//! series (`corral_device_memory_bytes`) carry the device's stable id, unique in the
+//! inventory, with its kind and `state` (total, usable, used).
 
 use std::fmt::Write as _;
 
@@ -23,6 +25,7 @@ pub async fn metrics(State(app): State<AppState>) -> Result<Response, ApiError> 
         .await
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string(), "/metrics"))?;
     let mut text = render(&snapshot);
+    text.push_str(&render_devices(&crate::gpu::usage(&app.inventory, &snapshot.loaded)));
     let (prompt, generated) = app.tokens.totals();
     let _ = writeln!(
         text,
@@ -86,6 +89,26 @@ pub fn render(stats: &Stats) -> String {
     out
 }
 
+/// The per-device series of `devices`.
+#[must_use]
+pub fn render_devices(devices: &[crate::gpu::DeviceUse]) -> String {
+    let mut out = String::from(
+        "# HELP corral_device_memory_bytes Memory of each device and the host: total, usable by corral, used by \
+         corral's runners.\n# TYPE corral_device_memory_bytes gauge\n",
+    );
+    for d in devices {
+        for (state, value) in [("total", d.total_bytes), ("usable", d.usable_bytes), ("used", d.used_bytes)] {
+            let _ = writeln!(
+                out,
+                "corral_device_memory_bytes{{device=\"{}\",kind=\"{}\",state=\"{state}\"}} {value}",
+                escape(&d.name),
+                d.kind
+            );
+        }
+    }
+    out
+}
+
 /// A label value with `\`, `"` and newlines escaped, as the format requires.
 fn escape(value: &str) -> String {
     value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
@@ -95,7 +118,8 @@ fn escape(value: &str) -> String {
 mod tests {
     use std::time::Duration;
 
-    use super::{escape, render};
+    use super::{escape, render, render_devices};
+    use crate::gpu::DeviceUse;
     use crate::scheduler::actor::{Counters, LoadedModel, Stats};
     use crate::scheduler::keep_alive::KeepAlive;
     use crate::scheduler::policy::{Footprint, Placement};
@@ -151,5 +175,31 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }
         assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+
+    #[test]
+    fn each_device_has_three_unique_series() {
+        let device = |kind, name: &str, used| DeviceUse {
+            kind,
+            name: name.into(),
+            description: String::new(),
+            total_bytes: 100,
+            usable_bytes: 90,
+            used_bytes: used,
+        };
+        let text = render_devices(&[device("rpc", "rpc:h:1#0", 7), device("host", "host", 3)]);
+        for line in [
+            "# TYPE corral_device_memory_bytes gauge",
+            "corral_device_memory_bytes{device=\"rpc:h:1#0\",kind=\"rpc\",state=\"total\"} 100",
+            "corral_device_memory_bytes{device=\"rpc:h:1#0\",kind=\"rpc\",state=\"usable\"} 90",
+            "corral_device_memory_bytes{device=\"rpc:h:1#0\",kind=\"rpc\",state=\"used\"} 7",
+            "corral_device_memory_bytes{device=\"host\",kind=\"host\",state=\"used\"} 3",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        let series: Vec<&str> =
+            text.lines().filter(|l| !l.starts_with('#')).map(|l| l.rsplit_once(' ').expect("value").0).collect();
+        let unique: std::collections::BTreeSet<&&str> = series.iter().collect();
+        assert_eq!((series.len(), unique.len()), (6, 6), "{text}");
     }
 }

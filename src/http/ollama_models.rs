@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 use super::ApiError;
 use super::state::AppState;
+use crate::gpu::Inventory;
 use crate::scheduler::actor::LoadedModel;
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::store::manifest::{Manifest, ModelConfig};
@@ -97,6 +98,19 @@ struct PsModel {
     /// weights and load options); absent when none.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     shared_with: Vec<String>,
+    /// corral's own: where its memory is, device by device, the host last.
+    devices: Vec<PsDevice>,
+}
+
+/// One device of a `/api/ps` entry.
+#[derive(Debug, Serialize)]
+struct PsDevice {
+    /// The device's stable id (`host` for host memory), as D-Bus and `/metrics` name it.
+    name: String,
+    /// `cuda`, `rocm`, `vulkan`, `rpc` or `host`.
+    kind: &'static str,
+    /// Bytes of the model there.
+    bytes: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -146,14 +160,14 @@ async fn ps(State(state): State<AppState>) -> Result<Json<Ps>, ApiError> {
         ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string(), PATH)
     })?;
     let (now, wall) = (Instant::now(), SystemTime::now());
-    let store = state.store;
+    let (store, inventory) = (state.store, state.inventory);
     let mut models = blocking(move || {
         // An entry for each model a runner serves: models with the same weights and load
         // options share one.
         Ok(loaded
             .iter()
             .flat_map(|m| m.names.iter().map(move |name| (m, name)))
-            .map(|(m, name)| ps_model(&store, m, name, now, wall))
+            .map(|(m, name)| ps_model(&store, &inventory, m, name, now, wall))
             .collect::<Vec<(SystemTime, PsModel)>>())
     })
     .await
@@ -163,7 +177,14 @@ async fn ps(State(state): State<AppState>) -> Result<Json<Ps>, ApiError> {
 }
 
 /// One `/api/ps` entry, with when it expires for sorting.
-fn ps_model(store: &Store, m: &LoadedModel, name: &str, now: Instant, wall: SystemTime) -> (SystemTime, PsModel) {
+fn ps_model(
+    store: &Store,
+    inventory: &Inventory,
+    m: &LoadedModel,
+    name: &str,
+    now: Instant,
+    wall: SystemTime,
+) -> (SystemTime, PsModel) {
     let expires = match (m.expires_at, m.keep_alive) {
         (Some(at), _) => wall + at.saturating_duration_since(now),
         // Busy: it expires its keep-alive after the last request ends.
@@ -181,16 +202,22 @@ fn ps_model(store: &Store, m: &LoadedModel, name: &str, now: Instant, wall: Syst
             (String::new(), Details::default())
         }
     };
+    let devices: Vec<PsDevice> = crate::gpu::model_devices(inventory, &m.placement, m.footprint)
+        .into_iter()
+        .map(|(kind, name, bytes)| PsDevice { name, kind, bytes })
+        .collect();
     let model = PsModel {
         name: name.to_owned(),
         model: name.to_owned(),
         size: m.footprint.total(),
-        size_vram: m.footprint.vram,
+        // Ollama's "in VRAM": on any offload device, RPC devices included.
+        size_vram: devices.iter().filter(|d| d.kind != crate::gpu::HOST_NAME).map(|d| d.bytes).sum(),
         digest,
         details,
         expires_at: rfc3339(expires),
         context_length: Some(u64::from(m.context_length)),
         shared_with: m.names.iter().filter(|n| *n != name).cloned().collect(),
+        devices,
     };
     (expires, model)
 }
@@ -497,12 +524,13 @@ mod tests {
         let m = &models[0];
         assert_eq!(
             keys(m),
-            ["context_length", "details", "digest", "expires_at", "model", "name", "size", "size_vram"]
+            ["context_length", "details", "devices", "digest", "expires_at", "model", "name", "size", "size_vram"]
         );
         assert_eq!(m["name"], "tiny:latest");
         assert_eq!(m["model"], "tiny:latest");
         assert_eq!(m["size"], loaded[0].footprint.total());
-        assert_eq!(m["size_vram"], loaded[0].footprint.vram);
+        assert_eq!(m["size_vram"], 0, "no GPU: all in host memory");
+        assert_eq!(m["devices"], json!([{"name": "host", "kind": "host", "bytes": loaded[0].footprint.total()}]));
         assert_eq!(m["digest"], manifest_digest(&state, "tiny"));
         assert_eq!(m["context_length"], 1024, "per slot, not num_ctx × parallel");
         assert_tiny_details(&m["details"]);
@@ -516,6 +544,60 @@ mod tests {
             state.scheduler.loaded().await.expect("loaded").is_empty(),
             "the runner of a deleted model is unloaded"
         );
+    }
+
+    #[tokio::test]
+    async fn ps_lists_a_model_on_a_worker_device_with_its_host_part() {
+        use crate::gpu::{Backend as Kind, Gpu, HostMemory, Inventory};
+        use crate::scheduler::actor::{Limits, Scheduler};
+        use crate::scheduler::footprints::Footprints;
+        use crate::scheduler::keep_alive::{Clamp, KeepAlive};
+        use crate::scheduler::policy::GpuView;
+
+        let (dir, mut state) = for_tests(absent_backend());
+        let limits = Limits {
+            max_loaded: 2,
+            max_queue: 8,
+            default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
+            clamp: Clamp::default(),
+        };
+        // One RPC device of 1 GiB: the runner (100 bytes of VRAM, 50 of RAM) goes there.
+        let gpus = vec![GpuView { index: 0, usable: 1 << 30 }];
+        let (scheduler, handle) = Scheduler::new(Arc::new(Immediate), gpus, 1 << 30, limits, Footprints::in_memory());
+        tokio::spawn(scheduler.run());
+        state.scheduler = handle;
+        state.inventory = Arc::new(Inventory {
+            gpus: vec![Gpu {
+                index: 0,
+                id: "rpc:127.0.0.1:50052#0".into(),
+                name: "worker".into(),
+                backend: Kind::Rpc,
+                total_bytes: 1 << 30,
+                free_bytes: 1 << 30,
+                driver: None,
+                compute: None,
+                endpoint: Some("127.0.0.1:50052".into()),
+            }],
+            host: HostMemory { total_bytes: 1 << 30, available_bytes: 1 << 30 },
+        });
+        create(&dir, &state, "tiny", "FROM ./tiny.gguf\n");
+        let name = ModelName::parse("tiny").expect("name");
+        let defaults = Defaults { num_ctx: 1024, parallel: 1 };
+        let model_request =
+            request::build(&state.store, &name, &serde_json::Map::new(), None, false, defaults).expect("request");
+        drop(state.scheduler.acquire(model_request).await.expect("loaded"));
+        let (status, body) = call(&state, Method::GET, "/api/ps", "").await;
+        assert_eq!(status, StatusCode::OK);
+        let m = &body["models"][0];
+        assert_eq!(
+            m["devices"],
+            json!([
+                {"name": "rpc:127.0.0.1:50052#0", "kind": "rpc", "bytes": 100},
+                {"name": "host", "kind": "host", "bytes": 50},
+            ]),
+            "{body}"
+        );
+        assert_eq!((m["size"].as_u64(), m["size_vram"].as_u64()), (Some(150), Some(100)), "{body}");
     }
 
     #[test]

@@ -31,6 +31,8 @@ pub struct AppState {
     pub upstream: crate::supervisor::upstream::Pool,
     /// Request templates' renderer, with the slots all requests share.
     pub templates: crate::prompt_template::Renderer,
+    /// The devices and host memory found at start, for the per-device views.
+    pub inventory: Arc<crate::gpu::Inventory>,
 }
 
 /// Token counters since start, and each model's speed in its last answer.
@@ -97,6 +99,7 @@ impl AppState {
             tokens: Arc::default(),
             upstream: crate::supervisor::upstream::Pool::default(),
             templates: crate::prompt_template::Renderer::default(),
+            inventory: Arc::default(),
         }
     }
 }

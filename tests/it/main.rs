@@ -15,6 +15,7 @@ mod dbus_access;
 mod dbus_api;
 mod dbus_contract;
 mod dbus_jobs;
+mod devices;
 mod edge_habits;
 mod fake_runner;
 mod faults;
