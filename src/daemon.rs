@@ -688,7 +688,12 @@ async fn start_scheduler(
             stop_grace: Duration::from_secs(10),
         },
         load_timeout: config.scheduler.load_timeout,
-        devices: inventory.gpus.iter().map(|g| Device { backend: g.backend, id: g.id.clone() }).collect(),
+        // A worker's devices are reached through its address (`--rpc`).
+        devices: inventory
+            .gpus
+            .iter()
+            .map(|g| Device { backend: g.backend, id: g.endpoint.clone().unwrap_or_else(|| g.id.clone()) })
+            .collect(),
         probe: Some(probe),
         projections: Projector::from_config(&config.runner, std::env::var_os("PATH").as_deref()).ok().map(
             |projector| {

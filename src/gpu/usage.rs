@@ -109,6 +109,7 @@ mod tests {
 
     fn runner(id: u64, placement: Placement, vram: u64, ram: u64) -> LoadedModel {
         LoadedModel {
+            devices: Vec::new(),
             id,
             name: format!("m{id}"),
             names: vec![format!("m{id}")],

@@ -560,9 +560,10 @@ mod tests {
             max_queue: 8,
             default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
             clamp: Clamp::default(),
+            partial_offload: true,
         };
         // One RPC device of 1 GiB: the runner (100 bytes of VRAM, 50 of RAM) goes there.
-        let gpus = vec![GpuView { index: 0, usable: 1 << 30 }];
+        let gpus = vec![GpuView { index: 0, name: "RPC0".into(), usable: 1 << 30 }];
         let (scheduler, handle) = Scheduler::new(Arc::new(Immediate), gpus, 1 << 30, limits, Footprints::in_memory());
         tokio::spawn(scheduler.run());
         state.scheduler = handle;
