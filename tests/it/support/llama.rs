@@ -21,7 +21,7 @@ const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a stop waits after SIGTERM before SIGKILL.
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The directory holding `llama-server` and `rpc-server`.  The first call in a test process
+/// The directory holding `llama-server`, `rpc-server` and `llama-fit-params`.  The first call in a test process
 /// runs `scripts/setup-llama-server.sh`, which builds them once into a cache (minutes) and
 /// afterwards only prints the directory; a failure panics, since these tests never skip.
 pub fn bin_dir() -> PathBuf {
@@ -32,6 +32,14 @@ pub fn bin_dir() -> PathBuf {
         dir
     })
     .clone()
+}
+
+/// llama.cpp's `llama-fit-params`: the per-device memory projection of a load, without
+/// loading weights (`--fit-print on`).
+pub fn fit_params() -> PathBuf {
+    let path = bin_dir().join("llama-fit-params");
+    assert!(path.is_file(), "{} is missing", path.display());
+    path
 }
 
 /// A running `llama-server` on a UNIX socket.  Dropping it stops it: SIGTERM, up to 10 s
