@@ -28,6 +28,7 @@ mod models_habits;
 mod packages;
 mod private_bus;
 mod registry;
+mod rig_devices;
 mod scheduling;
 mod security_http;
 mod security_store_content;
