@@ -237,9 +237,15 @@ fn a_split_across_two_workers_is_projected_as_llama_server_allocates_it() {
     let over = (rpc1.compute * MIB).checked_sub(on_b.compute).expect("RPC1's compute projection is an upper bound");
     assert!(over < 5 * MIB, "RPC1 compute: projected {} MiB, llama-server {} bytes", rpc1.compute, on_b.compute);
 
-    // The split works: a chat turns out tokens.
+    // The split works: a completion and a chat (the tiny llama's vocabulary and template)
+    // turn out tokens.
     let answer = server.post_json("/completion", &serde_json::json!({"prompt": "hello world", "n_predict": 8}));
     assert_eq!(answer["tokens_predicted"], 8, "{answer}");
+    let chat = server.post_json(
+        "/v1/chat/completions",
+        &serde_json::json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}),
+    );
+    assert_eq!(chat["usage"]["completion_tokens"], 4, "{chat}");
     let status = server.stop();
     assert!(status.success(), "{status}");
 }
