@@ -9,8 +9,9 @@
 //! * llama: the output rows of every token that is not a plain text piece (`<unk>`,
 //!   `<s>`, `</s>`, `<|im_start|>`, `<|im_end|>`, the byte tokens except the newline
 //!   `<0x0A>`) are zero, so their logit is 0 while the text pieces' logits spread with
-//!   σ≈√`n_embd` (8 for the tiny one).  Sampling never picks them: a generation never stops early, runs for exactly
-//!   `n_predict` tokens, and its output is valid UTF-8 (ASCII plus newlines).
+//!   σ≈√`n_embd` (8 for the tiny one).  Sampling never picks them: a generation never stops
+//!   early, runs for exactly `n_predict` tokens, and its output is valid UTF-8 (ASCII plus
+//!   newlines).
 //! * bert: mean pooling, non-causal attention, 64-dimensional embeddings.
 
 use std::collections::HashSet;

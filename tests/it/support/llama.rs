@@ -21,9 +21,10 @@ const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a stop waits after SIGTERM before SIGKILL.
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The directory holding `llama-server`, `rpc-server` and `llama-fit-params`.  The first call in a test process
-/// runs `scripts/setup-llama-server.sh`, which builds them once into a cache (minutes) and
-/// afterwards only prints the directory; a failure panics, since these tests never skip.
+/// The directory holding `llama-server`, `rpc-server` and `llama-fit-params`.  The first
+/// call in a test process runs `scripts/setup-llama-server.sh`, which builds them once into
+/// a cache (minutes) and afterwards only prints the directory; a failure panics, since these
+/// tests never skip.
 pub fn bin_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
