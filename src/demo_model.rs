@@ -1,5 +1,7 @@
-//! Tiny random-weight GGUF models that the real llama.cpp `llama-server` loads and runs in
-//! milliseconds: a llama chat model and a bert embedding model, a few hundred KB each.
+//! Random-weight GGUF models that the real llama.cpp `llama-server` loads and runs: a tiny
+//! llama chat model and a tiny bert embedding model, a few hundred KB each, loaded in
+//! milliseconds; and llamas of any [`LlamaShape`], such as the rig's ([`LlamaShape::rig`]),
+//! big enough to split across devices, written tensor by tensor without holding the file.
 //!
 //! The weights are random, so the text is gibberish, but the files are deterministic (a
 //! fixed seed) and behave predictably:
@@ -7,14 +9,16 @@
 //! * llama: the output rows of every token that is not a plain text piece (`<unk>`,
 //!   `<s>`, `</s>`, `<|im_start|>`, `<|im_end|>`, the byte tokens except the newline
 //!   `<0x0A>`) are zero, so their logit is 0 while the text pieces' logits spread with
-//!   σ≈8.  Sampling never picks them: a generation never stops early, runs for exactly
-//!   `n_predict` tokens, and its output is valid UTF-8 (ASCII plus newlines).
+//!   σ≈√`n_embd` (8 for the tiny one).  Sampling never picks them: a generation never stops
+//!   early, runs for exactly `n_predict` tokens, and its output is valid UTF-8 (ASCII plus
+//!   newlines).
 //! * bert: mean pooling, non-causal attention, 64-dimensional embeddings.
 
 use std::collections::HashSet;
 use std::io;
 use std::path::Path;
 
+use crate::gguf::writer::encode;
 use crate::gguf::{GgufValue, GgufWriter, TensorType};
 
 /// Token types (`enum llama_token_type`).
@@ -29,12 +33,11 @@ const FILE_TYPE_MOSTLY_F16: u32 = 1;
 const POOLING_MEAN: u32 = 1;
 
 const SEED: u64 = 0x636f_7272_616c; // "corral"
+/// The tiny bert's shape.
 const N_LAYER: u32 = 4;
 const N_EMBD: u32 = 64;
 const N_FF: u32 = 128;
 const N_HEAD: u32 = 4;
-const N_HEAD_KV: u32 = 2;
-const LLAMA_CONTEXT: u32 = 2048;
 const BERT_CONTEXT: u32 = 512;
 
 /// The word-initial space of sentencepiece and of llama.cpp's word-piece (U+2581).
@@ -56,10 +59,110 @@ const WORDS: &str = "the be to of and in that have it for not on with he as you 
     because any these give day most us hello world model server llama test tiny token text answer question \
     yes ok chat corral";
 
-/// Writes the tiny llama chat model: 4 layers, 64-wide, 4 heads over 2 KV heads, context
-/// 2048, F16 weights, a sentencepiece vocabulary with byte fallback and a `ChatML` template.
+/// The hyperparameters of a random-weight llama, and how its weights are drawn.  Everything
+/// else is fixed: the vocabulary (about 650 tokens), the `ChatML` template, F16 matrices and
+/// F32 norms, and the seed, so a shape always gives the same bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LlamaShape {
+    /// `general.name`.
+    pub name: &'static str,
+    /// Transformer blocks (`llama.block_count`).
+    pub n_layer: u32,
+    /// Hidden width (`llama.embedding_length`); a multiple of `n_head`.
+    pub n_embd: u32,
+    /// Feed-forward width (`llama.feed_forward_length`).
+    pub n_ff: u32,
+    /// Attention heads; a multiple of `n_head_kv`.
+    pub n_head: u32,
+    /// Key/value heads (grouped-query attention when fewer than `n_head`).
+    pub n_head_kv: u32,
+    /// The training context (`llama.context_length`), llama-server's default `-c`.
+    pub context: u32,
+    /// How the random weights are drawn.
+    pub weights: Weights,
+}
+
+/// How a llama's random weights are drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Weights {
+    /// Close to normal (the sum of 12 uniforms), drawn one by one and rounded to F16: the
+    /// tiny models' weights, kept so that their bytes never change, but about 130 ns a
+    /// weight in a debug build (15 s for 100 MiB).
+    Normal,
+    /// Made as F16 bits, four from each 64-bit draw: a random sign and significand over a
+    /// fixed exponent, so magnitudes are uniform over [a, 2a), with the power of two `a` that
+    /// gives a standard deviation within √2 of the one asked for.  100 MiB in about a second
+    /// in a debug build, for the models that tests write; their text is gibberish too.
+    RandomBits,
+}
+
+impl LlamaShape {
+    /// The tiny llama: 4 layers, 64-wide, 4 heads over 2 KV heads, context 2048; 0.45 MiB.
+    #[must_use]
+    pub const fn tiny() -> Self {
+        Self {
+            name: "corral-tiny-llama",
+            n_layer: 4,
+            n_embd: 64,
+            n_ff: 128,
+            n_head: 4,
+            n_head_kv: 2,
+            context: 2048,
+            weights: Weights::Normal,
+        }
+    }
+
+    /// The rig's llama, big enough to split across devices and to measure memory in MiB:
+    /// 16 layers of 7.5 MiB (512-wide, feed-forward 2048, 8 heads over 4 KV heads), about
+    /// 121 MiB of F16 weights in all; an F16 KV cache of 1 KiB per cell and layer (32 MiB
+    /// at `-c 2048`); context 4096.
+    #[must_use]
+    pub const fn rig() -> Self {
+        Self {
+            name: "corral-rig-llama",
+            n_layer: 16,
+            n_embd: 512,
+            n_ff: 2048,
+            n_head: 8,
+            n_head_kv: 4,
+            context: 4096,
+            weights: Weights::RandomBits,
+        }
+    }
+
+    fn head_dim(&self) -> u32 {
+        self.n_embd / self.n_head
+    }
+
+    fn check(&self) -> io::Result<()> {
+        let sizes = [self.n_layer, self.n_embd, self.n_ff, self.n_head, self.n_head_kv, self.context];
+        if sizes.contains(&0) || self.n_embd % self.n_head != 0 || self.n_head % self.n_head_kv != 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("not a llama shape: {self:?}")));
+        }
+        Ok(())
+    }
+
+    /// The bytes of its tensors' data (weights, norms), without the header or padding.
+    #[must_use]
+    pub fn tensor_bytes(&self) -> u64 {
+        let n_vocab = llama_vocab().len();
+        llama_tensors(self, n_vocab).iter().map(|t| t.count() * t.ty.element_size() as u64).sum()
+    }
+}
+
+/// Writes a random-weight llama chat model of `shape`, one tensor at a time (memory stays at
+/// the largest tensor's values), with the tiny llama's vocabulary (sentencepiece with byte
+/// fallback) and `ChatML` template, so chats work.  Deterministic: the same shape gives the
+/// same bytes.
+pub fn write_llama(path: &Path, shape: &LlamaShape) -> io::Result<()> {
+    let llama = Llama::new(shape, Vec::new())?;
+    llama.writer.write_file_streamed(path, llama.data())
+}
+
+/// Writes the tiny llama chat model ([`LlamaShape::tiny`]): F16 weights, a sentencepiece
+/// vocabulary with byte fallback and a `ChatML` template.
 pub fn write_tiny_llama(path: &Path) -> io::Result<()> {
-    tiny_llama()?.write_file(path)
+    write_llama(path, &LlamaShape::tiny())
 }
 
 /// Writes the tiny bert embedding model for `llama-server --embeddings`: 4 layers,
@@ -70,17 +173,16 @@ pub fn write_tiny_bert(path: &Path) -> io::Result<()> {
 
 /// The bytes [`write_tiny_llama`] writes.
 pub fn tiny_llama_bytes() -> io::Result<Vec<u8>> {
-    Ok(tiny_llama()?.to_bytes())
+    tiny_llama_bytes_with(Vec::new())
 }
 
 /// The bytes of the tiny llama with `extra` metadata pairs added (for tests of what is
 /// made of hostile metadata).
 pub fn tiny_llama_bytes_with(extra: Vec<(String, GgufValue)>) -> io::Result<Vec<u8>> {
-    let mut w = tiny_llama()?;
-    for (key, value) in extra {
-        w.add_metadata(&key, value)?;
-    }
-    Ok(w.to_bytes())
+    let llama = Llama::new(&LlamaShape::tiny(), extra)?;
+    let mut bytes = Vec::new();
+    llama.writer.write_streamed(&mut bytes, llama.data())?;
+    Ok(bytes)
 }
 
 /// The bytes [`write_tiny_bert`] writes.
@@ -214,24 +316,22 @@ impl Tensors<'_> {
     }
 }
 
-fn tiny_llama() -> io::Result<GgufWriter> {
-    let vocab = llama_vocab();
-    let n_vocab = vocab.len();
-    let head_dim = N_EMBD / N_HEAD;
+/// A llama's metadata, before its tensors.
+fn llama_metadata(shape: &LlamaShape, vocab: &Vocab) -> io::Result<GgufWriter> {
     let mut w = GgufWriter::new();
     w.add_metadata("general.architecture", "llama")?;
-    w.add_metadata("general.name", "corral-tiny-llama")?;
+    w.add_metadata("general.name", shape.name)?;
     w.add_metadata("general.file_type", FILE_TYPE_MOSTLY_F16)?;
-    w.add_metadata("llama.context_length", LLAMA_CONTEXT)?;
-    w.add_metadata("llama.embedding_length", N_EMBD)?;
-    w.add_metadata("llama.block_count", N_LAYER)?;
-    w.add_metadata("llama.feed_forward_length", N_FF)?;
-    w.add_metadata("llama.attention.head_count", N_HEAD)?;
-    w.add_metadata("llama.attention.head_count_kv", N_HEAD_KV)?;
-    w.add_metadata("llama.rope.dimension_count", head_dim)?;
+    w.add_metadata("llama.context_length", shape.context)?;
+    w.add_metadata("llama.embedding_length", shape.n_embd)?;
+    w.add_metadata("llama.block_count", shape.n_layer)?;
+    w.add_metadata("llama.feed_forward_length", shape.n_ff)?;
+    w.add_metadata("llama.attention.head_count", shape.n_head)?;
+    w.add_metadata("llama.attention.head_count_kv", shape.n_head_kv)?;
+    w.add_metadata("llama.rope.dimension_count", shape.head_dim())?;
     w.add_metadata("llama.rope.freq_base", 10_000f32)?;
     w.add_metadata("llama.attention.layer_norm_rms_epsilon", 1e-5f32)?;
-    w.add_metadata("llama.vocab_size", n_vocab)?;
+    w.add_metadata("llama.vocab_size", vocab.len())?;
     w.add_metadata("tokenizer.ggml.model", "llama")?;
     w.add_metadata("tokenizer.ggml.tokens", vocab.tokens.clone())?;
     w.add_metadata("tokenizer.ggml.scores", vocab.scores.clone())?;
@@ -243,32 +343,171 @@ fn tiny_llama() -> io::Result<GgufWriter> {
     w.add_metadata("tokenizer.ggml.add_bos_token", true)?;
     w.add_metadata("tokenizer.ggml.add_eos_token", false)?;
     w.add_metadata("tokenizer.chat_template", CHATML_TEMPLATE)?;
+    Ok(w)
+}
 
-    let mut t = Tensors { writer: &mut w, rng: SplitMix64(SEED) };
-    let token_embd = t.random(N_EMBD * n_vocab, 1.0);
-    t.add("token_embd.weight", &[N_EMBD, n_vocab], TensorType::F16, &token_embd)?;
-    for i in 0..N_LAYER {
-        t.vector(&format!("blk.{i}.attn_norm.weight"), N_EMBD, 1.0)?;
-        t.matrix(&format!("blk.{i}.attn_q.weight"), N_EMBD, N_HEAD * head_dim)?;
-        t.matrix(&format!("blk.{i}.attn_k.weight"), N_EMBD, N_HEAD_KV * head_dim)?;
-        t.matrix(&format!("blk.{i}.attn_v.weight"), N_EMBD, N_HEAD_KV * head_dim)?;
-        t.matrix(&format!("blk.{i}.attn_output.weight"), N_HEAD * head_dim, N_EMBD)?;
-        t.vector(&format!("blk.{i}.ffn_norm.weight"), N_EMBD, 1.0)?;
-        t.matrix(&format!("blk.{i}.ffn_gate.weight"), N_EMBD, N_FF)?;
-        t.matrix(&format!("blk.{i}.ffn_up.weight"), N_EMBD, N_FF)?;
-        t.matrix(&format!("blk.{i}.ffn_down.weight"), N_FF, N_EMBD)?;
+/// A llama ready to write: its metadata and declared tensors, and the plan that supplies
+/// their data in order.
+struct Llama {
+    writer: GgufWriter,
+    tensors: Vec<Planned>,
+    vocab: Vocab,
+    weights: Weights,
+}
+
+impl Llama {
+    fn new(shape: &LlamaShape, extra: Vec<(String, GgufValue)>) -> io::Result<Self> {
+        shape.check()?;
+        let vocab = llama_vocab();
+        let tensors = llama_tensors(shape, vocab.len());
+        let mut writer = llama_metadata(shape, &vocab)?;
+        for (key, value) in extra {
+            writer.add_metadata(&key, value)?;
+        }
+        for t in &tensors {
+            writer.add_tensor_later(&t.name, &t.dims(), t.ty)?;
+        }
+        Ok(Self { writer, tensors, vocab, weights: shape.weights })
     }
-    t.vector("output_norm.weight", N_EMBD, 1.0)?;
-    // After the RMS norm the hidden state has unit scale, so unit-variance output rows give
-    // logits with σ = √64 = 8: peaked, and far above the zero rows.
-    let mut output = t.random(N_EMBD * n_vocab, 1.0);
-    for (row, (token, &ty)) in output.chunks_mut(N_EMBD as usize).zip(vocab.tokens.iter().zip(&vocab.types)) {
-        if ty != NORMAL && token != "<0x0A>" {
-            row.fill(0.0);
+
+    /// The writer's data callback: each tensor's bytes, drawn from one generator in file
+    /// order (so the order of draws is part of the bytes).
+    fn data(&self) -> impl FnMut(&str, &mut Vec<u8>) -> io::Result<()> + '_ {
+        let mut rng = SplitMix64(SEED);
+        let mut next = self.tensors.iter();
+        let mut values = Vec::new();
+        move |name, out| {
+            let t = next.next().filter(|t| t.name == name).expect("asked in the order added");
+            t.data(self.weights, &mut rng, &self.vocab, &mut values, out);
+            Ok(())
         }
     }
-    t.add("output.weight", &[N_EMBD, n_vocab], TensorType::F16, &output)?;
-    Ok(w)
+}
+
+/// How a planned tensor's values are made.
+#[derive(Debug, Clone, Copy)]
+enum Fill {
+    /// Every value the same (norm weights).
+    Constant(f32),
+    /// Random, with this standard deviation.
+    Random(f64),
+    /// The output matrix: rows of standard deviation 1, zero for the tokens that are not
+    /// text.  After the RMS norm the hidden state has unit scale, so the text pieces'
+    /// logits spread with σ≈√`n_embd`: peaked, and far above the zero rows' 0.
+    Output,
+}
+
+/// Appends `count` values close to normal with standard deviation `std`.
+#[allow(clippy::cast_possible_truncation, reason = "weights are stored as f32 or f16 by design")]
+fn normal(count: usize, std: f64, rng: &mut SplitMix64, out: &mut Vec<f32>) {
+    out.extend((0..count).map(|_| (rng.normal() * std) as f32));
+}
+
+/// Appends `count` F16 weights made as bits ([`Weights::RandomBits`]) with a standard
+/// deviation within √2 of `std`.
+fn random_bits(count: usize, std: f64, rng: &mut SplitMix64, out: &mut Vec<u8>) {
+    // A magnitude uniform over [a, 2a) has a mean square of 7a²/3: a = std·√(3/7), taken
+    // to the nearest power of two (from its bits, so every platform agrees).
+    let a = std * (3.0f64 / 7.0).sqrt();
+    let floor = i64::try_from((a.to_bits() >> 52) & 0x7ff).expect("11 bits") - 1023;
+    let significand = f64::from_bits((a.to_bits() & 0x000f_ffff_ffff_ffff) | 0x3ff0_0000_0000_0000);
+    let exponent = if significand >= std::f64::consts::SQRT_2 { floor + 1 } else { floor };
+    // F16's biased exponent, kept to the normal numbers.
+    let field = u64::try_from((exponent + 15).clamp(1, 30)).expect("clamped");
+    let fixed = (field << 10) * 0x0001_0001_0001_0001;
+    let end = out.len() + count * 2;
+    while out.len() < end {
+        // Sign and significand random in each of the four lanes, the exponent fixed.
+        let lanes = (rng.next_u64() & 0x83ff_83ff_83ff_83ff) | fixed;
+        let take = (end - out.len()).min(8);
+        out.extend_from_slice(&lanes.to_le_bytes()[..take]);
+    }
+}
+
+/// One tensor of a llama, in file order.
+struct Planned {
+    name: String,
+    /// Innermost first: `[cols]` or `[cols, rows]`.
+    cols: u32,
+    rows: Option<u32>,
+    ty: TensorType,
+    fill: Fill,
+}
+
+impl Planned {
+    /// A random F16 matrix of `rows` rows of `cols` values, scaled like `1/√cols`.
+    fn matrix(name: String, cols: u32, rows: u32) -> Self {
+        Self { name, cols, rows: Some(rows), ty: TensorType::F16, fill: Fill::Random(f64::from(cols).sqrt().recip()) }
+    }
+
+    /// An F32 vector of `len` ones (norm weights).
+    fn norm(name: String, len: u32) -> Self {
+        Self { name, cols: len, rows: None, ty: TensorType::F32, fill: Fill::Constant(1.0) }
+    }
+
+    fn dims(&self) -> Vec<u64> {
+        std::iter::once(self.cols).chain(self.rows).map(u64::from).collect()
+    }
+
+    fn count(&self) -> u64 {
+        u64::from(self.cols) * u64::from(self.rows.unwrap_or(1))
+    }
+
+    /// Appends the tensor's encoded data to `out`; `values` is scratch space.
+    fn data(&self, weights: Weights, rng: &mut SplitMix64, vocab: &Vocab, values: &mut Vec<f32>, out: &mut Vec<u8>) {
+        let count = usize::try_from(self.count()).expect("a tensor that fits in memory");
+        let std = match self.fill {
+            Fill::Constant(value) => {
+                values.clear();
+                values.resize(count, value);
+                return encode(self.ty, values, out);
+            }
+            Fill::Random(std) => std,
+            Fill::Output => 1.0,
+        };
+        let start = out.len();
+        match weights {
+            Weights::Normal => {
+                values.clear();
+                normal(count, std, rng, values);
+                encode(self.ty, values, out);
+            }
+            Weights::RandomBits => {
+                assert_eq!(self.ty, TensorType::F16, "random bits are F16 weights");
+                random_bits(count, std, rng, out);
+            }
+        }
+        if matches!(self.fill, Fill::Output) {
+            let row_bytes = self.cols as usize * self.ty.element_size();
+            for (row, (token, &ty)) in out[start..].chunks_mut(row_bytes).zip(vocab.tokens.iter().zip(&vocab.types)) {
+                if ty != NORMAL && token != "<0x0A>" {
+                    row.fill(0);
+                }
+            }
+        }
+    }
+}
+
+/// A llama's tensors in the order they are written and their random values drawn.
+fn llama_tensors(shape: &LlamaShape, n_vocab: u32) -> Vec<Planned> {
+    let (n_embd, head_dim) = (shape.n_embd, shape.head_dim());
+    let embedding =
+        |name: &str, fill| Planned { name: name.into(), cols: n_embd, rows: Some(n_vocab), ty: TensorType::F16, fill };
+    let mut t = vec![embedding("token_embd.weight", Fill::Random(1.0))];
+    for i in 0..shape.n_layer {
+        t.push(Planned::norm(format!("blk.{i}.attn_norm.weight"), n_embd));
+        t.push(Planned::matrix(format!("blk.{i}.attn_q.weight"), n_embd, shape.n_head * head_dim));
+        t.push(Planned::matrix(format!("blk.{i}.attn_k.weight"), n_embd, shape.n_head_kv * head_dim));
+        t.push(Planned::matrix(format!("blk.{i}.attn_v.weight"), n_embd, shape.n_head_kv * head_dim));
+        t.push(Planned::matrix(format!("blk.{i}.attn_output.weight"), shape.n_head * head_dim, n_embd));
+        t.push(Planned::norm(format!("blk.{i}.ffn_norm.weight"), n_embd));
+        t.push(Planned::matrix(format!("blk.{i}.ffn_gate.weight"), n_embd, shape.n_ff));
+        t.push(Planned::matrix(format!("blk.{i}.ffn_up.weight"), n_embd, shape.n_ff));
+        t.push(Planned::matrix(format!("blk.{i}.ffn_down.weight"), shape.n_ff, n_embd));
+    }
+    t.push(Planned::norm("output_norm.weight".into(), n_embd));
+    t.push(embedding("output.weight", Fill::Output));
+    t
 }
 
 fn tiny_bert() -> io::Result<GgufWriter> {
@@ -327,10 +566,16 @@ fn tiny_bert() -> io::Result<GgufWriter> {
 
 #[cfg(test)]
 mod tests {
+    use sha2::{Digest as _, Sha256};
+
     use super::{
-        BYTE, CONTROL, NORMAL, SPACE, SplitMix64, UNKNOWN, bert_vocab, llama_vocab, tiny_bert, tiny_llama,
-        write_tiny_bert, write_tiny_llama,
+        BYTE, CONTROL, LlamaShape, NORMAL, SPACE, SplitMix64, UNKNOWN, bert_vocab, llama_vocab, random_bits, tiny_bert,
+        tiny_llama_bytes, write_llama, write_tiny_bert, write_tiny_llama,
     };
+
+    fn sha256(bytes: &[u8]) -> String {
+        hex::encode(Sha256::digest(bytes))
+    }
 
     #[test]
     fn models_are_deterministic_and_small() {
@@ -344,7 +589,61 @@ mod tests {
             assert_eq!(&bytes[..4], b"GGUF");
             assert!((300_000..700_000).contains(&bytes.len()), "{name}: {} bytes", bytes.len());
         }
-        assert_ne!(tiny_llama().expect("llama").to_bytes(), tiny_bert().expect("bert").to_bytes());
+        assert_ne!(tiny_llama_bytes().expect("llama"), tiny_bert().expect("bert").to_bytes());
+    }
+
+    /// Other tests and stores name the tiny models by digest: these bytes never change.
+    #[test]
+    fn the_tiny_models_bytes_are_pinned() {
+        const TINY_LLAMA: &str = "d2376fbc9eb5b055b2a8b221b58a899e757e7b2ef1f36be0ba08e4aedec63412";
+        const TINY_BERT: &str = "99330bf8f1e2413a0b85c2200375f24a78a5a2ea20420bc675497317d371a539";
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("tiny.gguf");
+        write_llama(&path, &LlamaShape::tiny()).expect("streamed");
+        assert_eq!(sha256(&std::fs::read(&path).expect("read")), TINY_LLAMA, "written tensor by tensor");
+        assert_eq!(sha256(&tiny_llama_bytes().expect("llama")), TINY_LLAMA, "as bytes");
+        assert_eq!(sha256(&tiny_bert().expect("bert").to_bytes()), TINY_BERT);
+    }
+
+    #[test]
+    fn the_rig_llama_is_big_enough_to_split_and_written_quickly() {
+        let rig = LlamaShape::rig();
+        assert!(rig.n_layer >= 16, "{} layers", rig.n_layer);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("rig.gguf");
+        let start = std::time::Instant::now();
+        write_llama(&path, &rig).expect("write");
+        let took = start.elapsed();
+        let len = std::fs::metadata(&path).expect("written").len();
+        assert!(len >= 100 << 20, "{len} bytes");
+        assert!(rig.tensor_bytes() >= 100 << 20 && rig.tensor_bytes() < len, "{} tensor bytes", rig.tensor_bytes());
+        // About 1.3 s in a debug build on 2 cores.
+        assert!(took < std::time::Duration::from_secs(15), "written in {took:?}");
+        // Deterministic: the projections measured on it (docs/benchmarks.md) hold for these bytes.
+        assert_eq!(
+            sha256(&std::fs::read(&path).expect("read")),
+            "3b39c9c5a28e1e5c83125737ec772bf2d17131aefdc8304edd824a923c9f9735"
+        );
+        let file = crate::gguf::reader::GgufFile::open(&path).expect("a GGUF file the reader accepts");
+        let info = crate::gguf::metadata::ModelInfo::from_file(&file).expect("model facts");
+        assert_eq!((info.architecture.as_str(), info.name.as_deref()), ("llama", Some("corral-rig-llama")));
+        assert_eq!((info.block_count, info.embedding_length, info.context_length), (Some(16), Some(512), Some(4096)));
+        assert_eq!(file.tensors().len(), 2 + 9 * 16 + 1);
+    }
+
+    #[test]
+    fn shapes_that_are_not_llamas_are_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("bad.gguf");
+        for bad in [
+            LlamaShape { n_layer: 0, ..LlamaShape::tiny() },
+            LlamaShape { n_head: 3, ..LlamaShape::tiny() },
+            LlamaShape { n_head_kv: 3, ..LlamaShape::tiny() },
+        ] {
+            let e = write_llama(&path, &bad).expect_err("refused");
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{bad:?}");
+            assert!(!path.exists(), "nothing written for {bad:?}");
+        }
     }
 
     #[test]
@@ -388,7 +687,7 @@ mod tests {
 
     #[test]
     fn llama_output_rows_of_non_text_tokens_are_zero() {
-        let bytes = tiny_llama().expect("llama").to_bytes();
+        let bytes = tiny_llama_bytes().expect("llama");
         let v = llama_vocab();
         // output.weight is the last tensor: n_vocab rows of 64 halves, then padding.
         let row_bytes = 64 * 2;
@@ -400,6 +699,33 @@ mod tests {
             let should_be_zero = v.types[i] != NORMAL && v.tokens[i] != "<0x0A>";
             assert_eq!(zero, should_be_zero, "row {i} ({})", v.tokens[i]);
         }
+    }
+
+    #[test]
+    fn random_bits_are_f16_weights_of_about_the_deviation_asked_for() {
+        for std in [1.0, 0.5f64.sqrt(), 512f64.sqrt().recip(), 2048f64.sqrt().recip()] {
+            let mut out = vec![0xaa];
+            random_bits(40_001, std, &mut SplitMix64(7), &mut out);
+            assert_eq!(out.len(), 1 + 2 * 40_001, "appended, an odd count too");
+            assert_eq!(out[0], 0xaa, "what was there is kept");
+            let xs: Vec<f64> = out[1..].chunks(2).map(|h| f16_to_f64(u16::from_le_bytes([h[0], h[1]]))).collect();
+            let n = 40_001.0;
+            let mean = xs.iter().sum::<f64>() / n;
+            let sd = (xs.iter().map(|x| x * x).sum::<f64>() / n).sqrt();
+            assert!(mean.abs() < 0.02 * std, "std {std}: mean {mean}");
+            assert!(sd / std > 0.7 && sd / std < 1.42, "std {std}: got {sd}");
+            let min = xs.iter().map(|x| x.abs()).fold(f64::INFINITY, f64::min);
+            let max = xs.iter().map(|x| x.abs()).fold(0.0, f64::max);
+            assert!(max < 2.0 * min, "std {std}: magnitudes in [a, 2a): {min}..{max}");
+        }
+    }
+
+    /// A normal F16's value.
+    fn f16_to_f64(bits: u16) -> f64 {
+        let sign = if bits & 0x8000 == 0 { 1.0 } else { -1.0 };
+        let exponent = i32::from((bits >> 10) & 0x1f);
+        assert!((1..31).contains(&exponent), "{bits:#06x} is a normal number");
+        sign * (1.0 + f64::from(bits & 0x3ff) / 1024.0) * 2f64.powi(exponent - 15)
     }
 
     #[test]

@@ -1,4 +1,7 @@
 //! Writes GGUF v3 files: collect metadata and tensors in a [`GgufWriter`], then write it out.
+//! A tensor's values are given when it is added, or, for files too large to hold in memory,
+//! declared then and supplied one tensor at a time while the file is written
+//! ([`GgufWriter::write_streamed`]).
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -11,7 +14,8 @@ use super::{
 };
 
 /// A GGUF file being built in memory.  Metadata and tensors are written in the order they
-/// were added; tensor data is encoded when added.
+/// were added; tensor data is encoded when added, except for tensors added with
+/// [`Self::add_tensor_later`], whose values come when the file is written.
 #[derive(Debug, Clone, Default)]
 pub struct GgufWriter {
     metadata: Vec<(String, GgufValue)>,
@@ -25,7 +29,16 @@ struct Tensor {
     name: String,
     dims: Vec<u64>,
     ty: TensorType,
-    data: Vec<u8>,
+    /// The number of values: the product of `dims`.
+    count: u64,
+    /// The encoded values, or `None` when they are supplied at write time.
+    data: Option<Vec<u8>>,
+}
+
+impl Tensor {
+    fn byte_len(&self) -> u64 {
+        self.count * self.ty.element_size() as u64
+    }
 }
 
 fn invalid(message: String) -> io::Error {
@@ -69,29 +82,56 @@ impl GgufWriter {
     /// sizes innermost first (ggml's `ne`): a matrix of `rows` rows of `cols` values is
     /// `[cols, rows]`, and `values` holds it row after row.
     pub fn add_tensor(&mut self, name: &str, dims: &[u64], ty: TensorType, values: &[f32]) -> io::Result<()> {
-        if name.is_empty() || name.len() > MAX_TENSOR_NAME_LEN {
-            return Err(invalid(format!("tensor name {name:?} must have 1 to {MAX_TENSOR_NAME_LEN} bytes")));
-        }
-        if dims.is_empty() || dims.len() > MAX_TENSOR_DIMS || dims.contains(&0) {
-            return Err(invalid(format!("tensor {name}: dimensions {dims:?} must be 1 to 4 non-zero sizes")));
-        }
-        let count = dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
-        if count != Some(values.len() as u64) {
+        let count = check_tensor(name, dims)?;
+        if count != values.len() as u64 {
             return Err(invalid(format!("tensor {name}: dimensions {dims:?} do not hold {} values", values.len())));
         }
-        if !self.tensor_names.insert(name.to_owned()) {
-            return Err(invalid(format!("tensor {name:?} added twice")));
+        let mut data = Vec::with_capacity(values.len() * ty.element_size());
+        encode(ty, values, &mut data);
+        self.push_tensor(Tensor { name: name.to_owned(), dims: dims.to_vec(), ty, count, data: Some(data) })
+    }
+
+    /// Declares a tensor of `ty` whose values are supplied only when the file is written,
+    /// by the callback of [`Self::write_streamed`]: a large file is then written one tensor
+    /// at a time and never held whole in memory.  `dims` as for [`Self::add_tensor`].
+    pub fn add_tensor_later(&mut self, name: &str, dims: &[u64], ty: TensorType) -> io::Result<()> {
+        let count = check_tensor(name, dims)?;
+        self.push_tensor(Tensor { name: name.to_owned(), dims: dims.to_vec(), ty, count, data: None })
+    }
+
+    fn push_tensor(&mut self, tensor: Tensor) -> io::Result<()> {
+        if !self.tensor_names.insert(tensor.name.clone()) {
+            return Err(invalid(format!("tensor {:?} added twice", tensor.name)));
         }
-        let data = match ty {
-            TensorType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            TensorType::F16 => values.iter().flat_map(|&v| f32_to_f16_bits(v).to_le_bytes()).collect(),
-        };
-        self.tensors.push(Tensor { name: name.to_owned(), dims: dims.to_vec(), ty, data });
+        self.tensors.push(tensor);
         Ok(())
     }
 
-    /// Writes the whole file to `out`.
+    /// Writes the whole file to `out`.  Fails (`InvalidInput`, before writing anything)
+    /// when a tensor was added with [`Self::add_tensor_later`]: use [`Self::write_streamed`].
     pub fn write_to(&self, out: impl Write) -> io::Result<()> {
+        self.check_in_memory()?;
+        self.write_streamed(out, |name, _| Err(invalid(format!("tensor {name}: no values to supply"))))
+    }
+
+    /// Fails when a tensor's values are supplied only at write time.
+    fn check_in_memory(&self) -> io::Result<()> {
+        match self.tensors.iter().find(|t| t.data.is_none()) {
+            Some(tensor) => Err(invalid(format!("tensor {}: its values are supplied at write time", tensor.name))),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes the whole file to `out`, asking `data` for the data of each tensor added with
+    /// [`Self::add_tensor_later`], in the order the tensors were added: it gets the tensor's
+    /// name and an empty buffer to fill with exactly its encoded values (little-endian
+    /// elements of its type, as [`encode`] makes them; else the write fails with
+    /// `InvalidData`).  The buffer is reused, so memory stays at one tensor's data.
+    pub fn write_streamed(
+        &self,
+        out: impl Write,
+        mut data: impl FnMut(&str, &mut Vec<u8>) -> io::Result<()>,
+    ) -> io::Result<()> {
         let alignment = u64::from(self.alignment());
         let mut out = Out { inner: out, position: 0 };
         out.bytes(&MAGIC)?;
@@ -112,29 +152,78 @@ impl GgufWriter {
             }
             out.u32(tensor.ty.id())?;
             out.u64(offset)?;
-            offset += (tensor.data.len() as u64).next_multiple_of(alignment);
+            offset += tensor.byte_len().next_multiple_of(alignment);
         }
         out.pad(alignment)?;
+        let mut supplied = Vec::new();
         for tensor in &self.tensors {
-            out.bytes(&tensor.data)?;
+            if let Some(data) = &tensor.data {
+                out.bytes(data)?;
+            } else {
+                supplied.clear();
+                data(&tensor.name, &mut supplied)?;
+                if supplied.len() as u64 != tensor.byte_len() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("tensor {}: {} bytes supplied for {}", tensor.name, supplied.len(), tensor.byte_len()),
+                    ));
+                }
+                out.bytes(&supplied)?;
+            }
             out.pad(alignment)?;
         }
         out.inner.flush()
     }
 
     /// The whole file as bytes.
+    ///
+    /// # Panics
+    ///
+    /// When a tensor was added with [`Self::add_tensor_later`].
     #[must_use]
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut bytes = Vec::new();
-        self.write_to(&mut bytes).expect("writing to a Vec cannot fail");
+        self.write_to(&mut bytes).expect("all values are in memory, and writing to a Vec cannot fail");
         bytes
     }
 
-    /// Writes the whole file to `path`, replacing any file there.
+    /// Writes the whole file to `path`, replacing any file there.  Fails as
+    /// [`Self::write_to`] does, before creating the file.
     pub fn write_file(&self, path: &Path) -> io::Result<()> {
-        let mut file = BufWriter::new(File::create(path)?);
-        self.write_to(&mut file)?;
+        self.check_in_memory()?;
+        self.write_file_streamed(path, |name, _| Err(invalid(format!("tensor {name}: no values to supply"))))
+    }
+
+    /// [`Self::write_streamed`] to the file `path`, replacing any file there.
+    pub fn write_file_streamed(
+        &self,
+        path: &Path,
+        data: impl FnMut(&str, &mut Vec<u8>) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let mut file = BufWriter::with_capacity(1 << 20, File::create(path)?);
+        self.write_streamed(&mut file, data)?;
         file.into_inner().map_err(io::IntoInnerError::into_error)?.sync_all()
+    }
+}
+
+/// Checks a tensor's name and dimensions; returns its number of values.
+fn check_tensor(name: &str, dims: &[u64]) -> io::Result<u64> {
+    if name.is_empty() || name.len() > MAX_TENSOR_NAME_LEN {
+        return Err(invalid(format!("tensor name {name:?} must have 1 to {MAX_TENSOR_NAME_LEN} bytes")));
+    }
+    if dims.is_empty() || dims.len() > MAX_TENSOR_DIMS || dims.contains(&0) {
+        return Err(invalid(format!("tensor {name}: dimensions {dims:?} must be 1 to 4 non-zero sizes")));
+    }
+    dims.iter()
+        .try_fold(1u64, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| invalid(format!("tensor {name}: dimensions {dims:?} overflow")))
+}
+
+/// Appends `values` encoded as `ty` (little-endian, F16 rounded to nearest even) to `out`.
+pub fn encode(ty: TensorType, values: &[f32], out: &mut Vec<u8>) {
+    match ty {
+        TensorType::F32 => values.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        TensorType::F16 => values.iter().for_each(|&v| out.extend_from_slice(&f32_to_f16_bits(v).to_le_bytes())),
     }
 }
 
@@ -217,7 +306,7 @@ mod tests {
     use std::io::ErrorKind;
 
     use super::super::{GgufArray, GgufValue, TensorType, value_type};
-    use super::GgufWriter;
+    use super::{GgufWriter, encode};
 
     /// Reads back what the writer wrote, byte by byte, so that each test states the layout.
     struct Cursor<'a> {
@@ -394,6 +483,79 @@ mod tests {
         w.add_tensor(&"n".repeat(63), &[1], TensorType::F32, &[0.0]).expect("63 bytes is fine");
         assert!(refused(w.add_tensor(&"n".repeat(63), &[1], TensorType::F32, &[0.0])), "duplicate tensor");
         assert_eq!(w.alignment(), 32);
+    }
+
+    #[test]
+    fn streamed_tensors_give_the_same_bytes_as_tensors_in_memory() {
+        let values: [(&str, &[u64], TensorType, Vec<f32>); 3] = [
+            ("a", &[3, 2], TensorType::F16, vec![1.0, -2.0, 0.5, 0.0, 65504.0, 0.1]),
+            ("b", &[5], TensorType::F32, vec![7.0, 8.0, 9.0, 10.0, 11.0]),
+            ("c", &[1], TensorType::F16, vec![0.25]),
+        ];
+        let mut in_memory = GgufWriter::new();
+        let mut streamed = GgufWriter::new();
+        for w in [&mut in_memory, &mut streamed] {
+            w.add_metadata("general.name", "m").expect("kv");
+        }
+        for (name, dims, ty, v) in &values {
+            in_memory.add_tensor(name, dims, *ty, v).expect("tensor");
+        }
+        // Mixed: the first one in memory, the others supplied at write time.
+        streamed.add_tensor(values[0].0, values[0].1, values[0].2, &values[0].3).expect("tensor");
+        for (name, dims, ty, _) in &values[1..] {
+            streamed.add_tensor_later(name, dims, *ty).expect("declared");
+        }
+        let supply = |name: &str, out: &mut Vec<u8>| {
+            assert!(out.is_empty(), "the buffer comes empty");
+            let (_, _, ty, v) = values.iter().find(|v| v.0 == name).expect("known");
+            encode(*ty, v, out);
+            Ok(())
+        };
+        let mut asked = Vec::new();
+        let mut bytes = Vec::new();
+        streamed
+            .write_streamed(&mut bytes, |name, out| {
+                asked.push(name.to_owned());
+                supply(name, out)
+            })
+            .expect("streamed");
+        assert_eq!(asked, ["b", "c"], "asked in order, only for the deferred ones");
+        assert_eq!(bytes, in_memory.to_bytes());
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("m.gguf");
+        streamed.write_file_streamed(&path, supply).expect("written");
+        assert_eq!(std::fs::read(&path).expect("read"), bytes);
+    }
+
+    #[test]
+    fn streamed_tensors_need_their_values_at_write_time() {
+        let mut w = GgufWriter::new();
+        w.add_tensor_later("t", &[2, 2], TensorType::F16).expect("declared");
+        let refused = w.write_to(Vec::new()).expect_err("no values to write");
+        assert_eq!(refused.kind(), ErrorKind::InvalidInput);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("m.gguf");
+        assert_eq!(w.write_file(&path).expect_err("no values").kind(), ErrorKind::InvalidInput);
+        assert!(!path.exists(), "refused before the file is made");
+        let short = w.write_streamed(Vec::new(), |_, out| {
+            encode(TensorType::F16, &[1.0; 3], out);
+            Ok(())
+        });
+        assert_eq!(short.expect_err("3 values for 4 places").kind(), ErrorKind::InvalidData);
+        let long = w.write_streamed(Vec::new(), |_, out| {
+            encode(TensorType::F32, &[1.0; 4], out);
+            Ok(())
+        });
+        assert_eq!(long.expect_err("F32 for F16").kind(), ErrorKind::InvalidData);
+        let failed = w.write_streamed(Vec::new(), |_, _| Err(std::io::Error::other("no more")));
+        assert_eq!(failed.expect_err("the callback's error").to_string(), "no more");
+        assert_eq!(
+            w.add_tensor_later("t", &[1], TensorType::F32).expect_err("twice").kind(),
+            ErrorKind::InvalidInput,
+            "a name is still used once"
+        );
+        assert!(w.add_tensor_later("u", &[u64::MAX, 2], TensorType::F32).is_err(), "overflow");
     }
 
     #[test]

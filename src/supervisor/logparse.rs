@@ -257,6 +257,13 @@ pub enum ErrorClass {
     BindFailure,
     /// The command line was rejected.
     InvalidArgument,
+    /// An RPC worker (a ggml `rpc-server` that a `--rpc` device lives on) could not be
+    /// reached, or its connection broke: it crashed, was killed (the kernel's OOM killer
+    /// included: a worker over its cgroup's `memory.max` is killed, it never reports a
+    /// failed allocation) or went away.  llama.cpp then aborts (SIGABRT).  Only the lines
+    /// at start name the worker (`Failed to connect to HOST:PORT`); the abort on a broken
+    /// connection does not say which.
+    WorkerLost,
     /// Anything else.
     Other,
 }
@@ -280,6 +287,8 @@ impl ErrorClass {
             Self::BadModelFile
         } else if has(OUT_OF_MEMORY) {
             Self::OutOfMemory
+        } else if has(WORKER_LOST) || (lower.contains("ggml-rpc.cpp:") && has(WORKER_UNREACHABLE)) {
+            Self::WorkerLost
         } else if has(BAD_MODEL_FILE) {
             Self::BadModelFile
         } else {
@@ -294,7 +303,8 @@ impl ErrorClass {
             Self::InvalidArgument => 1,
             Self::BindFailure => 2,
             Self::BadModelFile => 3,
-            Self::OutOfMemory => 4,
+            Self::WorkerLost => 4,
+            Self::OutOfMemory => 5,
         }
     }
 }
@@ -319,6 +329,17 @@ const OUT_OF_MEMORY: &[&str] = &[
     "erroroutofdevicememory",
     "erroroutofmemory",
 ];
+
+/// Lower-case substrings of the errors of llama.cpp's RPC client when a worker's connection
+/// breaks: the abort (`ggml-rpc.cpp:569: Remote RPC server crashed or returned malformed
+/// response`) and the transport's own lines before it (`send failed (bytes_sent=0,
+/// size_to_send=8)`, `recv failed (…)`).
+const WORKER_LOST: &[&str] = &["remote rpc server crashed", "send failed (bytes_sent=", "recv failed (bytes_recv="];
+
+/// Lower-case substrings of the RPC client's aborts when a worker cannot be reached at
+/// start (`ggml-rpc.cpp:547: Failed to connect to 127.0.0.1:50052`); counted only in a
+/// `ggml-rpc.cpp` abort, since other code connects to things too.
+const WORKER_UNREACHABLE: &[&str] = &["failed to connect to ", "rpc handshake failed for "];
 
 /// Lower-case substrings of errors about the model (or projector) file.
 const BAD_MODEL_FILE: &[&str] = &[
@@ -751,7 +772,8 @@ impl LoadReport {
     }
 
     /// The most telling class among all error lines seen (not only the kept ones):
-    /// out of memory, then a bad model file, a bind failure, an invalid argument, other.
+    /// out of memory, then a lost RPC worker, a bad model file, a bind failure, an invalid
+    /// argument, other.
     #[must_use]
     pub fn failure_class(&self) -> Option<ErrorClass> {
         self.worst.as_ref().map(|line| line.class)
@@ -1080,7 +1102,7 @@ mod tests {
 
     #[test]
     fn error_classes() {
-        use ErrorClass::{BadModelFile, BindFailure, InvalidArgument, Other, OutOfMemory};
+        use ErrorClass::{BadModelFile, BindFailure, InvalidArgument, Other, OutOfMemory, WorkerLost};
         let cases: &[(&str, ErrorClass)] = &[
             ("gguf_init_from_file: failed to open GGUF file '/x.gguf' (No such file or directory)", BadModelFile),
             ("gguf_init_from_reader: failed to read magic", BadModelFile),
@@ -1131,6 +1153,31 @@ mod tests {
             ("error: invalid argument: --no-mmap", InvalidArgument),
             ("error while handling argument \"-c\": stoi", InvalidArgument),
             ("error while handling environment variable \"LLAMA_ARG_CTX_SIZE\": stoi", InvalidArgument),
+            // An rpc-server killed under a loaded model (SIGKILL, or its cgroup's OOM killer):
+            // the abort, then the transport's line (b11434, the rig's transcripts).
+            (
+                "/var/cache/corral-dev/llama-server/src-11434.0.0/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp:569: \
+                Remote RPC server crashed or returned malformed response",
+                WorkerLost,
+            ),
+            ("send failed (bytes_sent=0, size_to_send=8)", WorkerLost),
+            ("send failed (bytes_sent=964943, size_to_send=1132514)", WorkerLost),
+            ("recv failed (bytes_recv=0, size_to_recv=16)", WorkerLost),
+            // A worker that is not there at start.
+            (
+                "/var/cache/corral-dev/llama-server/src-11434.0.0/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp:547: \
+                Failed to connect to 127.0.0.1:52369",
+                WorkerLost,
+            ),
+            ("ggml/src/ggml-rpc/ggml-rpc.cpp:550: RPC handshake failed for 127.0.0.1:50052", WorkerLost),
+            ("common_download_file: failed to connect to huggingface.co", Other),
+            // A worker under an address-space limit: a real allocation failure, named by device.
+            (
+                "ggml_backend_buft_alloc_buffer_n_default: failed to allocate RPC0[127.0.0.1:52363] buffer of size \
+                55713792",
+                OutOfMemory,
+            ),
+            ("llama_model_load: error loading model: unable to allocate RPC0[127.0.0.1:52363] buffer", OutOfMemory),
             ("srv  llama_server: exiting due to model loading error", Other),
             ("llama_model_load_from_file_impl: failed to load model", Other),
             (
@@ -1149,6 +1196,30 @@ mod tests {
 
     fn error(class: ErrorClass, message: &str) -> LogEvent {
         LogEvent::Error(class, message.into())
+    }
+
+    #[test]
+    fn a_lost_rpc_worker_is_the_failure() {
+        // The end of llama-server's stderr when one of its two rpc-servers was killed with
+        // SIGKILL during a streamed completion (b11434, the rig's test): the abort, unprefixed,
+        // and the transport's error line (in either order), then gdb's backtrace.
+        let lines = [
+            "0.00.532.295 I slot init_sampler: id  3 | task 0 | init sampler, took 0.00 ms, tokens: text = 3",
+            "/var/cache/corral-dev/llama-server/src-11434.0.0/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp:569: Remote RPC \
+            server crashed or returned malformed response",
+            "0.00.739.170 E send failed (bytes_sent=0, size_to_send=8)",
+            "38\t../sysdeps/unix/sysv/linux/x86_64/syscall.S: No such file or directory.",
+            "#1  0x00005633a9bca57b in ggml_print_backtrace ()",
+        ]
+        .map(str::to_owned);
+        let report = report_of(&lines);
+        assert_eq!(report.failure_class(), Some(ErrorClass::WorkerLost));
+        assert!(
+            report
+                .failure_message()
+                .is_some_and(|m| m.ends_with("Remote RPC server crashed or returned malformed response"))
+        );
+        assert_eq!(report.errors().count(), 2, "the backtrace is no error: {:?}", report.errors().collect::<Vec<_>>());
     }
 
     #[test]
@@ -1171,6 +1242,7 @@ mod tests {
             ErrorClass::InvalidArgument,
             ErrorClass::BindFailure,
             ErrorClass::BadModelFile,
+            ErrorClass::WorkerLost,
             ErrorClass::OutOfMemory,
         ];
         assert!(ascending.windows(2).all(|pair| pair[0].rank() < pair[1].rank()));

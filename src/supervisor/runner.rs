@@ -142,7 +142,8 @@ impl Failure {
             Some(ErrorClass::BindFailure) => Self::BindFailure,
             Some(ErrorClass::InvalidArgument) => Self::InvalidArgument,
             Some(ErrorClass::Other) | None if status.signal().is_some() => Self::Killed,
-            Some(ErrorClass::Other) | None => Self::Crashed,
+            // llama.cpp aborts (SIGABRT) when an RPC worker goes: a crash, not a kill.
+            Some(ErrorClass::WorkerLost | ErrorClass::Other) | None => Self::Crashed,
         }
     }
 

@@ -30,6 +30,7 @@ mod packages;
 mod private_bus;
 mod projection;
 mod registry;
+mod rig_devices;
 mod scheduling;
 mod security_http;
 mod security_store_content;

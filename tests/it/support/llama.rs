@@ -21,9 +21,10 @@ const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a stop waits after SIGTERM before SIGKILL.
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The directory holding `llama-server` and `rpc-server`.  The first call in a test process
-/// runs `scripts/setup-llama-server.sh`, which builds them once into a cache (minutes) and
-/// afterwards only prints the directory; a failure panics, since these tests never skip.
+/// The directory holding `llama-server`, `rpc-server` and `llama-fit-params`.  The first
+/// call in a test process runs `scripts/setup-llama-server.sh`, which builds them once into
+/// a cache (minutes) and afterwards only prints the directory; a failure panics, since these
+/// tests never skip.
 pub fn bin_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
@@ -32,6 +33,14 @@ pub fn bin_dir() -> PathBuf {
         dir
     })
     .clone()
+}
+
+/// llama.cpp's `llama-fit-params`: the per-device memory projection of a load, without
+/// loading weights (`--fit-print on`).
+pub fn fit_params() -> PathBuf {
+    let path = bin_dir().join("llama-fit-params");
+    assert!(path.is_file(), "{} is missing", path.display());
+    path
 }
 
 /// A running `llama-server` on a UNIX socket.  Dropping it stops it: SIGTERM, up to 10 s
@@ -50,6 +59,54 @@ impl LlamaServer {
     /// is ready: its stderr said `listening on` (within 60 s) and `GET /health` gave 200.
     /// Panics with the captured stderr if it exits or times out first.
     pub fn start(model: &Path, args: &[&str]) -> Self {
+        let (mut server, lines) = Self::spawn(model, args);
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            match lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(line) if line.contains("listening on") => break,
+                Ok(_) => {}
+                Err(RecvTimeoutError::Timeout) => {
+                    panic!("llama-server not ready within {READY_TIMEOUT:?}; stderr:\n{}", server.stderr())
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    let status = server.child.wait().expect("wait for llama-server");
+                    panic!("llama-server exited ({status}) before it was ready; stderr:\n{}", server.stderr());
+                }
+            }
+        }
+        let health = server.request("GET", "/health", None);
+        assert_eq!(health.status, 200, "GET /health: {}; stderr:\n{}", health.body, server.stderr());
+        server
+    }
+
+    /// Starts it as [`Self::start`] does, for a load that must fail: waits (at most 60 s) for
+    /// it to exit, and returns how it ended, its whole stderr and the time it took.  Panics
+    /// if it gets ready or does not end in time.
+    pub fn start_to_fail(model: &Path, args: &[&str]) -> Failed {
+        let started = Instant::now();
+        let (mut server, lines) = Self::spawn(model, args);
+        let deadline = started + READY_TIMEOUT;
+        loop {
+            match lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(line) if line.contains("listening on") => {
+                    panic!("llama-server loaded, but the load had to fail; stderr:\n{}", server.stderr())
+                }
+                Ok(_) => {}
+                Err(RecvTimeoutError::Timeout) => {
+                    panic!("llama-server did not end within {READY_TIMEOUT:?}; stderr:\n{}", server.stderr())
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let status = server
+            .wait_exit(remaining)
+            .unwrap_or_else(|| panic!("llama-server closed stderr but runs on; stderr:\n{}", server.stderr()));
+        Failed { status, stderr: server.stderr_lines(), took: started.elapsed() }
+    }
+
+    /// Spawns the child and its stderr reader; the receiver gets each line.
+    fn spawn(model: &Path, args: &[&str]) -> (Self, mpsc::Receiver<String>) {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("llama.sock");
         let mut child = Command::new(bin_dir().join("llama-server"))
@@ -71,25 +128,26 @@ impl LlamaServer {
             let stderr = Arc::clone(&stderr);
             std::thread::spawn(move || collect_lines(pipe, &stderr, &lines_tx))
         };
-        let mut server = Self { child, socket, stderr, reader: Some(reader), _dir: dir };
+        (Self { child, socket, stderr, reader: Some(reader), _dir: dir }, lines)
+    }
 
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            match lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(line) if line.contains("listening on") => break,
-                Ok(_) => {}
-                Err(RecvTimeoutError::Timeout) => {
-                    panic!("llama-server not ready within {READY_TIMEOUT:?}; stderr:\n{}", server.stderr())
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    let status = server.child.wait().expect("wait for llama-server");
-                    panic!("llama-server exited ({status}) before it was ready; stderr:\n{}", server.stderr());
-                }
+    /// Waits up to `timeout` for the child to exit by itself, reaps it and waits for the
+    /// rest of its stderr; `None` if it still runs.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("poll llama-server") {
+                break status;
             }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
         }
-        let health = server.request("GET", "/health", None);
-        assert_eq!(health.status, 200, "GET /health: {}; stderr:\n{}", health.body, server.stderr());
-        server
+        Some(status)
     }
 
     /// The UNIX socket the server listens on.
@@ -160,6 +218,17 @@ impl LlamaServer {
     }
 }
 
+/// How a load that had to fail ended ([`LlamaServer::start_to_fail`]).
+#[derive(Debug)]
+pub struct Failed {
+    /// The exit status.
+    pub status: ExitStatus,
+    /// Everything it wrote to stderr, one line per element.
+    pub stderr: Vec<String>,
+    /// From spawn to exit.
+    pub took: Duration,
+}
+
 impl Drop for LlamaServer {
     fn drop(&mut self) {
         self.stop();
@@ -184,27 +253,290 @@ fn collect_lines(pipe: impl Read, into: &Mutex<Vec<String>>, tx: &mpsc::Sender<S
     }
 }
 
-/// An `rpc-server` on loopback: llama.cpp's RPC backend makes it a device, so offload is real.
-pub struct RpcServer(Child);
+/// How long an `rpc-server` may take to accept its first connection.
+const RPC_READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A memory limit for an `rpc-server`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryLimit {
+    /// A memory cgroup of its own: cgroup2's `memory.max` where the memory controller is on
+    /// the cgroup2 hierarchy, else cgroup v1's `memory.limit_in_bytes` (hybrid hosts).  Pages
+    /// past the limit get the process killed by the kernel's OOM killer: an allocation
+    /// never fails, since only touched pages are charged.
+    Cgroup(u64),
+    /// `ulimit -v` (`RLIMIT_AS`) in KiB of address space: an allocation past it fails, which
+    /// llama.cpp reports as an allocation failure of the device's buffer.
+    AddressSpace(u64),
+}
+
+/// An `rpc-server` on loopback: llama.cpp's RPC backend makes it a device (`RPC0`, … in the
+/// order of `--rpc`), so offload is real.  Dropping it kills it with SIGKILL, reaps it, and
+/// removes its cgroup.
+pub struct RpcServer {
+    child: Child,
+    port: u16,
+    cgroup: Option<MemoryCgroup>,
+    /// Its stdout (`Accepted client connection`, …) and stderr, one line per element.
+    output: Arc<Mutex<Vec<String>>>,
+    status: Option<ExitStatus>,
+}
 
 impl RpcServer {
     /// Starts `rpc-server` on `127.0.0.1:port` and waits until it accepts connections.
     pub fn start(port: u16) -> Self {
-        let child = Command::new(bin_dir().join("rpc-server"))
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        Self::spawn(port, None).unwrap_or_else(|output| panic!("rpc-server on port {port} failed:\n{output}"))
+    }
+
+    /// Starts `rpc-server` on a free port of loopback; a port taken meanwhile by someone
+    /// else is given up for another.
+    pub fn start_free() -> Self {
+        Self::start_free_limited(None)
+    }
+
+    /// Starts `rpc-server` on a free port under `limit`.
+    pub fn start_limited(limit: MemoryLimit) -> Self {
+        Self::start_free_limited(Some(limit))
+    }
+
+    fn start_free_limited(limit: Option<MemoryLimit>) -> Self {
+        let mut failures = Vec::new();
+        for _ in 0..5 {
+            let port = super::corrald::free_port();
+            match Self::spawn(port, limit) {
+                Ok(server) => return server,
+                Err(output) => failures.push(format!("port {port}:\n{output}")),
+            }
+        }
+        panic!("rpc-server did not start on 5 free ports:\n{}", failures.join("\n"));
+    }
+
+    /// Spawns it and waits until it accepted a probe connection itself (its own
+    /// `Accepted client connection` line, so the port is not someone else's); on failure,
+    /// its output.
+    fn spawn(port: u16, limit: Option<MemoryLimit>) -> Result<Self, String> {
+        let program = bin_dir().join("rpc-server");
+        let port_arg = port.to_string();
+        let rpc_args = ["-H", "127.0.0.1", "-p", port_arg.as_str()];
+        let (mut command, cgroup) = match limit {
+            None => {
+                let mut command = Command::new(&program);
+                command.args(rpc_args);
+                (command, None)
+            }
+            Some(MemoryLimit::Cgroup(bytes)) => {
+                let cgroup = MemoryCgroup::create(bytes);
+                let mut command = Command::new("sh");
+                // The shell moves itself into the cgroup, then becomes rpc-server.
+                command
+                    .args(["-c", r#"echo $$ > "$0" && exec "$@""#])
+                    .arg(cgroup.procs_file())
+                    .arg(&program)
+                    .args(rpc_args);
+                (command, Some(cgroup))
+            }
+            Some(MemoryLimit::AddressSpace(kib)) => {
+                let mut command = Command::new("sh");
+                command
+                    .args(["-c", r#"ulimit -v "$0" && exec "$@""#])
+                    .arg(kib.to_string())
+                    .arg(&program)
+                    .args(rpc_args);
+                (command, None)
+            }
+        };
+        let mut child = command
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
             .spawn()
-            .expect("start rpc-server");
-        http::connect("rpc-server", || std::net::TcpStream::connect(("127.0.0.1", port)));
-        Self(child)
+            .expect("spawn rpc-server");
+        let output = Arc::new(Mutex::new(Vec::new()));
+        let (lines_tx, lines) = mpsc::channel();
+        for pipe in [
+            child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
+            child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
+        ] {
+            let (output, tx) = (Arc::clone(&output), lines_tx.clone());
+            let pipe = pipe.expect("piped");
+            std::thread::spawn(move || collect_lines(pipe, &output, &tx));
+        }
+        drop(lines_tx);
+        let mut server = Self { child, port, cgroup, output, status: None };
+        let deadline = Instant::now() + RPC_READY_TIMEOUT;
+        // Connect until something accepts, then see that it was this child.
+        let probe = loop {
+            if let Some(status) = server.child.try_wait().expect("poll rpc-server") {
+                server.status = Some(status);
+                return Err(format!("exited ({status}):\n{}", server.output()));
+            }
+            match std::net::TcpStream::connect(("127.0.0.1", port)) {
+                Ok(stream) => break stream,
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                Err(e) => {
+                    return Err(format!("no connection within {RPC_READY_TIMEOUT:?} ({e}):\n{}", server.output()));
+                }
+            }
+        };
+        loop {
+            match lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(line) if line.contains("Accepted client connection") => break,
+                Ok(_) => {}
+                Err(_) => return Err(format!("another process answered on port {port}:\n{}", server.output())),
+            }
+        }
+        drop(probe);
+        Ok(server)
+    }
+
+    /// `127.0.0.1:PORT`, as `--rpc` takes it.
+    pub fn endpoint(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// What it printed so far, one line per element.
+    pub fn output(&self) -> String {
+        self.output.lock().expect("output lock").join("\n")
+    }
+
+    /// Sends SIGKILL and reaps it; returns its exit status.  Idempotent.
+    pub fn kill(&mut self) -> ExitStatus {
+        if let Some(status) = self.status {
+            return status;
+        }
+        let _ = self.child.kill();
+        let status = self.child.wait().expect("reap rpc-server");
+        self.status = Some(status);
+        status
+    }
+
+    /// Waits up to `timeout` for it to exit by itself and reaps it; `None` if it still runs.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.status {
+                return Some(status);
+            }
+            if let Some(status) = self.child.try_wait().expect("poll rpc-server") {
+                self.status = Some(status);
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// How many times the kernel's OOM killer acted in its cgroup, if it has one.
+    pub fn oom_kills(&self) -> Option<u64> {
+        self.cgroup.as_ref().map(MemoryCgroup::oom_kills)
+    }
+
+    /// The memory cgroup's directory, if it has one.
+    pub fn cgroup(&self) -> Option<&Path> {
+        self.cgroup.as_ref().map(|c| c.dir.as_path())
     }
 }
 
 impl Drop for RpcServer {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        self.kill();
+        // The cgroup (dropped after this) is empty now: its one process is reaped.
     }
+}
+
+/// A memory cgroup made for one process, removed on drop once it is empty.
+struct MemoryCgroup {
+    dir: PathBuf,
+    v2: bool,
+}
+
+impl MemoryCgroup {
+    /// Creates `corral-it-rpc-<pid>-<n>` with a memory limit of `bytes`: under the cgroup2
+    /// mount if its root offers the memory controller, else under cgroup v1's memory mount.
+    fn create(bytes: u64) -> Self {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").expect("read mountinfo");
+        let name =
+            format!("corral-it-rpc-{}-{}", std::process::id(), NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let v2_root = corral::supervisor::cgroup::cgroup2_mount(&mountinfo).filter(|root| {
+            std::fs::read_to_string(root.join("cgroup.controllers"))
+                .is_ok_and(|c| c.split_whitespace().any(|c| c == "memory"))
+        });
+        let (parent, v2) = match v2_root {
+            Some(root) => {
+                // Children of the root get the controller only when the root passes it on.
+                let _ = std::fs::write(root.join("cgroup.subtree_control"), "+memory");
+                (root, true)
+            }
+            None => (
+                cgroup1_memory_mount(&mountinfo).unwrap_or_else(|| {
+                    panic!("neither cgroup2 nor cgroup v1 offers a memory controller:\n{mountinfo}")
+                }),
+                false,
+            ),
+        };
+        let dir = parent.join(name);
+        std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+        let cgroup = Self { dir, v2 };
+        let (limit, swap) = if v2 {
+            ("memory.max", "memory.swap.max")
+        } else {
+            ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")
+        };
+        std::fs::write(cgroup.dir.join(limit), bytes.to_string())
+            .unwrap_or_else(|e| panic!("write {limit} in {}: {e}", cgroup.dir.display()));
+        // No swap to spill into (absent when the kernel accounts no swap).
+        let _ = std::fs::write(cgroup.dir.join(swap), if v2 { "0".to_owned() } else { bytes.to_string() });
+        cgroup
+    }
+
+    fn procs_file(&self) -> PathBuf {
+        self.dir.join("cgroup.procs")
+    }
+
+    /// `oom_kill` of `memory.events` (cgroup2) or `memory.oom_control` (v1).
+    fn oom_kills(&self) -> u64 {
+        let file = self.dir.join(if self.v2 { "memory.events" } else { "memory.oom_control" });
+        let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("read {}: {e}", file.display()));
+        text.lines()
+            .find_map(|l| l.strip_prefix("oom_kill ")?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no oom_kill in {}: {text}", file.display()))
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        // Its process is reaped, but the kernel may take a moment to empty the cgroup.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::fs::read_to_string(self.procs_file()).is_ok_and(|p| !p.trim().is_empty())
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// Where cgroup v1's memory hierarchy is mounted, from `/proc/self/mountinfo`.
+fn cgroup1_memory_mount(mountinfo: &str) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        let (fields, fs) = line.split_once(" - ")?;
+        let mut fs = fs.split_whitespace();
+        let (fstype, _source, options) = (fs.next()?, fs.next()?, fs.next()?);
+        if fstype != "cgroup" || !options.split(',').any(|o| o == "memory") {
+            return None;
+        }
+        fields.split_whitespace().nth(4).map(PathBuf::from)
+    })
 }
