@@ -86,6 +86,26 @@ pub fn render(stats: &Stats) -> String {
             );
         }
     }
+    // What each load planned on each device next to what llama.cpp allocated there.
+    let _ = writeln!(
+        out,
+        "# HELP corral_runner_device_memory_bytes A runner's memory on each device and the host: planned before \
+         the load, actual as llama.cpp reported it.\n# TYPE corral_runner_device_memory_bytes gauge"
+    );
+    for m in &stats.loaded {
+        for d in &m.devices {
+            let figures = d.planned.map(|p| ("planned", p)).into_iter().chain([("actual", d.actual)]);
+            for (kind, value) in figures {
+                let _ = writeln!(
+                    out,
+                    "corral_runner_device_memory_bytes{{model=\"{}\",runner=\"{}\",device=\"{}\",kind=\"{kind}\"}} {value}",
+                    escape(&m.name),
+                    m.id,
+                    escape(&d.device),
+                );
+            }
+        }
+    }
     out
 }
 

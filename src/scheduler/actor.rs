@@ -14,7 +14,7 @@ use std::time::Duration;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
 
-use super::backend::{Backend, LiveRunner, StartRequest};
+use super::backend::{Backend, LiveRunner, Projected, StartRequest};
 use super::footprints::Footprints;
 use super::keep_alive::{self, Clamp, KeepAlive};
 use super::policy::{self, Decision, Footprint, GpuView, Need, Placement, RunnerId, RunnerView, Snapshot};
@@ -447,7 +447,7 @@ enum Command {
 #[derive(Debug)]
 enum Event {
     Started { runner: RunnerId, result: Result<Box<dyn LiveRunner>, String> },
-    Projected { key: String, result: Result<Footprint, String> },
+    Projected { key: String, result: Result<Projected, String> },
     Released { runner: RunnerId },
     Stopped { runner: RunnerId },
     Crashed { runner: RunnerId, reason: String },
@@ -521,7 +521,7 @@ pub struct Scheduler {
     learned: Footprints,
     /// llama.cpp's projection of each request key's footprint (`Err`: the estimate stands
     /// in, for the reason given); a key absent here and in `projecting` is not asked yet.
-    projected: BTreeMap<String, Result<Footprint, String>>,
+    projected: BTreeMap<String, Result<Projected, String>>,
     projecting: Option<String>,
     /// Models whose estimate was already reported as standing in for a projection.
     estimated: std::collections::BTreeSet<String>,
@@ -774,8 +774,8 @@ impl Scheduler {
                 continue;
             }
             let request = request.clone();
-            let Some(need) = self.need(&request) else { return };
-            let need = Need { footprint: need, layers: request.layers };
+            let Some((footprint, per_device)) = self.need(&request) else { return };
+            let need = Need { footprint, layers: request.layers, per_device };
             match policy::decide(&self.snapshot(), need) {
                 Decision::Load(placement) => {
                     let (request, reply) = self.queue.pop_front().expect("checked above");
@@ -815,9 +815,9 @@ impl Scheduler {
     /// What `request` needs: llama.cpp's projection, else what its last load measured,
     /// else the estimate (reported once per model). `None` while the projection is
     /// being made: the queue waits for it (a second or so, once per key).
-    fn need(&mut self, request: &ModelRequest) -> Option<Footprint> {
+    fn need(&mut self, request: &ModelRequest) -> Option<(Footprint, u64)> {
         match self.projected.get(&request.key) {
-            Some(Ok(projected)) => return Some(*projected),
+            Some(Ok(projected)) => return Some((projected.footprint, projected.per_device)),
             Some(Err(reason)) => {
                 if self.estimated.insert(request.name.clone()) {
                     tracing::info!(corral_event = "estimate", corral_model = %request.name,
@@ -837,7 +837,7 @@ impl Scheduler {
                 return None;
             }
         }
-        Some(self.learned.get(&request.key).unwrap_or(request.need))
+        Some((self.learned.get(&request.key).unwrap_or(request.need), 0))
     }
 
     fn start(&mut self, request: ModelRequest, placement: Placement, need: Footprint, reply: Reply) {

@@ -63,18 +63,29 @@ pub trait Backend: Send + Sync + 'static {
     fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, String>>;
 
     /// What a model would take with all its layers on one device (the first of the
-    /// inventory; the host when there is none), as llama.cpp projects it; `Err` says why
-    /// no projection can be had (the scheduler then estimates).
-    fn project(&self, files: &ModelFiles, options: &LoadOptions) -> BoxFuture<'static, Result<Footprint, String>> {
+    /// inventory; the host when there is none), as llama.cpp projects it, with that
+    /// device's compute buffers; `Err` says why no projection can be had (the scheduler
+    /// then estimates).
+    fn project(&self, files: &ModelFiles, options: &LoadOptions) -> BoxFuture<'static, Result<Projected, String>> {
         let _ = (files, options);
         Box::pin(async { Err("this backend makes no projections".to_owned()) })
     }
 }
 
+/// A load's memory as llama.cpp projects it with every layer on one device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Projected {
+    /// On the device, and in host memory.
+    pub footprint: Footprint,
+    /// The device's compute buffers (part of `footprint.vram`): what each device of a
+    /// split needs besides its layers.
+    pub per_device: u64,
+}
+
 /// llama.cpp's own memory projection of a load (`llama-fit-params`).
 pub trait Projections: std::fmt::Debug + Send + Sync + 'static {
-    /// Bytes per device name (the host as [`HOST`]) that a load with these
-    /// `llama-fit-params` arguments and environment takes.
+    /// What a load with these `llama-fit-params` arguments and environment takes on
+    /// each device (the host as [`HOST`]).
     fn project(
         &self,
         files: &ModelFiles,
@@ -82,7 +93,18 @@ pub trait Projections: std::fmt::Debug + Send + Sync + 'static {
         placement: &command::Placement,
         args: Vec<OsString>,
         env: Vec<(OsString, OsString)>,
-    ) -> BoxFuture<'static, Result<Vec<(String, u64)>, String>>;
+    ) -> BoxFuture<'static, Result<Vec<ProjectedRow>, String>>;
+}
+
+/// One device of a projection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProjectedRow {
+    /// The device as llama.cpp names it, or [`HOST`].
+    pub name: String,
+    /// Everything there.
+    pub total: u64,
+    /// Its compute buffers (part of `total`).
+    pub compute: u64,
 }
 
 /// The real backend: llama-server children through the supervisor.
@@ -130,7 +152,7 @@ impl Backend for SupervisorBackend {
         Box::pin(async move {
             if let Some(projection) = projection {
                 match projection.await {
-                    Ok(exact) => planned = exact,
+                    Ok(exact) => planned = exact.into_iter().map(|r| (r.name, r.total)).collect(),
                     Err(e) => tracing::debug!(corral_model = %spec.model, "no exact projection for the load: {e}"),
                 }
             }
@@ -141,7 +163,7 @@ impl Backend for SupervisorBackend {
         })
     }
 
-    fn project(&self, files: &ModelFiles, options: &LoadOptions) -> BoxFuture<'static, Result<Footprint, String>> {
+    fn project(&self, files: &ModelFiles, options: &LoadOptions) -> BoxFuture<'static, Result<Projected, String>> {
         let Some(projections) = self.projections.clone() else {
             return Box::pin(async { Err(format!("`llama-fit-params` was not found beside {}", "llama-server")) });
         };
@@ -153,11 +175,14 @@ impl Backend for SupervisorBackend {
         let projected = projections.project(files, options, &placement, args, env);
         Box::pin(async move {
             let rows = projected.await?;
-            let bytes = |name: &str| rows.iter().filter(|(n, _)| n == name).map(|(_, b)| *b).sum::<u64>();
-            let host = bytes(HOST);
+            let row = |name: &str| rows.iter().find(|r| r.name == name).map_or((0, 0), |r| (r.total, r.compute));
+            let (host, _) = row(HOST);
             Ok(match device {
-                Some(device) => Footprint { vram: bytes(&device), ram: host },
-                None => Footprint { vram: 0, ram: host },
+                Some(device) => {
+                    let (vram, compute) = row(&device);
+                    Projected { footprint: Footprint { vram, ram: host }, per_device: compute }
+                }
+                None => Projected { footprint: Footprint { vram: 0, ram: host }, per_device: 0 },
             })
         })
     }

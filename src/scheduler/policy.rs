@@ -42,11 +42,15 @@ pub struct Need {
     /// The layers llama.cpp can offload (the blocks and the output layer); 0 when unknown,
     /// which rules out a partial offload.
     pub layers: u32,
+    /// What every device that takes a part needs besides its share of the layers (its
+    /// compute buffers): included once in `footprint.vram`, paid again by each further
+    /// device of a split.
+    pub per_device: u64,
 }
 
 impl From<Footprint> for Need {
     fn from(footprint: Footprint) -> Self {
-        Self { footprint, layers: 0 }
+        Self { footprint, layers: 0, per_device: 0 }
     }
 }
 
@@ -230,7 +234,7 @@ pub fn shed(snapshot: &Snapshot) -> Option<Decision> {
 /// else spread over GPUs, else (when allowed) partly on GPUs and the rest on the CPU,
 /// else the CPU when there are no GPUs.
 fn place(snapshot: &Snapshot, runners: &[&RunnerView], need: Need) -> Option<Placement> {
-    let (layers, need) = (need.layers, need.footprint);
+    let (layers, per_device, need) = (need.layers, need.per_device.min(need.footprint.vram), need.footprint);
     let host = host_free(snapshot, runners);
     if snapshot.gpus.is_empty() {
         return (host >= need.total()).then_some(Placement::Cpu);
@@ -243,27 +247,35 @@ fn place(snapshot: &Snapshot, runners: &[&RunnerView], need: Need) -> Option<Pla
     if let Some((index, _)) = free.first().filter(|(_, bytes)| *bytes >= need.vram) {
         return Some(Placement::Gpu(*index));
     }
-    let mut usable: Vec<(usize, u64)> = free.into_iter().filter(|(_, bytes)| *bytes > 0).collect();
+    // Each device of a split pays its own compute buffers: the layers share what is left.
+    let mut usable: Vec<(usize, u64)> =
+        free.into_iter().filter(|(_, bytes)| *bytes > per_device).map(|(i, bytes)| (i, bytes - per_device)).collect();
+    let layered = need.vram - per_device;
     let total: u64 = usable.iter().map(|(_, bytes)| bytes).sum();
-    if usable.len() > 1 && total >= need.vram {
+    if usable.len() > 1 && total >= layered {
         usable.sort_unstable();
         // Shares in proportion to the room; rounding up never takes more than the room.
         let shares = usable
             .iter()
             .map(|(index, room)| {
-                let share = u128::from(need.vram) * u128::from(*room) / u128::from(total);
-                (*index, u64::try_from(share).unwrap_or(u64::MAX).min(*room))
+                let share = u128::from(layered) * u128::from(*room) / u128::from(total);
+                (*index, u64::try_from(share).unwrap_or(u64::MAX).min(*room) + per_device)
             })
             .collect();
         return Some(Placement::Spread(shares));
     }
-    if snapshot.partial_offload { partial(&usable, host, need, layers) } else { None }
+    if snapshot.partial_offload {
+        partial(&usable, host, Footprint { vram: layered, ram: need.ram }, layers, per_device)
+    } else {
+        None
+    }
 }
 
 /// As many whole layers on the GPUs with room as fit there, the rest in host memory: a
-/// layer is taken to cost an equal share of the model's GPU footprint (its output layer
-/// and compute buffers included, so the estimate errs on the safe side).
-fn partial(usable: &[(usize, u64)], host: u64, need: Footprint, layers: u32) -> Option<Placement> {
+/// layer is taken to cost an equal share of the model's GPU footprint without the compute
+/// buffers (the output layer included, so the estimate errs on the safe side); `usable`
+/// is each GPU's room less its compute buffers, which its share then adds.
+fn partial(usable: &[(usize, u64)], host: u64, need: Footprint, layers: u32, per_device: u64) -> Option<Placement> {
     if layers < 2 {
         return None;
     }
@@ -273,7 +285,7 @@ fn partial(usable: &[(usize, u64)], host: u64, need: Footprint, layers: u32) -> 
     for (index, room) in usable {
         let here = u32::try_from(room / per_layer).unwrap_or(u32::MAX).min(left);
         if here > 0 {
-            shares.push((*index, u64::from(here) * per_layer));
+            shares.push((*index, u64::from(here) * per_layer + per_device));
             left -= here;
         }
     }
@@ -406,7 +418,7 @@ mod tests {
     #[test]
     fn a_model_too_big_for_the_gpus_runs_partly_on_the_cpu_only_when_allowed() {
         // 10 layers of 1 GiB each; GPUs of 3 and 4 GiB take 7 of them, the CPU the rest.
-        let need = Need { footprint: Footprint { vram: 10 * GIB, ram: GIB }, layers: 10 };
+        let need = Need { footprint: Footprint { vram: 10 * GIB, ram: GIB }, layers: 10, per_device: 0 };
         let mut snap = Snapshot {
             partial_offload: true,
             gpus: gpus(&[3, 4]),

@@ -6,7 +6,7 @@ use std::ffi::OsString;
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use super::backend::{BoxFuture, Projections};
+use super::backend::{BoxFuture, ProjectedRow, Projections};
 use crate::projection::{Projection, ProjectionCache, ProjectionKey, Projector};
 use crate::store::digest::Digest;
 use crate::supervisor::command::{self, FlashAttention, LoadOptions, ModelFiles};
@@ -35,7 +35,7 @@ impl Projections for CachedProjections {
         placement: &command::Placement,
         args: Vec<OsString>,
         env: Vec<(OsString, OsString)>,
-    ) -> BoxFuture<'static, Result<Vec<(String, u64)>, String>> {
+    ) -> BoxFuture<'static, Result<Vec<ProjectedRow>, String>> {
         let key = key(files, options, placement);
         let cached = key.as_ref().and_then(|key| lock(&self.cache).get(key).cloned());
         let projector = self.projector.clone();
@@ -61,10 +61,14 @@ fn lock(cache: &Mutex<ProjectionCache>) -> std::sync::MutexGuard<'_, ProjectionC
 
 /// Each device's bytes, the host's as [`HOST`]. llama-fit-params prints whole MiB,
 /// rounded down: each figure is taken at the middle of its MiB.
-fn rows(projection: &Projection) -> Vec<(String, u64)> {
-    let middle = |usage: crate::projection::Usage| usage.total().saturating_add(3 * (1 << 19));
-    let mut rows: Vec<(String, u64)> = projection.devices().iter().map(|d| (d.name.clone(), middle(d.usage))).collect();
-    rows.push((HOST.to_owned(), middle(projection.host())));
+fn rows(projection: &Projection) -> Vec<ProjectedRow> {
+    let row = |name: &str, usage: crate::projection::Usage| ProjectedRow {
+        name: name.to_owned(),
+        total: usage.total().saturating_add(3 * (1 << 19)),
+        compute: usage.compute.saturating_add(1 << 19),
+    };
+    let mut rows: Vec<ProjectedRow> = projection.devices().iter().map(|d| row(&d.name, d.usage)).collect();
+    rows.push(row(HOST, projection.host()));
     rows
 }
 
@@ -119,7 +123,7 @@ mod tests {
     fn the_key_holds_the_digests_and_what_shapes_memory() {
         let digest = Digest::of(b"weights");
         let blob = PathBuf::from(format!("/var/lib/corral/models/blobs/sha256-{}", digest.hex()));
-        assert_eq!(blob_digest(&blob), Some(digest.clone()));
+        assert_eq!(blob_digest(&blob), Some(digest));
         assert_eq!(blob_digest(&PathBuf::from("/tmp/model.gguf")), None, "not a store blob");
         let files = ModelFiles { model: blob, projector: None, adapters: Vec::new() };
         let plan = DevicePlan {

@@ -17,6 +17,7 @@ mod dbus_contract;
 mod dbus_jobs;
 mod devices;
 mod edge_habits;
+mod exact_fit;
 mod fake_runner;
 mod faults;
 mod http_api;
