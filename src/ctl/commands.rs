@@ -95,8 +95,21 @@ pub struct ModelInfo {
     pub expires_at: Option<String>,
     /// Requests holding it.
     pub active_requests: u32,
+    /// Its memory on each device: planned before the load and actual.
+    pub memory: Vec<DeviceMemory>,
     #[serde(skip)]
     expires_micros: u64,
+}
+
+/// One device's memory for a loaded model, as `show` prints it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceMemory {
+    /// The device as llama.cpp names it, or `Host`.
+    pub device: String,
+    /// Bytes planned (0: the plan did not name it).
+    pub planned: u64,
+    /// Bytes llama.cpp allocated.
+    pub actual: u64,
 }
 
 /// A model's memory on one device.
@@ -216,6 +229,13 @@ async fn model_info(bus: &Bus, path: OwnedObjectPath) -> Result<ModelInfo, CtlEr
             .collect(),
         expires_at: expires_rfc3339(expires_micros),
         active_requests: m.active_requests().await.or_bus(bus)?,
+        memory: m
+            .memory()
+            .await
+            .or_bus(bus)?
+            .into_iter()
+            .map(|(device, planned, actual)| DeviceMemory { device, planned, actual })
+            .collect(),
         expires_micros,
     })
 }
@@ -381,6 +401,15 @@ fn describe(m: &ModelInfo, now: SystemTime) -> String {
         pairs.push(("GPU layers", format!("{} of {}{on_cpu}", m.gpu_layers, m.total_layers)));
         pairs.push(("VRAM", size(m.vram_bytes)));
         pairs.push(("RAM", size(m.ram_bytes)));
+        let memory: Vec<String> = m
+            .memory
+            .iter()
+            .filter(|d| d.planned > 0 || d.actual > 0)
+            .map(|d| format!("{} {} planned, {} actual", d.device, size(d.planned), size(d.actual)))
+            .collect();
+        if !memory.is_empty() {
+            pairs.push(("Memory", memory.join("; ")));
+        }
         pairs.push(("Active requests", m.active_requests.to_string()));
         pairs.push(("Unloads", expires(m.expires_micros, now)));
     }

@@ -237,6 +237,17 @@ impl Model {
             .map(|(kind, device, bytes)| (device, kind.to_owned(), bytes))
             .collect())
     }
+
+    /// Its runner's memory on each device by llama.cpp's name: planned before the load
+    /// (0 when there was no plan for that device) and what llama.cpp allocated there.
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn memory(&self) -> zbus::fdo::Result<Vec<(String, u64, u64)>> {
+        let name = self.get(|d| d.short_name.clone());
+        let loaded =
+            self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
+        let Some(runner) = loaded.iter().find(|m| m.names.contains(&name)) else { return Ok(Vec::new()) };
+        Ok(runner.devices.iter().map(|d| (d.device.clone(), d.planned.unwrap_or(0), d.actual)).collect())
+    }
 }
 
 fn epoch_micros(time: SystemTime) -> u64 {

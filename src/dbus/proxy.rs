@@ -158,6 +158,9 @@ pub trait Model {
     /// Where its runner's memory is: (device name, kind, bytes), the host last.
     #[zbus(property(emits_changed_signal = "false"))]
     fn devices(&self) -> zbus::Result<Vec<(String, String, u64)>>;
+    /// Its runner's memory per device: (llama.cpp's device name, planned, actual), the host last.
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn memory(&self) -> zbus::Result<Vec<(String, u64, u64)>>;
 }
 
 /// `org.corral.Corral1.Job`.

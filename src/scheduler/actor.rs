@@ -850,6 +850,7 @@ impl Scheduler {
             options: request.options.clone(),
             placement: placement.clone(),
             footprint: need,
+            rooms: policy::rooms(&self.snapshot()),
         };
         tracing::info!(corral_event = "load", corral_model = %request.name, runner = id, ?placement, "loading {}", request.name);
         self.counters.loads += 1;

@@ -33,6 +33,8 @@ pub struct StartRequest {
     pub placement: Placement,
     /// What the scheduler planned it to use there.
     pub footprint: Footprint,
+    /// Each GPU's room (by inventory index) before this load, for the exact plan's check.
+    pub rooms: Vec<(usize, u64)>,
 }
 
 /// A started runner.
@@ -134,10 +136,15 @@ impl Backend for SupervisorBackend {
         let placement = child_placement(&self.devices, &request.placement);
         // Without an exact projection, the plan is the scheduler's own split of the footprint.
         let mut planned: Vec<(String, u64)> = planned_shares(&self.devices, &placement, &request);
-        let projection = self.projections.clone().map(|p| {
-            let (args, env) = command::projection(&request.files, &request.options, &placement, &config.inherited_env);
-            p.project(&request.files, &request.options, &placement, args, env)
-        });
+        // Each planned device's room, by llama.cpp's name for it.
+        let rooms: Vec<(String, u64)> = placement_indices(&request.placement)
+            .iter()
+            .zip(placement.plan.iter().flat_map(|p| &p.devices))
+            .filter_map(|(index, device)| {
+                request.rooms.iter().find(|(i, _)| i == index).map(|(_, room)| (device.name.clone(), *room))
+            })
+            .collect();
+        let projections = self.projections.clone();
         let mut spec = RunnerSpec {
             id: request.id,
             model: request.model.clone(),
@@ -150,10 +157,11 @@ impl Backend for SupervisorBackend {
         };
         let probe = self.probe.clone();
         Box::pin(async move {
-            if let Some(projection) = projection {
-                match projection.await {
-                    Ok(exact) => planned = exact.into_iter().map(|r| (r.name, r.total)).collect(),
-                    Err(e) => tracing::debug!(corral_model = %spec.model, "no exact projection for the load: {e}"),
+            if let Some(projections) = projections {
+                match exact_plan(projections.as_ref(), &config, &mut spec, &rooms).await {
+                    Ok(Some(exact)) => planned = exact,
+                    Ok(None) => {}
+                    Err(Unfit(why)) => return Err(why),
                 }
             }
             spec.planned = planned;
@@ -250,18 +258,74 @@ pub fn child_placement(all: &[command::Device], placement: &Placement) -> comman
     }
 }
 
+/// A plan that llama.cpp's projection says does not fit the devices' room.
+struct Unfit(String);
+
+/// llama.cpp's projection of exactly the load `spec` describes, as each device's bytes by
+/// name: the plan the child will follow. When a device of a split would take more than
+/// its room (a split's compute buffers differ from the one-device projection the
+/// scheduler planned with), the split is rebalanced once, in proportion to each device's
+/// room over its projected bytes, and projected again. `Ok(None)`: no projection can be
+/// had (the scheduler's own plan stands); `Err`: even the rebalanced plan does not fit.
+async fn exact_plan(
+    projections: &dyn Projections,
+    config: &SupervisorConfig,
+    spec: &mut RunnerSpec,
+    rooms: &[(String, u64)],
+) -> Result<Option<Vec<(String, u64)>>, Unfit> {
+    let project = |spec: &RunnerSpec| {
+        let (args, env) = command::projection(&spec.files, &spec.options, &spec.placement, &config.inherited_env);
+        projections.project(&spec.files, &spec.options, &spec.placement, args, env)
+    };
+    let mut rows = match project(spec).await {
+        Ok(rows) => rows,
+        Err(e) => {
+            tracing::debug!(corral_model = %spec.model, "no exact projection for the load: {e}");
+            return Ok(None);
+        }
+    };
+    let total = |rows: &[ProjectedRow], name: &str| rows.iter().find(|r| r.name == name).map_or(0, |r| r.total);
+    let overfull = |rows: &[ProjectedRow]| {
+        rooms.iter().find(|(name, room)| total(rows, name) > *room).map(|(name, room)| (name.clone(), *room))
+    };
+    if overfull(&rows).is_some() && spec.options.num_gpu.is_none() {
+        if let Some(plan) = spec.placement.plan.as_mut().filter(|p| p.devices.len() > 1) {
+            for device in &mut plan.devices {
+                let room = rooms.iter().find(|(name, _)| *name == device.name).map_or(0, |(_, room)| *room);
+                let projected = total(&rows, &device.name).max(1);
+                let share = u128::from(device.share) * u128::from(room) / u128::from(projected);
+                device.share = u64::try_from(share).unwrap_or(u64::MAX).max(1);
+            }
+            tracing::info!(corral_model = %spec.model, "rebalancing the split of {} by llama.cpp's projection", spec.model);
+            rows = project(spec).await.map_err(|e| Unfit(format!("the rebalanced plan cannot be projected: {e}")))?;
+        }
+    }
+    if let Some((name, room)) = overfull(&rows) {
+        return Err(Unfit(format!(
+            "llama.cpp projects {} on {name}, which has {} free for it",
+            crate::units::bytes(total(&rows, &name)),
+            crate::units::bytes(room)
+        )));
+    }
+    Ok(Some(rows.into_iter().map(|r| (r.name, r.total)).collect()))
+}
+
+/// The inventory indices of a placement's devices, in its order.
+fn placement_indices(placement: &Placement) -> Vec<usize> {
+    match placement {
+        Placement::Gpu(index) => vec![*index],
+        Placement::Spread(shares) | Placement::Partial { shares, .. } => shares.iter().map(|(i, _)| *i).collect(),
+        Placement::Cpu => Vec::new(),
+    }
+}
+
 /// The scheduler's plan per device name: each device's share of the footprint, the
 /// host's part as [`HOST`].
 fn planned_shares(all: &[command::Device], child: &command::Placement, request: &StartRequest) -> Vec<(String, u64)> {
     let footprint = request.footprint;
     let mut planned: Vec<(String, u64)> = Vec::new();
     if let Some(plan) = &child.plan {
-        let indices: Vec<usize> = match &request.placement {
-            Placement::Gpu(index) => vec![*index],
-            Placement::Spread(shares) | Placement::Partial { shares, .. } => shares.iter().map(|(i, _)| *i).collect(),
-            Placement::Cpu => Vec::new(),
-        };
-        for (index, device) in indices.iter().zip(&plan.devices) {
+        for (index, device) in placement_indices(&request.placement).iter().zip(&plan.devices) {
             if all.get(*index).is_some() {
                 planned.push((device.name.clone(), request.placement.vram_on(*index, footprint.vram)));
             }

@@ -298,6 +298,13 @@ fn partial(usable: &[(usize, u64)], host: u64, need: Footprint, layers: u32, per
     })
 }
 
+/// Each GPU's room next to every runner of `snapshot`, by index.
+#[must_use]
+pub fn rooms(snapshot: &Snapshot) -> Vec<(usize, u64)> {
+    let runners: Vec<&RunnerView> = snapshot.runners.iter().collect();
+    snapshot.gpus.iter().map(|g| (g.index, gpu_free(g, &runners))).collect()
+}
+
 /// Free memory on a GPU next to `runners`.
 fn gpu_free(gpu: &GpuView, runners: &[&RunnerView]) -> u64 {
     gpu.usable.saturating_sub(runners.iter().map(|r| r.placement.vram_on(gpu.index, r.footprint.vram)).sum())

@@ -320,6 +320,13 @@ fn a_cpu_only_load_reports_no_layers_on_a_gpu() {
     let text = rig.ok(&["show", "chat"]);
     assert!(text.lines().any(|l| l.starts_with("GPU layers:") && l.ends_with("0 of 5 (all on the CPU)")), "{text}");
     assert!(rig.daemon.corrald.stderr().contains("0 of 5 layers on GPUs"), "{}", rig.daemon.corrald.stderr());
+    // The plan (llama.cpp's projection) next to what was allocated: all in host memory.
+    let memory = shown["memory"].as_array().expect("memory");
+    assert_eq!(memory.len(), 1, "the host alone: {shown}");
+    assert_eq!(memory[0]["device"], "Host", "{shown}");
+    assert!(memory[0]["planned"].as_u64().is_some_and(|b| b > 0), "{shown}");
+    assert!(memory[0]["actual"].as_u64().is_some_and(|b| b > 0), "{shown}");
+    assert!(text.lines().any(|l| l.starts_with("Memory:") && l.contains("Host") && l.contains("planned")), "{text}");
 }
 
 #[test]
