@@ -99,6 +99,8 @@ impl From<StoreError> for Error {
 impl From<RequestError> for Error {
     fn from(error: RequestError) -> Self {
         match error {
+            // Weights corral's own reader refuses: a bad model, as when llama-server refuses them.
+            RequestError::Store(e @ StoreError::Gguf { .. }) => Self::BadModel(public(&e)),
             RequestError::Store(e) => e.into(),
             e @ (RequestError::InvalidOption { .. } | RequestError::KeepAlive(_)) => Self::InvalidArgument(public(&e)),
         }

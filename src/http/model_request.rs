@@ -50,11 +50,15 @@ pub(super) fn options_and_keep_alive(
 }
 
 /// A failed request build as HTTP: an unknown model is 404 in Ollama's wording (the
-/// name as the client wrote it), a bad option 400, anything else 500.
+/// name as the client wrote it), a bad option 400, weights that are not a usable GGUF 422
+/// (a bad model, as when llama-server refuses the file), anything else 500.
 pub(super) fn request_error(error: RequestError, given: &str, path: &str) -> ApiError {
     match error {
         RequestError::Store(StoreError::NotFound(_)) => {
             ApiError::new(StatusCode::NOT_FOUND, format!("model '{given}' not found"), path)
+        }
+        RequestError::Store(StoreError::Gguf { .. }) => {
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, error.to_string(), path)
         }
         RequestError::InvalidOption { .. } | RequestError::KeepAlive(_) => bad(&error.to_string(), path),
         other @ RequestError::Store(_) => internal(&other.to_string(), path),

@@ -1,0 +1,86 @@
+//! Failed loads by their class at both edges, on corrald with the real llama-server: a
+//! model whose weights are not a usable GGUF is a bad model, HTTP 422 and D-Bus
+//! `org.corral.Corral1.Error.BadModel`, whether llama.cpp finds it out (an architecture
+//! it does not know) or corral's own reader does (random bytes where the weights were).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use corral::dbus::proxy::ManagerProxy;
+use corral::gguf::reader::GgufFile;
+use corral::gguf::{GgufWriter, TensorType};
+use corral::scheduler::request::{self, Defaults, LoadOverrides};
+use corral::store::Store;
+use corral::store::name::ModelName;
+use zbus::proxy::CacheProperties;
+
+use crate::support::dbus::BusDaemon;
+use crate::support::http;
+
+/// The most a load (and its failure) may take, however loaded the machine.
+const WAIT: Duration = Duration::from_secs(120);
+
+async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(WAIT, future).await.unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+}
+
+/// The store's blob of `model`'s weights.
+fn blob(dir: &Path, model: &str) -> PathBuf {
+    let store = Store::open(&dir.join("models")).expect("store");
+    let name = ModelName::parse(model).expect("name");
+    let defaults = Defaults { num_ctx: 512, parallel: 1 };
+    request::build(&store, &name, &LoadOverrides::default(), None, false, defaults).expect("request").files.model
+}
+
+/// `POST path` with `body` on corrald's UNIX socket.
+async fn post(daemon: &BusDaemon, path: &'static str, body: &'static str) -> http::Response {
+    let socket = daemon.socket();
+    let call = tokio::task::spawn_blocking(move || http::unix(&socket, "POST", path, Some(body)));
+    within(path, call).await.expect("the request's thread")
+}
+
+fn error_of(response: &http::Response) -> String {
+    response.json()["error"].as_str().unwrap_or_else(|| panic!("an error: {}", response.body)).to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_whose_file_is_not_a_gguf_is_a_bad_model_over_http_and_d_bus() {
+    let daemon = BusDaemon::start("[scheduler]\nnum_ctx = 512\n");
+    let connection = daemon.connect().await;
+    let manager =
+        ManagerProxy::builder(&connection).cache_properties(CacheProperties::No).build().await.expect("manager");
+
+    // llama.cpp finds out: a GGUF that corral reads (and plans with), of an architecture
+    // llama.cpp does not know, where the weights were; llama-server exits with
+    // `unknown model architecture`.
+    let chat = blob(daemon.path(), "chat");
+    let mut gguf = GgufWriter::new();
+    gguf.add_metadata("general.architecture", "corral-unknown").expect("metadata");
+    gguf.add_tensor("token_embd.weight", &[8, 4], TensorType::F32, &[0.5; 32]).expect("tensor");
+    gguf.write_file(&chat).expect("overwrite the blob");
+    GgufFile::open(&chat).expect("corral's reader takes it");
+    let response = post(&daemon, "/api/generate", r#"{"model":"chat","prompt":"hi","stream":false}"#).await;
+    assert_eq!(response.status, 422, "{}", response.body);
+    let error = error_of(&response);
+    assert!(error.starts_with("model 'chat:latest' failed to load: ") && error.contains("bad model file"), "{error}");
+    // The same failure through D-Bus (the first failure is retried at once, no back-off).
+    let err = within("Load", manager.load("chat", HashMap::new())).await.expect_err("a bad model").to_string();
+    assert!(err.starts_with("org.corral.Corral1.Error.BadModel: model 'chat:latest' failed to load: "), "{err}");
+    assert!(manager.loaded_models().await.expect("LoadedModels").is_empty());
+
+    // corral's own reader finds out first: random bytes where the weights were. The
+    // manifest is touched so that no details read before stand in for the file.
+    let embed = blob(daemon.path(), "embed");
+    let noise: Vec<u8> = (0..4096_u32).map(|i| u8::try_from((i * 131 + 7) % 251).expect("a byte")).collect();
+    std::fs::write(&embed, noise).expect("overwrite the blob");
+    let manifest = daemon.path().join("models/manifests/registry.ollama.ai/library/embed/latest");
+    let later = SystemTime::now() + Duration::from_secs(5);
+    std::fs::File::options().write(true).open(&manifest).expect("manifest").set_modified(later).expect("touch");
+    let response = post(&daemon, "/api/embed", r#"{"model":"embed","input":"hi"}"#).await;
+    assert_eq!(response.status, 422, "{}", response.body);
+    let error = error_of(&response);
+    assert!(error.contains("is not a usable GGUF file"), "{error}");
+    let err = within("Load", manager.load("embed", HashMap::new())).await.expect_err("a bad model").to_string();
+    assert!(err.starts_with("org.corral.Corral1.Error.BadModel: ") && err.contains("not a usable GGUF"), "{err}");
+}
