@@ -102,7 +102,9 @@ impl From<RequestError> for Error {
             // Weights corral's own reader refuses: a bad model, as when llama-server refuses them.
             RequestError::Store(e @ StoreError::Gguf { .. }) => Self::BadModel(public(&e)),
             RequestError::Store(e) => e.into(),
-            e @ (RequestError::InvalidOption { .. } | RequestError::KeepAlive(_)) => Self::InvalidArgument(public(&e)),
+            e @ RequestError::InvalidOption { .. } => Self::InvalidArgument(public(&e)),
+            // Here the keep-alive is one of the call's options: named as one.
+            RequestError::KeepAlive(e) => Self::InvalidArgument(format!("option keep_alive: {}", public(&e))),
         }
     }
 }

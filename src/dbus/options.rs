@@ -80,7 +80,7 @@ mod tests {
     use serde_json::{Map, Value as Json, json};
     use zbus::zvariant::{OwnedValue, Value};
 
-    use super::{flag, load_options, only};
+    use super::{Options, flag, load_options, only};
     use crate::dbus::error::Error;
     use crate::scheduler::keep_alive::KeepAlive;
     use crate::scheduler::request::{self, GpuLayers, LoadOverrides};
@@ -105,8 +105,12 @@ mod tests {
         Ok((load, keep_alive))
     }
 
+    /// The same through the `a{sv}` adapter.
     fn over_dbus(given: &HashMap<String, OwnedValue>) -> Result<(LoadOverrides, Option<KeepAlive>), String> {
-        load_options(given).map_err(message)
+        let source = Options(given);
+        let load = LoadOverrides::parse(&source).map_err(|e| e.to_string())?;
+        let keep_alive = request::keep_alive(&source, "keep_alive").map_err(|e| e.to_string())?;
+        Ok((load, keep_alive))
     }
 
     #[test]
@@ -148,16 +152,24 @@ mod tests {
         ];
         for (body, pairs) in cases {
             let http = over_json(&body);
-            let dbus = over_dbus(&options(&pairs));
-            assert_eq!(http, dbus, "{body}");
+            let given = options(&pairs);
+            assert_eq!(http, over_dbus(&given), "{body}");
+            // A Load call gets the parser's result, its message the parser's (the keep-alive,
+            // one option among others here, named as one).
+            let call = load_options(&given).map_err(message);
+            let expected =
+                http.map_err(|e| if e.contains("keep_alive") { format!("option keep_alive: {e}") } else { e });
+            assert_eq!(call, expected, "{body}");
         }
         let (load, keep_alive) = over_json(&json!({"num_ctx": 4096, "num_gpu": -1, "keep_alive": "10m"})).expect("ok");
         assert_eq!((load.num_ctx, load.num_gpu), (Some(4096), Some(GpuLayers::Auto)));
         assert_eq!(keep_alive, Some(KeepAlive::For(Duration::from_secs(600))));
-        let err = over_dbus(&options(&[("num_ctx", Value::from("big"))])).expect_err("bad");
+        let err = message(load_options(&options(&[("num_ctx", Value::from("big"))])).expect_err("bad"));
         assert_eq!(err, "invalid option num_ctx: expected a non-negative integer");
-        let err = over_dbus(&options(&[("use_mmap", Value::U32(1))])).expect_err("bad");
+        let err = message(load_options(&options(&[("use_mmap", Value::U32(1))])).expect_err("bad"));
         assert_eq!(err, "invalid option use_mmap: expected true or false");
+        let err = message(load_options(&options(&[("keep_alive", Value::from("soon"))])).expect_err("bad"));
+        assert!(err.starts_with("option keep_alive: invalid keep_alive \"soon\": "), "{err}");
     }
 
     #[test]
