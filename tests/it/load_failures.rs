@@ -1,20 +1,29 @@
-//! Failed loads by their class at both edges, on corrald with the real llama-server: a
+//! Failed loads by their class at both edges. On corrald with the real llama-server: a
 //! model whose weights are not a usable GGUF is a bad model, HTTP 422 and D-Bus
 //! `org.corral.Corral1.Error.BadModel`, whether llama.cpp finds it out (an architecture
 //! it does not know) or corral's own reader does (random bytes where the weights were).
+//! Through the API in-process with `fake-llama-server` runners, for what the real one
+//! cannot do on demand: each other class's status (out of memory 507, no progress 504, a
+//! crash 502, anything else 500).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use corral::dbus::proxy::ManagerProxy;
 use corral::gguf::reader::GgufFile;
 use corral::gguf::{GgufWriter, TensorType};
+use corral::http::AppState;
+use corral::scheduler::actor::Scheduler;
+use corral::scheduler::footprints::Footprints;
 use corral::scheduler::request::{self, Defaults, LoadOverrides};
 use corral::store::Store;
 use corral::store::name::ModelName;
+use serde_json::{Value, json};
 use zbus::proxy::CacheProperties;
 
+use crate::support::api::{backend, call, demo_store, limits};
 use crate::support::dbus::BusDaemon;
 use crate::support::http;
 
@@ -83,4 +92,64 @@ async fn a_model_whose_file_is_not_a_gguf_is_a_bad_model_over_http_and_d_bus() {
     assert!(error.contains("is not a usable GGUF file"), "{error}");
     let err = within("Load", manager.load("embed", HashMap::new())).await.expect_err("a bad model").to_string();
     assert!(err.starts_with("org.corral.Corral1.Error.BadModel: ") && err.contains("not a usable GGUF"), "{err}");
+}
+
+/// The status and error of `/api/generate` for `chat` when its runner (the fake, or
+/// `program` in the test's directory) behaves as `behaviour` while loading, with a load
+/// timeout of `load_timeout`.
+async fn failed_load(behaviour: &Value, load_timeout: Duration, program: Option<&str>) -> (u16, String) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = demo_store(dir.path());
+    let mut beside = blob(dir.path(), "chat").into_os_string();
+    beside.push(".fake.json");
+    std::fs::write(beside, behaviour.to_string()).expect("the behaviour");
+    let runtime = dir.path().join("run");
+    std::fs::create_dir(&runtime).expect("runtime dir");
+    let mut backend = backend(&runtime);
+    backend.config.llama_server =
+        program.map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_fake-llama-server")), |p| dir.path().join(p));
+    backend.load_timeout = load_timeout;
+    let (scheduler, handle) = Scheduler::new(Arc::new(backend), Vec::new(), 4 << 30, limits(), Footprints::in_memory());
+    tokio::spawn(scheduler.run());
+    let state = AppState::for_tests(store, handle, Defaults { num_ctx: 512, parallel: 1 });
+    let body = json!({"model": "chat", "prompt": "hi", "stream": false}).to_string();
+    let (status, _, text) = within("/api/generate", call(&state, "POST", "/api/generate", &body)).await;
+    let error: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
+    (status.as_u16(), error["error"].as_str().unwrap_or_else(|| panic!("an error: {text}")).to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_class_of_failed_load_has_its_http_status() {
+    let long = Duration::from_secs(60);
+    // The fake exits 0 ms after its start, in the middle of a load of 60 s.
+    let exits = |extra: Value| {
+        let mut behaviour = json!({"load_ms": 60_000, "exit_after_ms": 0});
+        behaviour.as_object_mut().expect("object").extend(extra.as_object().expect("object").clone());
+        behaviour
+    };
+    let cases = [
+        (json!({"oom": true}), long, 507, "(out of memory)"),
+        (json!({"hang": true}), Duration::from_secs(1), 504, "made no progress for 1 s while loading"),
+        (exits(json!({"exit_signal": 6})), long, 502, "(killed)"),
+        (exits(json!({"exit_code": 3})), long, 502, "(crashed)"),
+        (
+            exits(json!({"errors": ["llama_model_load: error loading model: unknown model architecture: 'x'"]})),
+            long,
+            422,
+            "(bad model file)",
+        ),
+        (exits(json!({"errors": ["error: invalid argument: --bogus"]})), long, 500, "(invalid argument)"),
+    ];
+    for (behaviour, timeout, status, said) in cases {
+        let (got, error) = failed_load(&behaviour, timeout, None).await;
+        assert_eq!(got, status, "{behaviour}: {error}");
+        assert!(
+            error.starts_with("model 'chat:latest' failed to load: ") && error.contains(said),
+            "{behaviour}: {error}"
+        );
+    }
+    // Anything else: llama-server cannot even be started.
+    let (got, error) = failed_load(&json!({}), long, Some("no-such-llama-server")).await;
+    assert_eq!(got, 500, "{error}");
+    assert!(error.contains("cannot start llama-server"), "{error}");
 }
