@@ -992,7 +992,7 @@ impl Scheduler {
             Err(LoadFailure { class, reason }) => {
                 self.counters.load_failures += 1;
                 let entry = self.runners.remove(&id).expect("looked up above");
-                tracing::warn!(corral_event = "load_failed", corral_model = %entry.request.name, runner = id, class = class.as_str(), "{} failed to load ({}): {reason}", entry.request.name, class.as_str());
+                tracing::warn!(corral_event = "load_failed", corral_model = %entry.request.name, runner = id, corral_class = class.as_str(), "{} failed to load ({}): {reason}", entry.request.name, class.as_str());
                 self.record_failure(&entry.request.key, reason.clone());
                 self.notify(Notice::LoadFailed {
                     runner: id,
