@@ -193,6 +193,34 @@ impl LoadOverrides {
     }
 }
 
+impl LoadOverrides {
+    /// Whether option `key` is given here.
+    fn gives(&self, key: &str) -> bool {
+        match key {
+            "num_ctx" => self.num_ctx.is_some(),
+            "num_batch" => self.num_batch.is_some(),
+            "num_thread" => self.num_thread.is_some(),
+            "num_gpu" => self.num_gpu.is_some(),
+            "main_gpu" => self.main_gpu.is_some(),
+            "use_mmap" => self.use_mmap.is_some(),
+            _ => false,
+        }
+    }
+}
+
+/// The options of `source` that `over` does not give: a model's parameters under the
+/// client's options, so that a parameter the client overrides is never read (nor refused).
+struct Under<'a, S: ?Sized> {
+    source: &'a S,
+    over: &'a LoadOverrides,
+}
+
+impl<S: OptionSource + ?Sized> OptionSource for Under<'_, S> {
+    fn option(&self, key: &str) -> Option<OptionValue> {
+        if self.over.gives(key) { None } else { self.source.option(key) }
+    }
+}
+
 /// The keep-alive under `key` (Ollama's forms: a Go duration string, or seconds), with the
 /// same rules for every source; `None` when absent.
 pub fn keep_alive(source: &(impl OptionSource + ?Sized), key: &str) -> Result<Option<KeepAlive>, RequestError> {
@@ -237,7 +265,7 @@ pub fn from_details(
     let adapters: Vec<_> = manifest.layers_of(crate::store::manifest::ADAPTER).collect();
 
     // The model's own parameters first, the client's over them.
-    let merged = options.over(LoadOverrides::parse(&shown.parameters)?);
+    let merged = options.over(LoadOverrides::parse(&Under { source: &shown.parameters, over: options })?);
     let mut load =
         LoadOptions { num_ctx: defaults.num_ctx, parallel: defaults.parallel.max(1), ..LoadOptions::default() };
     if let Some(n) = merged.num_ctx {
@@ -398,6 +426,24 @@ mod tests {
         assert_eq!(merged.num_batch, Some(64));
         assert_eq!(merged.num_gpu, Some(GpuLayers::Auto));
         assert_eq!(options(&json!({"num_gpu": 1_u64 << 40})).num_gpu, Some(GpuLayers::Layers(u32::MAX)));
+    }
+
+    #[test]
+    fn a_models_parameter_the_client_overrides_is_never_read() {
+        let model: std::collections::BTreeMap<String, Value> =
+            [("num_ctx".to_owned(), json!("big")), ("num_batch".to_owned(), json!(64))].into_iter().collect();
+        let client = options(&json!({"num_ctx": 1024}));
+        let under = LoadOverrides::parse(&super::Under { source: &model, over: &client }).expect("num_ctx not read");
+        assert_eq!(client.over(under), LoadOverrides { num_ctx: Some(1024), num_batch: Some(64), ..client });
+        let err = LoadOverrides::parse(&super::Under { source: &model, over: &LoadOverrides::default() })
+            .expect_err("the model's own bad value");
+        assert_eq!(err.to_string(), "invalid option num_ctx: expected a non-negative integer");
+        for key in super::LOAD_OPTIONS {
+            let every = options(&json!({
+                "num_ctx": 1, "num_batch": 1, "num_thread": 1, "num_gpu": 1, "main_gpu": 1, "use_mmap": true
+            }));
+            assert!(every.gives(key) && !LoadOverrides::default().gives(key), "{key}");
+        }
     }
 
     #[test]
