@@ -291,7 +291,10 @@ struct InstantRunner {
 }
 
 impl Backend for InstantBackend {
-    fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, String>> {
+    fn start(
+        &self,
+        request: StartRequest,
+    ) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, corral::scheduler::failure::LoadFailure>> {
         let (load, stop) = (self.load, self.stop);
         Box::pin(async move {
             if !load.is_zero() {
@@ -343,7 +346,10 @@ struct CountedRunner {
 }
 
 impl Backend for Counted {
-    fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, String>> {
+    fn start(
+        &self,
+        request: StartRequest,
+    ) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, corral::scheduler::failure::LoadFailure>> {
         let bytes = self.sizes.get(&request.model).copied().unwrap_or(0);
         let stats = Arc::clone(&self.stats);
         stats.begin(bytes);
@@ -396,8 +402,10 @@ impl LiveRunner for CountedRunner {
 
 fn model_request(index: u64, need: u64, model_file: PathBuf) -> ModelRequest {
     ModelRequest {
-        key: format!("key-{index:02}"),
-        weights: format!("weights-{index:02}"),
+        key: corral::scheduler::key::RunnerKey::new(
+            corral::scheduler::key::Weights::of(corral::store::digest::Digest::of(&index.to_le_bytes())),
+            &LoadOptions::default(),
+        ),
         name: format!("model-{index:02}"),
         files: ModelFiles { model: model_file, projector: None, adapters: Vec::new() },
         options: LoadOptions::default(),

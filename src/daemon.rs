@@ -748,7 +748,7 @@ fn preload(config: &Config, store: &Store, scheduler: &Handle) {
         tokio::spawn(async move {
             let built = tokio::task::spawn_blocking(move || {
                 let name = ModelName::parse(&name_text).map_err(|e| e.to_string())?;
-                request::build(&store, &name, &serde_json::Map::new(), keep_alive, pinned, defaults)
+                request::build(&store, &name, &request::LoadOverrides::default(), keep_alive, pinned, defaults)
                     .map_err(|e| e.to_string())
             })
             .await;
@@ -932,7 +932,10 @@ mod tests {
     struct PanickingRunner;
 
     impl Backend for Panicking {
-        fn start(&self, _: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, String>> {
+        fn start(
+            &self,
+            _: StartRequest,
+        ) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, crate::scheduler::failure::LoadFailure>> {
             Box::pin(async { Ok(Box::new(PanickingRunner) as Box<dyn LiveRunner>) })
         }
     }
@@ -968,8 +971,10 @@ mod tests {
 
     fn request() -> ModelRequest {
         ModelRequest {
-            key: "k".into(),
-            weights: "w".into(),
+            key: crate::scheduler::key::RunnerKey::new(
+                crate::scheduler::key::Weights::of(crate::store::digest::Digest::of(b"m")),
+                &LoadOptions::default(),
+            ),
             name: "m".into(),
             files: ModelFiles { model: PathBuf::from("/blobs/m"), projector: None, adapters: Vec::new() },
             options: LoadOptions::default(),

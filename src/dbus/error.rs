@@ -3,8 +3,14 @@
 //! Only here do scheduler, store and registry errors become D-Bus error names; each
 //! carries the core error's message, which says what to do, without the server's paths
 //! (`crate::redact`; the journal gets the original).
+//!
+//! A failed load is named by its class: out of memory is `InsufficientMemory` (as when
+//! the scheduler refuses a model that cannot fit: the remedy is the same), a bad model
+//! file `BadModel`, a load that made no progress `LoadTimeout`, and a crash or anything
+//! else `LoadFailed` (as before classes existed).
 
 use crate::scheduler::actor::ScheduleError;
+use crate::scheduler::failure::FailureClass;
 use crate::scheduler::request::RequestError;
 use crate::store::StoreError;
 use crate::store::name::InvalidName;
@@ -24,9 +30,15 @@ pub enum Error {
     InvalidName(String),
     /// An argument or option has the wrong type or value.
     InvalidArgument(String),
-    /// The model does not fit, even after unloading what may be unloaded.
+    /// The model does not fit, even after unloading what may be unloaded, or memory ran
+    /// out while it loaded.
     InsufficientMemory(String),
-    /// llama-server failed to load the model (or failed recently and is backing off).
+    /// The model's file is missing, corrupt or not one llama-server reads.
+    BadModel(String),
+    /// llama-server made no progress loading the model for `[runner] load_timeout`.
+    LoadTimeout(String),
+    /// llama-server crashed or failed otherwise while loading the model (or failed
+    /// recently and is backing off).
     LoadFailed(String),
     /// Too many requests are waiting for models to load.
     Busy(String),
@@ -60,7 +72,13 @@ impl From<ScheduleError> for Error {
         match error {
             ScheduleError::QueueFull(_) => Self::Busy(message),
             ScheduleError::InsufficientMemory { .. } => Self::InsufficientMemory(message),
-            ScheduleError::LoadFailed { .. } | ScheduleError::BackingOff { .. } => Self::LoadFailed(message),
+            ScheduleError::LoadFailed { class, .. } => match class {
+                FailureClass::OutOfMemory => Self::InsufficientMemory(message),
+                FailureClass::BadModel => Self::BadModel(message),
+                FailureClass::Timeout => Self::LoadTimeout(message),
+                FailureClass::Crashed | FailureClass::Other => Self::LoadFailed(message),
+            },
+            ScheduleError::BackingOff { .. } => Self::LoadFailed(message),
             ScheduleError::NotLoaded(_) => Self::NotLoaded(message),
             ScheduleError::ShuttingDown => Self::ShuttingDown(message),
         }
@@ -81,8 +99,12 @@ impl From<StoreError> for Error {
 impl From<RequestError> for Error {
     fn from(error: RequestError) -> Self {
         match error {
+            // Weights corral's own reader refuses: a bad model, as when llama-server refuses them.
+            RequestError::Store(e @ StoreError::Gguf { .. }) => Self::BadModel(public(&e)),
             RequestError::Store(e) => e.into(),
             e @ RequestError::InvalidOption { .. } => Self::InvalidArgument(public(&e)),
+            // Here the keep-alive is one of the call's options: named as one.
+            RequestError::KeepAlive(e) => Self::InvalidArgument(format!("option keep_alive: {}", public(&e))),
         }
     }
 }
@@ -97,6 +119,7 @@ impl From<InvalidName> for Error {
 mod tests {
     use super::Error;
     use crate::scheduler::actor::ScheduleError;
+    use crate::scheduler::failure::FailureClass;
     use crate::store::StoreError;
 
     #[test]
@@ -110,9 +133,29 @@ mod tests {
 
         let load = ScheduleError::LoadFailed {
             model: "chat".into(),
+            class: FailureClass::Other,
             reason: "cannot start /opt/llama/bin/llama-server: No such file or directory".into(),
         };
         let Error::LoadFailed(message) = Error::from(load) else { panic!("LoadFailed") };
         assert!(message.contains("…/llama-server") && !message.contains("/opt/llama"), "{message}");
+    }
+
+    #[test]
+    fn each_class_of_failed_load_has_its_error_name() {
+        let named = |class| {
+            let error = Error::from(ScheduleError::LoadFailed { model: "chat".into(), class, reason: "why".into() });
+            let name = zbus::DBusError::name(&error).to_string();
+            let message = zbus::DBusError::description(&error).unwrap_or_default().to_owned();
+            (name, message)
+        };
+        for (class, name) in [
+            (FailureClass::OutOfMemory, "org.corral.Corral1.Error.InsufficientMemory"),
+            (FailureClass::BadModel, "org.corral.Corral1.Error.BadModel"),
+            (FailureClass::Timeout, "org.corral.Corral1.Error.LoadTimeout"),
+            (FailureClass::Crashed, "org.corral.Corral1.Error.LoadFailed"),
+            (FailureClass::Other, "org.corral.Corral1.Error.LoadFailed"),
+        ] {
+            assert_eq!(named(class), (name.to_owned(), "model 'chat' failed to load: why".to_owned()), "{class:?}");
+        }
     }
 }

@@ -113,7 +113,10 @@ mod tests {
             id,
             name: format!("m{id}"),
             names: vec![format!("m{id}")],
-            key: String::new(),
+            key: crate::scheduler::key::RunnerKey::new(
+                crate::scheduler::key::Weights::of(crate::store::digest::Digest::of(&id.to_le_bytes())),
+                &crate::supervisor::command::LoadOptions::default(),
+            ),
             state: "ready",
             placement,
             footprint: Footprint { vram, ram },

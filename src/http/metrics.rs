@@ -163,7 +163,10 @@ mod tests {
                 id: 1,
                 name: "tiny:latest".into(),
                 names: vec!["tiny:latest".into()],
-                key: "k".into(),
+                key: crate::scheduler::key::RunnerKey::new(
+                    crate::scheduler::key::Weights::of(crate::store::digest::Digest::of(b"tiny")),
+                    &crate::supervisor::command::LoadOptions::default(),
+                ),
                 state: "ready",
                 placement: Placement::Cpu,
                 footprint: Footprint { vram: 0, ram: 5_000_000 },

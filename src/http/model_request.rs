@@ -11,7 +11,7 @@ use super::ollama_embed::{bad, internal};
 use super::state::AppState;
 use crate::scheduler::actor::ModelRequest;
 use crate::scheduler::keep_alive::KeepAlive;
-use crate::scheduler::request::{self, RequestError};
+use crate::scheduler::request::{self, LoadOverrides, RequestError};
 use crate::store::StoreError;
 use crate::store::name::ModelName;
 use crate::store::show::ModelDetails;
@@ -33,7 +33,9 @@ pub(super) fn model_name(
     Ok((text, name))
 }
 
-/// The client's `options` (an object, or none) and `keep_alive` (Ollama's forms).
+/// The client's `options` (an object, or none; the load options in it are read by
+/// [`load_options`], the rest are sampling options) and `keep_alive` (Ollama's forms,
+/// read by the request parser, as D-Bus reads its own).
 pub(super) fn options_and_keep_alive(
     request: &Map<String, Value>,
     path: &str,
@@ -43,18 +45,22 @@ pub(super) fn options_and_keep_alive(
         Some(Value::Object(map)) => map.clone(),
         Some(_) => return Err(bad("options must be an object", path)),
     };
-    let keep_alive = KeepAlive::from_json(request.get("keep_alive")).map_err(|e| bad(&e.to_string(), path))?;
+    let keep_alive = request::keep_alive(request, "keep_alive").map_err(|e| bad(&e.to_string(), path))?;
     Ok((options, keep_alive))
 }
 
 /// A failed request build as HTTP: an unknown model is 404 in Ollama's wording (the
-/// name as the client wrote it), a bad option 400, anything else 500.
+/// name as the client wrote it), a bad option 400, weights that are not a usable GGUF 422
+/// (a bad model, as when llama-server refuses the file), anything else 500.
 pub(super) fn request_error(error: RequestError, given: &str, path: &str) -> ApiError {
     match error {
         RequestError::Store(StoreError::NotFound(_)) => {
             ApiError::new(StatusCode::NOT_FOUND, format!("model '{given}' not found"), path)
         }
-        RequestError::InvalidOption { .. } => bad(&error.to_string(), path),
+        RequestError::Store(StoreError::Gguf { .. }) => {
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, error.to_string(), path)
+        }
+        RequestError::InvalidOption { .. } | RequestError::KeepAlive(_) => bad(&error.to_string(), path),
         other @ RequestError::Store(_) => internal(&other.to_string(), path),
     }
 }
@@ -80,6 +86,12 @@ pub(super) async fn details(
     found.map_err(|e| request_error(RequestError::Store(e), given, path))
 }
 
+/// The typed load options of a body's `options`, through the request parser's JSON
+/// adapter: a bad one is a 400 naming it.
+pub(super) fn load_options(options: &Map<String, Value>, given: &str, path: &str) -> Result<LoadOverrides, ApiError> {
+    LoadOverrides::parse(options).map_err(|e| request_error(e, given, path))
+}
+
 /// The scheduler's request for `name` with the client's options.
 pub(super) async fn build(
     state: &AppState,
@@ -90,6 +102,7 @@ pub(super) async fn build(
     path: &str,
 ) -> Result<ModelRequest, ApiError> {
     let shown = details(state, &name, given, path).await?;
+    let options = load_options(&options, given, path)?;
     request::from_details(&state.store, &shown, &options, keep_alive, false, state.defaults)
         .map_err(|e| request_error(e, given, path))
 }

@@ -17,6 +17,7 @@ use super::model_request;
 use super::runner_call;
 use super::state::AppState;
 use crate::scheduler::actor::ScheduleError;
+use crate::scheduler::failure::FailureClass;
 
 /// How long one embedding call to a runner may take.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
@@ -160,22 +161,71 @@ pub(super) fn internal(message: &str, path: &str) -> ApiError {
     ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message, path)
 }
 
-/// The scheduler's refusals as HTTP: busy is 503 with a `Retry-After`, a model that
+/// The scheduler's refusals as HTTP: busy is 503 with a `Retry-After`; a model that
 /// cannot fit even with every other one unloaded 507 (the memory each device has is in
-/// the message), the rest 500 with the reason (the load failure).
+/// the message); a failed load by its class ([`load_failed_status`]); the rest 500.
 pub(super) fn schedule_error(error: &ScheduleError, path: &str) -> ApiError {
-    match error {
+    let status = match error {
         ScheduleError::QueueFull(_) | ScheduleError::BackingOff { .. } | ScheduleError::ShuttingDown => {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string(), path)
-                .with_header(header::RETRY_AFTER, HeaderValue::from_static("1"))
+            return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string(), path)
+                .with_header(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
-        ScheduleError::InsufficientMemory { .. } => {
-            ApiError::new(StatusCode::INSUFFICIENT_STORAGE, error.to_string(), path)
-        }
-        _ => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string(), path),
+        ScheduleError::InsufficientMemory { .. } => StatusCode::INSUFFICIENT_STORAGE,
+        ScheduleError::LoadFailed { class, .. } => load_failed_status(*class),
+        ScheduleError::NotLoaded(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    ApiError::new(status, error.to_string(), path)
+}
+
+/// A failed load's status by its class: out of memory 507 (as a model that cannot fit);
+/// a bad model file 422 (the request is well formed, the model it names cannot be
+/// used); no progress within the load timeout 504; a crash of llama-server 502 (the
+/// process corrald fronts failed); anything else (llama-server could not be started)
+/// 500.
+#[must_use]
+pub(super) fn load_failed_status(class: FailureClass) -> StatusCode {
+    match class {
+        FailureClass::OutOfMemory => StatusCode::INSUFFICIENT_STORAGE,
+        FailureClass::BadModel => StatusCode::UNPROCESSABLE_ENTITY,
+        FailureClass::Timeout => StatusCode::GATEWAY_TIMEOUT,
+        FailureClass::Crashed => StatusCode::BAD_GATEWAY,
+        FailureClass::Other => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
 
 pub(super) fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::http::StatusCode;
+
+    use super::schedule_error;
+    use crate::scheduler::actor::ScheduleError;
+    use crate::scheduler::failure::FailureClass;
+
+    #[test]
+    fn each_class_of_failed_load_has_its_status_and_the_reason_stays() {
+        for (class, status) in [
+            (FailureClass::OutOfMemory, StatusCode::INSUFFICIENT_STORAGE),
+            (FailureClass::BadModel, StatusCode::UNPROCESSABLE_ENTITY),
+            (FailureClass::Timeout, StatusCode::GATEWAY_TIMEOUT),
+            (FailureClass::Crashed, StatusCode::BAD_GATEWAY),
+            (FailureClass::Other, StatusCode::INTERNAL_SERVER_ERROR),
+        ] {
+            let error = ScheduleError::LoadFailed { model: "chat".into(), class, reason: "why".into() };
+            let api = schedule_error(&error, "/api/chat");
+            assert_eq!(api.status(), status, "{class:?}");
+            assert_eq!(api.message(), "model 'chat' failed to load: why");
+        }
+        let refused = ScheduleError::InsufficientMemory {
+            model: "chat".into(),
+            needed: 2,
+            available: 1,
+            devices: Vec::new(),
+            host: 1,
+        };
+        assert_eq!(schedule_error(&refused, "/api/chat").status(), StatusCode::INSUFFICIENT_STORAGE);
+    }
 }

@@ -214,7 +214,8 @@ struct Prepared {
 async fn prepare(state: &AppState, common: &Common, images: bool, path: &str) -> Result<Prepared, ApiError> {
     let details = model_request::details(state, &common.name, &common.name_text, path).await?;
     let options = &common.options;
-    let request = request::from_details(&state.store, &details, options, common.keep_alive, false, state.defaults)
+    let load = model_request::load_options(options, &common.name_text, path)?;
+    let request = request::from_details(&state.store, &details, &load, common.keep_alive, false, state.defaults)
         .map_err(|e| model_request::request_error(e, &common.name_text, path))?;
     let mut merged: Map<String, Value> = details.parameters.clone().into_iter().collect();
     merged.extend(options.clone());

@@ -502,7 +502,10 @@ mod tests {
     }
 
     impl Backend for Immediate {
-        fn start(&self, _: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, String>> {
+        fn start(
+            &self,
+            _: StartRequest,
+        ) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, crate::scheduler::failure::LoadFailure>> {
             Box::pin(async { Ok(Box::new(Runner) as Box<dyn LiveRunner>) })
         }
     }
@@ -514,7 +517,8 @@ mod tests {
         let name = ModelName::parse("tiny").expect("name");
         let defaults = Defaults { num_ctx: 1024, parallel: 2 };
         let model_request =
-            request::build(&state.store, &name, &serde_json::Map::new(), None, false, defaults).expect("request");
+            request::build(&state.store, &name, &request::LoadOverrides::default(), None, false, defaults)
+                .expect("request");
         drop(state.scheduler.acquire(model_request).await.expect("loaded"));
         let loaded = state.scheduler.loaded().await.expect("loaded");
         let (status, body) = call(&state, Method::GET, "/api/ps", "").await;
@@ -585,7 +589,8 @@ mod tests {
         let name = ModelName::parse("tiny").expect("name");
         let defaults = Defaults { num_ctx: 1024, parallel: 1 };
         let model_request =
-            request::build(&state.store, &name, &serde_json::Map::new(), None, false, defaults).expect("request");
+            request::build(&state.store, &name, &request::LoadOverrides::default(), None, false, defaults)
+                .expect("request");
         drop(state.scheduler.acquire(model_request).await.expect("loaded"));
         let (status, body) = call(&state, Method::GET, "/api/ps", "").await;
         assert_eq!(status, StatusCode::OK);

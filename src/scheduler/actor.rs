@@ -15,8 +15,10 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::backend::{Backend, LiveRunner, Projected, StartRequest};
+use super::failure::{FailureClass, LoadFailure};
 use super::footprints::Footprints;
 use super::keep_alive::{self, Clamp, KeepAlive};
+use super::key::RunnerKey;
 use super::policy::{self, Decision, Footprint, GpuView, Need, Placement, RunnerId, RunnerView, Snapshot};
 use crate::supervisor::command::{LoadOptions, ModelFiles};
 use crate::supervisor::logparse::Offload;
@@ -26,11 +28,9 @@ use crate::supervisor::runner::DeviceMemory;
 #[derive(Debug, Clone)]
 pub struct ModelRequest {
     /// Runners are shared by requests with equal keys: the weights, adapters, projector
-    /// and load options (a difference in any of them needs another runner).
-    pub key: String,
-    /// The weights (with adapters and projector): a runner of the same weights under
-    /// another key is replaced, since its load options changed.
-    pub weights: String,
+    /// and load options (a difference in any of them needs another runner). A runner of
+    /// the same weights under another key is replaced, since its load options changed.
+    pub key: RunnerKey,
     /// The model's display name.
     pub name: String,
     /// Its files.
@@ -92,6 +92,8 @@ pub enum ScheduleError {
     LoadFailed {
         /// The model.
         model: String,
+        /// The kind of failure, for the edges to map (HTTP status, D-Bus error name).
+        class: FailureClass,
         /// Why.
         reason: String,
     },
@@ -129,7 +131,7 @@ pub struct LoadedModel {
     /// (the same weights and load options) share one runner.
     pub names: Vec<String>,
     /// Its key.
-    pub key: String,
+    pub key: RunnerKey,
     /// `loading`, `ready` or `unloading`.
     pub state: &'static str,
     /// Where it runs.
@@ -347,9 +349,9 @@ impl Handle {
 
     /// Unloads the runner with this key; resolves once its child is reaped. A busy runner
     /// takes no new requests and unloads when its requests end.
-    pub async fn unload(&self, key: &str) -> Result<(), ScheduleError> {
+    pub async fn unload(&self, key: &RunnerKey) -> Result<(), ScheduleError> {
         let (reply, answer) = oneshot::channel();
-        self.send(Command::Unload { key: key.to_owned(), reply }).await?;
+        self.send(Command::Unload { key: key.clone(), reply }).await?;
         answer.await.map_err(|_| ScheduleError::ShuttingDown)?
     }
 
@@ -357,7 +359,7 @@ impl Handle {
     /// their children are reaped. [`ScheduleError::NotLoaded`] when none runs. A runner
     /// shared with other models is one process: it stops for all of them.
     pub async fn unload_model(&self, name: &str) -> Result<(), ScheduleError> {
-        let keys: Vec<String> =
+        let keys: Vec<RunnerKey> =
             self.loaded().await?.into_iter().filter(|m| m.names.iter().any(|n| n == name)).map(|m| m.key).collect();
         if keys.is_empty() {
             return Err(ScheduleError::NotLoaded(name.to_owned()));
@@ -435,7 +437,7 @@ impl Handle {
 
 enum Command {
     Acquire { request: Box<ModelRequest>, reply: oneshot::Sender<Result<Lease, ScheduleError>> },
-    Unload { key: String, reply: oneshot::Sender<Result<(), ScheduleError>> },
+    Unload { key: RunnerKey, reply: oneshot::Sender<Result<(), ScheduleError>> },
     Loaded { reply: oneshot::Sender<Vec<LoadedModel>> },
     Reconfigure { limits: Limits },
     Dead { runner: RunnerId },
@@ -446,8 +448,8 @@ enum Command {
 
 #[derive(Debug)]
 enum Event {
-    Started { runner: RunnerId, result: Result<Box<dyn LiveRunner>, String> },
-    Projected { key: String, result: Result<Projected, String> },
+    Started { runner: RunnerId, result: Result<Box<dyn LiveRunner>, LoadFailure> },
+    Projected { key: RunnerKey, result: Result<Projected, String> },
     Released { runner: RunnerId },
     Stopped { runner: RunnerId },
     Crashed { runner: RunnerId, reason: String },
@@ -513,7 +515,7 @@ pub struct Scheduler {
     limits: Limits,
     runners: BTreeMap<RunnerId, Entry>,
     queue: VecDeque<(ModelRequest, Reply)>,
-    failures: BTreeMap<String, Failures>,
+    failures: BTreeMap<RunnerKey, Failures>,
     next_id: RunnerId,
     commands: mpsc::Receiver<Command>,
     events: mpsc::UnboundedReceiver<Event>,
@@ -521,8 +523,8 @@ pub struct Scheduler {
     learned: Footprints,
     /// llama.cpp's projection of each request key's footprint (`Err`: the estimate stands
     /// in, for the reason given); a key absent here and in `projecting` is not asked yet.
-    projected: BTreeMap<String, Result<Projected, String>>,
-    projecting: Option<String>,
+    projected: BTreeMap<RunnerKey, Result<Projected, String>>,
+    projecting: Option<RunnerKey>,
     /// Models whose estimate was already reported as standing in for a projection.
     estimated: std::collections::BTreeSet<String>,
     counters: Counters,
@@ -684,7 +686,7 @@ impl Scheduler {
             .runners
             .iter()
             .filter(|(_, e)| {
-                e.request.weights == request.weights
+                e.request.key.weights == request.key.weights
                     && e.request.key != request.key
                     && !e.draining
                     && e.users.iter().all(|n| *n == request.name)
@@ -977,7 +979,7 @@ impl Scheduler {
         }
     }
 
-    fn started(&mut self, id: RunnerId, result: Result<Box<dyn LiveRunner>, String>) {
+    fn started(&mut self, id: RunnerId, result: Result<Box<dyn LiveRunner>, LoadFailure>) {
         let Some(entry) = self.runners.get_mut(&id) else { return };
         let waiters = match std::mem::replace(&mut entry.phase, Phase::Loading { waiters: Vec::new() }) {
             Phase::Loading { waiters } => waiters,
@@ -987,10 +989,10 @@ impl Scheduler {
             }
         };
         match result {
-            Err(reason) => {
+            Err(LoadFailure { class, reason }) => {
                 self.counters.load_failures += 1;
                 let entry = self.runners.remove(&id).expect("looked up above");
-                tracing::warn!(corral_event = "load_failed", corral_model = %entry.request.name, runner = id, "{} failed to load: {reason}", entry.request.name);
+                tracing::warn!(corral_event = "load_failed", corral_model = %entry.request.name, runner = id, corral_class = class.as_str(), "{} failed to load ({}): {reason}", entry.request.name, class.as_str());
                 self.record_failure(&entry.request.key, reason.clone());
                 self.notify(Notice::LoadFailed {
                     runner: id,
@@ -1000,6 +1002,7 @@ impl Scheduler {
                 for waiter in waiters {
                     let _ = waiter.send(Err(ScheduleError::LoadFailed {
                         model: entry.request.name.clone(),
+                        class,
                         reason: reason.clone(),
                     }));
                 }
@@ -1055,8 +1058,8 @@ impl Scheduler {
         self.schedule();
     }
 
-    fn record_failure(&mut self, key: &str, reason: String) {
-        let failure = self.failures.entry(key.to_owned()).or_insert(Failures {
+    fn record_failure(&mut self, key: &RunnerKey, reason: String) {
+        let failure = self.failures.entry(key.clone()).or_insert(Failures {
             count: 0,
             until: Instant::now(),
             reason: String::new(),
@@ -1072,9 +1075,9 @@ impl Scheduler {
         failure.reason = reason;
     }
 
-    fn unload_by_key(&mut self, key: &str, reply: oneshot::Sender<Result<(), ScheduleError>>) {
-        let Some((&id, entry)) = self.runners.iter_mut().find(|(_, e)| e.request.key == key) else {
-            let _ = reply.send(Err(ScheduleError::NotLoaded(key.to_owned())));
+    fn unload_by_key(&mut self, key: &RunnerKey, reply: oneshot::Sender<Result<(), ScheduleError>>) {
+        let Some((&id, entry)) = self.runners.iter_mut().find(|(_, e)| e.request.key == *key) else {
+            let _ = reply.send(Err(ScheduleError::NotLoaded(key.to_string())));
             return;
         };
         entry.unload_waiters.push(reply);

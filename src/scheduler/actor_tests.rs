@@ -11,9 +11,12 @@ use tokio::sync::oneshot;
 
 use super::actor::{Handle, Limits, ModelRequest, ScheduleError, Scheduler};
 use super::backend::{Backend, BoxFuture, LiveRunner, StartRequest};
+use super::failure::{FailureClass, LoadFailure};
 use super::footprints::Footprints;
 use super::keep_alive::{Clamp, KeepAlive};
+use super::key::{RunnerKey, Weights};
 use super::policy::{Footprint, GpuView};
+use crate::store::digest::Digest;
 use crate::supervisor::command::{LoadOptions, ModelFiles};
 
 const MIB: u64 = 1 << 20;
@@ -50,7 +53,7 @@ struct FakeRunner {
 }
 
 impl Backend for Fake {
-    fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, String>> {
+    fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, LoadFailure>> {
         let journal = Arc::clone(&self.journal);
         let fails = self.failing.lock().expect("lock").contains(&request.model);
         Box::pin(async move {
@@ -58,7 +61,7 @@ impl Backend for Fake {
             let mut j = journal.lock().expect("lock");
             j.lines.push(format!("start {} {}", request.id, request.model));
             if fails {
-                return Err("bad model file".to_owned());
+                return Err(LoadFailure::new(FailureClass::BadModel, "bad model file"));
             }
             let (tx, rx) = oneshot::channel();
             j.crash.insert(request.id, tx);
@@ -121,10 +124,14 @@ fn scheduler(host_mib: u64, limits: Limits) -> (Fake, Handle) {
     (fake, handle)
 }
 
+/// The key of `name`'s weights with the default load options.
+fn key(name: &str) -> RunnerKey {
+    RunnerKey::new(Weights::of(Digest::of(name.as_bytes())), &LoadOptions::default())
+}
+
 fn model(name: &str, mib: u64) -> ModelRequest {
     ModelRequest {
-        key: format!("key-{name}"),
-        weights: format!("weights-{name}"),
+        key: key(name),
         name: name.to_owned(),
         files: ModelFiles { model: PathBuf::from(format!("/blobs/{name}")), projector: None, adapters: Vec::new() },
         options: LoadOptions::default(),
@@ -302,7 +309,11 @@ async fn failed_loads_reach_every_waiter_and_repeated_failures_back_off() {
     for result in [a, b] {
         assert_eq!(
             result.expect_err("fails"),
-            ScheduleError::LoadFailed { model: "bad".into(), reason: "bad model file".into() }
+            ScheduleError::LoadFailed {
+                model: "bad".into(),
+                class: FailureClass::BadModel,
+                reason: "bad model file".into()
+            }
         );
     }
     // The first failure is retried at once; the second backs off and says why.
@@ -338,7 +349,7 @@ async fn unload_replies_once_the_child_is_reaped_and_waits_for_busy_runners() {
     let lease = handle.acquire(model("m", 100)).await.expect("m");
     let unload = tokio::spawn({
         let handle = handle.clone();
-        async move { handle.unload("key-m").await }
+        async move { handle.unload(&key("m")).await }
     });
     settle().await;
     assert!(!unload.is_finished(), "a busy runner unloads when its request ends");
@@ -350,7 +361,7 @@ async fn unload_replies_once_the_child_is_reaped_and_waits_for_busy_runners() {
     assert_eq!((during[0].state, during[0].pid), ("unloading", None), "{during:?}");
     unload.await.expect("join").expect("unloaded");
     assert_eq!(fake.lines(), ["start 1 m", "stop 1"], "the reply came after the stop");
-    assert_eq!(handle.unload("key-m").await.expect_err("gone"), ScheduleError::NotLoaded("key-m".into()));
+    assert_eq!(handle.unload(&key("m")).await.expect_err("gone"), ScheduleError::NotLoaded(key("m").to_string()));
 }
 
 #[tokio::test(start_paused = true)]
@@ -403,7 +414,7 @@ async fn changed_load_options_reload_and_sampling_options_do_not() {
     let (fake, handle) = scheduler(1000, limits());
     drop(handle.acquire(model("m", 100)).await.expect("m"));
     let mut bigger = model("m", 200);
-    bigger.key = "key-m-ctx8192".into();
+    bigger.key.num_ctx = 8192;
     let lease = handle.acquire(bigger.clone()).await.expect("reloaded");
     assert_eq!(fake.lines(), ["start 1 m", "stop 1", "start 2 m"], "the old runner went first");
     // A request with the same load options (only sampling differs) shares the runner.
@@ -537,7 +548,7 @@ async fn a_draining_runner_beside_its_replacement_gives_unique_metric_series() {
     let old = handle.acquire(model("m", 10)).await.expect("m");
     // The same weights with other load options: the old runner drains beside the new one.
     let mut other = model("m", 10);
-    other.key = "key-m-other".into();
+    other.key.num_batch = Some(7);
     let new = handle.acquire(other).await.expect("the replacement");
     let stats = handle.stats().await.expect("stats");
     assert_eq!(stats.loaded.len(), 2, "{:?}", stats.loaded);
@@ -601,7 +612,7 @@ async fn other_options_for_another_model_never_replace_a_runner_it_does_not_own(
     drop(handle.acquire(model("tiny", 100)).await.expect("tiny"));
     // tiny2: the same weights with another context: a runner of its own, tiny's stays.
     let mut tiny2 = same_as("tiny", "tiny2", 100);
-    tiny2.key = "key-tiny-ctx8192".into();
+    tiny2.key.num_ctx = 8192;
     drop(handle.acquire(tiny2.clone()).await.expect("tiny2"));
     assert_eq!(fake.lines(), ["start 1 tiny", "start 2 tiny2"], "nothing stopped");
     let loaded = handle.loaded().await.expect("loaded");
@@ -621,7 +632,7 @@ async fn other_options_for_another_model_never_replace_a_runner_it_does_not_own(
 
     // The model alone on its runner with other options is reloaded, as before.
     let mut tiny_big = model("tiny", 100);
-    tiny_big.key = "key-tiny-ctx4096".into();
+    tiny_big.key.num_ctx = 2048;
     drop(handle.acquire(tiny_big).await.expect("tiny reloaded"));
     assert_eq!(fake.lines()[4..], ["stop 1", "start 4 tiny"]);
 }

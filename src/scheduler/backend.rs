@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use std::ffi::OsString;
 
+use super::failure::{FailureClass, LoadFailure};
 use super::policy::{Footprint, Placement};
 use crate::gpu::MemoryProbe;
 use crate::supervisor::command::{self, Backend as Family, DevicePlan, LoadOptions, ModelFiles, PlannedDevice};
@@ -61,8 +62,8 @@ pub trait LiveRunner: Send + 'static {
 
 /// Starts runners.
 pub trait Backend: Send + Sync + 'static {
-    /// Starts one; resolves once it is ready, or with why it could not start.
-    fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, String>>;
+    /// Starts one; resolves once it is ready, or with why it could not start (classified).
+    fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, LoadFailure>>;
 
     /// What a model would take with all its layers on one device (the first of the
     /// inventory; the host when there is none), as llama.cpp projects it, with that
@@ -131,7 +132,7 @@ impl std::fmt::Debug for dyn MemoryProbe {
 }
 
 impl Backend for SupervisorBackend {
-    fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, String>> {
+    fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, LoadFailure>> {
         let config = self.config.clone();
         let placement = child_placement(&self.devices, &request.placement);
         // Without an exact projection, the plan is the scheduler's own split of the footprint.
@@ -163,11 +164,12 @@ impl Backend for SupervisorBackend {
                 match exact_plan(projections.as_ref(), &config, &mut spec, &rooms).await {
                     Ok(Some(exact)) => planned = exact,
                     Ok(None) => {}
-                    Err(Unfit(why)) => return Err(why),
+                    // The plan overfills a device by llama.cpp's own count: out of memory, before any allocation.
+                    Err(Unfit(why)) => return Err(LoadFailure::new(FailureClass::OutOfMemory, why)),
                 }
             }
             spec.planned = planned;
-            let runner = runner::load(&config, &spec).await.map_err(|e| e.to_string())?;
+            let runner = runner::load(&config, &spec).await.map_err(LoadFailure::from)?;
             let buffers = spec.placement.plan.map(|p| p.devices).unwrap_or_default();
             Ok(Box::new(SupervisedRunner { runner, probe, planned: spec.planned, buffers }) as Box<dyn LiveRunner>)
         })

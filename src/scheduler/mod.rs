@@ -6,12 +6,16 @@
 //! - [`keep_alive`]: what clients send and the server's clamps on it;
 //! - [`backend`]: the runners the actor starts, behind a trait, and the real one;
 //! - [`footprints`]: what models really used, learned at each load and kept on disk;
-//! - [`request`]: from a model name and a client's options to what the actor needs.
+//! - [`request`]: from a model name and a client's options to what the actor needs;
+//! - [`key`]: the [`RunnerKey`](key::RunnerKey) that says which requests share a runner;
+//! - [`failure`]: why a load failed, as a class the edges map.
 
 pub mod actor;
 pub mod backend;
+pub mod failure;
 pub mod footprints;
 pub mod keep_alive;
+pub mod key;
 pub mod policy;
 pub mod projections;
 pub mod request;

@@ -71,7 +71,10 @@ impl World {
 
     fn blob(store: &corral::store::Store, name: &str, defaults: Defaults) -> PathBuf {
         let name = ModelName::parse(name).expect("name");
-        request::build(store, &name, &serde_json::Map::new(), None, false, defaults).expect("request").files.model
+        request::build(store, &name, &request::LoadOverrides::default(), None, false, defaults)
+            .expect("request")
+            .files
+            .model
     }
 
     /// The pids of the fake's starts for `model`, in order.

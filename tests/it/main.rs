@@ -26,6 +26,7 @@ mod http_openai;
 mod http_store;
 mod journald;
 mod llama_server;
+mod load_failures;
 mod models_habits;
 mod packages;
 mod private_bus;

@@ -31,8 +31,15 @@ async fn a_fixed_inventory_that_holds_one_model_evicts_the_other() {
     let store = demo_store(dir.path());
     let defaults = Defaults { num_ctx: 512, parallel: 1 };
     let build = |name: &str| {
-        request::build(&store, &ModelName::parse(name).expect("name"), &serde_json::Map::new(), None, false, defaults)
-            .expect("request")
+        request::build(
+            &store,
+            &ModelName::parse(name).expect("name"),
+            &request::LoadOverrides::default(),
+            None,
+            false,
+            defaults,
+        )
+        .expect("request")
     };
     let (chat, embed) = (build("chat"), build("embed"));
     // Room for either model's estimate, not for both (even once the first one's real,
