@@ -636,6 +636,8 @@ impl ChildWatcher {
             corral_planned_vram_bytes = planned_vram,
             corral_planned_ram_bytes = host_planned,
             corral_devices = fields.join(";"),
+            // What the kernel charged the runner's cgroup, its peak where the kernel has it.
+            corral_memory_peak_bytes = self.cgroup.as_ref().and_then(|c| c.memory()).map(|m| m.peak.unwrap_or(m.current)),
             "{}: {gpu_layers} of {total_layers} layers on GPUs, {} of VRAM, {} of RAM ({})",
             self.model,
             crate::units::bytes(report.vram_bytes()),

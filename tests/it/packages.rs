@@ -193,7 +193,17 @@ fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
         entries.iter().find(|e| field(e, "CORRAL_EVENT").as_deref() == Some("offload")).expect("an offload entry");
     assert_eq!(field(offload, "CORRAL_MODEL").as_deref(), Some("tiny:latest"), "{offload}");
     assert_eq!(field(offload, "CORRAL_RUNNER_PID").as_deref(), Some(runner.as_str()), "{offload}");
-    for name in ["CORRAL_GPU_LAYERS", "CORRAL_TOTAL_LAYERS", "CORRAL_VRAM_BYTES", "CORRAL_RAM_BYTES"] {
+    // The plan next to what was allocated, and what the runner's cgroup was charged.
+    let devices = field(offload, "CORRAL_DEVICES").unwrap_or_default();
+    assert!(devices.starts_with("Host:planned=") && devices.contains(",actual="), "{offload}");
+    for name in [
+        "CORRAL_GPU_LAYERS",
+        "CORRAL_TOTAL_LAYERS",
+        "CORRAL_VRAM_BYTES",
+        "CORRAL_RAM_BYTES",
+        "CORRAL_PLANNED_RAM_BYTES",
+        "CORRAL_MEMORY_PEAK_BYTES",
+    ] {
         let value = field(offload, name).unwrap_or_else(|| panic!("{name} missing: {offload}"));
         assert!(value.parse::<u64>().is_ok(), "{name}={value}");
     }
