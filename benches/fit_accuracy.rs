@@ -37,13 +37,14 @@ use corral::gguf::GgufValue;
 use corral::gguf::metadata::ModelInfo;
 use corral::gguf::reader::GgufFile;
 use corral::projection::{ProjectionCache, Projector};
-use corral::scheduler::backend::Projections;
+use corral::scheduler::backend::{ProjectedRow, Projections};
 use corral::scheduler::projections::CachedProjections;
 use corral::store::Store;
 use corral::store::create::CreateSpec;
 use corral::store::modelfile::Modelfile;
 use corral::store::name::ModelName;
 use corral::supervisor::command::{INHERITED_VARIABLES, LoadOptions, ModelFiles, Placement};
+use corral::supervisor::logparse::{self, BufferKind, LogEvent};
 
 const MIB: u64 = 1 << 20;
 
@@ -409,18 +410,70 @@ mod ollama {
     }
 }
 
-/// The layers llama.cpp put on each device (`load_tensors: layer N assigned to device D`,
-/// at `-lv 4`), from corrald's log of its child: device name → layer indices (the
-/// output layer is index `n_layer`).
-fn assignment(log: &str) -> BTreeMap<String, Vec<usize>> {
-    let mut layers: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-    for line in log.lines() {
-        let Some((_, rest)) = line.split_once("load_tensors: layer") else { continue };
-        let Some((index, rest)) = rest.split_once(" assigned to device ") else { continue };
-        let device = rest.split(',').next().expect("device").trim().to_owned();
-        layers.entry(device).or_default().push(index.trim().parse().expect("layer index"));
+/// The layers llama.cpp puts on each device of the child's `--device` list, by its rule
+/// (`llama_model::load_tensors` in b11434: the last `-ngl` layers are offloaded, and split
+/// at the cumulative, normalised `-ts` points), with index `n_layer` the output layer;
+/// the rest are on the CPU. (Its `layer N assigned to device` lines need more than
+/// `-lv 4`.)
+fn assignment(child: &[String], n_layer: usize) -> Vec<Vec<usize>> {
+    let devices = value_of(child, "--device").map_or(0, |d| d.split(',').count());
+    let all = i64::try_from(n_layer).expect("layers") + 1;
+    let ngl = match value_of(child, "-ngl") {
+        None | Some("all" | "auto") => all,
+        Some(n) => n.parse().expect("-ngl"),
+    };
+    let mut splits: Vec<f32> = match value_of(child, "-ts") {
+        Some(ts) => ts.split(',').map(|s| s.parse().expect("-ts")).collect(),
+        None => vec![1.0; devices],
+    };
+    let mut sum = 0.0;
+    for s in &mut splits {
+        sum += *s;
+        *s = sum;
+    }
+    for s in &mut splits {
+        *s /= sum;
+    }
+    let start = (all - ngl).max(0);
+    let active = if devices == 0 { 0 } else { ngl.min(all) };
+    let mut layers = vec![Vec::new(); devices];
+    for il in 0..all {
+        if il < start || il - start >= active {
+            continue;
+        }
+        #[allow(clippy::cast_possible_truncation, reason = "layer counts")]
+        let point = (il - start) as f32 / active as f32;
+        let device = splits.iter().take(devices).filter(|s| **s <= point).count();
+        layers[device].push(usize::try_from(il).expect("index"));
     }
     layers
+}
+
+/// What llama.cpp allocated on each device, from the child's buffer lines in corrald's
+/// log: device → (weights, KV cache and outputs, compute). A worker's buffers are named
+/// after its endpoint (`RPC0[127.0.0.1:PORT]`); its device is `RPC` and its place in
+/// `--rpc`.
+fn buffers(log: &str, child: &[String]) -> BTreeMap<String, [u64; 3]> {
+    let rpc: Vec<&str> = value_of(child, "--rpc").map(|r| r.split(',').collect()).unwrap_or_default();
+    let mut devices: BTreeMap<String, [u64; 3]> = BTreeMap::new();
+    for line in log.lines().filter(|l| l.contains(" buffer size = ") && l.contains(" pid=")) {
+        let Some((_, message)) = line.split_once(" DEBUG ") else { continue };
+        let message = message.rsplit_once(" corral_model=").map_or(message, |(m, _)| m);
+        let Some(LogEvent::Buffer { buffer, kind, bytes, .. }) = logparse::parse_line(message).event else { continue };
+        let device = if logparse::is_host_buffer(&buffer) {
+            "Host".to_owned()
+        } else {
+            let endpoint = buffer.split_once('[').and_then(|(_, e)| e.strip_suffix(']')).unwrap_or(&buffer);
+            rpc.iter().position(|e| *e == endpoint).map_or(buffer.clone(), |i| format!("RPC{i}"))
+        };
+        let slot = match kind {
+            BufferKind::Model => 0,
+            BufferKind::Compute => 2,
+            _ => 1,
+        };
+        devices.entry(device).or_default()[slot] += bytes;
+    }
+    devices
 }
 
 /// corrald's projections, as its projector logged them (`llama-fit-params projected in X`).
@@ -460,8 +513,13 @@ fn value_of<'a>(argv: &'a [String], flag: &str) -> Option<&'a str> {
     argv.iter().position(|a| a == flag).and_then(|i| argv.get(i + 1)).map(String::as_str)
 }
 
-/// (uncached, cached) time of a projection through corrald's cache, with `args`.
-fn time_projection(runtime: &tokio::runtime::Runtime, program: &Path, args: &[OsString]) -> (Duration, Duration) {
+/// (uncached, cached) time of a projection through corrald's cache, with `args`, and
+/// what it projects on each device.
+fn time_projection(
+    runtime: &tokio::runtime::Runtime,
+    program: &Path,
+    args: &[OsString],
+) -> (Duration, Duration, Vec<ProjectedRow>) {
     let env: Vec<(OsString, OsString)> =
         std::env::vars_os().filter(|(k, _)| INHERITED_VARIABLES.iter().any(|allowed| k == allowed)).collect();
     let model = PathBuf::from(&args[args.iter().position(|a| a == "-m").expect("-m") + 1]);
@@ -473,15 +531,16 @@ fn time_projection(runtime: &tokio::runtime::Runtime, program: &Path, args: &[Os
     let (options, placement) = (LoadOptions::default(), Placement::default());
     runtime.block_on(async {
         let mut times = Vec::new();
+        let mut rows = Vec::new();
         for _ in 0..2 {
             let start = Instant::now();
-            projections
+            rows = projections
                 .project(&files, &options, &placement, args.to_vec(), env.clone())
                 .await
                 .expect("llama-fit-params projects the load");
             times.push(start.elapsed());
         }
-        (times[0], times[1])
+        (times[0], times[1], rows)
     })
 }
 
@@ -494,6 +553,10 @@ struct Row {
     planned: u64,
     ollama: u64,
     crude: u64,
+    /// llama.cpp's buffers there: weights, KV cache and outputs, compute.
+    buffers: [u64; 3],
+    /// The projection's compute there (`llama-fit-params`, mid-MiB as corrald takes it).
+    projected_compute: u64,
 }
 
 struct Timing {
@@ -558,18 +621,20 @@ fn main() {
             let devices = plan_and_actual(corrald.port);
             let argv = corrald.child_argv();
             let log = corrald.log();
-            let assigned = assignment(&log);
-            assert!(!assigned.is_empty(), "no layer assignment in corrald's log (-lv 4 and RUST_LOG):\n{log}");
+            let allocated = buffers(&log, &argv);
+            // An rpc-server serves one client at a time: the projection waits for the child to go.
+            drop(corrald);
+            let (uncached, cached, projected) =
+                time_projection(&runtime, &bin.join("llama-fit-params"), &projection_args(&argv));
+            timings.push(Timing { model: model.name, placement, corrald: logged_projections(&log), uncached, cached });
+            let compute = |device: &str| projected.iter().find(|r| r.name == device).map_or(0, |r| r.compute);
             // llama.cpp's device names, in the order of the plan's `--device`.
             let names: Vec<String> =
                 value_of(&argv, "--device").map(|d| d.split(',').map(str::to_owned).collect()).unwrap_or_default();
-            let blocks: Vec<Vec<usize>> = names
-                .iter()
-                .map(|n| {
-                    assigned.get(n).map(|l| l.iter().copied().filter(|i| *i < n_layer).collect()).unwrap_or_default()
-                })
-                .collect();
-            let output_on = names.iter().position(|n| assigned.get(n).is_some_and(|l| l.contains(&n_layer)));
+            let assigned = assignment(&argv, n_layer);
+            let blocks: Vec<Vec<usize>> =
+                assigned.iter().map(|l| l.iter().copied().filter(|i| *i < n_layer).collect()).collect();
+            let output_on = assigned.iter().position(|l| l.contains(&n_layer));
             let (ollama, ollama_host) = ollama::estimate(f, &blocks, output_on);
             // corral's crude estimate, as the old scheduler planned: the whole footprint,
             // shared over the devices by their layers (the blocks and the output layer).
@@ -590,6 +655,8 @@ fn main() {
                     planned,
                     ollama: ollama[d],
                     crude: share(layers),
+                    buffers: allocated.get(name).copied().unwrap_or_default(),
+                    projected_compute: compute(name),
                 });
             }
             let (planned, actual) = devices.get("Host").copied().unwrap_or_default();
@@ -602,10 +669,9 @@ fn main() {
                 planned,
                 ollama: ollama_host,
                 crude: crude.ram + share(n_layer + 1 - on_devices),
+                buffers: allocated.get("Host").copied().unwrap_or_default(),
+                projected_compute: compute("Host"),
             });
-            let (uncached, cached) = time_projection(&runtime, &bin.join("llama-fit-params"), &projection_args(&argv));
-            timings.push(Timing { model: model.name, placement, corrald: logged_projections(&log), uncached, cached });
-            drop(corrald);
         }
     }
     drop(workers);
@@ -635,6 +701,29 @@ fn main() {
             error(floorless, r.actual),
             mib(r.crude),
             error(r.crude, r.actual),
+        );
+    }
+    println!();
+    println!("where the projection errs: llama.cpp's buffers and the projection's compute buffer, MiB");
+    println!(
+        "| model | placement | device | weights | KV + outputs | compute | projected compute | projected rest | \
+         rest - (weights + KV) |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for r in &rows {
+        let [weights, kv, compute] = r.buffers;
+        let rest = r.planned.saturating_sub(r.projected_compute);
+        println!(
+            "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:+.2} |",
+            r.model,
+            r.placement,
+            r.device,
+            mib(weights),
+            mib(kv),
+            mib(compute),
+            mib(r.projected_compute),
+            mib(rest),
+            mib(rest) - mib(weights + kv),
         );
     }
     println!();
