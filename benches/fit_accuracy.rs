@@ -14,12 +14,14 @@
 //! - corral's old crude estimate (`scheduler::policy::estimate`: weights + f16 KV + a
 //!   tenth of the weights, at least 256 MiB), shared over the devices by layers.
 //!
-//! It also times llama.cpp's projection: corrald's own first run of `llama-fit-params`
-//! (from its debug log), one more uncached run with the same arguments, and a cached
-//! lookup, both through `scheduler::projections::CachedProjections` as corrald uses it.
+//! It also times llama.cpp's projection: corrald's own runs of `llama-fit-params` for
+//! the load (from its debug log), one more uncached run with the same arguments, and a
+//! cached lookup, both through `scheduler::projections::CachedProjections` as corrald
+//! uses it.
 //!
 //! Run with `cargo bench --bench fit_accuracy` (after `scripts/setup-llama-server.sh`).
-//! It is a measurement: nothing is asserted about accuracy or time.
+//! It is a measurement: nothing is asserted about accuracy or time, only that the
+//! capacities forced the placement each row is named after.
 
 #![allow(clippy::print_stdout, reason = "a benchmark reports on stdout")]
 #![allow(clippy::cast_precision_loss, reason = "MiB-sized figures and percentages")]
@@ -635,6 +637,14 @@ fn main() {
             let blocks: Vec<Vec<usize>> =
                 assigned.iter().map(|l| l.iter().copied().filter(|i| *i < n_layer).collect()).collect();
             let output_on = assigned.iter().position(|l| l.contains(&n_layer));
+            // The capacities must have forced the placement the row is named after.
+            let offloaded: usize = assigned.iter().map(Vec::len).sum();
+            let placed = match (names.len(), offloaded == n_layer + 1) {
+                (1, true) => "whole",
+                (2, true) => "split",
+                _ => "partial",
+            };
+            assert_eq!(placed, placement, "{}: {argv:?}", model.name);
             let (ollama, ollama_host) = ollama::estimate(f, &blocks, output_on);
             // corral's crude estimate, as the old scheduler planned: the whole footprint,
             // shared over the devices by their layers (the blocks and the output layer).
