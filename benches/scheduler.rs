@@ -191,7 +191,7 @@ fn scenario(gpus: usize, case: Case) -> (Snapshot, Footprint) {
     let gpu_views = (0..gpus)
         .map(|index| {
             let used: u64 = runners.iter().map(|r| r.placement.vram_on(index, r.footprint.vram)).sum();
-            GpuView { index, name: format!("gpu{index}"), usable: used + extra }
+            GpuView { index, name: format!("gpu{index}"), worker: None, usable: used + extra }
         })
         .collect();
     let host_usable = if gpus == 0 { host_used + extra } else { host_used + 64 * GIB };
@@ -655,7 +655,7 @@ fn in_process(requests: usize, v: Variant) -> Setup {
             if v.holds { "held" } else { "no hold" }
         ),
         backend: Arc::new(InstantBackend { load: v.load, stop: v.load }),
-        gpus: vec![GpuView { index: 0, name: "gpu0".into(), usable: budget }],
+        gpus: vec![GpuView { index: 0, name: "gpu0".into(), worker: None, usable: budget }],
         host_usable: 64 * GIB,
         limits: limits(v.max_loaded, requests + 1),
         models,
@@ -735,7 +735,7 @@ async fn fast_path(iterations: usize) -> Spread {
     let backend = Arc::new(InstantBackend { load: Duration::ZERO, stop: Duration::ZERO });
     let (scheduler, handle) = Scheduler::new(
         backend,
-        vec![GpuView { index: 0, name: "gpu0".into(), usable: 80 * GIB }],
+        vec![GpuView { index: 0, name: "gpu0".into(), worker: None, usable: 80 * GIB }],
         64 * GIB,
         limits(32, 64),
         Footprints::in_memory(),

@@ -706,7 +706,7 @@ async fn start_scheduler(
         .gpus
         .iter()
         .enumerate()
-        .map(|(index, g)| GpuView { index, name: g.name.clone(), usable: g.free_bytes })
+        .map(|(index, g)| GpuView { index, name: g.name.clone(), worker: g.endpoint.clone(), usable: g.free_bytes })
         .collect();
     let limits = limits(config, gpus.len());
     let max_loaded = limits.max_loaded;

@@ -563,7 +563,7 @@ mod tests {
             partial_offload: true,
         };
         // One RPC device of 1 GiB: the runner (100 bytes of VRAM, 50 of RAM) goes there.
-        let gpus = vec![GpuView { index: 0, name: "RPC0".into(), usable: 1 << 30 }];
+        let gpus = vec![GpuView { index: 0, name: "RPC0".into(), worker: None, usable: 1 << 30 }];
         let (scheduler, handle) = Scheduler::new(Arc::new(Immediate), gpus, 1 << 30, limits, Footprints::in_memory());
         tokio::spawn(scheduler.run());
         state.scheduler = handle;

@@ -663,8 +663,8 @@ async fn a_model_being_evicted_is_not_revived_mid_eviction() {
 async fn a_model_too_big_for_any_device_is_refused_at_once_naming_each_device() {
     let fake = Fake::default();
     let gpus = vec![
-        GpuView { index: 0, name: "RPC0".into(), usable: 300 * MIB },
-        GpuView { index: 1, name: "RPC1".into(), usable: 200 * MIB },
+        GpuView { index: 0, name: "RPC0".into(), worker: None, usable: 300 * MIB },
+        GpuView { index: 1, name: "RPC1".into(), worker: None, usable: 200 * MIB },
     ];
     let no_partial = Limits { partial_offload: false, ..limits() };
     let (scheduler, handle) =

@@ -137,7 +137,9 @@ impl Backend for SupervisorBackend {
         // Without an exact projection, the plan is the scheduler's own split of the footprint.
         let mut planned: Vec<(String, u64)> = planned_shares(&self.devices, &placement, &request);
         // Each planned device's room, by llama.cpp's name for it.
-        let rooms: Vec<(String, u64)> = placement_indices(&request.placement)
+        let rooms: Vec<(String, u64)> = request
+            .placement
+            .devices()
             .iter()
             .zip(placement.plan.iter().flat_map(|p| &p.devices))
             .filter_map(|(index, device)| {
@@ -175,9 +177,13 @@ impl Backend for SupervisorBackend {
         let Some(projections) = self.projections.clone() else {
             return Box::pin(async { Err(format!("`llama-fit-params` was not found beside {}", "llama-server")) });
         };
-        // Every layer on the first device, or on the CPU when there is none.
-        let whole = if self.devices.is_empty() { Placement::Cpu } else { Placement::Gpu(0) };
+        // Every layer on the first local GPU. Not on a worker: an rpc-server serves one
+        // client at a time, and may be serving a runner now; with workers alone the CPU
+        // stands in (its buffers are the sizes the worker's CPU backend allocates).
+        let local = self.devices.iter().position(|d| d.backend != Family::Rpc);
+        let whole = local.map_or(Placement::Cpu, Placement::Gpu);
         let placement = child_placement(&self.devices, &whole);
+        let offloads = !self.devices.is_empty();
         let (args, env) = command::projection(files, options, &placement, &self.config.inherited_env);
         let device = placement.plan.as_ref().and_then(|p| p.devices.first()).map(|d| d.name.clone());
         let projected = projections.project(files, options, &placement, args, env);
@@ -189,6 +195,12 @@ impl Backend for SupervisorBackend {
                 Some(device) => {
                     let (vram, compute) = row(&device);
                     Projected { footprint: Footprint { vram, ram: host }, per_device: compute }
+                }
+                // Projected on the CPU for a worker: what the host held goes to the device,
+                // and the host keeps compute buffers of its own.
+                None if offloads => {
+                    let (_, compute) = row(HOST);
+                    Projected { footprint: Footprint { vram: host, ram: compute }, per_device: compute }
                 }
                 None => Projected { footprint: Footprint { vram: 0, ram: host }, per_device: 0 },
             })
@@ -310,22 +322,13 @@ async fn exact_plan(
     Ok(Some(rows.into_iter().map(|r| (r.name, r.total)).collect()))
 }
 
-/// The inventory indices of a placement's devices, in its order.
-fn placement_indices(placement: &Placement) -> Vec<usize> {
-    match placement {
-        Placement::Gpu(index) => vec![*index],
-        Placement::Spread(shares) | Placement::Partial { shares, .. } => shares.iter().map(|(i, _)| *i).collect(),
-        Placement::Cpu => Vec::new(),
-    }
-}
-
 /// The scheduler's plan per device name: each device's share of the footprint, the
 /// host's part as [`HOST`].
 fn planned_shares(all: &[command::Device], child: &command::Placement, request: &StartRequest) -> Vec<(String, u64)> {
     let footprint = request.footprint;
     let mut planned: Vec<(String, u64)> = Vec::new();
     if let Some(plan) = &child.plan {
-        for (index, device) in placement_indices(&request.placement).iter().zip(&plan.devices) {
+        for (index, device) in request.placement.devices().iter().zip(&plan.devices) {
             if all.get(*index).is_some() {
                 planned.push((device.name.clone(), request.placement.vram_on(*index, footprint.vram)));
             }

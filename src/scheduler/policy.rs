@@ -61,6 +61,9 @@ pub struct GpuView {
     pub index: usize,
     /// Its name, for messages.
     pub name: String,
+    /// For a device of an RPC worker, the worker (its address): a worker serves one
+    /// runner at a time.
+    pub worker: Option<String>,
     /// What corral may use on it: total, less the configured reserve and what other
     /// processes use.
     pub usable: u64,
@@ -191,7 +194,7 @@ pub fn decide(snapshot: &Snapshot, need: impl Into<Need>) -> Decision {
         return Decision::Wait;
     }
     let kept: Vec<&RunnerView> = snapshot.runners.iter().filter(|r| r.pinned).collect();
-    let gpus: Vec<(usize, u64)> = snapshot.gpus.iter().map(|g| (g.index, gpu_free(g, &kept))).collect();
+    let gpus: Vec<(usize, u64)> = snapshot.gpus.iter().map(|g| (g.index, gpu_free(&snapshot.gpus, g, &kept))).collect();
     let host = host_free(snapshot, &kept);
     let footprint = need.footprint;
     if place(snapshot, &kept, need).is_some() {
@@ -242,7 +245,8 @@ fn place(snapshot: &Snapshot, runners: &[&RunnerView], need: Need) -> Option<Pla
     if host < need.ram {
         return None;
     }
-    let mut free: Vec<(usize, u64)> = snapshot.gpus.iter().map(|g| (g.index, gpu_free(g, runners))).collect();
+    let mut free: Vec<(usize, u64)> =
+        snapshot.gpus.iter().map(|g| (g.index, gpu_free(&snapshot.gpus, g, runners))).collect();
     free.sort_by_key(|(index, bytes)| (std::cmp::Reverse(*bytes), *index));
     if let Some((index, _)) = free.first().filter(|(_, bytes)| *bytes >= need.vram) {
         return Some(Placement::Gpu(*index));
@@ -302,15 +306,33 @@ fn partial(usable: &[(usize, u64)], host: u64, need: Footprint, layers: u32, per
 #[must_use]
 pub fn rooms(snapshot: &Snapshot) -> Vec<(usize, u64)> {
     let runners: Vec<&RunnerView> = snapshot.runners.iter().collect();
-    snapshot.gpus.iter().map(|g| (g.index, gpu_free(g, &runners))).collect()
+    snapshot.gpus.iter().map(|g| (g.index, gpu_free(&snapshot.gpus, g, &runners))).collect()
 }
 
 /// Free memory on a GPU next to `runners`.
-fn gpu_free(gpu: &GpuView, runners: &[&RunnerView]) -> u64 {
+fn gpu_free(gpus: &[GpuView], gpu: &GpuView, runners: &[&RunnerView]) -> u64 {
+    if let Some(worker) = &gpu.worker {
+        // An rpc-server serves one client at a time: a worker that holds a runner has no
+        // room for another (nor for a projection) until that runner is gone.
+        let worker_of = |index: usize| gpus.iter().find(|g| g.index == index).and_then(|g| g.worker.as_ref());
+        if runners.iter().any(|r| r.placement.devices().into_iter().any(|i| worker_of(i) == Some(worker))) {
+            return 0;
+        }
+    }
     gpu.usable.saturating_sub(runners.iter().map(|r| r.placement.vram_on(gpu.index, r.footprint.vram)).sum())
 }
 
 impl Placement {
+    /// The inventory indices of its GPUs, in its order.
+    #[must_use]
+    pub fn devices(&self) -> Vec<usize> {
+        match self {
+            Self::Gpu(index) => vec![*index],
+            Self::Spread(shares) | Self::Partial { shares, .. } => shares.iter().map(|(i, _)| *i).collect(),
+            Self::Cpu => Vec::new(),
+        }
+    }
+
     /// The bytes of a runner using `vram` in total that sit on GPU `index`.
     #[must_use]
     pub fn vram_on(&self, index: usize, vram: u64) -> u64 {
@@ -369,7 +391,7 @@ mod tests {
         sizes
             .iter()
             .enumerate()
-            .map(|(index, gib)| GpuView { index, name: format!("gpu{index}"), usable: gib * GIB })
+            .map(|(index, gib)| GpuView { index, name: format!("gpu{index}"), worker: None, usable: gib * GIB })
             .collect()
     }
 
@@ -458,6 +480,19 @@ mod tests {
         // A partial runner's GPU bytes count on its GPUs.
         let placement = Placement::Partial { shares: vec![(1, 4 * GIB), (0, 3 * GIB)], layers: 7, of: 10 };
         assert_eq!(placement.vram_on(1, 7 * GIB), 4 * GIB);
+    }
+
+    #[test]
+    fn a_worker_serves_one_runner_at_a_time() {
+        // Two devices of worker w, one local GPU; a runner on w's first device.
+        let mut gpus = gpus(&[8, 8, 8]);
+        gpus[0].worker = Some("w".into());
+        gpus[1].worker = Some("w".into());
+        let busy = runner(1, Placement::Gpu(0), GIB);
+        let snap =
+            Snapshot { partial_offload: false, gpus, host_usable: 64 * GIB, runners: vec![busy], max_loaded: 10 };
+        assert_eq!(decide(&snap, need(4)), Decision::Load(Placement::Gpu(2)), "not w's other device");
+        assert_eq!(decide(&snap, need(12)), Decision::MakeRoom { evict: vec![1], drain: vec![] }, "w frees up");
     }
 
     #[test]

@@ -30,15 +30,23 @@ struct Rig {
 }
 
 impl Rig {
-    fn new() -> Self {
+    /// The rig model as `rig` and, with other metadata (so other weights' digest, the same
+    /// memory), as `rig2`; `workers` local rpc-servers.
+    fn new(workers: usize) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Store::open(&dir.path().join("models")).expect("store");
-        corral::demo_model::write_llama(&dir.path().join("rig.gguf"), &corral::demo_model::LlamaShape::rig())
-            .expect("rig model");
-        let modelfile = Modelfile::parse("FROM ./rig.gguf\n").expect("modelfile");
-        let spec = CreateSpec::from_modelfile(&modelfile, dir.path()).expect("spec");
-        store.create(&ModelName::parse("rig").expect("name"), &spec, &mut |_| {}).expect("create");
-        Self { dir, workers: vec![RpcServer::start_free(), RpcServer::start_free()] }
+        let shapes = [
+            ("rig", corral::demo_model::LlamaShape::rig()),
+            ("rig2", corral::demo_model::LlamaShape { context: 8192, ..corral::demo_model::LlamaShape::rig() }),
+        ];
+        for (name, shape) in shapes {
+            let file = format!("{name}.gguf");
+            corral::demo_model::write_llama(&dir.path().join(&file), &shape).expect("rig model");
+            let modelfile = Modelfile::parse(&format!("FROM ./{file}\n")).expect("modelfile");
+            let spec = CreateSpec::from_modelfile(&modelfile, dir.path()).expect("spec");
+            store.create(&ModelName::parse(name).expect("name"), &spec, &mut |_| {}).expect("create");
+        }
+        Self { dir, workers: (0..workers).map(|_| RpcServer::start_free()).collect() }
     }
 
     /// corrald planning with each worker capped at `memory`, and `extra` configuration.
@@ -73,11 +81,17 @@ fn post(port: u16, path: &str, body: &serde_json::Value) -> http::Response {
 }
 
 fn generate(port: u16) -> http::Response {
-    post(
-        port,
-        "/api/generate",
-        &serde_json::json!({"model": "rig", "prompt": "hi", "stream": false, "options": {"num_predict": 2}}),
-    )
+    generate_with(port, "rig")
+}
+
+fn generate_with(port: u16, model: &str) -> http::Response {
+    let body = serde_json::json!({"model": model, "prompt": "hi", "stream": false, "options": {"num_predict": 2}});
+    post(port, "/api/generate", &body)
+}
+
+fn ps(port: u16) -> serde_json::Value {
+    let stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    serde_json::from_str(&http::request(stream, "GET", "/api/ps", None).body).expect("ps")
 }
 
 /// Device → (planned, actual) bytes from `/metrics`.
@@ -111,7 +125,7 @@ fn mib(bytes: u64) -> u64 {
 
 #[test]
 fn a_model_that_fits_one_device_is_placed_whole_on_it_as_planned() {
-    let rig = Rig::new();
+    let rig = Rig::new(2);
     let (_corrald, port) = rig.corrald("200MiB", "");
     let reply = generate(port);
     assert_eq!(reply.status, 200, "{}", reply.body);
@@ -126,7 +140,7 @@ fn a_model_that_fits_one_device_is_placed_whole_on_it_as_planned() {
 
 #[test]
 fn a_model_too_big_for_one_device_is_split_as_planned() {
-    let rig = Rig::new();
+    let rig = Rig::new(2);
     // 170 MiB on one device; 140 MiB each holds it only split. (A split's compute buffers
     // grow beyond the single device's: the plan's split model does not know it yet, so the
     // capacities leave room for it; the exact projection, and this test, see the truth.)
@@ -145,7 +159,7 @@ fn a_model_too_big_for_one_device_is_split_as_planned() {
 
 #[test]
 fn a_model_too_big_for_the_devices_runs_partly_on_the_cpu_or_is_refused_naming_each_device() {
-    let rig = Rig::new();
+    let rig = Rig::new(2);
     let (mut corrald, port) = rig.corrald("40MiB", "");
     let reply = generate(port);
     assert_eq!(reply.status, 200, "partial offload is allowed by default: {}", reply.body);
@@ -172,4 +186,52 @@ fn a_model_too_big_for_the_devices_runs_partly_on_the_cpu_or_is_refused_naming_e
     let stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
     let ps = http::request(stream, "GET", "/api/ps", None).body;
     assert!(ps.contains("\"models\":[]"), "nothing was started: {ps}");
+}
+
+/// Two models that each fit the one worker but not together: loading the second evicts the
+/// first, decided by the projection (the count limit allows three).
+#[test]
+fn the_projection_forces_an_eviction_the_count_would_not() {
+    let rig = Rig::new(1);
+    let (_corrald, port) = rig.corrald("200MiB", "");
+    assert_eq!(generate_with(port, "rig").status, 200);
+    let second = generate_with(port, "rig2");
+    assert_eq!(second.status, 200, "{}", second.body);
+    let shown = ps(port);
+    let names: Vec<&str> =
+        shown["models"].as_array().expect("models").iter().filter_map(|m| m["name"].as_str()).collect();
+    assert_eq!(names, ["rig2:latest"], "rig made room for rig2: {shown}");
+}
+
+/// The worker under a loaded model dies while it streams an answer: the request ends with
+/// an error (no hang), the runner is reaped and its memory released.
+#[test]
+fn a_worker_killed_under_a_streaming_request_ends_it_with_an_error() {
+    let mut rig = Rig::new(1);
+    let (_corrald, port) = rig.corrald("200MiB", "");
+    assert_eq!(generate(port).status, 200, "loaded on the worker");
+    let streaming = std::thread::spawn(move || {
+        let body = serde_json::json!({"model": "rig", "prompt": "hi", "options": {"num_predict": 1_000_000}});
+        post(port, "/api/generate", &body)
+    });
+    crate::support::container::poll_until(Duration::from_secs(30), "the answer to stream", || {
+        let stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        let metrics = http::request(stream, "GET", "/metrics", None).body;
+        if metrics.lines().any(|l| l.starts_with("corral_runner_active_requests{") && l.ends_with(" 1")) {
+            Ok(())
+        } else {
+            Err("no active request".to_owned())
+        }
+    });
+    rig.workers[0].kill();
+    let started = std::time::Instant::now();
+    let reply = streaming.join().expect("the request thread");
+    assert!(started.elapsed() < Duration::from_secs(60), "the request ended, it did not hang");
+    assert_eq!(reply.status, 200, "the stream had begun");
+    let last = reply.body.lines().last().unwrap_or_default();
+    assert!(last.contains("\"error\""), "the stream ends with an error: {last}");
+    crate::support::container::poll_until(Duration::from_secs(30), "the runner to be reaped", || {
+        let shown = ps(port);
+        if shown["models"].as_array().is_some_and(Vec::is_empty) { Ok(()) } else { Err(shown.to_string()) }
+    });
 }
