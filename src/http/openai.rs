@@ -14,18 +14,17 @@ use std::time::{Duration, SystemTime};
 use axum::Json;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
-use super::error::ApiError;
+use super::error::{self, ApiError, StoreWork, bad, internal};
 use super::model_request;
-use super::ollama_embed::{bad, internal, object};
+use super::ollama_embed::object;
 use super::runner_call;
 use super::state::{AppState, Tokens};
 use crate::scheduler::actor::{Handle, Lease};
-use crate::store::StoreError;
 use crate::store::name::ModelName;
 use crate::supervisor::upstream::BodyStream;
 
@@ -61,8 +60,8 @@ async fn pass_through(state: &AppState, body: &[u8], path: &'static str, needs: 
     let stream = request.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let model_request = model_request::build(state, name, &name_text, Map::new(), None, path).await?;
     match (needs, model_request.options.embedding.is_some()) {
-        (Needs::Embedding, false) => return Err(bad(&format!("\"{name_text}\" does not support embeddings"), path)),
-        (Needs::Generation, true) => return Err(bad(&format!("\"{name_text}\" does not support generate"), path)),
+        (Needs::Embedding, false) => return Err(bad(format!("\"{name_text}\" does not support embeddings"), path)),
+        (Needs::Generation, true) => return Err(bad(format!("\"{name_text}\" does not support generate"), path)),
         _ => {}
     }
     request.insert("model".into(), Value::String(model_request.name.clone()));
@@ -244,8 +243,8 @@ pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
     let store = state.store;
     let listed = tokio::task::spawn_blocking(move || store.list())
         .await
-        .map_err(|e| internal(&format!("the request task failed: {e}"), PATH))?
-        .map_err(|e| internal(&e.to_string(), PATH))?;
+        .map_err(|e| internal(format!("the request task failed: {e}"), PATH))?
+        .map_err(|e| internal(e.to_string(), PATH))?;
     let mut listed = listed;
     listed.sort_by_key(|l| std::cmp::Reverse(l.modified));
     let data = listed.iter().map(|l| OpenAiModel::new(&l.name, l.modified)).collect();
@@ -255,17 +254,15 @@ pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
 /// `GET /v1/models/{model}`: one model, or 404.
 pub async fn model(State(state): State<AppState>, Path(name_text): Path<String>) -> Result<Json<Value>, ApiError> {
     let path = format!("/v1/models/{name_text}");
-    let not_found = || ApiError::new(StatusCode::NOT_FOUND, format!("model '{name_text}' not found"), &path);
-    let Ok(name) = ModelName::parse(&name_text) else { return Err(not_found()) };
+    let Ok(name) = ModelName::parse(&name_text) else { return Err(error::model_not_found(&name_text, &path)) };
     let store = state.store;
     let lookup = name.clone();
     let found = tokio::task::spawn_blocking(move || store.manifest(&lookup))
         .await
-        .map_err(|e| internal(&format!("the request task failed: {e}"), &path))?;
+        .map_err(|e| internal(format!("the request task failed: {e}"), &path))?;
     match found {
         Ok((_, _, modified)) => Ok(Json(serde_json::to_value(OpenAiModel::new(&name, modified)).expect("serializes"))),
-        Err(StoreError::NotFound(_)) => Err(not_found()),
-        Err(e) => Err(internal(&e.to_string(), &path)),
+        Err(e) => Err(error::store(&e, StoreWork::Request, &name_text, &path)),
     }
 }
 

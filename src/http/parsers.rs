@@ -9,7 +9,8 @@ use axum::response::IntoResponse;
 use serde_json::{Map, Value, json};
 
 pub use super::error::ApiError;
-use super::ollama_embed::{bad, object};
+use super::error::bad;
+use super::ollama_embed::object;
 use super::ollama_generate::{Common, chat_route, sampling, string};
 use super::ollama_translate as translate;
 use super::{ollama_generate, ollama_models, ollama_store, openai};
@@ -85,7 +86,7 @@ pub fn embed(body: &[u8]) -> Result<Value, ApiError> {
 /// `POST /api/create`'s body: the name and the create spec.
 pub fn create(body: &[u8]) -> Result<Value, ApiError> {
     const PATH: &str = "/api/create";
-    let request = ollama_store::object(body, PATH)?;
+    let request = ollama_models::json_object(PATH, body)?;
     let (_, name) = ollama_store::model_name(&request, PATH)?;
     let (spec, from) = ollama_store::create_spec(&request)?;
     let stream = ollama_store::stream_flag(&request, PATH)?;
@@ -96,7 +97,7 @@ pub fn create(body: &[u8]) -> Result<Value, ApiError> {
 /// with the registry client it chooses).
 pub fn transfer(body: &[u8]) -> Result<Value, ApiError> {
     const PATH: &str = "/api/pull";
-    let request = ollama_store::object(body, PATH)?;
+    let request = ollama_models::json_object(PATH, body)?;
     let (given, name) = ollama_store::model_name(&request, PATH)?;
     let stream = ollama_store::stream_flag(&request, PATH)?;
     Ok(json!({ "given": given, "name": name.full(), "stream": stream }))
