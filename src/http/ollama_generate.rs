@@ -24,6 +24,7 @@ use super::ollama_embed::{nanos, object};
 use super::ollama_translate::{self as translate, ToolCalls};
 use super::runner_call;
 use super::state::{AppState, Tokens};
+use super::stream_scan::EventScanner;
 use crate::scheduler::actor::{Handle, Lease, ModelRequest, ScheduleError};
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request;
@@ -527,7 +528,7 @@ pub(super) enum Event {
 /// `/completion`) and keeps what the final object needs.
 #[derive(Debug, Default)]
 pub(super) struct Parser {
-    pending: Vec<u8>,
+    scanner: EventScanner,
     finish_reason: Option<String>,
     prompt_tokens: Option<u64>,
     eval_tokens: Option<u64>,
@@ -543,17 +544,8 @@ impl Parser {
     }
 
     pub(super) fn feed(&mut self, bytes: &[u8]) -> Vec<Event> {
-        self.pending.extend_from_slice(bytes);
         let mut events = Vec::new();
-        while let Some(end) = self.pending.iter().position(|b| *b == b'\n') {
-            let line: Vec<u8> = self.pending.drain(..=end).collect();
-            let line = String::from_utf8_lossy(&line);
-            let Some(data) = line.trim_end().strip_prefix("data:") else { continue };
-            let data = data.trim();
-            if data.is_empty() || data == "[DONE]" {
-                continue;
-            }
-            let Ok(event) = serde_json::from_str::<Value>(data) else { continue };
+        for event in self.scanner.feed(bytes) {
             self.event(&event, &mut events);
         }
         events

@@ -24,6 +24,7 @@ use super::model_request;
 use super::ollama_embed::object;
 use super::runner_call;
 use super::state::{AppState, Tokens};
+use super::stream_scan::{EventScanner, JsonTail};
 use crate::scheduler::actor::{Handle, Lease};
 use crate::store::name::ModelName;
 use crate::supervisor::upstream::BodyStream;
@@ -144,9 +145,8 @@ const JSON_TAIL: usize = 64 * 1024;
 /// else a stream's `timings`, else one token per streamed piece of text.
 #[derive(Debug)]
 pub(super) struct Usage {
-    events: bool,
-    /// An event stream's unfinished line, or a JSON answer's last bytes.
-    pending: Vec<u8>,
+    /// How the answer is read: as events, or as a JSON answer's last bytes.
+    scan: Scan,
     prompt: Option<u64>,
     completion: Option<u64>,
     timings: Option<(u64, u64)>,
@@ -154,22 +154,24 @@ pub(super) struct Usage {
     tokens: Arc<Tokens>,
 }
 
+#[derive(Debug)]
+enum Scan {
+    Events(EventScanner),
+    Json(JsonTail),
+}
+
 impl Usage {
     pub(super) fn new(events: bool, tokens: Arc<Tokens>) -> Self {
-        Self { events, pending: Vec::new(), prompt: None, completion: None, timings: None, pieces: 0, tokens }
+        let scan = if events { Scan::Events(EventScanner::default()) } else { Scan::Json(JsonTail::new(JSON_TAIL)) };
+        Self { scan, prompt: None, completion: None, timings: None, pieces: 0, tokens }
     }
 
     pub(super) fn observe(&mut self, bytes: &[u8]) {
-        self.pending.extend_from_slice(bytes);
-        if !self.events {
-            let excess = self.pending.len().saturating_sub(JSON_TAIL);
-            self.pending.drain(..excess);
-            return;
-        }
-        while let Some(end) = self.pending.iter().position(|b| *b == b'\n') {
-            let line: Vec<u8> = self.pending.drain(..=end).collect();
-            let Some(data) = line.strip_prefix(b"data:") else { continue };
-            let Ok(event) = serde_json::from_slice::<Value>(data.trim_ascii()) else { continue };
+        let events = match &mut self.scan {
+            Scan::Json(tail) => return tail.feed(bytes),
+            Scan::Events(scanner) => scanner.feed(bytes),
+        };
+        for event in events {
             self.usage(&event["usage"]);
             if let Some(timings) = event.get("timings") {
                 if let (Some(p), Some(n)) = (timings["prompt_n"].as_u64(), timings["predicted_n"].as_u64()) {
@@ -193,15 +195,9 @@ impl Usage {
 
     /// Adds the answer's tokens to the totals (once: it consumes the counter).
     pub(super) fn record(mut self) {
-        if !self.events {
-            // The last `"usage":` in the tail starts the object (a string inside the
-            // answer would be escaped, so it cannot match).
-            let tail = String::from_utf8_lossy(&self.pending).into_owned();
-            if let Some(at) = tail.rfind("\"usage\":") {
-                let rest = &tail[at + "\"usage\":".len()..];
-                if let Some(Ok(usage)) = serde_json::Deserializer::from_str(rest).into_iter::<Value>().next() {
-                    self.usage(&usage);
-                }
+        if let Scan::Json(tail) = &self.scan {
+            if let Some(usage) = tail.last_field("usage") {
+                self.usage(&usage);
             }
         }
         let (timed_prompt, timed_completion) = self.timings.unzip();

@@ -13,7 +13,7 @@ use super::error::bad;
 use super::ollama_embed::object;
 use super::ollama_generate::{Common, chat_route, sampling, string};
 use super::ollama_translate as translate;
-use super::{ollama_generate, ollama_models, ollama_store, openai};
+use super::{ollama_generate, ollama_models, ollama_store, openai, stream_scan};
 use crate::http::state::Tokens;
 
 /// The status a refusal answers with.
@@ -120,6 +120,21 @@ pub fn model_bodies(body: &[u8]) -> Vec<Result<Value, ApiError>> {
         names("/api/copy", &[&["source"], &["destination"]]),
         names("/api/delete", &[&["model", "name"]]),
     ]
+}
+
+/// A runner's answer as the one stream scanner (`stream_scan`) reads it, fed in the
+/// given pieces: the events of a server-sent event stream and the unfinished line; and,
+/// read as a JSON answer, the tail kept (at most `keep` bytes) and its last `usage`.
+#[must_use]
+pub fn stream_scan(pieces: &[&[u8]], keep: usize) -> (Vec<Value>, Vec<u8>, Vec<u8>, Option<Value>) {
+    let mut events = stream_scan::EventScanner::default();
+    let mut tail = stream_scan::JsonTail::new(keep);
+    let mut out = Vec::new();
+    for piece in pieces {
+        out.extend(events.feed(piece));
+        tail.feed(piece);
+    }
+    (out, events.pending().to_vec(), tail.bytes().to_vec(), tail.last_field("usage"))
 }
 
 /// llama-server's event stream of a generation, as `/api/chat` and `/api/generate` read
