@@ -10,7 +10,7 @@
 use std::fmt::Write as _;
 
 use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::http::header;
 use axum::response::{IntoResponse, Response};
 
 use super::error::ApiError;
@@ -19,11 +19,7 @@ use crate::scheduler::actor::Stats;
 
 /// The handler.
 pub async fn metrics(State(app): State<AppState>) -> Result<Response, ApiError> {
-    let snapshot = app
-        .scheduler
-        .stats()
-        .await
-        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string(), "/metrics"))?;
+    let snapshot = app.scheduler.stats().await.map_err(|e| super::error::scheduler_view(&e, "/metrics"))?;
     let mut text = render(&snapshot);
     text.push_str(&render_devices(&crate::gpu::usage(&app.inventory, &snapshot.loaded)));
     let (prompt, generated) = app.tokens.totals();

@@ -16,6 +16,7 @@ pub mod parsers;
 mod runner_call;
 pub mod safety;
 pub mod state;
+mod stream_scan;
 
 use axum::Json;
 use axum::Router;

@@ -1,18 +1,15 @@
 //! What the model-using handlers share: reading the model's name from a request body,
-//! building the scheduler's request off the async threads, and naming what went wrong.
+//! building the scheduler's request off the async threads.
 
 use std::sync::Arc;
 
-use axum::http::StatusCode;
 use serde_json::{Map, Value};
 
-use super::error::ApiError;
-use super::ollama_embed::{bad, internal};
+use super::error::{self, ApiError, bad, internal};
 use super::state::AppState;
 use crate::scheduler::actor::ModelRequest;
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request::{self, LoadOverrides, RequestError};
-use crate::store::StoreError;
 use crate::store::name::ModelName;
 use crate::store::show::ModelDetails;
 
@@ -29,7 +26,7 @@ pub(super) fn model_name(
         Some(Value::String(_) | Value::Null) | None => return Err(bad("model is required", path)),
         Some(_) => return Err(bad("model must be a string", path)),
     };
-    let name = ModelName::parse(&text).map_err(|e| bad(&e.to_string(), path))?;
+    let name = ModelName::parse(&text).map_err(|e| bad(e.to_string(), path))?;
     Ok((text, name))
 }
 
@@ -45,24 +42,8 @@ pub(super) fn options_and_keep_alive(
         Some(Value::Object(map)) => map.clone(),
         Some(_) => return Err(bad("options must be an object", path)),
     };
-    let keep_alive = request::keep_alive(request, "keep_alive").map_err(|e| bad(&e.to_string(), path))?;
+    let keep_alive = request::keep_alive(request, "keep_alive").map_err(|e| bad(e.to_string(), path))?;
     Ok((options, keep_alive))
-}
-
-/// A failed request build as HTTP: an unknown model is 404 in Ollama's wording (the
-/// name as the client wrote it), a bad option 400, weights that are not a usable GGUF 422
-/// (a bad model, as when llama-server refuses the file), anything else 500.
-pub(super) fn request_error(error: RequestError, given: &str, path: &str) -> ApiError {
-    match error {
-        RequestError::Store(StoreError::NotFound(_)) => {
-            ApiError::new(StatusCode::NOT_FOUND, format!("model '{given}' not found"), path)
-        }
-        RequestError::Store(StoreError::Gguf { .. }) => {
-            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, error.to_string(), path)
-        }
-        RequestError::InvalidOption { .. } | RequestError::KeepAlive(_) => bad(&error.to_string(), path),
-        other @ RequestError::Store(_) => internal(&other.to_string(), path),
-    }
 }
 
 /// A model's details: from the store's cache on this task (one `stat`), else read on
@@ -79,17 +60,17 @@ pub(super) async fn details(
             let (store, name) = (state.store.clone(), name.clone());
             tokio::task::spawn_blocking(move || store.details(&name))
                 .await
-                .map_err(|e| internal(&format!("the request task failed: {e}"), path))?
+                .map_err(|e| internal(format!("the request task failed: {e}"), path))?
         }
         Err(e) => Err(e),
     };
-    found.map_err(|e| request_error(RequestError::Store(e), given, path))
+    found.map_err(|e| error::request(RequestError::Store(e), given, path))
 }
 
 /// The typed load options of a body's `options`, through the request parser's JSON
 /// adapter: a bad one is a 400 naming it.
 pub(super) fn load_options(options: &Map<String, Value>, given: &str, path: &str) -> Result<LoadOverrides, ApiError> {
-    LoadOverrides::parse(options).map_err(|e| request_error(e, given, path))
+    LoadOverrides::parse(options).map_err(|e| error::request(e, given, path))
 }
 
 /// The scheduler's request for `name` with the client's options.
@@ -104,5 +85,5 @@ pub(super) async fn build(
     let shown = details(state, &name, given, path).await?;
     let options = load_options(&options, given, path)?;
     request::from_details(&state.store, &shown, &options, keep_alive, false, state.defaults)
-        .map_err(|e| request_error(e, given, path))
+        .map_err(|e| error::request(e, given, path))
 }

@@ -7,17 +7,14 @@ use std::time::{Duration, Instant};
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
-use super::error::ApiError;
+use super::error::{self, ApiError, bad, internal};
 use super::model_request;
 use super::runner_call;
 use super::state::AppState;
-use crate::scheduler::actor::ScheduleError;
-use crate::scheduler::failure::FailureClass;
 
 /// How long one embedding call to a runner may take.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
@@ -88,13 +85,13 @@ async fn run(
     let (options, keep_alive) = model_request::options_and_keep_alive(request, path)?;
     let model_request = model_request::build(state, name, &name_text, options, keep_alive, path).await?;
     if model_request.options.embedding.is_none() {
-        return Err(bad(&format!("\"{name_text}\" does not support embeddings"), path));
+        return Err(bad(format!("\"{name_text}\" does not support embeddings"), path));
     }
     let model = model_request.name.clone();
     if inputs.is_empty() {
         // Ollama's way to load a model without using it.
         let waited = Instant::now();
-        drop(state.scheduler.acquire(model_request).await.map_err(|e| schedule_error(&e, path))?);
+        drop(state.scheduler.acquire(model_request).await.map_err(|e| error::schedule(&e, path))?);
         return Ok((model, Vec::new(), waited.elapsed(), 0));
     }
     let body = serde_json::to_vec(&json!({ "input": inputs })).expect("strings serialize");
@@ -113,14 +110,9 @@ async fn run(
     }
     drop(lease);
     let reply: Value = serde_json::from_slice(&reply)
-        .map_err(|e| internal(&format!("the model runner sent an unreadable answer: {e}"), path))?;
+        .map_err(|e| internal(format!("the model runner sent an unreadable answer: {e}"), path))?;
     if !status.is_success() {
-        let message = reply["error"]["message"].as_str().unwrap_or("the model runner refused the request");
-        return Err(ApiError::new(
-            if status.is_client_error() { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR },
-            message,
-            path,
-        ));
+        return Err(error::runner_refused(status, &reply, path));
     }
     let mut data: Vec<(u64, Vec<f64>)> = reply["data"]
         .as_array()
@@ -148,84 +140,10 @@ pub(super) fn object(body: &[u8], path: &str) -> Result<Map<String, Value>, ApiE
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(bad("the request body must be a JSON object", path)),
-        Err(e) => Err(bad(&format!("invalid JSON: {e}"), path)),
-    }
-}
-
-pub(super) fn bad(message: &str, path: &str) -> ApiError {
-    ApiError::new(StatusCode::BAD_REQUEST, message, path)
-}
-
-pub(super) fn internal(message: &str, path: &str) -> ApiError {
-    tracing::error!(path, "{message}");
-    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message, path)
-}
-
-/// The scheduler's refusals as HTTP: busy is 503 with a `Retry-After`; a model that
-/// cannot fit even with every other one unloaded 507 (the memory each device has is in
-/// the message); a failed load by its class ([`load_failed_status`]); the rest 500.
-pub(super) fn schedule_error(error: &ScheduleError, path: &str) -> ApiError {
-    let status = match error {
-        ScheduleError::QueueFull(_) | ScheduleError::BackingOff { .. } | ScheduleError::ShuttingDown => {
-            return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string(), path)
-                .with_header(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        }
-        ScheduleError::InsufficientMemory { .. } => StatusCode::INSUFFICIENT_STORAGE,
-        ScheduleError::LoadFailed { class, .. } => load_failed_status(*class),
-        ScheduleError::NotLoaded(_) => StatusCode::INTERNAL_SERVER_ERROR,
-    };
-    ApiError::new(status, error.to_string(), path)
-}
-
-/// A failed load's status by its class: out of memory 507 (as a model that cannot fit);
-/// a bad model file 422 (the request is well formed, the model it names cannot be
-/// used); no progress within the load timeout 504; a crash of llama-server 502 (the
-/// process corrald fronts failed); anything else (llama-server could not be started)
-/// 500.
-#[must_use]
-pub(super) fn load_failed_status(class: FailureClass) -> StatusCode {
-    match class {
-        FailureClass::OutOfMemory => StatusCode::INSUFFICIENT_STORAGE,
-        FailureClass::BadModel => StatusCode::UNPROCESSABLE_ENTITY,
-        FailureClass::Timeout => StatusCode::GATEWAY_TIMEOUT,
-        FailureClass::Crashed => StatusCode::BAD_GATEWAY,
-        FailureClass::Other => StatusCode::INTERNAL_SERVER_ERROR,
+        Err(e) => Err(bad(format!("invalid JSON: {e}"), path)),
     }
 }
 
 pub(super) fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
-}
-
-#[cfg(test)]
-mod tests {
-    use axum::http::StatusCode;
-
-    use super::schedule_error;
-    use crate::scheduler::actor::ScheduleError;
-    use crate::scheduler::failure::FailureClass;
-
-    #[test]
-    fn each_class_of_failed_load_has_its_status_and_the_reason_stays() {
-        for (class, status) in [
-            (FailureClass::OutOfMemory, StatusCode::INSUFFICIENT_STORAGE),
-            (FailureClass::BadModel, StatusCode::UNPROCESSABLE_ENTITY),
-            (FailureClass::Timeout, StatusCode::GATEWAY_TIMEOUT),
-            (FailureClass::Crashed, StatusCode::BAD_GATEWAY),
-            (FailureClass::Other, StatusCode::INTERNAL_SERVER_ERROR),
-        ] {
-            let error = ScheduleError::LoadFailed { model: "chat".into(), class, reason: "why".into() };
-            let api = schedule_error(&error, "/api/chat");
-            assert_eq!(api.status(), status, "{class:?}");
-            assert_eq!(api.message(), "model 'chat' failed to load: why");
-        }
-        let refused = ScheduleError::InsufficientMemory {
-            model: "chat".into(),
-            needed: 2,
-            available: 1,
-            devices: Vec::new(),
-            host: 1,
-        };
-        assert_eq!(schedule_error(&refused, "/api/chat").status(), StatusCode::INSUFFICIENT_STORAGE);
-    }
 }

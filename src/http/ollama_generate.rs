@@ -14,16 +14,17 @@ use std::time::{Duration, Instant, SystemTime};
 use axum::Json;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 
-use super::error::ApiError;
+use super::error::{self, ApiError, bad, internal};
 use super::model_request;
-use super::ollama_embed::{bad, internal, nanos, object, schedule_error};
+use super::ollama_embed::{nanos, object};
 use super::ollama_translate::{self as translate, ToolCalls};
 use super::runner_call;
 use super::state::{AppState, Tokens};
+use super::stream_scan::EventScanner;
 use crate::scheduler::actor::{Handle, Lease, ModelRequest, ScheduleError};
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request;
@@ -216,16 +217,16 @@ async fn prepare(state: &AppState, common: &Common, images: bool, path: &str) ->
     let options = &common.options;
     let load = model_request::load_options(options, &common.name_text, path)?;
     let request = request::from_details(&state.store, &details, &load, common.keep_alive, false, state.defaults)
-        .map_err(|e| model_request::request_error(e, &common.name_text, path))?;
+        .map_err(|e| error::request(e, &common.name_text, path))?;
     let mut merged: Map<String, Value> = details.parameters.clone().into_iter().collect();
     merged.extend(options.clone());
     let prepared = Prepared { request, options: merged, system: details.system.clone() };
     if prepared.request.options.embedding.is_some() {
-        return Err(bad(&format!("\"{}\" does not support generate", common.name_text), path));
+        return Err(bad(format!("\"{}\" does not support generate", common.name_text), path));
     }
     // Without a projector the runner cannot see images: refused before anything loads.
     if images && prepared.request.files.projector.is_none() {
-        return Err(bad(&format!("model {} does not support images", common.name_text), path));
+        return Err(bad(format!("model {} does not support images", common.name_text), path));
     }
     Ok(prepared)
 }
@@ -243,12 +244,12 @@ async fn load_or_unload(
     let (reason, load) = if common.keep_alive.is_some_and(KeepAlive::is_zero) {
         match state.scheduler.unload(&request.key).await {
             Ok(()) | Err(ScheduleError::NotLoaded(_)) => {}
-            Err(e) => return Err(schedule_error(&e, path)),
+            Err(e) => return Err(error::schedule(&e, path)),
         }
         ("unload", Duration::ZERO)
     } else {
         let waited = Instant::now();
-        let lease = state.scheduler.acquire(request).await.map_err(|e| schedule_error(&e, path))?;
+        let lease = state.scheduler.acquire(request).await.map_err(|e| error::schedule(&e, path))?;
         drop(lease);
         ("load", waited.elapsed())
     };
@@ -294,7 +295,7 @@ async fn run(
             let Some(prompt) = reply["prompt"].as_str().filter(|_| status.is_success()) else {
                 let message =
                     reply["error"]["message"].as_str().unwrap_or("the model runner could not apply its template");
-                return Err(ApiError::new(StatusCode::BAD_REQUEST, message, path));
+                return Err(bad(message, path));
             };
             body.insert("prompt".into(), Value::String(prompt.to_owned()));
             let body = serde_json::to_vec(&Value::Object(body)).expect("JSON values serialize");
@@ -313,12 +314,7 @@ async fn run(
         }
         drop(lease);
         let reply: Value = serde_json::from_slice(&reply).unwrap_or(Value::Null);
-        let message = reply["error"]["message"].as_str().unwrap_or("the model runner refused the request");
-        return Err(ApiError::new(
-            if status.is_client_error() { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR },
-            message,
-            path,
-        ));
+        return Err(error::runner_refused(status, &reply, path));
     }
     let generation = Generation {
         upstream: Some(upstream),
@@ -532,7 +528,7 @@ pub(super) enum Event {
 /// `/completion`) and keeps what the final object needs.
 #[derive(Debug, Default)]
 pub(super) struct Parser {
-    pending: Vec<u8>,
+    scanner: EventScanner,
     finish_reason: Option<String>,
     prompt_tokens: Option<u64>,
     eval_tokens: Option<u64>,
@@ -548,17 +544,8 @@ impl Parser {
     }
 
     pub(super) fn feed(&mut self, bytes: &[u8]) -> Vec<Event> {
-        self.pending.extend_from_slice(bytes);
         let mut events = Vec::new();
-        while let Some(end) = self.pending.iter().position(|b| *b == b'\n') {
-            let line: Vec<u8> = self.pending.drain(..=end).collect();
-            let line = String::from_utf8_lossy(&line);
-            let Some(data) = line.trim_end().strip_prefix("data:") else { continue };
-            let data = data.trim();
-            if data.is_empty() || data == "[DONE]" {
-                continue;
-            }
-            let Ok(event) = serde_json::from_str::<Value>(data) else { continue };
+        for event in self.scanner.feed(bytes) {
             self.event(&event, &mut events);
         }
         events
@@ -619,14 +606,14 @@ pub(super) fn string(request: &Map<String, Value>, field: &str, path: &str) -> R
     match request.get(field) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(_) => Err(bad(&format!("{field} must be a string"), path)),
+        Some(_) => Err(bad(format!("{field} must be a string"), path)),
     }
 }
 
 /// Ollama's sampling options as llama-server's request fields; `limit` names the token
 /// limit (`max_tokens` on the chat endpoint, `n_predict` on `/completion`).
 pub(super) fn sampling(options: &Map<String, Value>, limit: &str, path: &str) -> Result<Map<String, Value>, ApiError> {
-    let invalid = |name: &str, reason: &str| bad(&format!("invalid option {name}: {reason}"), path);
+    let invalid = |name: &str, reason: &str| bad(format!("invalid option {name}: {reason}"), path);
     let mut body = Map::new();
     for name in ["temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"] {
         match options.get(name) {

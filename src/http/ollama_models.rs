@@ -17,7 +17,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 use tokio::time::Instant;
 
-use super::ApiError;
+use super::error::{self, ApiError, StoreWork, bad};
 use super::state::AppState;
 use crate::gpu::Inventory;
 use crate::scheduler::actor::LoadedModel;
@@ -155,10 +155,7 @@ async fn tags(State(state): State<AppState>) -> Result<Json<Tags>, ApiError> {
 /// `GET /api/ps`: the loaded models, the latest to expire first.
 async fn ps(State(state): State<AppState>) -> Result<Json<Ps>, ApiError> {
     const PATH: &str = "/api/ps";
-    let loaded = state.scheduler.loaded().await.map_err(|e| {
-        tracing::warn!(error = %e, "cannot list the loaded models");
-        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string(), PATH)
-    })?;
+    let loaded = state.scheduler.loaded().await.map_err(|e| error::scheduler_view(&e, PATH))?;
     let (now, wall) = (Instant::now(), SystemTime::now());
     let (store, inventory) = (state.store, state.inventory);
     let mut models = blocking(move || {
@@ -230,7 +227,7 @@ async fn show(State(state): State<AppState>, body: Bytes) -> Result<Json<Show>, 
     let verbose = match request.get("verbose") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(bad_request(PATH, "invalid type for \"verbose\": expected true or false")),
+        Some(_) => return Err(bad("invalid type for \"verbose\": expected true or false", PATH)),
     };
     let store = state.store;
     let shown = blocking(move || {
@@ -306,20 +303,10 @@ impl Failure {
     /// The reply: `given` is the model name as the client wrote it.
     fn into_api(self, path: &str, given: &str) -> ApiError {
         match self {
-            Failure::Store(StoreError::NotFound(_)) => {
-                ApiError::new(StatusCode::NOT_FOUND, format!("model '{given}' not found"), path)
-            }
-            Failure::Store(e @ StoreError::Io { .. }) => {
-                tracing::error!(path, error = %e, "the model store failed");
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal error: the model store failed", path)
-            }
-            Failure::Store(e) => {
-                tracing::error!(path, error = %e, "a model in the store is unusable");
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), path)
-            }
+            Failure::Store(e) => error::store(&e, StoreWork::Read, given, path),
             Failure::Panicked(e) => {
                 tracing::error!(path, error = %e, "a store task panicked");
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal error", path)
+                error::opaque(path)
             }
         }
     }
@@ -335,19 +322,15 @@ async fn blocking<T: Send + 'static>(
     }
 }
 
-fn bad_request(path: &str, message: impl Into<String>) -> ApiError {
-    ApiError::new(StatusCode::BAD_REQUEST, message, path)
-}
-
 /// The request body as a JSON object (no content type required, as with Ollama).
 pub(super) fn json_object(path: &str, body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
-        return Err(bad_request(path, "missing request body"));
+        return Err(bad("missing request body", path));
     }
     match serde_json::from_slice(body) {
         Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(bad_request(path, "the request body must be a JSON object")),
-        Err(e) => Err(bad_request(path, format!("invalid JSON in the request body: {e}"))),
+        Ok(_) => Err(bad("the request body must be a JSON object", path)),
+        Err(e) => Err(bad(format!("invalid JSON in the request body: {e}"), path)),
     }
 }
 
@@ -362,13 +345,13 @@ pub(super) fn model_name(
             None | Some(Value::Null) => {}
             Some(Value::String(s)) if s.is_empty() => {}
             Some(Value::String(s)) => {
-                let name = ModelName::parse(s).map_err(|e| bad_request(path, e.to_string()))?;
+                let name = ModelName::parse(s).map_err(|e| bad(e.to_string(), path))?;
                 return Ok((s.clone(), name));
             }
-            Some(_) => return Err(bad_request(path, format!("invalid type for \"{field}\": expected a string"))),
+            Some(_) => return Err(bad(format!("invalid type for \"{field}\": expected a string"), path)),
         }
     }
-    Err(bad_request(path, format!("{} is required", fields[0])))
+    Err(bad(format!("{} is required", fields[0]), path))
 }
 
 #[cfg(test)]

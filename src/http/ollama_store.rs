@@ -25,13 +25,14 @@ use serde::Serialize;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
-use super::ApiError;
+use super::error::{self, ApiError, StoreWork, bad, opaque};
+use super::ollama_models::json_object;
 use super::state::AppState;
 use crate::store::create::{CreateSpec, Source};
 use crate::store::digest::{Digest, Hasher};
 use crate::store::modelfile::Message;
 use crate::store::name::ModelName;
-use crate::store::registry::{Progress, Registry, RegistryError};
+use crate::store::registry::{Progress, Registry};
 use crate::store::{Store, StoreError};
 
 /// The routes of this module whose bodies are JSON.
@@ -49,14 +50,6 @@ pub(super) fn blob_routes() -> Router<AppState> {
 
 const BLOBS: &str = "/api/blobs";
 
-fn bad(message: impl Into<String>, path: &str) -> ApiError {
-    ApiError::new(StatusCode::BAD_REQUEST, message, path)
-}
-
-fn internal(path: &str) -> ApiError {
-    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal error", path)
-}
-
 fn parse_digest(text: &str) -> Result<Digest, ApiError> {
     Digest::parse(text).map_err(|e| bad(e.to_string(), BLOBS))
 }
@@ -67,7 +60,7 @@ async fn head_blob(State(state): State<AppState>, Path(digest): Path<String>) ->
     let store = state.store;
     let present = tokio::task::spawn_blocking(move || store.claim_blob(&digest, SystemTime::now()))
         .await
-        .map_err(|_| internal(BLOBS))?;
+        .map_err(|_| opaque(BLOBS))?;
     Ok(if present { StatusCode::OK } else { StatusCode::NOT_FOUND })
 }
 
@@ -141,8 +134,8 @@ impl Upload {
     /// The partial blob, once the write in progress is done.
     async fn partial(&mut self) -> Result<Partial, ApiError> {
         match self.writing.take() {
-            Some(write) => write.await.map_err(|_| internal(BLOBS))?.map_err(|e| upload_error(&e)),
-            None => self.idle.take().ok_or_else(|| internal(BLOBS)),
+            Some(write) => write.await.map_err(|_| opaque(BLOBS))?.map_err(|e| upload_error(&e)),
+            None => self.idle.take().ok_or_else(|| opaque(BLOBS)),
         }
     }
 
@@ -189,17 +182,13 @@ async fn blocking<T: Send + 'static>(
         Ok(result) => result.map_err(|e| upload_error(&e)),
         Err(e) => {
             tracing::error!(error = %e, "a blob upload task panicked");
-            Err(internal(BLOBS))
+            Err(opaque(BLOBS))
         }
     }
 }
 
 fn upload_error(error: &StoreError) -> ApiError {
-    if let StoreError::DigestMismatch { .. } = error {
-        return bad(error.to_string(), BLOBS);
-    }
-    tracing::error!(error = %error, "cannot store an uploaded blob");
-    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string(), BLOBS)
+    error::store(error, StoreWork::Upload, "", BLOBS)
 }
 
 /// One line of a progress stream.
@@ -226,7 +215,7 @@ async fn reply<P: Serialize + Send + 'static>(
     let first = match rx.recv().await {
         Some(Event::Failed(error)) => return error.into_response(),
         Some(first) => first,
-        None => return internal(path).into_response(),
+        None => return opaque(path).into_response(),
     };
     let lines = futures_util::stream::unfold((Some(first), rx), |(pending, mut rx)| async move {
         let event = match pending {
@@ -275,17 +264,6 @@ pub(super) fn model_name(request: &Map<String, Value>, path: &str) -> Result<(St
     }
     let name = ModelName::parse(&given).map_err(|e| bad(e.to_string(), path))?;
     Ok((given, name))
-}
-
-pub(super) fn object(body: &[u8], path: &str) -> Result<Map<String, Value>, ApiError> {
-    if body.iter().all(u8::is_ascii_whitespace) {
-        return Err(bad("missing request body", path));
-    }
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(bad("the request body must be a JSON object", path)),
-        Err(e) => Err(bad(format!("invalid JSON in the request body: {e}"), path)),
-    }
 }
 
 /// A `{name: digest}` object of `files` or `adapters`, in order.
@@ -356,22 +334,6 @@ pub(super) fn create_spec(request: &Map<String, Value>) -> Result<(CreateSpec, S
     Ok((spec, from_text.unwrap_or_default()))
 }
 
-fn store_error(error: &StoreError, path: &str, from: &str) -> ApiError {
-    match error {
-        StoreError::NotFound(_) => ApiError::new(StatusCode::NOT_FOUND, format!("model '{from}' not found"), path),
-        StoreError::Exists(_)
-        | StoreError::DigestMismatch { .. }
-        | StoreError::Gguf { .. }
-        | StoreError::Invalid(_)
-        | StoreError::TooLarge(_)
-        | StoreError::MissingBlob(_) => bad(error.to_string(), path),
-        StoreError::Manifest { .. } | StoreError::Refused { .. } | StoreError::Io { .. } => {
-            tracing::error!(path, error = %error, "the model store failed");
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string(), path)
-        }
-    }
-}
-
 #[derive(Serialize)]
 struct Status {
     status: String,
@@ -380,7 +342,7 @@ struct Status {
 /// `POST /api/create` (Ollama's JSON API): a model from uploaded blobs or another model.
 async fn create(State(state): State<AppState>, body: Bytes) -> Response {
     const PATH: &str = "/api/create";
-    let prepared = object(&body, PATH).and_then(|request| {
+    let prepared = json_object(PATH, &body).and_then(|request| {
         let (_, name) = model_name(&request, PATH)?;
         let (spec, from) = create_spec(&request)?;
         Ok((name, spec, from, stream_flag(&request, PATH)?))
@@ -400,7 +362,7 @@ async fn create(State(state): State<AppState>, body: Bytes) -> Response {
             // The store's own progress ends with "success": the stream carries it once.
             Ok(digest) => tracing::info!(corral_event = "create", corral_model = %name, %digest, "created {name}"),
             Err(e) => {
-                let _ = tx.send(Event::Failed(store_error(&e, PATH, &from)));
+                let _ = tx.send(Event::Failed(error::store(&e, StoreWork::Write, &from, PATH)));
             }
         }
     });
@@ -428,20 +390,6 @@ fn registry_for(
     Ok(shared.allowing_insecure(name.registry()))
 }
 
-fn registry_error(error: &RegistryError, path: &str, given: &str) -> ApiError {
-    match error {
-        RegistryError::NotFound { .. } => ApiError::new(StatusCode::NOT_FOUND, error.to_string(), path),
-        RegistryError::Store(e) if matches!(**e, StoreError::NotFound(_)) => {
-            ApiError::new(StatusCode::NOT_FOUND, format!("model '{given}' not found"), path)
-        }
-        RegistryError::Unauthorized { .. } => ApiError::new(StatusCode::UNAUTHORIZED, error.to_string(), path),
-        _ => {
-            tracing::warn!(path, error = %error, "a registry transfer failed");
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string(), path)
-        }
-    }
-}
-
 /// Pull or push.
 #[derive(Clone, Copy)]
 enum Transfer {
@@ -454,7 +402,7 @@ async fn transfer(state: AppState, body: &[u8], kind: Transfer) -> Response {
         Transfer::Pull => "/api/pull",
         Transfer::Push => "/api/push",
     };
-    let prepared = object(body, path).and_then(|request| {
+    let prepared = json_object(path, body).and_then(|request| {
         let (given, name) = model_name(&request, path)?;
         let registry = registry_for(&state.registry, &request, &name, path)?;
         Ok((given, name, registry, stream_flag(&request, path)?))
@@ -468,8 +416,8 @@ async fn transfer(state: AppState, body: &[u8], kind: Transfer) -> Response {
         let (store, name) = (store.clone(), name.clone());
         match tokio::task::spawn_blocking(move || store.manifest(&name)).await {
             Ok(Ok(_)) => {}
-            Ok(Err(e)) => return store_error(&e, path, &given).into_response(),
-            Err(_) => return internal(path).into_response(),
+            Ok(Err(e)) => return error::store(&e, StoreWork::Write, &given, path).into_response(),
+            Err(_) => return opaque(path).into_response(),
         }
     }
     let (tx, rx) = mpsc::unbounded_channel();
@@ -496,7 +444,7 @@ async fn transfer(state: AppState, body: &[u8], kind: Transfer) -> Response {
         match result {
             Ok(digest) => tracing::info!(corral_model = %name, %digest, path, "the transfer of {name} finished"),
             Err(e) => {
-                let _ = tx.send(Event::Failed(registry_error(&e, path, &given)));
+                let _ = tx.send(Event::Failed(error::registry(&e, &given, path)));
             }
         }
     });

@@ -7,13 +7,11 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use axum::http::{HeaderValue, StatusCode, header};
 use base64::Engine as _;
 use serde_json::{Map, Value, json};
 
-use super::error::ApiError;
-use super::ollama_embed::{bad, internal};
-use crate::prompt_template::{Renderer, TemplateError};
+use super::error::{self, ApiError, bad};
+use crate::prompt_template::Renderer;
 
 /// `format`: `"json"` (any JSON object) or a JSON schema, as the schema for
 /// llama-server's `json_schema` on `/completion`. Absent, null or `""`: none.
@@ -187,9 +185,9 @@ pub(super) fn images(value: Option<&Value>, path: &str) -> Result<Vec<(String, &
             let data = text.split_once(";base64,").map_or(text, |(_, d)| d).trim();
             let bytes = base64::engine::general_purpose::STANDARD
                 .decode(data)
-                .map_err(|e| bad(&format!("invalid image {i}: not base64 ({e})"), path))?;
+                .map_err(|e| bad(format!("invalid image {i}: not base64 ({e})"), path))?;
             if bytes.is_empty() {
-                return Err(bad(&format!("invalid image {i}: empty"), path));
+                return Err(bad(format!("invalid image {i}: empty"), path));
             }
             Ok((data.to_owned(), media_type(&bytes)))
         })
@@ -283,12 +281,7 @@ pub(super) async fn render_template(
     path: &str,
 ) -> Result<String, ApiError> {
     let fields = [("System", system), ("Prompt", prompt), ("Response", "")];
-    renderer.render(template, &fields).await.map_err(|e| match e {
-        TemplateError::Busy(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string(), path)
-            .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
-        TemplateError::Thread(_) => internal(&e.to_string(), path),
-        e => bad(&e.to_string(), path),
-    })
+    renderer.render(template, &fields).await.map_err(|e| error::template(&e, path))
 }
 
 #[cfg(test)]

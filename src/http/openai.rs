@@ -14,18 +14,18 @@ use std::time::{Duration, SystemTime};
 use axum::Json;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
-use super::error::ApiError;
+use super::error::{self, ApiError, StoreWork, bad, internal};
 use super::model_request;
-use super::ollama_embed::{bad, internal, object};
+use super::ollama_embed::object;
 use super::runner_call;
 use super::state::{AppState, Tokens};
+use super::stream_scan::{EventScanner, JsonTail};
 use crate::scheduler::actor::{Handle, Lease};
-use crate::store::StoreError;
 use crate::store::name::ModelName;
 use crate::supervisor::upstream::BodyStream;
 
@@ -61,8 +61,8 @@ async fn pass_through(state: &AppState, body: &[u8], path: &'static str, needs: 
     let stream = request.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let model_request = model_request::build(state, name, &name_text, Map::new(), None, path).await?;
     match (needs, model_request.options.embedding.is_some()) {
-        (Needs::Embedding, false) => return Err(bad(&format!("\"{name_text}\" does not support embeddings"), path)),
-        (Needs::Generation, true) => return Err(bad(&format!("\"{name_text}\" does not support generate"), path)),
+        (Needs::Embedding, false) => return Err(bad(format!("\"{name_text}\" does not support embeddings"), path)),
+        (Needs::Generation, true) => return Err(bad(format!("\"{name_text}\" does not support generate"), path)),
         _ => {}
     }
     request.insert("model".into(), Value::String(model_request.name.clone()));
@@ -145,9 +145,8 @@ const JSON_TAIL: usize = 64 * 1024;
 /// else a stream's `timings`, else one token per streamed piece of text.
 #[derive(Debug)]
 pub(super) struct Usage {
-    events: bool,
-    /// An event stream's unfinished line, or a JSON answer's last bytes.
-    pending: Vec<u8>,
+    /// How the answer is read: as events, or as a JSON answer's last bytes.
+    scan: Scan,
     prompt: Option<u64>,
     completion: Option<u64>,
     timings: Option<(u64, u64)>,
@@ -155,22 +154,24 @@ pub(super) struct Usage {
     tokens: Arc<Tokens>,
 }
 
+#[derive(Debug)]
+enum Scan {
+    Events(EventScanner),
+    Json(JsonTail),
+}
+
 impl Usage {
     pub(super) fn new(events: bool, tokens: Arc<Tokens>) -> Self {
-        Self { events, pending: Vec::new(), prompt: None, completion: None, timings: None, pieces: 0, tokens }
+        let scan = if events { Scan::Events(EventScanner::default()) } else { Scan::Json(JsonTail::new(JSON_TAIL)) };
+        Self { scan, prompt: None, completion: None, timings: None, pieces: 0, tokens }
     }
 
     pub(super) fn observe(&mut self, bytes: &[u8]) {
-        self.pending.extend_from_slice(bytes);
-        if !self.events {
-            let excess = self.pending.len().saturating_sub(JSON_TAIL);
-            self.pending.drain(..excess);
-            return;
-        }
-        while let Some(end) = self.pending.iter().position(|b| *b == b'\n') {
-            let line: Vec<u8> = self.pending.drain(..=end).collect();
-            let Some(data) = line.strip_prefix(b"data:") else { continue };
-            let Ok(event) = serde_json::from_slice::<Value>(data.trim_ascii()) else { continue };
+        let events = match &mut self.scan {
+            Scan::Json(tail) => return tail.feed(bytes),
+            Scan::Events(scanner) => scanner.feed(bytes),
+        };
+        for event in events {
             self.usage(&event["usage"]);
             if let Some(timings) = event.get("timings") {
                 if let (Some(p), Some(n)) = (timings["prompt_n"].as_u64(), timings["predicted_n"].as_u64()) {
@@ -194,15 +195,9 @@ impl Usage {
 
     /// Adds the answer's tokens to the totals (once: it consumes the counter).
     pub(super) fn record(mut self) {
-        if !self.events {
-            // The last `"usage":` in the tail starts the object (a string inside the
-            // answer would be escaped, so it cannot match).
-            let tail = String::from_utf8_lossy(&self.pending).into_owned();
-            if let Some(at) = tail.rfind("\"usage\":") {
-                let rest = &tail[at + "\"usage\":".len()..];
-                if let Some(Ok(usage)) = serde_json::Deserializer::from_str(rest).into_iter::<Value>().next() {
-                    self.usage(&usage);
-                }
+        if let Scan::Json(tail) = &self.scan {
+            if let Some(usage) = tail.last_field("usage") {
+                self.usage(&usage);
             }
         }
         let (timed_prompt, timed_completion) = self.timings.unzip();
@@ -244,8 +239,8 @@ pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
     let store = state.store;
     let listed = tokio::task::spawn_blocking(move || store.list())
         .await
-        .map_err(|e| internal(&format!("the request task failed: {e}"), PATH))?
-        .map_err(|e| internal(&e.to_string(), PATH))?;
+        .map_err(|e| internal(format!("the request task failed: {e}"), PATH))?
+        .map_err(|e| internal(e.to_string(), PATH))?;
     let mut listed = listed;
     listed.sort_by_key(|l| std::cmp::Reverse(l.modified));
     let data = listed.iter().map(|l| OpenAiModel::new(&l.name, l.modified)).collect();
@@ -255,17 +250,15 @@ pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
 /// `GET /v1/models/{model}`: one model, or 404.
 pub async fn model(State(state): State<AppState>, Path(name_text): Path<String>) -> Result<Json<Value>, ApiError> {
     let path = format!("/v1/models/{name_text}");
-    let not_found = || ApiError::new(StatusCode::NOT_FOUND, format!("model '{name_text}' not found"), &path);
-    let Ok(name) = ModelName::parse(&name_text) else { return Err(not_found()) };
+    let Ok(name) = ModelName::parse(&name_text) else { return Err(error::model_not_found(&name_text, &path)) };
     let store = state.store;
     let lookup = name.clone();
     let found = tokio::task::spawn_blocking(move || store.manifest(&lookup))
         .await
-        .map_err(|e| internal(&format!("the request task failed: {e}"), &path))?;
+        .map_err(|e| internal(format!("the request task failed: {e}"), &path))?;
     match found {
         Ok((_, _, modified)) => Ok(Json(serde_json::to_value(OpenAiModel::new(&name, modified)).expect("serializes"))),
-        Err(StoreError::NotFound(_)) => Err(not_found()),
-        Err(e) => Err(internal(&e.to_string(), &path)),
+        Err(e) => Err(error::store(&e, StoreWork::Request, &name_text, &path)),
     }
 }
 

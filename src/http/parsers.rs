@@ -9,10 +9,11 @@ use axum::response::IntoResponse;
 use serde_json::{Map, Value, json};
 
 pub use super::error::ApiError;
-use super::ollama_embed::{bad, object};
+use super::error::bad;
+use super::ollama_embed::object;
 use super::ollama_generate::{Common, chat_route, sampling, string};
 use super::ollama_translate as translate;
-use super::{ollama_generate, ollama_models, ollama_store, openai};
+use super::{ollama_generate, ollama_models, ollama_store, openai, stream_scan};
 use crate::http::state::Tokens;
 
 /// The status a refusal answers with.
@@ -85,7 +86,7 @@ pub fn embed(body: &[u8]) -> Result<Value, ApiError> {
 /// `POST /api/create`'s body: the name and the create spec.
 pub fn create(body: &[u8]) -> Result<Value, ApiError> {
     const PATH: &str = "/api/create";
-    let request = ollama_store::object(body, PATH)?;
+    let request = ollama_models::json_object(PATH, body)?;
     let (_, name) = ollama_store::model_name(&request, PATH)?;
     let (spec, from) = ollama_store::create_spec(&request)?;
     let stream = ollama_store::stream_flag(&request, PATH)?;
@@ -96,7 +97,7 @@ pub fn create(body: &[u8]) -> Result<Value, ApiError> {
 /// with the registry client it chooses).
 pub fn transfer(body: &[u8]) -> Result<Value, ApiError> {
     const PATH: &str = "/api/pull";
-    let request = ollama_store::object(body, PATH)?;
+    let request = ollama_models::json_object(PATH, body)?;
     let (given, name) = ollama_store::model_name(&request, PATH)?;
     let stream = ollama_store::stream_flag(&request, PATH)?;
     Ok(json!({ "given": given, "name": name.full(), "stream": stream }))
@@ -119,6 +120,21 @@ pub fn model_bodies(body: &[u8]) -> Vec<Result<Value, ApiError>> {
         names("/api/copy", &[&["source"], &["destination"]]),
         names("/api/delete", &[&["model", "name"]]),
     ]
+}
+
+/// A runner's answer as the one stream scanner (`stream_scan`) reads it, fed in the
+/// given pieces: the events of a server-sent event stream and the unfinished line; and,
+/// read as a JSON answer, the tail kept (at most `keep` bytes) and its last `usage`.
+#[must_use]
+pub fn stream_scan(pieces: &[&[u8]], keep: usize) -> (Vec<Value>, Vec<u8>, Vec<u8>, Option<Value>) {
+    let mut events = stream_scan::EventScanner::default();
+    let mut tail = stream_scan::JsonTail::new(keep);
+    let mut out = Vec::new();
+    for piece in pieces {
+        out.extend(events.feed(piece));
+        tail.feed(piece);
+    }
+    (out, events.pending().to_vec(), tail.bytes().to_vec(), tail.last_field("usage"))
 }
 
 /// llama-server's event stream of a generation, as `/api/chat` and `/api/generate` read

@@ -14,8 +14,7 @@ use std::time::{Duration, Instant};
 use axum::body::Bytes;
 use axum::http::StatusCode;
 
-use super::error::ApiError;
-use super::ollama_embed::{internal, schedule_error};
+use super::error::{self, ApiError, internal};
 use super::state::AppState;
 use crate::scheduler::actor::{Handle, Lease, ModelRequest};
 use crate::supervisor::upstream::{BodyStream, UpstreamError};
@@ -43,7 +42,7 @@ pub(super) async fn send(
     // Shared, not copied, between the two tries.
     let body = Bytes::from(body);
     let retry = request.clone();
-    let lease = state.scheduler.acquire(request).await.map_err(|e| schedule_error(&e, path))?;
+    let lease = state.scheduler.acquire(request).await.map_err(|e| error::schedule(&e, path))?;
     let lease = match state.upstream.post_json_stream(lease.socket(), upstream_path, body.clone(), timeout).await {
         Ok((status, body)) => return Ok(Answer { lease, status, body, waited: started.elapsed() }),
         Err(e) if e.runner_gone() => {
@@ -56,7 +55,7 @@ pub(super) async fn send(
                 retry.name
             );
             state.scheduler.report_dead(lease).await;
-            state.scheduler.acquire(retry).await.map_err(|e| schedule_error(&e, path))?
+            state.scheduler.acquire(retry).await.map_err(|e| error::schedule(&e, path))?
         }
         Err(e) => return Err(unanswered(&e, path)),
     };
@@ -70,7 +69,7 @@ pub(super) async fn send(
 
 /// The runner failed before its answer began.
 pub(super) fn unanswered(error: &UpstreamError, path: &str) -> ApiError {
-    internal(&format!("the model runner did not answer: {error}"), path)
+    internal(format!("the model runner did not answer: {error}"), path)
 }
 
 /// The runner failed in the middle of its answer. One that fell silent is stopped (the

@@ -210,15 +210,14 @@ impl Safety {
     /// `Retry-After` when `max_uploads` are running.
     pub fn upload_permit(&self, path: &str) -> Result<OwnedSemaphorePermit, ApiError> {
         Arc::clone(&self.uploads).try_acquire_owned().map_err(|_| {
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
+            super::error::busy(
                 format!(
                     "{} blob uploads are already running, the most [server] max_uploads allows; try again later",
                     self.max_uploads
                 ),
                 path,
+                UPLOAD_RETRY_AFTER,
             )
-            .with_header(header::RETRY_AFTER, HeaderValue::from_static(UPLOAD_RETRY_AFTER))
         })
     }
 
