@@ -36,8 +36,8 @@ fn runners_of(parent: Pid) -> Vec<Pid> {
             let (head, rest) = stat.rsplit_once(") ")?;
             let (pid, comm) = head.split_once(" (")?;
             let mut fields = rest.split_whitespace();
-            let (state, ppid) = (fields.next()?, fields.next()?);
-            let ours = comm == "llama-server" && state != "Z" && ppid == parent.to_string();
+            let (state, parent_id) = (fields.next()?, fields.next()?);
+            let ours = comm == "llama-server" && state != "Z" && parent_id == parent.to_string();
             ours.then(|| pid.parse().ok().map(Pid::from_raw)).flatten()
         })
         .collect();

@@ -390,6 +390,19 @@ fn emits_compatible(proxy: &str, xml: &str) -> bool {
     }
 }
 
+/// Whether a proxy's member calls, receives or reads what the XML's declares: the same
+/// signatures; for a property, the same type, an access the XML allows, and caching that
+/// stays correct.
+fn agrees(proxy: &Shape, xml: &Shape) -> bool {
+    match (proxy, xml) {
+        (
+            Shape::Property { ty: pty, read: pread, write: pwrite, emits: pemits },
+            Shape::Property { ty, read, write, emits },
+        ) => ty == pty && (!pread || *read) && (!pwrite || *write) && emits_compatible(pemits, emits),
+        _ => proxy == xml,
+    }
+}
+
 /// Everything in which the proxies declared in `source` (Rust) differ from the contract
 /// (the XML of each interface): a member the XML lacks or declares otherwise, and a member
 /// of the XML no proxy covers. Empty when they agree.
@@ -425,21 +438,12 @@ fn proxy_drift(source: &str, contracts: &BTreeMap<String, String>) -> Vec<String
                 }
             };
             let (kind, name) = (&key.0, &key.1);
-            match (promised.get(&key), &shape) {
-                (None, _) => problems.push(format!("{interface}: the proxy's {kind} {name} is not in the XML")),
-                (
-                    Some(Shape::Property { ty, read, write, emits }),
-                    Shape::Property { ty: pty, read: pread, write: pwrite, emits: pemits },
-                ) => {
-                    if ty != pty || (*pread && !read) || (*pwrite && !write) || !emits_compatible(pemits, emits) {
-                        let xml = &promised[&key];
-                        problems.push(format!("{interface}: {kind} {name}: the proxy has {shape}, the XML {xml}"));
-                    }
-                }
-                (Some(xml), _) if *xml != shape => {
+            match promised.get(&key) {
+                None => problems.push(format!("{interface}: the proxy's {kind} {name} is not in the XML")),
+                Some(xml) if !agrees(&shape, xml) => {
                     problems.push(format!("{interface}: {kind} {name}: the proxy has {shape}, the XML {xml}"));
                 }
-                _ => {}
+                Some(_) => {}
             }
             mine.insert(key, shape);
         }

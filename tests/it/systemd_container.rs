@@ -206,9 +206,7 @@ pub(crate) fn install_with_preloads(ct: &Container, preload: &[&str]) {
         "[store]\npath = \"/srv/host/models\"\nread_only = true\n[runner]\nllama_server = \"/srv/host/llama-server\"\n\
                       [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"2GiB\"\n"
             .to_owned();
-    for model in preload {
-        config.push_str(&format!("[models.\"{model}\"]\npreload = true\n"));
-    }
+    config.extend(preload.iter().map(|model| format!("[models.\"{model}\"]\npreload = true\n")));
     std::fs::write(share.join("corral.toml"), config).expect("config");
     ct.run(&["install", "-D", "-m", "0644", "/srv/host/corral.toml", "/etc/corral/corral.toml"]);
 }
