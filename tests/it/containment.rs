@@ -215,14 +215,8 @@ fn under_systemd_a_sigkilled_corrald_leaves_no_llama_server() {
     // systemd would start corrald again (`Restart=on-failure`), and it would load its
     // models again: this test is about the killed instance's runners.
     std::fs::write(ct.share_dir().join("no-restart.conf"), "[Service]\nRestart=no\n").expect("drop-in");
-    ct.run(&[
-        "install",
-        "-D",
-        "-m",
-        "0644",
-        "/srv/host/no-restart.conf",
-        "/etc/systemd/system/corrald.service.d/no-restart.conf",
-    ]);
+    let drop_in = "/etc/systemd/system/corrald.service.d/no-restart.conf";
+    ct.run(&["install", "-D", "-m", "0644", "/srv/host/no-restart.conf", drop_in]);
     ct.run(&["systemctl", "daemon-reload"]);
 
     ct.run(&["systemctl", "start", "corrald.service"]);
