@@ -39,15 +39,19 @@ fn shape(node: &Node<'_>, interface: &str) -> BTreeSet<String> {
         lines.insert(format!("signal {}({})", s.name(), args.join(", ")));
     }
     for p in iface.properties() {
-        // The specification's default is "true": an absent annotation says the same.
-        let emits = p
-            .annotations()
-            .iter()
-            .find(|a| a.name() == "org.freedesktop.DBus.Property.EmitsChangedSignal")
-            .map_or("true", |a| a.value());
+        let emits = emits(p);
         lines.insert(format!("property {}: {} {:?} emits={emits}", p.name(), p.ty().inner(), p.access()));
     }
     lines
+}
+
+/// A property's `EmitsChangedSignal` annotation; the specification's default is "true", so
+/// an absent annotation says the same.
+fn emits<'a>(p: &'a zbus_xml::Property<'_>) -> &'a str {
+    p.annotations()
+        .iter()
+        .find(|a| a.name() == "org.freedesktop.DBus.Property.EmitsChangedSignal")
+        .map_or("true", |a| a.value())
 }
 
 fn contract(interface: &str) -> String {
@@ -182,17 +186,11 @@ fn xml_members(xml: &str) -> BTreeMap<String, Members> {
             members.insert(("signal", s.name().to_string()), Shape::Signal { args: sig(&mut s.args().iter()) });
         }
         for p in iface.properties() {
-            let emits = p
-                .annotations()
-                .iter()
-                .find(|a| a.name() == "org.freedesktop.DBus.Property.EmitsChangedSignal")
-                .map_or("true", |a| a.value())
-                .to_owned();
             let shape = Shape::Property {
                 ty: p.ty().inner().to_string(),
                 read: p.access().read(),
                 write: p.access().write(),
-                emits,
+                emits: emits(p).to_owned(),
             };
             members.insert(("property", p.name().to_string()), shape);
         }
