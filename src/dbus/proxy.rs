@@ -1,5 +1,7 @@
 //! Client proxies for `org.corral.Corral1`, written from the XML contract (not generated
-//! from the server's code, so that a drift shows up as a failing call in the tests).
+//! from the server's code). The test `dbus_contract` reads this file and checks every
+//! member, signature and property caching against `dbus/*.xml`, and that each member of
+//! the XML has its proxy here.
 
 // The macro generates signal streams and argument structs that carry no documentation.
 #![allow(missing_docs)]
@@ -152,6 +154,9 @@ pub trait Model {
     /// Microseconds since the epoch; 0 for none.
     #[zbus(property(emits_changed_signal = "false"))]
     fn expires_at(&self) -> zbus::Result<u64>;
+    /// Generated tokens per second in its last answer; 0 before one.
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn tokens_per_second(&self) -> zbus::Result<f64>;
     /// Requests holding it.
     #[zbus(property(emits_changed_signal = "false"))]
     fn active_requests(&self) -> zbus::Result<u32>;

@@ -1,21 +1,22 @@
-//! No llama-server outlives its supervisor: with process groups and a parent-death
-//! signal when there is no cgroup tree, with per-runner cgroups on a real cgroup2
-//! hierarchy, and under real systemd as PID 1. The supervisor runs as a whole process
-//! (`supervise-harness`) so that it can be killed with SIGKILL with runners loaded.
+//! No llama-server outlives corrald: with process groups and a parent-death signal when
+//! there is no cgroup tree, with per-runner cgroups on a real cgroup2 hierarchy, and
+//! under real systemd as PID 1 (the shipped unit). corrald runs as a whole process with
+//! two models preloaded (`chat` and `embed`, two runners), so that it can be killed with
+//! SIGKILL with runners loaded.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use corral::supervisor::cgroup::cgroup2_mount;
-use nix::sys::signal::{Signal, kill};
+use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
 use crate::support::container::{Container, poll_until};
-use crate::support::llama;
+use crate::support::corrald::{CORRALD, Corrald, free_port, write_config};
+use crate::support::notify::NotifyListener;
+use crate::systemd_container::{install_with_preloads, wait_active_state};
 
-const HARNESS: &str = env!("CARGO_BIN_EXE_supervise-harness");
 const WAIT: Duration = Duration::from_secs(60);
 
 /// True while `pid` exists and is not a zombie.
@@ -24,87 +25,86 @@ fn alive(pid: Pid) -> bool {
         .is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
 }
 
-/// Two copies of the tiny model (two runners of different models).
-fn two_models(dir: &Path) -> Vec<PathBuf> {
-    ["alpha.gguf", "beta.gguf"]
-        .iter()
-        .map(|name| {
-            let path = dir.join(name);
-            corral::demo_model::write_tiny_llama(&path).expect("write model");
-            path
+/// The live `llama-server` children of `parent`, from `/proc`.
+fn runners_of(parent: Pid) -> Vec<Pid> {
+    let mut runners: Vec<Pid> = std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|entry| {
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            // `PID (COMM) STATE PPID …`; COMM may hold spaces and parentheses.
+            let (head, rest) = stat.rsplit_once(") ")?;
+            let (pid, comm) = head.split_once(" (")?;
+            let mut fields = rest.split_whitespace();
+            let (state, parent_id) = (fields.next()?, fields.next()?);
+            let ours = comm == "llama-server" && state != "Z" && parent_id == parent.to_string();
+            ours.then(|| pid.parse().ok().map(Pid::from_raw)).flatten()
         })
-        .collect()
+        .collect();
+    runners.sort();
+    runners
 }
 
-/// The harness as a child; killed on drop if still running.
-struct Harness {
-    child: Child,
-    stdout: BufReader<ChildStdout>,
+/// corrald's configuration: the demo store in `dir` (`chat`, `embed`) with both models
+/// preloaded, the real llama-server, CPU only.
+fn preloading_config(dir: &Path) -> PathBuf {
+    crate::support::api::demo_store(dir);
+    write_config(
+        dir,
+        "corral.toml",
+        &format!(
+            "[server]\nlisten = [\"127.0.0.1:{}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
+             [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n\
+             [models.\"chat\"]\npreload = true\n[models.\"embed\"]\npreload = true\n",
+            free_port(),
+            dir.join("models").display(),
+            crate::support::llama::bin_dir().join("llama-server").display(),
+        ),
+    )
 }
 
-impl Harness {
-    fn start(cmd: &mut Command) -> Self {
-        let mut child = cmd.stdout(Stdio::piped()).stdin(Stdio::null()).spawn().expect("start supervise-harness");
-        let stdout = BufReader::new(child.stdout.take().expect("stdout"));
-        Self { child, stdout }
-    }
-
-    /// Reads `ready <id> <pid>` lines until `n` runners are ready; returns their pids.
-    fn wait_ready(&mut self, n: usize) -> Vec<Pid> {
-        let mut pids = Vec::new();
-        while pids.len() < n {
-            let mut line = String::new();
-            let read = self.stdout.read_line(&mut line).expect("read harness stdout");
-            assert!(read > 0, "the harness ended before {n} runners were ready ({:?})", self.child.try_wait());
-            let pid: i32 = line.split_whitespace().nth(2).and_then(|p| p.parse().ok()).expect("ready <id> <pid>");
-            pids.push(Pid::from_raw(pid));
+/// Waits until corrald reports both preloaded models ready (its `STATUS=`), then returns
+/// its two runners.
+fn wait_two_runners(corrald: &Corrald, notify: &NotifyListener) -> Vec<Pid> {
+    poll_until(WAIT, "corrald to report two models loaded", || {
+        let statuses: Vec<String> = notify.messages().into_iter().filter_map(|m| m.get("STATUS").cloned()).collect();
+        if statuses.iter().any(|s| s.ends_with("; 2 models loaded")) {
+            Ok(())
+        } else {
+            Err(format!("STATUS so far: {statuses:?}\n{}", corrald.stderr()))
         }
-        pids
-    }
-
-    fn pid(&self) -> Pid {
-        Pid::from_raw(i32::try_from(self.child.id()).expect("pid"))
-    }
-}
-
-impl Drop for Harness {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn harness_command(runtime: &Path, extra: &[&str], models: &[PathBuf]) -> Command {
-    let mut cmd = Command::new(HARNESS);
-    cmd.arg("--llama-server").arg(llama::bin_dir().join("llama-server")).arg("--runtime-dir").arg(runtime);
-    cmd.args(extra).args(models);
-    cmd
+    });
+    let runners = runners_of(corrald.pid());
+    assert_eq!(runners.len(), 2, "two llama-server children: {runners:?}\n{}", corrald.stderr());
+    assert!(runners.iter().all(|pid| alive(*pid)));
+    runners
 }
 
 #[test]
-fn sigkill_of_the_supervisor_leaves_no_runner_without_cgroups() {
+fn sigkill_of_corrald_leaves_no_runner_without_cgroups() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let models = two_models(dir.path());
-    let mut harness = Harness::start(&mut harness_command(dir.path(), &[], &models));
-    let runners = harness.wait_ready(2);
-    assert!(runners.iter().all(|pid| alive(*pid)));
-    kill(harness.pid(), Signal::SIGKILL).expect("kill the supervisor");
-    let _ = harness.child.wait();
-    poll_until(WAIT, "both runners to die with their supervisor", || {
+    let config = preloading_config(dir.path());
+    let notify = NotifyListener::start();
+    let mut corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    let runners = wait_two_runners(&corrald, &notify);
+    corrald.signal(Signal::SIGKILL);
+    corrald.wait_exit(WAIT);
+    poll_until(WAIT, "both runners to die with corrald", || {
         let left: Vec<Pid> = runners.iter().copied().filter(|pid| alive(*pid)).collect();
         if left.is_empty() { Ok(()) } else { Err(format!("still alive: {left:?}")) }
     });
 }
 
 /// A scratch cgroup on this machine's cgroup2 hierarchy, standing in for a service's
-/// delegated one; removed (with anything left in it) on drop.
+/// delegated one (named `….service`, as corrald adopts only a service's cgroup); removed
+/// (with anything left in it) on drop.
 struct ScratchCgroup(PathBuf);
 
 impl ScratchCgroup {
     fn create() -> Self {
         let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
         let fs = cgroup2_mount(&mountinfo).expect("cgroup2 is mounted");
-        let path = fs.join(format!("corral-it-{}", std::process::id()));
+        let path = fs.join(format!("corral-it-{}.service", std::process::id()));
         std::fs::create_dir(&path).unwrap_or_else(|e| panic!("create {}: {e}", path.display()));
         Self(path)
     }
@@ -150,10 +150,23 @@ fn procs(cgroup: &Path) -> Vec<Pid> {
         .collect()
 }
 
+/// The `runner-*` cgroups below `root`, by name.
+fn runner_cgroups(root: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(root)
+        .expect("read the cgroup")
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with("runner-"))
+        .collect();
+    names.sort();
+    names
+}
+
 #[test]
 fn runners_get_their_own_cgroups_and_stale_ones_are_killed_at_start() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let models = two_models(dir.path());
+    let config = preloading_config(dir.path());
     let root = ScratchCgroup::create();
 
     // A runner left by an earlier instance: a cgroup with a process in it.
@@ -165,68 +178,56 @@ fn runners_get_their_own_cgroups_and_stale_ones_are_killed_at_start() {
         if procs(&stale_cgroup).contains(&stale_pid) { Ok(()) } else { Err("not yet".to_owned()) }
     });
 
-    let llama_server = llama::bin_dir().join("llama-server");
-    let mut args = vec![
-        "--llama-server".to_owned(),
-        llama_server.display().to_string(),
-        "--runtime-dir".to_owned(),
-        dir.path().display().to_string(),
-        "--cgroups".to_owned(),
-    ];
-    args.extend(models.iter().map(|m| m.display().to_string()));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut harness = Harness::start(&mut ScratchCgroup::run_in(&root.0, HARNESS, &args));
-    let runners = harness.wait_ready(2);
+    let notify = NotifyListener::start();
+    let args = ["--log-target", "stderr", "--config", config.to_str().expect("utf-8")];
+    let mut cmd = ScratchCgroup::run_in(&root.0, CORRALD, &args);
+    cmd.env("NOTIFY_SOCKET", notify.path());
+    let mut corrald = Corrald::spawn(cmd);
+    let runners = wait_two_runners(&corrald, &notify);
 
     let _ = stale.wait();
     assert!(!stale_cgroup.exists(), "the stale runner cgroup is killed and removed");
-    assert_eq!(procs(&root.0.join("daemon")), vec![harness.pid()], "the supervisor moved itself into a leaf");
-    for (i, pid) in runners.iter().enumerate() {
-        let cgroup = root.0.join(format!("runner-{}", i + 1));
-        assert_eq!(procs(&cgroup), vec![*pid], "runner {} sits alone in {}", i + 1, cgroup.display());
-    }
+    assert_eq!(procs(&root.0.join("daemon")), vec![corrald.pid()], "corrald moved itself into a leaf");
+    let cgroups = runner_cgroups(&root.0);
+    assert_eq!(cgroups, ["runner-1", "runner-2"], "a cgroup per runner");
+    let mut inside: Vec<Pid> = cgroups
+        .iter()
+        .map(|name| {
+            let pids = procs(&root.0.join(name));
+            assert_eq!(pids.len(), 1, "one runner sits alone in {name}: {pids:?}");
+            pids[0]
+        })
+        .collect();
+    inside.sort();
+    assert_eq!(inside, runners, "the runners are the processes in the runner cgroups");
 
     // A clean stop removes the runner cgroups.
-    kill(harness.pid(), Signal::SIGTERM).expect("SIGTERM");
-    assert!(harness.child.wait().expect("wait").success());
+    corrald.signal(Signal::SIGTERM);
+    assert!(corrald.wait_exit(WAIT).success(), "{}", corrald.stderr());
     assert!(runners.iter().all(|pid| !alive(*pid)));
-    assert!(!root.0.join("runner-1").exists() && !root.0.join("runner-2").exists(), "runner cgroups removed");
+    assert!(runner_cgroups(&root.0).is_empty(), "runner cgroups removed");
 }
 
 #[test]
-fn under_systemd_a_sigkilled_supervisor_leaves_no_llama_server() {
-    let dir = tempfile::tempdir().expect("tempdir");
+fn under_systemd_a_sigkilled_corrald_leaves_no_llama_server() {
     let ct = Container::boot("containment");
-    let share = ct.share_dir();
-    for model in two_models(dir.path()) {
-        std::fs::copy(&model, share.join(model.file_name().expect("name"))).expect("stage model");
-    }
-    std::fs::copy(llama::bin_dir().join("llama-server"), share.join("llama-server")).expect("stage llama-server");
-    std::fs::copy(HARNESS, share.join("supervise-harness")).expect("stage harness");
+    install_with_preloads(&ct, &["chat", "embed"]);
+    // systemd would start corrald again (`Restart=on-failure`), and it would load its
+    // models again: this test is about the killed instance's runners.
+    std::fs::write(ct.share_dir().join("no-restart.conf"), "[Service]\nRestart=no\n").expect("drop-in");
+    let drop_in = "/etc/systemd/system/corrald.service.d/no-restart.conf";
+    ct.run(&["install", "-D", "-m", "0644", "/srv/host/no-restart.conf", drop_in]);
+    ct.run(&["systemctl", "daemon-reload"]);
 
-    ct.run(&[
-        "systemd-run",
-        "--unit=corral-harness",
-        "-p",
-        "Delegate=yes",
-        "-p",
-        "KillMode=mixed",
-        "/srv/host/supervise-harness",
-        "--llama-server",
-        "/srv/host/llama-server",
-        "--runtime-dir",
-        "/run",
-        "--cgroups",
-        "/srv/host/alpha.gguf",
-        "/srv/host/beta.gguf",
-    ]);
-    let cgroup = "/sys/fs/cgroup/system.slice/corral-harness.service";
-    poll_until(WAIT, "two runners in their own cgroups", || {
-        let out = ct.exec(&["sh", "-c", &format!("cat {cgroup}/runner-1/cgroup.procs {cgroup}/runner-2/cgroup.procs")]);
-        let pids = String::from_utf8_lossy(&out.stdout).lines().count();
-        if pids == 2 { Ok(()) } else { Err(format!("{pids} runner processes so far")) }
+    ct.run(&["systemctl", "start", "corrald.service"]);
+    poll_until(WAIT, "corrald to report two models loaded", || {
+        let status = ct.unit_property("corrald.service", "StatusText");
+        if status.ends_with("2 models loaded") { Ok(()) } else { Err(status) }
     });
-    let main_pid = ct.unit_property("corral-harness.service", "MainPID");
+    let cgroup = "/sys/fs/cgroup/corral.slice/corrald.service";
+    let out = ct.exec(&["sh", "-c", &format!("cat {cgroup}/runner-1/cgroup.procs {cgroup}/runner-2/cgroup.procs")]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 2, "two runners in their own cgroups");
+    let main_pid = ct.unit_property("corrald.service", "MainPID");
     assert_eq!(ct.run(&["cat", &format!("{cgroup}/daemon/cgroup.procs")]), main_pid);
     assert_eq!(ct.run(&["pgrep", "-c", "-x", "llama-server"]), "2");
 
@@ -236,4 +237,5 @@ fn under_systemd_a_sigkilled_supervisor_leaves_no_llama_server() {
         let left = String::from_utf8_lossy(&out.stdout).trim().to_owned();
         if left.is_empty() { Ok(()) } else { Err(format!("still running: {left}")) }
     });
+    wait_active_state(&ct, "corrald.service", "failed");
 }

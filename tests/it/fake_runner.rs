@@ -397,31 +397,3 @@ async fn grandchildren_die_when_the_runner_dies_on_its_own() {
     );
     until("the grandchild's death", || gone(grandchild)).await;
 }
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_fake_streams_tokens_slowly_over_the_runner_socket() {
-    let fake = Fake::new(&json!({ "stream_delay_ms": 100 }));
-    let runner = fake.load(NO_TIMEOUT).await.expect("load");
-    let socket = runner.socket().to_owned();
-    let started = Instant::now();
-    let response = within(
-        "the stream",
-        tokio::task::spawn_blocking(move || {
-            http::unix(&socket, "POST", "/completion", Some(r#"{"prompt": "hi", "n_predict": 5, "stream": true}"#))
-        }),
-    )
-    .await
-    .expect("the request");
-    assert_eq!(response.status, 200, "{response:?}");
-    assert_eq!(response.header("content-type"), Some("text/event-stream"), "{response:?}");
-    let events: Vec<Value> = response
-        .body
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .map(|e| serde_json::from_str(e).expect("an event is JSON"))
-        .collect();
-    assert_eq!(events.len(), 6, "5 tokens and the last event: {}", response.body);
-    assert!(events[..5].iter().all(|e| e["stop"] == false) && events[5]["stop"] == true, "{events:?}");
-    assert!(started.elapsed() >= Duration::from_millis(500), "5 tokens 100 ms apart in {:?}", started.elapsed());
-    within("the stop", runner.stop()).await;
-}

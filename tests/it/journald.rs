@@ -1,5 +1,6 @@
 //! corrald logging to a real `systemd-journald` (a private one per test, see
-//! `support::journald`): structured lifecycle entries, and a rejected reload.
+//! `support::journald`): structured lifecycle entries, a rejected reload, and its
+//! runners' lines with the offload event.
 
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
@@ -132,34 +133,35 @@ fn reload_with_a_bad_config_is_logged_and_serving_continues() {
 
 /// llama-server's own lines reach the journal as `llama-server` entries with the model,
 /// the runner's pid and a priority from llama.cpp's level letter; each load adds one
-/// `CORRAL_EVENT=offload` entry with the parsed layers and memory. A local rpc-server
-/// stands in for a GPU, so the offload figures are real llama.cpp output.
+/// `CORRAL_EVENT=offload` entry with the parsed layers and memory. corrald preloads a
+/// model onto a local rpc-server configured as a worker, so the offload figures are real
+/// llama.cpp output.
 #[test]
 fn llama_server_lines_and_the_offload_event_reach_the_journal() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let model = dir.path().join("tiny.gguf");
-    corral::demo_model::write_tiny_llama(&model).expect("write model");
-    let port = free_port();
-    let _rpc = crate::support::llama::RpcServer::start(port);
-    let llama_server = crate::support::llama::bin_dir().join("llama-server");
-    let args = [
-        "--llama-server".to_owned(),
-        llama_server.display().to_string(),
-        "--runtime-dir".to_owned(),
-        dir.path().display().to_string(),
-        "--log-target".to_owned(),
-        "journal".to_owned(),
-        "--rpc".to_owned(),
-        format!("127.0.0.1:{port}"),
-        "--ngl".to_owned(),
-        "99".to_owned(),
-        model.display().to_string(),
-    ];
-    let mut sandbox = JournalSandbox::spawn(env!("CARGO_BIN_EXE_supervise-harness"), &args);
+    crate::support::api::demo_store(dir.path());
+    let rpc = crate::support::llama::RpcServer::start_free();
+    let config = dir.path().join("corral.toml");
+    let addr = free_loopback();
+    write_config(
+        &config,
+        addr,
+        &format!(
+            "[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n[scheduler]\nnum_ctx = 512\n\
+             [gpu]\nfixed = true\nhost_memory = \"4GiB\"\n[[workers]]\naddress = \"{}\"\n[models.\"chat\"]\npreload = true\n",
+            dir.path().join("models").display(),
+            crate::support::llama::bin_dir().join("llama-server").display(),
+            rpc.endpoint(),
+        ),
+    );
+    let mut sandbox = JournalSandbox::spawn(
+        CORRALD,
+        &["--config".as_ref(), config.as_os_str(), "--log-target".as_ref(), "journal".as_ref()],
+    );
 
     let offload = sandbox.wait_for_entry(SETTLE, "the offload event", |e| is_corrald_event(e, "offload"));
     let pid = field(&offload, "CORRAL_RUNNER_PID").expect("CORRAL_RUNNER_PID");
-    assert_eq!(field(&offload, "CORRAL_MODEL").as_deref(), Some("tiny"));
+    assert_eq!(field(&offload, "CORRAL_MODEL").as_deref(), Some("chat:latest"));
     assert_eq!(field(&offload, "CORRAL_GPU_LAYERS").as_deref(), Some("5"));
     assert_eq!(field(&offload, "CORRAL_TOTAL_LAYERS").as_deref(), Some("5"));
     let vram: u64 = field(&offload, "CORRAL_VRAM_BYTES").and_then(|v| v.parse().ok()).expect("CORRAL_VRAM_BYTES");
@@ -174,7 +176,7 @@ fn llama_server_lines_and_the_offload_event_reach_the_journal() {
         entries.iter().filter(|e| field(e, "SYSLOG_IDENTIFIER").as_deref() == Some("llama-server")).collect();
     assert!(child_lines.len() > 20, "every llama-server line is forwarded: {}", summary(&entries));
     for entry in &child_lines {
-        assert_eq!(field(entry, "CORRAL_MODEL").as_deref(), Some("tiny"));
+        assert_eq!(field(entry, "CORRAL_MODEL").as_deref(), Some("chat:latest"));
         assert_eq!(field(entry, "CORRAL_RUNNER_PID").as_deref(), Some(pid.as_str()));
     }
     let line_with = |text: &str| {

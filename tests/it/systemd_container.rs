@@ -194,29 +194,30 @@ fn unix_socket_activates_and_admits_only_group_corral() {
     assert!(ready.contains("/run/corral.sock"), "ready MESSAGE: {ready:?}");
 }
 
+/// Installs corral ([`Container::install_corral`]) with the demo store (`chat`, `embed`;
+/// the service, user corral, reads it but never writes) and the real llama-server from the
+/// host, CPU only, each model of `preload` preloaded.
+pub(crate) fn install_with_preloads(ct: &Container, preload: &[&str]) {
+    ct.install_corral();
+    let share = ct.share_dir();
+    crate::support::api::demo_store(share);
+    std::fs::copy(crate::support::llama::bin_dir().join("llama-server"), share.join("llama-server")).expect("stage");
+    let mut config =
+        "[store]\npath = \"/srv/host/models\"\nread_only = true\n[runner]\nllama_server = \"/srv/host/llama-server\"\n\
+                      [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"2GiB\"\n"
+            .to_owned();
+    config.extend(preload.iter().map(|model| format!("[models.\"{model}\"]\npreload = true\n")));
+    std::fs::write(share.join("corral.toml"), config).expect("config");
+    ct.run(&["install", "-D", "-m", "0644", "/srv/host/corral.toml", "/etc/corral/corral.toml"]);
+}
+
 /// corrald under real systemd with a model to preload: the runner runs in its own cgroup
 /// beside the daemon's leaf, its lines and the offload event reach the journal, and
 /// stopping the service reaps it.
 #[test]
 fn a_preloaded_model_runs_in_its_own_cgroup_and_logs_to_the_journal() {
     let ct = Container::boot("runner");
-    ct.install_corral();
-    let share = ct.share_dir();
-    // A store the service (user corral) reads but never writes.
-    let store = corral::store::Store::open(&share.join("models")).expect("store");
-    corral::demo_model::write_tiny_llama(&share.join("tiny.gguf")).expect("model");
-    let modelfile = corral::store::modelfile::Modelfile::parse("FROM ./tiny.gguf\n").expect("modelfile");
-    let spec = corral::store::create::CreateSpec::from_modelfile(&modelfile, share).expect("spec");
-    let name = corral::store::name::ModelName::parse("chat").expect("name");
-    store.create(&name, &spec, &mut |_| {}).expect("create");
-    std::fs::copy(crate::support::llama::bin_dir().join("llama-server"), share.join("llama-server")).expect("stage");
-    std::fs::write(
-        share.join("corral.toml"),
-        "[store]\npath = \"/srv/host/models\"\nread_only = true\n[runner]\nllama_server = \"/srv/host/llama-server\"\n\
-         [scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"2GiB\"\n[models.\"chat\"]\npreload = true\n",
-    )
-    .expect("config");
-    ct.run(&["install", "-D", "-m", "0644", "/srv/host/corral.toml", "/etc/corral/corral.toml"]);
+    install_with_preloads(&ct, &["chat"]);
 
     ct.run(&["systemctl", "start", "corrald.service"]);
     poll_until(SETTLE, "corrald to report the loaded model", || {
