@@ -253,8 +253,10 @@ impl Follower {
             *loaded = names;
             changed
         };
-        if changed && let Ok(iface) = self.manager().await {
-            let _ = iface.get().await.loaded_models_changed(iface.signal_emitter()).await;
+        if changed {
+            if let Ok(iface) = self.manager().await {
+                let _ = iface.get().await.loaded_models_changed(iface.signal_emitter()).await;
+            }
         }
     }
 

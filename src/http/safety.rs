@@ -347,9 +347,7 @@ fn check_host(safety: &Safety, request: &Request, path: &str) -> Result<(), ApiE
         Some(port) => format!("{}:{port}", a.host()),
         None => a.host().to_owned(),
     });
-    if let Some(target) = &target
-        && !allowed(target)
-    {
+    if let Some(target) = target.as_ref().filter(|target| !allowed(target)) {
         return Err(refuse(target, "the request target's host"));
     }
     match host {
@@ -420,10 +418,9 @@ pub async fn guard(State(safety): State<Arc<Safety>>, request: Request, next: Ne
         Ok(origin) => origin,
         Err(refusal) => return refusal.into_response(),
     };
-    if let Some(origin) = &origin
-        && request.method() == Method::OPTIONS
-        && request.headers().contains_key(header::ACCESS_CONTROL_REQUEST_METHOD)
-    {
+    let preflighted =
+        request.method() == Method::OPTIONS && request.headers().contains_key(header::ACCESS_CONTROL_REQUEST_METHOD);
+    if let Some(origin) = origin.as_ref().filter(|_| preflighted) {
         return preflight(origin, request.headers());
     }
 

@@ -530,16 +530,12 @@ fn event(level: Option<Level>, message: &str) -> Option<LogEvent> {
     }
     // Each event's line holds a fixed phrase: a substring search rules most lines out
     // before any regex runs (a runner logs a few lines per request at -lv 4).
-    if message.contains(" offloaded ")
-        && let Some(caps) = OFFLOAD.captures(message)
-    {
+    if let Some(caps) = message.contains(" offloaded ").then(|| OFFLOAD.captures(message)).flatten() {
         let gpu_layers = caps[1].parse().ok()?;
         let total_layers = caps[2].parse().ok()?;
         return Some(LogEvent::Offload { gpu_layers, total_layers });
     }
-    if message.contains(" buffer size = ")
-        && let Some(caps) = BUFFER.captures(message)
-    {
+    if let Some(caps) = message.contains(" buffer size = ").then(|| BUFFER.captures(message)).flatten() {
         return Some(LogEvent::Buffer {
             component: caps[1].to_owned(),
             buffer: caps[2].to_owned(),
@@ -553,9 +549,7 @@ fn event(level: Option<Level>, message: &str) -> Option<LogEvent> {
     if message.contains(": model loaded") && MODEL_LOADED.is_match(message) {
         return Some(LogEvent::ModelLoaded);
     }
-    if message.contains(": listening on ")
-        && let Some(caps) = LISTENING.captures(message)
-    {
+    if let Some(caps) = message.contains(": listening on ").then(|| LISTENING.captures(message)).flatten() {
         return Some(LogEvent::Listening { address: caps[1].to_owned() });
     }
     if message.contains("all slots are idle") && SLOTS_IDLE.is_match(message) {

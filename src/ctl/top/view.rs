@@ -61,7 +61,10 @@ pub fn draw(frame: &mut Frame<'_>, state: &State, now: SystemTime, hints: bool) 
     let bars = state.bars();
     let [header, body, status] =
         Layout::vertical([Constraint::Length(1), Constraint::Min(0), Constraint::Length(1)]).areas(area);
-    frame.render_widget(Paragraph::new(Line::from(state.header()).style(Style::new().bold())), header);
+    frame.render_widget(
+        Paragraph::new(Line::from(state.header()).style(Style::new().add_modifier(Modifier::BOLD))),
+        header,
+    );
 
     // Heights: devices first (host at least), the table at least its title, header and
     // two rows, events with what is left (at most half).
