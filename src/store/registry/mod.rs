@@ -158,6 +158,7 @@ impl Progress {
         }
     }
 }
+
 /// A registry client: the configuration, one HTTP client, and the downloads in flight.
 /// Create one and share it (it is cheap to clone); pulls through the same `Registry` share
 /// downloads of the same blob into the same store.
