@@ -7,7 +7,7 @@
 //! any point leaves at worst a temporary file, removed by [`Store::open`].  A blob is
 //! removed only when no manifest refers to it and no operation in progress has pinned it.
 //!
-//! Every access below the root goes through [`beneath`]: opened relative to a directory
+//! Every access below the root goes through `beneath.rs`: opened relative to a directory
 //! descriptor, one component at a time, never following a symbolic link. A link planted
 //! in the store is refused ([`StoreError::Refused`]), never read, written or deleted
 //! through.
