@@ -18,23 +18,13 @@ use tokio::sync::watch;
 
 use super::partial::Partial;
 use super::protocol::Remote;
-use super::{Inner, RegistryError, WRITE_CHUNK, blocking};
+use super::{BlobStatus, Inner, RegistryError, WRITE_CHUNK, blocking};
 use crate::store::Store;
 use crate::store::digest::Digest;
 use crate::store::manifest::Layer;
 
 /// How often a running download records its progress on disk.
 const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(1);
-
-/// The state of a blob download, as pulls waiting on it see it.
-#[derive(Debug, Clone)]
-pub(super) struct BlobStatus {
-    pub(super) total: u64,
-    /// Whether the download knows how much it resumed from (until then `completed` means nothing).
-    pub(super) started: bool,
-    pub(super) completed: u64,
-    pub(super) done: Option<Result<(), RegistryError>>,
-}
 
 type InflightKey = (PathBuf, Digest);
 pub(super) type Inflight = HashMap<InflightKey, Arc<watch::Sender<BlobStatus>>>;

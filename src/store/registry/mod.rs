@@ -159,6 +159,16 @@ impl Progress {
     }
 }
 
+/// The state of a blob download, as pulls waiting on it see it.
+#[derive(Debug, Clone)]
+struct BlobStatus {
+    total: u64,
+    /// Whether the download knows how much it resumed from (until then `completed` means nothing).
+    started: bool,
+    completed: u64,
+    done: Option<Result<(), RegistryError>>,
+}
+
 /// A registry client: the configuration, one HTTP client, and the downloads in flight.
 /// Create one and share it (it is cheap to clone); pulls through the same `Registry` share
 /// downloads of the same blob into the same store.

@@ -26,9 +26,8 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use super::download::BlobStatus;
 use super::error::is_disk_full;
-use super::{PROGRESS_INTERVAL, RegistryError, WRITE_CHUNK};
+use super::{BlobStatus, PROGRESS_INTERVAL, RegistryError, WRITE_CHUNK};
 use crate::store::beneath::{self, Dir};
 use crate::store::digest::Digest;
 use crate::store::manifest::Layer;
