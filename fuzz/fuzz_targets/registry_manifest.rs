@@ -4,16 +4,16 @@
 
 #![no_main]
 
-use corral::store::manifest::{MANIFEST_MEDIA_TYPE, Manifest, ModelConfig};
+use corral::store::manifest::{MANIFEST_MEDIA_TYPE, MODEL, Manifest, ModelConfig};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     match Manifest::parse(data) {
         Ok(m) => {
-            assert_eq!(m.schema_version, 2);
-            assert_eq!(m.media_type, MANIFEST_MEDIA_TYPE);
-            assert!(m.model().is_some());
-            assert_eq!(m.blobs().count(), m.layers.len() + 1);
+            assert_eq!(m.schema_version(), 2);
+            assert_eq!(m.media_type(), MANIFEST_MEDIA_TYPE);
+            assert_eq!(m.model().media_type, MODEL);
+            assert_eq!(m.blobs().count(), m.layers().len() + 1);
             let _ = m.size();
             let back = Manifest::parse(&m.to_bytes()).expect("a written manifest parses");
             assert_eq!(back, m);

@@ -260,7 +260,7 @@ pub fn from_details(
 ) -> Result<ModelRequest, RequestError> {
     let name = &shown.name;
     let manifest = &shown.manifest;
-    let weights = manifest.model().expect("a parsed manifest has weights");
+    let weights = manifest.model();
     let projector = manifest.layers_of(crate::store::manifest::PROJECTOR).next();
     let adapters: Vec<_> = manifest.layers_of(crate::store::manifest::ADAPTER).collect();
 

@@ -163,9 +163,8 @@ impl Store {
             Source::Model(base) => {
                 let (base_manifest, _, _) = self.manifest(base)?;
                 pins.push(self.pin(base_manifest.blobs().map(|l| l.digest)));
-                layers.clone_from(&base_manifest.layers);
-                let model =
-                    base_manifest.model().ok_or_else(|| StoreError::Invalid(format!("{base} has no weights")))?;
+                layers.extend_from_slice(base_manifest.layers());
+                let model = base_manifest.model();
                 progress(format!("using existing layer {}", model.digest));
                 self.inspect_blob(&model.digest, &format!("{base}"))?
             }
@@ -230,7 +229,8 @@ impl Store {
                 from: None,
             },
             layers,
-        );
+        )
+        .map_err(|source| StoreError::Manifest { name: name.to_string(), source })?;
         // Inherited and new layers together within the caps (what the store will read back).
         limits::check_manifest(&manifest)?;
         progress("writing manifest".to_owned());

@@ -70,7 +70,7 @@ fn a_model_from_a_gguf_and_a_modelfile_shows_everything_it_was_given() {
     assert_eq!(shown.model_info["general.architecture"], "llama");
     assert_eq!(shown.model_info["llama.block_count"], 4);
     assert!(shown.parameters_text().contains("stop                           \"<|im_end|>\""));
-    let layer_types: Vec<&str> = shown.manifest.layers.iter().map(|l| l.media_type.as_str()).collect();
+    let layer_types: Vec<&str> = shown.manifest.layers().iter().map(|l| l.media_type.as_str()).collect();
     assert_eq!(
         layer_types,
         [
@@ -82,12 +82,12 @@ fn a_model_from_a_gguf_and_a_modelfile_shows_everything_it_was_given() {
             manifest::MESSAGES
         ]
     );
-    assert_eq!(shown.manifest.model().and_then(|l| l.from.as_deref()), Some("tiny.gguf"));
+    assert_eq!(shown.manifest.model().from.as_deref(), Some("tiny.gguf"));
 
     // The Modelfile show prints recreates the same layers.
     let (_, _) = create(&store, "again", &shown.modelfile(&store).expect("modelfile"), dir.path()).expect("recreate");
     let again = store.show(&name("again"), false).expect("show");
-    let digests = |m: &manifest::Manifest| m.layers.iter().map(|l| l.digest).collect::<Vec<_>>();
+    let digests = |m: &manifest::Manifest| m.layers().iter().map(|l| l.digest).collect::<Vec<_>>();
     assert_eq!(digests(&again.manifest), digests(&shown.manifest));
 }
 
@@ -115,7 +115,7 @@ fn a_model_from_an_uploaded_blob() {
     let (digest, _) =
         store.write_blob(fs::File::open(dir.path().join("tiny.gguf")).expect("open"), None).expect("upload");
     create(&store, "from-blob", &format!("FROM {digest}\n"), dir.path()).expect("create");
-    assert_eq!(store.show(&name("from-blob"), false).expect("show").manifest.model().map(|l| l.digest), Some(digest));
+    assert_eq!(store.show(&name("from-blob"), false).expect("show").manifest.model().digest, digest);
 }
 
 /// A Modelfile whose `instruction` has a value one byte over the cap of a text layer.

@@ -134,8 +134,8 @@ impl TooLarge {
 
 /// The small blobs of a manifest with their kinds: the config first, then the layers.
 pub fn small_blobs(manifest: &Manifest) -> impl Iterator<Item = (SmallBlob, &Layer)> + '_ {
-    std::iter::once((SmallBlob::Config, &manifest.config))
-        .chain(manifest.layers.iter().filter_map(|l| SmallBlob::of_layer(&l.media_type).map(|k| (k, l))))
+    std::iter::once((SmallBlob::Config, manifest.config()))
+        .chain(manifest.layers().iter().filter_map(|l| SmallBlob::of_layer(&l.media_type).map(|k| (k, l))))
 }
 
 /// Checks the sizes a manifest declares for its small blobs against their caps, one by
@@ -235,7 +235,7 @@ mod tests {
     fn manifest(config: u64, layers: &[(&str, u64)]) -> Manifest {
         let mut all = vec![layer(manifest::MODEL, 10 << 30)];
         all.extend(layers.iter().map(|(t, s)| layer(t, *s)));
-        Manifest::new(layer(manifest::CONFIG_MEDIA_TYPE, config), all)
+        Manifest::new(layer(manifest::CONFIG_MEDIA_TYPE, config), all).expect("weights")
     }
 
     #[test]

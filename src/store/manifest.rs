@@ -26,18 +26,33 @@ pub const LICENSE: &str = "application/vnd.ollama.image.license";
 /// Preset messages as JSON.
 pub const MESSAGES: &str = "application/vnd.ollama.image.messages";
 
-/// A manifest: the config blob and the layers, each by digest.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// A manifest: the config blob and the layers, each by digest. It always has a weights layer:
+/// both ways to make one ([`Manifest::new`], [`Manifest::parse`]) refuse layers without, and
+/// nothing changes it after.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Manifest {
     /// Always 2.
-    pub schema_version: u32,
+    schema_version: u32,
     /// [`MANIFEST_MEDIA_TYPE`].
-    pub media_type: String,
+    media_type: String,
     /// The config blob.
-    pub config: Layer,
+    config: Layer,
     /// The layers, in order.
-    pub layers: Vec<Layer>,
+    layers: Vec<Layer>,
+    /// Where in `layers` the weights are: the first [`MODEL`] layer.
+    #[serde(skip)]
+    model: usize,
+}
+
+/// A manifest as it is written, before it is checked.
+#[derive(Deserialize)]
+#[serde(rename = "Manifest", rename_all = "camelCase")]
+struct Unchecked {
+    schema_version: u32,
+    media_type: String,
+    config: Layer,
+    layers: Vec<Layer>,
 }
 
 /// One blob a manifest refers to.
@@ -117,23 +132,20 @@ pub enum ManifestError {
 impl Manifest {
     /// Parses and checks a manifest: schema 2, the v2 media type, one model layer.
     pub fn parse(bytes: &[u8]) -> Result<Self, ManifestError> {
-        let manifest: Self = serde_json::from_slice(bytes)?;
+        let manifest: Unchecked = serde_json::from_slice(bytes)?;
         if manifest.schema_version != 2 || manifest.media_type != MANIFEST_MEDIA_TYPE {
             return Err(ManifestError::Unsupported {
                 schema: manifest.schema_version,
                 media_type: manifest.media_type,
             });
         }
-        if manifest.model().is_none() {
-            return Err(ManifestError::NoModel);
-        }
-        Ok(manifest)
+        Self::new(manifest.config, manifest.layers)
     }
 
-    /// A new manifest.
-    #[must_use]
-    pub fn new(config: Layer, layers: Vec<Layer>) -> Self {
-        Self { schema_version: 2, media_type: MANIFEST_MEDIA_TYPE.to_owned(), config, layers }
+    /// A new manifest, which needs a weights layer among `layers`.
+    pub fn new(config: Layer, layers: Vec<Layer>) -> Result<Self, ManifestError> {
+        let model = layers.iter().position(|l| l.media_type == MODEL).ok_or(ManifestError::NoModel)?;
+        Ok(Self { schema_version: 2, media_type: MANIFEST_MEDIA_TYPE.to_owned(), config, layers, model })
     }
 
     /// Serialized as the store and registries keep it.
@@ -144,8 +156,32 @@ impl Manifest {
 
     /// The weights layer.
     #[must_use]
-    pub fn model(&self) -> Option<&Layer> {
-        self.layers.iter().find(|l| l.media_type == MODEL)
+    pub fn model(&self) -> &Layer {
+        &self.layers[self.model]
+    }
+
+    /// The config blob.
+    #[must_use]
+    pub fn config(&self) -> &Layer {
+        &self.config
+    }
+
+    /// The layers, in order.
+    #[must_use]
+    pub fn layers(&self) -> &[Layer] {
+        &self.layers
+    }
+
+    /// The schema version: always 2.
+    #[must_use]
+    pub fn schema_version(&self) -> u32 {
+        self.schema_version
+    }
+
+    /// The media type: always [`MANIFEST_MEDIA_TYPE`].
+    #[must_use]
+    pub fn media_type(&self) -> &str {
+        &self.media_type
     }
 
     /// Every blob: the layers, then the config.
@@ -176,7 +212,8 @@ mod tests {
     #[test]
     fn a_manifest_round_trips_in_ollamas_shape() {
         let m =
-            Manifest::new(layer(super::CONFIG_MEDIA_TYPE, b"{}"), vec![layer(MODEL, b"gguf"), layer(TEMPLATE, b"t")]);
+            Manifest::new(layer(super::CONFIG_MEDIA_TYPE, b"{}"), vec![layer(MODEL, b"gguf"), layer(TEMPLATE, b"t")])
+                .expect("weights");
         let bytes = m.to_bytes();
         let json: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
         assert_eq!(json["schemaVersion"], 2);
@@ -193,9 +230,14 @@ mod tests {
     #[test]
     fn bad_manifests_are_refused() {
         assert!(matches!(Manifest::parse(b"not json"), Err(ManifestError::Json(_))));
-        let no_model = Manifest::new(layer(super::CONFIG_MEDIA_TYPE, b"{}"), vec![layer(TEMPLATE, b"t")]);
-        assert!(matches!(Manifest::parse(&no_model.to_bytes()), Err(ManifestError::NoModel)));
-        let mut v1 = Manifest::new(layer(super::CONFIG_MEDIA_TYPE, b"{}"), vec![layer(MODEL, b"m")]);
+        let (config, template) = (layer(super::CONFIG_MEDIA_TYPE, b"{}"), layer(TEMPLATE, b"t"));
+        assert!(matches!(Manifest::new(config.clone(), vec![template.clone()]), Err(ManifestError::NoModel)));
+        let no_model = serde_json::json!({
+            "schemaVersion": 2, "mediaType": super::MANIFEST_MEDIA_TYPE, "config": config, "layers": [template],
+        });
+        let no_model = serde_json::to_vec(&no_model).expect("JSON");
+        assert!(matches!(Manifest::parse(&no_model), Err(ManifestError::NoModel)));
+        let mut v1 = Manifest::new(layer(super::CONFIG_MEDIA_TYPE, b"{}"), vec![layer(MODEL, b"m")]).expect("weights");
         v1.schema_version = 1;
         assert!(Manifest::parse(&v1.to_bytes()).expect_err("v1").to_string().contains("schema version 1"));
         let bad_digest = br#"{"schemaVersion":2,"mediaType":"application/vnd.docker.distribution.manifest.v2+json","config":{"mediaType":"x","digest":"sha256:../../etc","size":1},"layers":[]}"#;
@@ -208,8 +250,18 @@ mod tests {
         // builds, a wrapped size in release ones).
         let mut huge = layer(MODEL, b"m");
         huge.size = u64::MAX;
-        let m = Manifest::new(layer(super::CONFIG_MEDIA_TYPE, b"{}"), vec![huge.clone(), huge]);
+        let m = Manifest::new(layer(super::CONFIG_MEDIA_TYPE, b"{}"), vec![huge.clone(), huge]).expect("weights");
         let back = Manifest::parse(&m.to_bytes()).expect("parse");
         assert_eq!(back.size(), u64::MAX);
+    }
+
+    #[test]
+    fn the_weights_are_the_first_model_layer_wherever_it_is() {
+        let (weights, other) = (layer(MODEL, b"weights"), layer(MODEL, b"other"));
+        let m =
+            Manifest::new(layer(super::CONFIG_MEDIA_TYPE, b"{}"), vec![layer(TEMPLATE, b"t"), weights.clone(), other])
+                .expect("weights");
+        assert_eq!(m.model(), &weights);
+        assert_eq!(Manifest::parse(&m.to_bytes()).expect("parse").model(), &weights);
     }
 }

@@ -113,7 +113,7 @@ impl Store {
             })
         };
         let config: ModelConfig =
-            serde_json::from_slice(&read(SmallBlob::Config, &manifest.config)?).unwrap_or_default();
+            serde_json::from_slice(&read(SmallBlob::Config, manifest.config())?).unwrap_or_default();
         let (mut template, mut system, mut licenses, mut params, mut messages) = (None, None, Vec::new(), None, None);
         for (kind, layer) in limits::small_blobs(&manifest).skip(1) {
             let bytes = read(kind, layer)?;
@@ -135,7 +135,7 @@ impl Store {
                 })
                 .transpose()
         };
-        let weights = manifest.model().expect("a parsed manifest has a model layer").digest;
+        let weights = manifest.model().digest;
         let file = std::io::BufReader::with_capacity(64 << 10, self.open_blob(&weights)?);
         let gguf = GgufFile::read_seekable(file)
             .map_err(|e| StoreError::Gguf { what: format!("{name} (blob {weights})"), message: e.to_string() })?;
@@ -169,7 +169,7 @@ impl Store {
     /// whose config is damaged.
     #[must_use]
     pub fn model_config(&self, manifest: &Manifest) -> ModelConfig {
-        let digest = manifest.config.digest;
+        let digest = manifest.config().digest;
         match self
             .read_blob(&digest, SmallBlob::Config)
             .map_err(|e| e.to_string())
@@ -230,7 +230,7 @@ impl ModelDetails {
     pub fn modelfile(&self, store: &Store) -> Result<String, WriteError> {
         let path = |layer: &Layer| store.blob_path(&layer.digest).to_string_lossy().into_owned();
         let modelfile = Modelfile {
-            from: self.manifest.model().map(path).unwrap_or_default(),
+            from: path(self.manifest.model()),
             parameters: self.parameters.clone(),
             template: self.template.clone(),
             system: self.system.clone(),

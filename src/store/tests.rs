@@ -20,7 +20,8 @@ fn add_model(store: &Store, model: &str, weights: &[u8], template: &[u8]) -> Man
     let m = Manifest::new(
         layer(manifest::CONFIG_MEDIA_TYPE, b"{}"),
         vec![layer(manifest::MODEL, weights), layer(manifest::TEMPLATE, template)],
-    );
+    )
+    .expect("weights");
     store.write_manifest(&name(model), &m).expect("manifest");
     m
 }
@@ -91,7 +92,8 @@ fn a_manifest_naming_a_missing_blob_is_refused() {
     let ghost = Layer { media_type: manifest::MODEL.into(), digest: Digest::of(b"ghost"), size: 5, from: None };
     let (config, _) = store.write_blob(&b"{}"[..], None).expect("config");
     let config = Layer { media_type: manifest::CONFIG_MEDIA_TYPE.into(), digest: config, size: 2, from: None };
-    let err = store.write_manifest(&name("m"), &Manifest::new(config, vec![ghost])).expect_err("missing");
+    let err =
+        store.write_manifest(&name("m"), &Manifest::new(config, vec![ghost]).expect("weights")).expect_err("missing");
     assert!(matches!(err, StoreError::MissingBlob(_)), "{err}");
     assert!(store.list().expect("list").is_empty());
 }
@@ -115,9 +117,9 @@ fn list_copy_and_delete_share_and_free_blobs() {
     assert!(store.delete(&name("a:1")).expect("delete a").is_empty());
     // Deleting the copy frees the template only: b shares the weights and the config.
     let freed = store.delete(&name("localhost:5000/x/a-copy")).expect("delete copy");
-    assert_eq!(freed, vec![a.layers[1].digest]);
+    assert_eq!(freed, vec![a.layers()[1].digest]);
     assert!(!dir.path().join("manifests/localhost:5000").exists(), "empty directories go too");
-    assert!(store.has_blob(&b.layers[0].digest));
+    assert!(store.has_blob(&b.layers()[0].digest));
     let freed = store.delete(&name("ns/b:2")).expect("delete b");
     assert_eq!(freed.len(), 3);
     assert_eq!(fs::read_dir(store.blobs_dir()).expect("blobs").count(), 0);
@@ -132,7 +134,7 @@ fn a_pinned_blob_survives_the_deletion_of_its_last_model() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(dir.path()).expect("open");
     let m = add_model(&store, "a", b"weights", b"t");
-    let weights = m.layers[0].digest;
+    let weights = m.layers()[0].digest;
     let pin = store.pin([weights]);
     let freed = store.delete(&name("a")).expect("delete");
     assert!(!freed.contains(&weights) && store.has_blob(&weights), "an operation in progress still needs it");
@@ -162,7 +164,7 @@ fn an_ollama_directory_is_used_read_only_or_imported() {
     let good = add_model(&ollama, "good", b"good weights", b"t");
     let bad = add_model(&ollama, "bad", b"bad weights", b"t");
     // Damage one blob of "bad" in place.
-    fs::write(ollama.blob_path(&bad.layers[0].digest), b"bit rot").expect("damage");
+    fs::write(ollama.blob_path(&bad.layers()[0].digest), b"bit rot").expect("damage");
 
     let read_only = Store::open_read_only(&dir.path().join("ollama")).expect("read-only");
     assert_eq!(read_only.list().expect("list").len(), 2);
@@ -176,8 +178,8 @@ fn an_ollama_directory_is_used_read_only_or_imported() {
     let ours = Store::open(&dir.path().join("ours")).expect("open");
     let imported = ours.import_store(&read_only).expect("import");
     assert_eq!(imported, [name("good")]);
-    assert!(ours.has_blob(&good.layers[0].digest));
-    assert!(!ours.has_blob(&bad.layers[0].digest), "a damaged blob is not imported");
+    assert!(ours.has_blob(&good.layers()[0].digest));
+    assert!(!ours.has_blob(&bad.layers()[0].digest), "a damaged blob is not imported");
     assert!(!ours.has_blob(&Digest::of(b"bit rot")), "nor stored under the digest of its damage");
     assert_eq!(ours.manifest(&name("good")).expect("manifest").1, ollama.manifest(&name("good")).expect("manifest").1);
     assert!(matches!(ours.manifest(&name("bad")), Err(StoreError::NotFound(_))));
@@ -245,7 +247,7 @@ fn links_planted_in_the_store_are_refused_never_followed() {
     assert_eq!(fs::read(store.blob_path(&linked)).expect("blob"), b"real data");
 
     // A model whose text layer is a link to a secret: show refuses it.
-    let template = m.layers[1].digest;
+    let template = m.layers()[1].digest;
     fs::remove_file(store.blob_path(&template)).expect("remove");
     symlink(&secret, store.blob_path(&template)).expect("symlink");
     let copied = store.copy(&name("good"), &name("copy"));

@@ -117,7 +117,8 @@ fn create_model(store: &Store, name: &ModelName, template: &str) -> Manifest {
     let manifest = Manifest::new(
         layer(CONFIG_MEDIA_TYPE, config_digest, config_size),
         vec![layer(MODEL, model, model_size), layer(TEMPLATE, template_digest, template_size)],
-    );
+    )
+    .expect("a manifest with weights");
     store.write_manifest(name, &manifest).expect("write the manifest");
     manifest
 }
@@ -219,7 +220,7 @@ async fn a_pushed_model_deleted_and_pulled_back_is_byte_identical() {
     assert_eq!(statuses(&events), expected);
     // The registry holds the data itself.
     let on_registry = world.registry.storage().join("docker/registry/v2/blobs/sha256");
-    let model = manifest.model().expect("model layer");
+    let model = manifest.model();
     let stored = on_registry.join(&model.digest.hex()[..2]).join(model.digest.hex()).join("data");
     assert_eq!(fs::read(stored).expect("blob on the registry"), published.blobs[&model.digest]);
 
@@ -252,7 +253,7 @@ async fn a_pushed_model_deleted_and_pulled_back_is_byte_identical() {
 async fn a_transfer_cut_short_is_resumed_from_the_first_missing_byte() {
     let world = World::new();
     let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
-    let model = manifest.model().expect("model layer").clone();
+    let model = manifest.model().clone();
     assert!(model.size > 3 * PART, "the tiny model is {} bytes, too small to come in parts", model.size);
     let proxy = Proxy::start(world.registry.addr());
     let cut = 30_000;
@@ -283,7 +284,7 @@ async fn a_transfer_cut_short_is_resumed_from_the_first_missing_byte() {
 async fn a_pull_cut_short_fails_clearly_and_resumes_after_a_restart() {
     let world = World::new();
     let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
-    let model = manifest.model().expect("model layer").clone();
+    let model = manifest.model().clone();
     let proxy = Proxy::start(world.registry.addr());
     let cut = 100_000;
     let digest = model.digest.to_string();
@@ -341,7 +342,7 @@ struct Held {
 
 async fn hold_the_third_part(world: &World) -> Held {
     let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
-    let model = manifest.model().expect("model layer").clone();
+    let model = manifest.model().clone();
     let proxy = Proxy::start(world.registry.addr());
     let gate = Gate::new();
     let (held, digest) = (gate.clone(), model.digest.to_string());
@@ -404,7 +405,7 @@ async fn a_pull_given_up_stops_its_download_and_keeps_what_arrived() {
 async fn a_corrupt_blob_is_refused_and_nothing_is_written() {
     let world = World::new();
     let (manifest, _) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
-    let model = manifest.model().expect("model layer").clone();
+    let model = manifest.model().clone();
     let proxy = Proxy::start(world.registry.addr());
     let digest = model.digest.to_string();
     proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Corrupt(1000) } else { Action::Pass });
@@ -530,7 +531,7 @@ async fn a_refused_token_is_unauthorized() {
 async fn server_errors_and_bad_answers_are_named() {
     let world = World::new();
     let (manifest, _) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
-    let model = manifest.model().expect("model layer").clone();
+    let model = manifest.model().clone();
     let proxy = Proxy::start(world.registry.addr());
     let store = world.store("dest");
     let name = name_on(&proxy.host(), "test/tiny:v1");
@@ -628,7 +629,7 @@ async fn wait_for_progress(events: &mut Events, ids: &[usize], digest: Digest) {
 async fn two_pulls_of_the_same_model_share_one_download() {
     let world = World::new();
     let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
-    let model = manifest.model().expect("model layer").clone();
+    let model = manifest.model().clone();
     let proxy = Proxy::start(world.registry.addr());
     let gate = Gate::new();
     let (held, digest) = (gate.clone(), model.digest.to_string());
@@ -661,8 +662,8 @@ async fn deleting_a_model_keeps_the_blobs_a_running_pull_shares() {
     let world = World::new();
     let (a, _) = world.publish("test/tiny:a", "A {{ .Prompt }}").await;
     let (b, published_b) = world.publish("test/tiny:b", "B {{ .Prompt }}").await;
-    let weights = a.model().expect("model layer").digest;
-    assert_eq!(b.model().expect("model layer").digest, weights, "the two models share their weights");
+    let weights = a.model().digest;
+    assert_eq!(b.model().digest, weights, "the two models share their weights");
     let template_b = b.layers_of(TEMPLATE).next().expect("template").digest;
     let proxy = Proxy::start(world.registry.addr());
     let store = world.store("dest");
@@ -696,7 +697,7 @@ async fn deleting_a_model_keeps_the_blobs_a_running_pull_shares() {
 async fn a_full_disk_fails_clearly_and_leaves_the_store_consistent() {
     let world = World::new();
     let (manifest, _) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
-    let model = manifest.model().expect("model layer").clone();
+    let model = manifest.model().clone();
     let disk = SmallDisk::mount(64 << 10);
     assert!(model.size > 64 << 10, "the weights must not fit");
     let root = disk.path().join("store");

@@ -109,10 +109,7 @@ async fn a_shown_modelfile_creates_the_same_model_whatever_its_texts_say() {
 
         // The text stays text: the one FROM is the weights' blob, whatever the system prompt says.
         let parsed = Modelfile::parse(written).unwrap_or_else(|e| panic!("{text:?}: {e}\n{written}"));
-        assert_eq!(
-            parsed.from,
-            state.store.blob_path(&chat.manifest.model().expect("weights").digest).to_string_lossy()
-        );
+        assert_eq!(parsed.from, state.store.blob_path(&chat.manifest.model().digest).to_string_lossy());
         assert!(parsed.adapters.is_empty(), "{text:?}:\n{written}");
         assert_eq!(parsed.system.as_deref(), Some(*text), "{written}");
 
@@ -129,7 +126,7 @@ async fn a_shown_modelfile_creates_the_same_model_whatever_its_texts_say() {
         assert_eq!(second.licenses, first.licenses, "{text:?}");
         assert_eq!(second.parameters, first.parameters, "{text:?}");
         assert_eq!(second.messages, first.messages, "{text:?}");
-        assert_eq!(second.manifest.model().map(|l| l.digest), first.manifest.model().map(|l| l.digest));
+        assert_eq!(second.manifest.model().digest, first.manifest.model().digest);
         let (_, shown_again) = post(&state, "/api/show", &json!({"model": again})).await;
         assert_eq!(shown_again["modelfile"].as_str().map(|m| m.replace(&again, &model)).as_deref(), Some(written));
     }
@@ -176,9 +173,10 @@ async fn a_registry_text_layer_over_its_cap_is_refused_before_anything_is_stored
     let (pushed, _, _) = state.store.manifest(&name("chat")).expect("chat");
     let huge =
         Layer { media_type: LICENSE.into(), digest: Digest::of(b"a 200 MiB license"), size: 200 << 20, from: None };
-    let mut layers = pushed.layers.clone();
+    let mut layers = pushed.layers().to_vec();
     layers.push(huge.clone());
-    let crafted = String::from_utf8(Manifest::new(pushed.config.clone(), layers).to_bytes()).expect("JSON");
+    let crafted =
+        String::from_utf8(Manifest::new(pushed.config().clone(), layers).expect("weights").to_bytes()).expect("JSON");
     proxy.rule(move |seen| {
         if seen.method == "GET" && seen.path.contains("/manifests/") {
             let headers = vec![("Content-Type".to_owned(), manifest::MANIFEST_MEDIA_TYPE.to_owned())];
@@ -287,7 +285,7 @@ async fn blobs_planted_in_the_store_are_read_within_their_caps() {
 
     // A config blob that never ends: the listing still answers, without that config's facts.
     fs::write(&path, "a short prompt").expect("the system prompt back");
-    let config = state.store.blob_path(&planted.config.digest);
+    let config = state.store.blob_path(&planted.config().digest);
     let endless = EndlessFile::plant(&config);
     let (status, bytes) = send(&state, Method::GET, "/api/tags", Body::empty()).await;
     let tags: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);

@@ -1,0 +1,117 @@
+//! Files from outside the store, and other stores' models (an Ollama models directory),
+//! added without storing their data twice where the file system allows: a reflink, else a
+//! hard link, else a copy; every digest checked.
+
+use std::fs::{self, File};
+use std::io::{self, Seek};
+use std::path::Path;
+
+use super::beneath::Dir;
+use super::digest::Digest;
+use super::name::ModelName;
+use super::temp::readable;
+use super::{Pin, Store, StoreError, io_err};
+
+impl Store {
+    /// Imports every model of another store (an Ollama models directory) into this one,
+    /// sharing blob data where the file system allows and checking every digest.
+    /// Returns the names imported; a model whose blobs are missing or corrupt is skipped
+    /// with a warning and leaves nothing behind.
+    pub fn import_store(&self, other: &Store) -> Result<Vec<ModelName>, StoreError> {
+        let mut imported = Vec::new();
+        let other_blobs = other.blobs()?;
+        for listed in other.list()? {
+            let mut pins = Vec::new();
+            let copied = listed.manifest.blobs().try_for_each(|layer| {
+                let source = other.open_blob(&layer.digest)?;
+                let name = layer.digest.file_name();
+                let link = Some((Some(&other_blobs), Path::new(&name)));
+                let (_, _, _, pin) = self.import_open(source, link, &layer.digest.to_string(), Some(&layer.digest))?;
+                pins.push(pin);
+                Ok::<_, StoreError>(())
+            });
+            if let Err(e) = copied {
+                tracing::warn!(corral_model = %listed.name, error = %e, "not importing {}: its blobs are damaged", listed.name);
+                continue;
+            }
+            let (bytes, _) = match other.read_manifest(&listed.name) {
+                Ok(found) => found,
+                Err(StoreError::NotFound(_)) => continue,
+                Err(e) => return Err(e),
+            };
+            self.write_manifest_bytes(&listed.name, &bytes, &listed.manifest)?;
+            imported.push(listed.name);
+        }
+        Ok(imported)
+    }
+
+    /// Adds a file on disk as a blob without storing its data twice where the file system
+    /// allows: a reflink (copy-on-write clone) first, then a hard link, else a copy.
+    /// With a hard link the store shares the file's inode, so editing the original in
+    /// place would change the blob; [`Store::verify_blob`] detects that. With `expected`,
+    /// a file that hashes to something else is refused and nothing is written.
+    pub fn import_file(&self, path: &Path, expected: Option<&Digest>) -> Result<(Digest, u64), StoreError> {
+        self.import_file_tracked(path, expected).map(|(digest, size, _, _)| (digest, size))
+    }
+
+    /// [`Store::import_file`], also saying whether the blob is new to the store, and
+    /// pinning it (before it is put in place).
+    pub(crate) fn import_file_tracked(
+        &self,
+        path: &Path,
+        expected: Option<&Digest>,
+    ) -> Result<(Digest, u64, bool, Pin), StoreError> {
+        // The file is outside the store, named by whoever asked: its links are theirs to
+        // use. It is linked by its real path, so the store gets the file, not a link.
+        let real = fs::canonicalize(path).map_err(io_err(format!("cannot open {}", path.display())))?;
+        let file = File::open(&real).map_err(io_err(format!("cannot open {}", path.display())))?;
+        self.import_open(file, Some((None, &real)), &path.display().to_string(), expected)
+    }
+
+    /// Imports the open file `source`, which `link` names for a hard link (a directory of
+    /// another store and a name in it, or an absolute path); `what` names it in errors.
+    fn import_open(
+        &self,
+        mut source: File,
+        link: Option<(Option<&Dir>, &Path)>,
+        what: &str,
+        expected: Option<&Digest>,
+    ) -> Result<(Digest, u64, bool, Pin), StoreError> {
+        let (digest, size) =
+            Digest::of_reader(io::BufReader::new(&source)).map_err(io_err(format!("cannot read {what}")))?;
+        if let Some(expected) = expected {
+            if *expected != digest {
+                return Err(StoreError::DigestMismatch { expected: *expected, actual: digest });
+            }
+        }
+        let pin = self.pin([digest]);
+        if self.has_blob(&digest) {
+            return Ok((digest, size, false, pin));
+        }
+        let blobs = self.blobs()?;
+        let mut temp = self.temp_in(&blobs)?;
+        let cloned = rustix::fs::ioctl_ficlone(temp.as_file(), &source).is_ok();
+        let linked = !cloned && link.is_some_and(|(dir, path)| temp.link_from(dir, path).is_ok());
+        if !cloned && !linked {
+            temp.reset().map_err(io_err(format!("cannot write {}", temp.rel())))?;
+            source.rewind().map_err(io_err(format!("cannot read {what}")))?;
+            io::copy(&mut source, &mut temp.file).map_err(io_err(format!("cannot copy {what}")))?;
+        }
+        if !linked {
+            // The store's own copy: readable like every blob, and on disk before it is named.
+            readable(temp.as_file())?;
+            temp.as_file().sync_all().map_err(io_err("cannot sync the copy"))?;
+        }
+        // Whatever was placed must still be what was hashed.
+        let mut placed = temp.as_file();
+        placed.rewind().map_err(io_err("cannot read the imported blob"))?;
+        let (actual, _) =
+            Digest::of_reader(io::BufReader::new(placed)).map_err(io_err("cannot read the imported blob"))?;
+        if actual != digest {
+            return Err(StoreError::DigestMismatch { expected: digest, actual });
+        }
+        temp.place(&blobs, &digest.file_name())?;
+        blobs.sync().map_err(io_err("cannot sync blobs/"))?;
+        Ok((digest, size, true, pin))
+    }
+}

@@ -1,0 +1,345 @@
+//! Pulling models from, and pushing them to, a registry that speaks the OCI distribution
+//! protocol the way Ollama's registry does (`registry.ollama.ai`, or any Docker registry v2).
+//!
+//! # Pull
+//!
+//! 1. `GET /v2/<namespace>/<model>/manifests/<tag>` with `Accept:` the v2 manifest type. The
+//!    bytes are parsed and checked with [`Manifest::parse`]; a bad manifest fails the pull
+//!    before anything is written. The bytes are kept to be written verbatim at the end.
+//! 2. Every blob the manifest names is pinned ([`Store::pin`]), so that deleting another
+//!    model that shares a blob cannot remove it while the pull runs.
+//! 3. Each blob not already in the store is downloaded in ranged parts (`Range: bytes=a-b`,
+//!    [`RegistryConfig::part_size`] each, [`RegistryConfig::max_parts`] at a time), its size
+//!    taken from the manifest. Every answer is checked: `206` with exactly the asked
+//!    `Content-Range`, or `200` only when the whole blob was asked for. The data goes into
+//!    `blobs/sha256-<hex>-partial` at each part's offset.
+//! 4. The whole blob's SHA-256 is checked before it is renamed to `blobs/sha256-<hex>`; data
+//!    that hashes to anything else is deleted and the pull fails naming the digest.
+//! 5. The manifest is written last ([`Store::write_manifest_bytes`]).
+//!
+//! Progress is reported as Ollama's `/api/pull` stream reports it: `pulling manifest`, then
+//! `pulling <12 hex digits>` with `digest`, `total` and `completed` for each blob, then
+//! `verifying sha256 digest`, `writing manifest` and `success`.
+//!
+//! # Resuming
+//!
+//! A download that stops keeps what arrived, with a record of it, next to the blob's place;
+//! a later pull, in this process or after a restart, fetches only what is missing.
+//!
+//! # Shared downloads
+//!
+//! Pulls through one [`Registry`] that need the same blob in the same store wait on one
+//! download, and see its progress and its result.
+//!
+//! # Authentication
+//!
+//! A `401` with a Bearer challenge is answered with an anonymous token from the challenge's
+//! realm, over HTTPS or from the registry's own host. Basic authentication is not supported.
+//!
+//! # Push
+//!
+//! For each blob: `HEAD /v2/<repo>/blobs/<digest>` (present: skipped), otherwise
+//! `POST /v2/<repo>/blobs/uploads/` and a monolithic `PUT <Location>&digest=<digest>` that
+//! streams the file. Then `PUT /v2/<repo>/manifests/<tag>` with the manifest's bytes as stored.
+//!
+//! # Where each part is
+//!
+//! - this file: the configuration, progress events, and [`Registry`] with the pull and the push;
+//! - `protocol.rs`: one repository on a registry as the OCI distribution protocol speaks to
+//!   it: its URLs, what its answers mean, the manifest;
+//! - `auth.rs`: the token dance (Bearer challenges, the token service);
+//! - `download.rs`: the shared, resumable blob downloads and their ranged requests;
+//! - `partial.rs`: a partial download on disk, the record of what is in it, the final check;
+//! - `push.rs`: uploading a blob;
+//! - `error.rs`: [`RegistryError`].
+
+mod auth;
+mod download;
+mod error;
+mod partial;
+mod protocol;
+mod push;
+
+use std::io;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use reqwest::header::CONTENT_TYPE;
+use reqwest::{Client, StatusCode};
+use serde::{Deserialize, Serialize};
+
+pub use self::auth::parse_bearer_challenge;
+use self::download::Inflight;
+pub use self::download::parse_content_range;
+pub use self::error::RegistryError;
+use self::error::chain;
+use super::digest::Digest;
+use super::limits;
+use super::manifest::{MANIFEST_MEDIA_TYPE, Manifest};
+use super::name::ModelName;
+use super::{Store, StoreError};
+
+/// Downloaded data is written, and uploaded data read, in pieces of about this size.
+const WRITE_CHUNK: usize = 1 << 20;
+/// How often progress is reported while bytes flow.
+const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
+
+/// How to talk to registries. No global state: every [`Registry`] carries its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegistryConfig {
+    /// Registries spoken to over plain HTTP, as `host[:port]` exactly as model names write
+    /// them (`localhost:5000`). Every other registry is spoken to over HTTPS.
+    pub insecure: Vec<String>,
+    /// How long establishing a connection may take.
+    pub connect_timeout: Duration,
+    /// How long a transfer may go without a byte before it counts as stalled (and is retried).
+    pub read_timeout: Duration,
+    /// The limit on small requests as a whole: manifests, tokens, existence checks, upload starts.
+    pub request_timeout: Duration,
+    /// Blobs are downloaded in ranged parts of at most this many bytes.
+    pub part_size: u64,
+    /// How many parts of one blob are downloaded at once.
+    pub max_parts: usize,
+    /// How many times a part is tried before the pull fails (1: no retry). A retry asks only
+    /// for the bytes that did not arrive; what did is kept.
+    pub part_attempts: u32,
+    /// The wait before the first retry of a part; doubled for each further one.
+    pub retry_delay: Duration,
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            insecure: Vec::new(),
+            connect_timeout: Duration::from_secs(30),
+            read_timeout: Duration::from_secs(60),
+            request_timeout: Duration::from_secs(60),
+            part_size: 64 << 20,
+            max_parts: 8,
+            part_attempts: 4,
+            retry_delay: Duration::from_secs(1),
+        }
+    }
+}
+
+/// One progress event of a pull or push, in the shape of Ollama's `/api/pull` stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    /// What is happening: `pulling manifest`, `pulling <12 hex digits>`, `verifying sha256
+    /// digest`, `writing manifest`, `success`; for a push `retrieving manifest`, `pushing <12
+    /// hex digits>`, `pushing manifest`, `success`.
+    pub status: String,
+    /// The blob being transferred.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<Digest>,
+    /// The blob's size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total: Option<u64>,
+    /// How much of it is in place.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed: Option<u64>,
+}
+
+impl Progress {
+    /// A step with no blob attached.
+    #[must_use]
+    pub fn step(status: &str) -> Self {
+        Self { status: status.to_owned(), digest: None, total: None, completed: None }
+    }
+
+    /// A blob transfer: `<verb> <12 hex digits of the digest>`.
+    #[must_use]
+    pub fn blob(verb: &str, digest: Digest, total: u64, completed: u64) -> Self {
+        Self {
+            status: format!("{verb} {}", &digest.hex()[..12]),
+            digest: Some(digest),
+            total: Some(total),
+            completed: Some(completed),
+        }
+    }
+}
+
+/// The state of a blob download, as pulls waiting on it see it.
+#[derive(Debug, Clone)]
+struct BlobStatus {
+    total: u64,
+    /// Whether the download knows how much it resumed from (until then `completed` means nothing).
+    started: bool,
+    completed: u64,
+    done: Option<Result<(), RegistryError>>,
+}
+
+/// A registry client: the configuration, one HTTP client, and the downloads in flight.
+/// Create one and share it (it is cheap to clone); pulls through the same `Registry` share
+/// downloads of the same blob into the same store.
+#[derive(Debug, Clone)]
+pub struct Registry {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: RegistryConfig,
+    /// Built on first use: building reads and parses every system CA certificate, which a
+    /// daemon that never pulls should not pay for at start (time, and memory it touches).
+    client: OnceLock<Result<Client, String>>,
+    inflight: Mutex<Inflight>,
+}
+
+impl Inner {
+    fn client(&self) -> Result<&Client, RegistryError> {
+        let built = self.client.get_or_init(|| {
+            Client::builder()
+                .connect_timeout(self.config.connect_timeout)
+                .read_timeout(self.config.read_timeout)
+                .user_agent(concat!("corral/", env!("CARGO_PKG_VERSION")))
+                .build()
+                .map_err(|e| chain(&e))
+        });
+        built.as_ref().map_err(|e| RegistryError::Client(e.clone()))
+    }
+}
+
+impl Registry {
+    /// A client with this configuration; its HTTP client is built when first needed.
+    #[must_use]
+    pub fn new(config: RegistryConfig) -> Self {
+        Self { inner: Arc::new(Inner { config, client: OnceLock::new(), inflight: Mutex::default() }) }
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &RegistryConfig {
+        &self.inner.config
+    }
+
+    /// This client, or for a registry host it does not already speak plain HTTP to, a new
+    /// one that does (a client's `insecure` request). The new one shares no downloads.
+    #[must_use]
+    pub fn allowing_insecure(&self, host: &str) -> Registry {
+        if self.inner.config.insecure.iter().any(|h| h == host) {
+            return self.clone();
+        }
+        let mut config = self.inner.config.clone();
+        config.insecure.push(host.to_owned());
+        Self::new(config)
+    }
+
+    /// Pulls `name` into `store` (see the module documentation), reporting progress as it
+    /// goes. Returns the digest of the manifest.
+    pub async fn pull(
+        &self,
+        store: &Store,
+        name: &ModelName,
+        mut progress: impl FnMut(Progress) + Send,
+    ) -> Result<Digest, RegistryError> {
+        let remote = Arc::new(self.inner.remote(name)?);
+        progress(Progress::step("pulling manifest"));
+        let bytes = remote.manifest().await?;
+        let manifest = Manifest::parse(&bytes).map_err(|e| RegistryError::BadManifest {
+            registry: remote.registry.clone(),
+            model: remote.model.clone(),
+            reason: e.to_string(),
+        })?;
+        // A text or config layer the store would refuse to read is refused before anything is stored.
+        limits::check_manifest(&manifest).map_err(|e| RegistryError::BadManifest {
+            registry: remote.registry.clone(),
+            model: remote.model.clone(),
+            reason: e.to_string(),
+        })?;
+        let pin = store.pin(manifest.blobs().map(|l| l.digest));
+        for layer in manifest.blobs() {
+            if store.has_blob(&layer.digest) {
+                progress(Progress::blob("pulling", layer.digest, layer.size, layer.size));
+                continue;
+            }
+            let mut status = self.inner.join_download(&remote, store, layer);
+            loop {
+                let now = status.borrow_and_update().clone();
+                if now.started || now.done.is_some() {
+                    progress(Progress::blob("pulling", layer.digest, now.total, now.completed));
+                }
+                if let Some(done) = now.done {
+                    done?;
+                    break;
+                }
+                if status.changed().await.is_err() {
+                    return Err(RegistryError::Interrupted { digest: layer.digest });
+                }
+            }
+        }
+        // Every new blob was checked against its digest before it was put in place.
+        progress(Progress::step("verifying sha256 digest"));
+        progress(Progress::step("writing manifest"));
+        let (store, name) = (store.clone(), name.clone());
+        let digest = blocking(move || {
+            let digest = store.write_manifest_bytes(&name, &bytes, &manifest)?;
+            drop(pin);
+            Ok(digest)
+        })
+        .await?;
+        progress(Progress::step("success"));
+        Ok(digest)
+    }
+
+    /// Pushes `name` from `store` to its registry (see the module documentation), reporting
+    /// progress as it goes. Returns the digest of the manifest.
+    pub async fn push(
+        &self,
+        store: &Store,
+        name: &ModelName,
+        mut progress: impl FnMut(Progress) + Send,
+    ) -> Result<Digest, RegistryError> {
+        let remote = self.inner.remote(name)?;
+        progress(Progress::step("retrieving manifest"));
+        let bytes = store.manifest_bytes(name)?;
+        let manifest = Manifest::parse(&bytes)
+            .map_err(|source| RegistryError::from(StoreError::Manifest { name: name.to_string(), source }))?;
+        let _pin = store.pin(manifest.blobs().map(|l| l.digest));
+        for layer in manifest.blobs() {
+            remote.push_blob(store, layer, &mut progress).await?;
+        }
+        progress(Progress::step("pushing manifest"));
+        let what = format!("the manifest of {}", remote.model);
+        let url = remote.url(&format!("manifests/{}", name.tag()))?;
+        let response = remote
+            .send(&what, || {
+                Ok(remote
+                    .client()?
+                    .put(url.clone())
+                    .header(CONTENT_TYPE, MANIFEST_MEDIA_TYPE)
+                    .body(bytes.clone())
+                    .timeout(remote.config().request_timeout))
+            })
+            .await?;
+        remote.expect(&what, response, &[StatusCode::CREATED, StatusCode::OK]).await?;
+        progress(Progress::step("success"));
+        Ok(Digest::of(&bytes))
+    }
+}
+
+/// Runs file work on the blocking pool.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, RegistryError> + Send + 'static,
+) -> Result<T, RegistryError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| RegistryError::io("a file operation failed", io::Error::other(e.to_string())))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Progress;
+    use crate::store::digest::Digest;
+
+    #[test]
+    fn progress_has_ollamas_shape() {
+        let d = Digest::of(b"x");
+        let json = serde_json::to_value(Progress::blob("pulling", d, 10, 4)).expect("json");
+        assert_eq!(json["status"], format!("pulling {}", &d.hex()[..12]));
+        assert_eq!(json["digest"], d.to_string());
+        assert_eq!((json["total"].as_u64(), json["completed"].as_u64()), (Some(10), Some(4)));
+        let json = serde_json::to_value(Progress::step("success")).expect("json");
+        assert_eq!(json, serde_json::json!({"status": "success"}));
+    }
+}

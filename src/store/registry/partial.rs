@@ -1,0 +1,384 @@
+//! A partial download on disk: the data file, the record of what is in it, and the check
+//! of the whole blob against its digest before it is put in place.
+//!
+//! Next to the partial data file, `blobs/sha256-<hex>-partial.json` records which byte ranges
+//! of it are written. It is replaced atomically (a `.tmp-` file renamed over it), after the
+//! data file is synced, about once a second while a download runs and whenever one stops
+//! (an error, or every waiter gone). A later pull of the same blob, in this process or after
+//! a restart, fetches only the ranges the record does not cover; within a pull, a part whose
+//! transfer breaks off is retried from the first byte that did not arrive. A record that does
+//! not match the blob (another size, a missing data file) is ignored and the download starts
+//! over. Neither name starts with `.tmp-`, so [`Store::open`] keeps them. The data file grows
+//! as data arrives: nothing is reserved from the size the registry announced. Partial files
+//! of blobs that nobody pulls any more are removed by garbage collection
+//! ([`crate::store::gc`]) once they are older than its grace age; a running download pins its
+//! blob, so a collection never touches its files. A link planted in place of either file is
+//! refused.
+
+use std::fs::File;
+use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::error::is_disk_full;
+use super::{BlobStatus, PROGRESS_INTERVAL, RegistryError, WRITE_CHUNK};
+use crate::store::beneath::{self, Dir};
+use crate::store::digest::Digest;
+use crate::store::manifest::Layer;
+use crate::store::{Pin, Store, StoreError};
+
+/// Byte ranges `[start, end)`, sorted, disjoint and not touching.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Ranges(Vec<(u64, u64)>);
+
+impl Ranges {
+    fn insert(&mut self, start: u64, end: u64) {
+        if start >= end {
+            return;
+        }
+        self.0.push((start, end));
+        self.0.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(self.0.len());
+        for &(s, e) in &self.0 {
+            match merged.last_mut() {
+                Some(last) if s <= last.1 => last.1 = last.1.max(e),
+                _ => merged.push((s, e)),
+            }
+        }
+        self.0 = merged;
+    }
+
+    /// From a record on disk: clamped to `size`, sorted and merged.
+    fn from_record(ranges: &[(u64, u64)], size: u64) -> Self {
+        let mut out = Self::default();
+        for &(s, e) in ranges {
+            out.insert(s.min(size), e.min(size));
+        }
+        out
+    }
+
+    fn covered(&self) -> u64 {
+        self.0.iter().map(|(s, e)| e - s).sum()
+    }
+
+    fn missing(&self, size: u64) -> Vec<(u64, u64)> {
+        let mut gaps = Vec::new();
+        let mut at = 0;
+        for &(s, e) in &self.0 {
+            if s > at {
+                gaps.push((at, s));
+            }
+            at = at.max(e);
+        }
+        if at < size {
+            gaps.push((at, size));
+        }
+        gaps
+    }
+}
+
+/// The record of a partial download, `blobs/sha256-<hex>-partial.json`.
+#[derive(Debug, Serialize, Deserialize)]
+struct Record {
+    digest: Digest,
+    size: u64,
+    /// Byte ranges `[start, end)` of the data file that hold the blob's data.
+    done: Vec<(u64, u64)>,
+}
+
+/// A blob being downloaded: its data file and the record of what is in it.
+#[derive(Debug)]
+pub(super) struct Partial {
+    store: Store,
+    pub(super) digest: Digest,
+    pub(super) size: u64,
+    registry: String,
+    pub(super) what: String,
+    /// `blobs/`, opened once: the files below are reached without following links.
+    blobs: Dir,
+    data_name: String,
+    record_name: String,
+    /// For messages.
+    data_path: PathBuf,
+    file: File,
+    done: Mutex<Ranges>,
+    dirty: AtomicBool,
+    reported: Mutex<Option<Instant>>,
+    /// Serializes the record's writes with the end of the download, and is set at the end
+    /// (put in place, or removed): a checkpoint still running then must not write a record.
+    finished: Mutex<bool>,
+    /// Keeps garbage collection away from the partial files while the download runs.
+    _pin: Pin,
+}
+
+/// The most a partial download's record may weigh; real ones are a few hundred bytes.
+const MAX_RECORD_BYTES: u64 = 1 << 20;
+
+impl Partial {
+    /// Opens the partial download of `layer`, resuming what a record describes, or starts
+    /// one. The data file grows as data arrives: nothing is reserved from the size the
+    /// registry announced, so a download that fails holds only what arrived.
+    pub(super) fn open(store: Store, layer: &Layer, registry: String, what: String) -> Result<Self, RegistryError> {
+        // Pinned before any file is touched, so that a collection never races this download.
+        let pin = store.pin([layer.digest]);
+        let blobs = store.blobs()?;
+        let data_name = format!("{}-partial", layer.digest.file_name());
+        let record_name = format!("{}-partial.json", layer.digest.file_name());
+        let data_path = store.blobs_dir().join(&data_name);
+        let resumed = Self::resumable(&blobs, &data_name, &record_name, layer)?;
+        let (file, done) = if let Some((file, done)) = resumed {
+            (file, done)
+        } else {
+            match blobs.remove_file(&record_name) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(refused_or(&blobs, &record_name, e, |e| {
+                        Self::write_error(&data_path, &what, layer.size, e)
+                    }));
+                }
+            }
+            let fail = |e| refused_or(&blobs, &data_name, e, |e| Self::write_error(&data_path, &what, layer.size, e));
+            // A new file, never one that was there: a hard link planted under this name must
+            // not be emptied and written; a symbolic link is refused and left alone.
+            let file = match blobs.open_rw(&data_name, false, false) {
+                Ok(_) => blobs.remove_file(&data_name).and_then(|()| blobs.create_new(&data_name, 0o644)),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => blobs.create_new(&data_name, 0o644),
+                Err(e) => Err(e),
+            }
+            .map_err(fail)?;
+            (file, Ranges::default())
+        };
+        Ok(Self {
+            digest: layer.digest,
+            size: layer.size,
+            registry,
+            what,
+            blobs,
+            data_name,
+            record_name,
+            data_path,
+            file,
+            done: Mutex::new(done),
+            dirty: AtomicBool::new(false),
+            reported: Mutex::default(),
+            finished: Mutex::new(false),
+            store,
+            _pin: pin,
+        })
+    }
+
+    /// The data file and the ranges a valid record describes, if there are both. A link
+    /// in place of either is refused.
+    fn resumable(
+        blobs: &Dir,
+        data_name: &str,
+        record_name: &str,
+        layer: &Layer,
+    ) -> Result<Option<(File, Ranges)>, RegistryError> {
+        let refusal = |name: &str, e: io::Error| refused_or(blobs, name, e, |e| RegistryError::io("", e));
+        let record = match blobs.open(record_name) {
+            Ok(file) => file,
+            Err(e) if beneath::refusal(&e).is_some() => return Err(refusal(record_name, e)),
+            Err(_) => return Ok(None),
+        };
+        let mut bytes = Vec::new();
+        if record.take(MAX_RECORD_BYTES).read_to_end(&mut bytes).is_err() {
+            return Ok(None);
+        }
+        let Ok(record) = serde_json::from_slice::<Record>(&bytes) else { return Ok(None) };
+        if record.digest != layer.digest || record.size != layer.size {
+            return Ok(None);
+        }
+        let file = match blobs.open_rw(data_name, false, false) {
+            Ok(file) => file,
+            Err(e) if beneath::refusal(&e).is_some() => return Err(refusal(data_name, e)),
+            Err(_) => return Ok(None),
+        };
+        let Ok(meta) = file.metadata() else { return Ok(None) };
+        let done = Ranges::from_record(&record.done, layer.size);
+        // The file holds at least every recorded byte, and never more than the blob.
+        // It is the store's own, too: a hard link planted here is not resumed into.
+        if meta.len() > layer.size || done.0.last().is_some_and(|&(_, end)| end > meta.len()) || meta.nlink() != 1 {
+            return Ok(None);
+        }
+        Ok(Some((file, done)))
+    }
+
+    fn write_error(path: &Path, what: &str, size: u64, error: io::Error) -> RegistryError {
+        if is_disk_full(&error) {
+            let dir = path.parent().unwrap_or(path);
+            RegistryError::DiskFull { context: format!("no room for {what} ({size} bytes) in {}", dir.display()) }
+        } else {
+            RegistryError::io(format!("cannot write {}", path.display()), error)
+        }
+    }
+
+    pub(super) fn completed(&self) -> u64 {
+        self.done.lock().unwrap_or_else(PoisonError::into_inner).covered()
+    }
+
+    pub(super) fn missing(&self) -> Vec<(u64, u64)> {
+        self.done.lock().unwrap_or_else(PoisonError::into_inner).missing(self.size)
+    }
+
+    /// Writes data at `offset` and records it. Returns how much of the blob is now in place.
+    pub(super) fn write_at(&self, offset: u64, data: &[u8]) -> Result<u64, RegistryError> {
+        self.file
+            .write_all_at(data, offset)
+            .map_err(|e| Self::write_error(&self.data_path, &self.what, self.size, e))?;
+        let mut done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
+        done.insert(offset, offset + data.len() as u64);
+        self.dirty.store(true, Ordering::SeqCst);
+        Ok(done.covered())
+    }
+
+    /// Tells the waiting pulls how far the download is, at most every `PROGRESS_INTERVAL`.
+    pub(super) fn report(&self, sender: &watch::Sender<BlobStatus>, completed: u64) {
+        let mut reported = self.reported.lock().unwrap_or_else(PoisonError::into_inner);
+        if completed == self.size || reported.is_none_or(|at| at.elapsed() >= PROGRESS_INTERVAL) {
+            *reported = Some(Instant::now());
+            sender.send_modify(|status| status.completed = status.completed.max(completed));
+        }
+    }
+
+    /// Records on disk which ranges are written: the data first synced, then the record
+    /// replaced atomically, so it never claims data that a crash could lose.
+    pub(super) fn checkpoint(&self) -> Result<(), RegistryError> {
+        let finished = self.finished.lock().unwrap_or_else(PoisonError::into_inner);
+        if *finished || !self.dirty.swap(false, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let done = self.done.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let result = self.write_record(&done);
+        if result.is_err() {
+            self.dirty.store(true, Ordering::SeqCst);
+        }
+        drop(finished);
+        result
+    }
+
+    fn write_record(&self, done: &Ranges) -> Result<(), RegistryError> {
+        let record_path = self.data_path.with_file_name(&self.record_name);
+        let fail = |e: io::Error| Self::write_error(&record_path, &self.what, self.size, e);
+        self.file.sync_data().map_err(fail)?;
+        let record = Record { digest: self.digest, size: self.size, done: done.0.clone() };
+        let mut temp = self.store.temp_in(&self.blobs)?;
+        let json = serde_json::to_vec(&record).expect("a record always serializes");
+        temp.write_all(&json).and_then(|()| temp.as_file().sync_all()).map_err(fail)?;
+        temp.place(&self.blobs, &self.record_name)?;
+        Ok(())
+    }
+
+    /// Checks the whole blob against its digest and, if it matches, puts it in place.
+    pub(super) fn commit(&self) -> Result<(), RegistryError> {
+        let completed = self.completed();
+        if completed != self.size {
+            return Err(RegistryError::Protocol {
+                registry: self.registry.clone(),
+                detail: format!("{}: only {completed} of {} bytes arrived", self.what, self.size),
+            });
+        }
+        let read_error = |e| RegistryError::io(format!("cannot read {}", self.data_path.display()), e);
+        self.file.sync_all().map_err(|e| Self::write_error(&self.data_path, &self.what, self.size, e))?;
+        // Read back through the file this download wrote, not by its name.
+        let mut reader = &self.file;
+        reader.seek(SeekFrom::Start(0)).map_err(read_error)?;
+        let (actual, _) = Digest::of_reader(BufReader::with_capacity(WRITE_CHUNK, reader)).map_err(read_error)?;
+        if actual != self.digest {
+            return Err(RegistryError::DigestMismatch { registry: self.registry.clone(), digest: self.digest, actual });
+        }
+        let mut finished = self.finished.lock().unwrap_or_else(PoisonError::into_inner);
+        *finished = true;
+        let blob = self.digest.file_name();
+        self.blobs.rename(&self.data_name, &self.blobs, &blob).map_err(|e| {
+            RegistryError::io(
+                format!("cannot move the download into place as {}", self.store.blob_path(&self.digest).display()),
+                e,
+            )
+        })?;
+        let _ = self.blobs.remove_file(&self.record_name);
+        self.blobs.sync().map_err(|e| RegistryError::io(format!("cannot sync {}", self.store.blobs_dir().display()), e))
+    }
+
+    /// Deletes the data file and the record (or links of those names: never what they point to).
+    pub(super) fn remove(&self) {
+        let mut finished = self.finished.lock().unwrap_or_else(PoisonError::into_inner);
+        *finished = true;
+        for name in [&self.data_name, &self.record_name] {
+            if let Err(e) = self.blobs.remove_file(name) {
+                if e.kind() != io::ErrorKind::NotFound {
+                    tracing::warn!(path = self.blobs.rel(name), error = %e, "cannot remove a partial download");
+                }
+            }
+        }
+    }
+}
+
+/// The store's refusal of `name` in `dir` (a link, or not a file), or `other` for any other error.
+fn refused_or(
+    dir: &Dir,
+    name: &str,
+    error: io::Error,
+    other: impl FnOnce(io::Error) -> RegistryError,
+) -> RegistryError {
+    match beneath::refusal(&error) {
+        Some(refusal) => StoreError::Refused { path: dir.rel(name), reason: refusal.reason() }.into(),
+        None => other(error),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Ranges;
+
+    #[test]
+    fn ranges_merge_and_leave_gaps() {
+        let mut r = Ranges::default();
+        r.insert(10, 20);
+        r.insert(30, 40);
+        r.insert(20, 25);
+        r.insert(5, 5);
+        assert_eq!(r.0, vec![(10, 25), (30, 40)]);
+        assert_eq!(r.covered(), 25);
+        assert_eq!(r.missing(50), vec![(0, 10), (25, 30), (40, 50)]);
+        r.insert(0, 50);
+        assert_eq!(r.missing(50), vec![]);
+        assert_eq!(Ranges::from_record(&[(40, 80), (0, 10), (5, 12)], 50).0, vec![(0, 12), (40, 50)]);
+    }
+    proptest::proptest! {
+        /// Inserted ranges stay sorted, disjoint and not touching; what is covered and what
+        /// is missing add up to the size, and every inserted byte is covered.
+        #[test]
+        fn byte_ranges_merge_and_gaps_complete_them(
+            inserts in proptest::collection::vec((0u64..1000, 0u64..200), 0..20),
+            size in 0u64..1300,
+        ) {
+            let mut r = Ranges::default();
+            for &(start, len) in &inserts {
+                r.insert(start, start + len);
+            }
+            for pair in r.0.windows(2) {
+                proptest::prop_assert!(pair[0].0 < pair[0].1 && pair[0].1 < pair[1].0, "{:?}", r.0);
+            }
+            for &(start, len) in &inserts {
+                proptest::prop_assert!(len == 0 || r.0.iter().any(|&(s, e)| s <= start && start + len <= e));
+            }
+            let clamped = Ranges::from_record(&r.0, size);
+            let gaps = clamped.missing(size);
+            let missing: u64 = gaps.iter().map(|(s, e)| e - s).sum();
+            proptest::prop_assert_eq!(clamped.covered() + missing, size);
+            let mut whole = clamped.clone();
+            for (s, e) in gaps {
+                whole.insert(s, e);
+            }
+            proptest::prop_assert!(whole.missing(size).is_empty());
+        }
+    }
+}

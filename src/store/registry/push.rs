@@ -1,0 +1,104 @@
+//! Uploading one blob: `HEAD` to skip one the registry has, `POST` to start an upload, one
+//! monolithic `PUT` that streams the file (opened through the store) with its digest.
+
+use std::fs::File;
+use std::io::{self, Read};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use futures_util::stream;
+use reqwest::header::{CONTENT_LENGTH, CONTENT_TYPE, LOCATION};
+use reqwest::{Body, StatusCode};
+
+use super::protocol::Remote;
+use super::{PROGRESS_INTERVAL, Progress, RegistryError, WRITE_CHUNK};
+use crate::store::Store;
+use crate::store::manifest::Layer;
+
+impl Remote {
+    /// Uploads one blob unless the registry has it.
+    pub(super) async fn push_blob(
+        &self,
+        store: &Store,
+        layer: &Layer,
+        progress: &mut (impl FnMut(Progress) + Send),
+    ) -> Result<(), RegistryError> {
+        let (digest, size) = (layer.digest, layer.size);
+        let what = format!("blob {digest} of {}", self.model);
+        progress(Progress::blob("pushing", digest, size, 0));
+        let url = self.url(&format!("blobs/{digest}"))?;
+        let timeout = self.config().request_timeout;
+        let response = self.send(&what, || Ok(self.client()?.head(url.clone()).timeout(timeout))).await?;
+        match response.status() {
+            StatusCode::OK => {
+                progress(Progress::blob("pushing", digest, size, size));
+                return Ok(());
+            }
+            StatusCode::NOT_FOUND => {}
+            _ => return Err(self.fail(&what, response).await),
+        }
+        let start = self.url("blobs/uploads/")?;
+        let response = self
+            .send(&what, || Ok(self.client()?.post(start.clone()).header(CONTENT_LENGTH, 0).timeout(timeout)))
+            .await?;
+        let response = self.expect(&what, response, &[StatusCode::ACCEPTED]).await?;
+        let location =
+            response.headers().get(LOCATION).and_then(|v| v.to_str().ok()).ok_or_else(|| RegistryError::Protocol {
+                registry: self.registry.clone(),
+                detail: format!("the upload of {what} was accepted without a Location to send it to"),
+            })?;
+        let mut target = response.url().join(location).map_err(|e| RegistryError::Protocol {
+            registry: self.registry.clone(),
+            detail: format!("the upload location \"{location}\" for {what} is not a URL: {e}"),
+        })?;
+        target.query_pairs_mut().append_pair("digest", &digest.to_string());
+        let sent = Arc::new(AtomicU64::new(0));
+        let upload = self.send(&what, || {
+            // Opened through the store: a link planted as the blob is refused, never sent.
+            let file = store.open_blob(&digest)?;
+            sent.store(0, Ordering::Relaxed);
+            Ok(self
+                .client()?
+                .put(target.clone())
+                .header(CONTENT_TYPE, "application/octet-stream")
+                .header(CONTENT_LENGTH, size)
+                .body(Body::wrap_stream(file_stream(file, Arc::clone(&sent)))))
+        });
+        let mut upload = Box::pin(upload);
+        let mut ticker = tokio::time::interval(PROGRESS_INTERVAL);
+        let response = loop {
+            tokio::select! {
+                response = &mut upload => break response?,
+                _ = ticker.tick() => progress(Progress::blob("pushing", digest, size, sent.load(Ordering::Relaxed))),
+            }
+        };
+        self.expect(&what, response, &[StatusCode::CREATED]).await?;
+        progress(Progress::blob("pushing", digest, size, size));
+        Ok(())
+    }
+}
+
+/// A file's contents as a stream of chunks read on the blocking pool, counted into `sent`.
+fn file_stream(
+    file: File,
+    sent: Arc<AtomicU64>,
+) -> impl futures_util::Stream<Item = io::Result<Vec<u8>>> + Send + 'static {
+    stream::try_unfold(file, move |mut file| {
+        let sent = Arc::clone(&sent);
+        async move {
+            let (file, chunk) = tokio::task::spawn_blocking(move || {
+                let mut chunk = vec![0; WRITE_CHUNK];
+                let n = file.read(&mut chunk)?;
+                chunk.truncate(n);
+                Ok::<_, io::Error>((file, chunk))
+            })
+            .await
+            .map_err(io::Error::other)??;
+            if chunk.is_empty() {
+                return Ok(None);
+            }
+            sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+            Ok(Some((chunk, file)))
+        }
+    })
+}

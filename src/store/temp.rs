@@ -1,0 +1,139 @@
+//! Temporary files in the store: where every blob and manifest is written before it is
+//! renamed into place, tracked while they exist, and removed when a crash left them.
+
+use std::collections::HashSet;
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use super::beneath::{Dir, Kind};
+use super::{Store, StoreError, fs_err, io_err, vanished};
+
+/// Prefix of temporary files in the store; anything named so is debris from a crash
+/// (or, while corrald runs, a write in progress: those are tracked, see [`Store::temps`]).
+pub(super) const TEMP_PREFIX: &str = ".tmp-";
+
+/// A temporary file in the store, removed when dropped unless it was put in place.
+/// While it exists, garbage collection leaves it alone.
+#[derive(Debug)]
+pub struct TempFile {
+    dir: Dir,
+    name: String,
+    pub(super) file: File,
+    temps: Arc<Mutex<HashSet<String>>>,
+    placed: bool,
+}
+
+impl TempFile {
+    /// The open file.
+    #[must_use]
+    pub fn as_file(&self) -> &File {
+        &self.file
+    }
+
+    /// Its path relative to the store's root, for messages.
+    #[must_use]
+    pub fn rel(&self) -> String {
+        self.dir.rel(&self.name)
+    }
+
+    /// Moves it into place as `to` in `target`: an atomic rename, which replaces a file
+    /// (or a link, never followed) of that name.
+    pub(super) fn place(mut self, target: &Dir, to: &str) -> Result<(), StoreError> {
+        self.dir.rename(&self.name, target, to).map_err(fs_err("write", target.rel(to)))?;
+        self.placed = true;
+        Ok(())
+    }
+
+    /// Replaces the file under this name with a hard link to `source` (see
+    /// [`Dir::link_from`]), opened without following it.
+    pub(super) fn link_from(&mut self, source_dir: Option<&Dir>, source: &Path) -> io::Result<()> {
+        self.dir.remove_file(&self.name)?;
+        self.dir.link_from(source_dir, source, &self.name)?;
+        self.file = self.dir.open(&self.name)?;
+        Ok(())
+    }
+
+    /// Starts over with a new empty file under this name.
+    pub(super) fn reset(&mut self) -> io::Result<()> {
+        match self.dir.remove_file(&self.name) {
+            Ok(()) => {}
+            Err(e) if vanished(&e) => {}
+            Err(e) => return Err(e),
+        }
+        self.file = self.dir.create_new(&self.name, 0o600)?;
+        Ok(())
+    }
+}
+
+impl Write for TempFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.file.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.file.flush()
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        if !self.placed {
+            let _ = self.dir.remove_file(&self.name);
+        }
+        self.temps.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.name);
+    }
+}
+
+impl Store {
+    /// A new temporary file in `dir`, tracked until it is dropped or put in place.
+    pub(super) fn temp_in(&self, dir: &Dir) -> Result<TempFile, StoreError> {
+        let dir = dir.try_clone().map_err(fs_err("open", dir.path().to_owned()))?;
+        for _ in 0..16 {
+            let name: String = std::iter::repeat_with(fastrand::alphanumeric).take(12).collect::<String>();
+            let name = format!("{TEMP_PREFIX}{name}");
+            if !self.temps.lock().unwrap_or_else(PoisonError::into_inner).insert(name.clone()) {
+                continue;
+            }
+            match dir.create_new(&name, 0o600) {
+                Ok(file) => return Ok(TempFile { dir, name, file, temps: Arc::clone(&self.temps), placed: false }),
+                Err(e) => {
+                    self.temps.lock().unwrap_or_else(PoisonError::into_inner).remove(&name);
+                    if e.kind() != io::ErrorKind::AlreadyExists {
+                        return Err(fs_err("create a temporary file in", dir.path().to_owned())(e));
+                    }
+                }
+            }
+        }
+        Err(StoreError::Io {
+            context: format!("cannot create a temporary file in {}", dir.path()),
+            source: io::Error::from(io::ErrorKind::AlreadyExists),
+        })
+    }
+}
+
+/// Removes temporary files (`.tmp-*`) below `dir`: what a crash left mid-write. Links are
+/// left alone, and never descended into.
+pub(super) fn remove_temporaries(dir: &Dir, depth: usize) -> Result<(), StoreError> {
+    let entries = dir.entries().map_err(fs_err("read", dir.path().to_owned()))?;
+    for entry in entries {
+        if entry.name.starts_with(TEMP_PREFIX) && entry.kind == Kind::File {
+            tracing::info!(path = dir.rel(&entry.name), "removing a temporary file left by an interrupted write");
+            let _ = dir.remove_file(&entry.name);
+        } else if entry.kind == Kind::Dir && depth < 8 {
+            match dir.dir(&entry.name) {
+                Ok(sub) => remove_temporaries(&sub, depth + 1)?,
+                Err(e) => tracing::warn!(path = dir.rel(&entry.name), error = %e, "cannot look for temporary files"),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Store files are world-readable like Ollama's (the service's `UMask=` narrows that):
+/// temporary files start out private to their creator.
+pub(super) fn readable(file: &File) -> Result<(), StoreError> {
+    use std::os::unix::fs::PermissionsExt;
+    file.set_permissions(fs::Permissions::from_mode(0o644)).map_err(io_err("cannot set a store file's mode"))
+}
