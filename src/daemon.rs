@@ -33,14 +33,16 @@ use crate::gpu;
 use crate::http::{self, listeners};
 use crate::paths::Paths;
 use crate::projection::{ProjectionCache, Projector};
-use crate::scheduler::actor::{Handle, Limits, Scheduler, Stats};
+use crate::scheduler::actor::Scheduler;
 use crate::scheduler::backend::Projections;
 use crate::scheduler::backend::SupervisorBackend;
 use crate::scheduler::footprints::Footprints;
+use crate::scheduler::handle::Handle;
 use crate::scheduler::keep_alive::{Clamp, KeepAlive};
 use crate::scheduler::policy::GpuView;
 use crate::scheduler::projections::CachedProjections;
 use crate::scheduler::request;
+use crate::scheduler::types::{Limits, Stats};
 use crate::store::Store;
 use crate::store::name::ModelName;
 use crate::store::registry::{Registry, RegistryConfig};
@@ -917,11 +919,12 @@ mod tests {
     use tokio::time::Instant;
 
     use super::{Activity, IdleClock, Vital, watchdog_ping};
-    use crate::scheduler::actor::{Limits, ModelRequest, ScheduleError, Scheduler};
+    use crate::scheduler::actor::Scheduler;
     use crate::scheduler::backend::{Backend, BoxFuture, LiveRunner, StartRequest};
     use crate::scheduler::footprints::Footprints;
     use crate::scheduler::keep_alive::{Clamp, KeepAlive};
     use crate::scheduler::policy::Footprint;
+    use crate::scheduler::types::{Limits, ModelRequest, ScheduleError};
     use crate::supervisor::command::{LoadOptions, ModelFiles};
     use crate::systemd::Notifier;
 
@@ -958,7 +961,7 @@ mod tests {
         }
     }
 
-    fn scheduler(backend: Arc<dyn Backend>) -> (Scheduler, crate::scheduler::actor::Handle) {
+    fn scheduler(backend: Arc<dyn Backend>) -> (Scheduler, crate::scheduler::handle::Handle) {
         let limits = Limits {
             max_loaded: 3,
             max_queue: 8,

@@ -31,8 +31,9 @@ use zbus::zvariant::OwnedObjectPath;
 
 use crate::config::BusKind;
 use crate::gpu::Inventory;
-use crate::scheduler::actor::{Handle, Limits};
+use crate::scheduler::handle::Handle;
 use crate::scheduler::request::Defaults;
+use crate::scheduler::types::Limits;
 use crate::store::Store;
 use crate::store::registry::Registry;
 

@@ -16,8 +16,8 @@ use super::error::ApiError;
 use super::model_request;
 use super::runner_call;
 use super::state::AppState;
-use crate::scheduler::actor::ScheduleError;
 use crate::scheduler::failure::FailureClass;
+use crate::scheduler::types::ScheduleError;
 
 /// How long one embedding call to a runner may take.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
@@ -202,8 +202,8 @@ mod tests {
     use axum::http::StatusCode;
 
     use super::schedule_error;
-    use crate::scheduler::actor::ScheduleError;
     use crate::scheduler::failure::FailureClass;
+    use crate::scheduler::types::ScheduleError;
 
     #[test]
     fn each_class_of_failed_load_has_its_status_and_the_reason_stays() {

@@ -24,7 +24,7 @@ use super::model_request;
 use super::ollama_embed::{bad, internal, object};
 use super::runner_call;
 use super::state::{AppState, Tokens};
-use crate::scheduler::actor::{Handle, Lease};
+use crate::scheduler::handle::{Handle, Lease};
 use crate::store::StoreError;
 use crate::store::name::ModelName;
 use crate::supervisor::upstream::BodyStream;

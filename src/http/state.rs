@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use super::safety::Safety;
-use crate::scheduler::actor::Handle;
+use crate::scheduler::handle::Handle;
 use crate::scheduler::request::Defaults;
 use crate::store::Store;
 use crate::store::registry::{Registry, RegistryConfig};
@@ -111,9 +111,10 @@ impl AppState {
 pub(crate) fn for_tests(backend: Arc<dyn crate::scheduler::backend::Backend>) -> (tempfile::TempDir, AppState) {
     use std::time::Duration;
 
-    use crate::scheduler::actor::{Limits, Scheduler};
+    use crate::scheduler::actor::Scheduler;
     use crate::scheduler::footprints::Footprints;
     use crate::scheduler::keep_alive::{Clamp, KeepAlive};
+    use crate::scheduler::types::Limits;
 
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(&dir.path().join("store")).expect("open the store");
