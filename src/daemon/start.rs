@@ -45,12 +45,12 @@ pub(super) async fn listen(
 pub(super) fn log_start(loaded: &Loaded, paths: &Paths) {
     tracing::info!(
         corral_event = "start",
-        version = http::VERSION,
+        version = crate::VERSION,
         config_files = ?loaded.files,
         state_directory = %paths.state.display(),
         runtime_directory = %paths.runtime.display(),
         "corrald {} starting",
-        http::VERSION,
+        crate::VERSION,
     );
 }
 

@@ -176,7 +176,7 @@ impl Manager {
     #[zbus(property(emits_changed_signal = "const"))]
     #[allow(clippy::unused_self)] // zbus calls getters on the object
     fn version(&self) -> &str {
-        crate::http::VERSION
+        crate::VERSION
     }
 
     /// Superseded by `Devices`; kept for compatibility.

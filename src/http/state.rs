@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::safety::Safety;
@@ -11,6 +11,7 @@ use crate::scheduler::handle::Handle;
 use crate::scheduler::request::Defaults;
 use crate::store::Store;
 use crate::store::registry::{Registry, RegistryConfig};
+use crate::sync::lock;
 
 /// The state every route gets.
 #[derive(Debug, Clone)]
@@ -64,7 +65,7 @@ impl Tokens {
         }
         #[allow(clippy::cast_precision_loss)] // token counts are far below 2^52
         let speed = generated as f64 / generating.as_secs_f64();
-        let mut speeds = self.speeds.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut speeds = lock(&self.speeds);
         if speeds.len() >= MAX_SPEEDS && !speeds.contains_key(model) {
             speeds.clear();
         }
@@ -74,7 +75,7 @@ impl Tokens {
     /// Generated tokens per second in `model`'s last answer; 0 before one.
     #[must_use]
     pub fn speed(&self, model: &str) -> f64 {
-        self.speeds.lock().unwrap_or_else(PoisonError::into_inner).get(model).copied().unwrap_or(0.0)
+        lock(&self.speeds).get(model).copied().unwrap_or(0.0)
     }
 
     /// Prompt tokens and generated tokens so far.

@@ -33,13 +33,15 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::{self, File};
 use std::io::{self, Read, Seek, Write};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use self::beneath::{Dir, Kind};
 use self::digest::{Digest, Hasher};
 use self::manifest::{Manifest, ManifestError};
 use self::name::ModelName;
+
+use crate::sync::lock;
 
 /// Prefix of temporary files in the store; anything named so is debris from a crash
 /// (or, while corrald runs, a write in progress: those are tracked, see [`Store::temps`]).
@@ -168,7 +170,7 @@ pub struct Pin {
 
 impl Drop for Pin {
     fn drop(&mut self) {
-        let mut pins = self.pins.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut pins = lock(&self.pins);
         for digest in &self.digests {
             if let Some(count) = pins.get_mut(digest) {
                 *count -= 1;
@@ -248,7 +250,7 @@ impl Drop for TempFile {
         if !self.placed {
             let _ = self.dir.remove_file(&self.name);
         }
-        self.temps.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.name);
+        lock(&self.temps).remove(&self.name);
     }
 }
 
@@ -449,7 +451,7 @@ impl Store {
     #[must_use]
     pub fn pin(&self, digests: impl IntoIterator<Item = Digest>) -> Pin {
         let digests: Vec<Digest> = digests.into_iter().collect();
-        let mut pins = self.pins.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut pins = lock(&self.pins);
         for digest in &digests {
             *pins.entry(*digest).or_default() += 1;
         }
@@ -462,13 +464,13 @@ impl Store {
         for _ in 0..16 {
             let name: String = std::iter::repeat_with(fastrand::alphanumeric).take(12).collect::<String>();
             let name = format!("{TEMP_PREFIX}{name}");
-            if !self.temps.lock().unwrap_or_else(PoisonError::into_inner).insert(name.clone()) {
+            if !lock(&self.temps).insert(name.clone()) {
                 continue;
             }
             match dir.create_new(&name, 0o600) {
                 Ok(file) => return Ok(TempFile { dir, name, file, temps: Arc::clone(&self.temps), placed: false }),
                 Err(e) => {
-                    self.temps.lock().unwrap_or_else(PoisonError::into_inner).remove(&name);
+                    lock(&self.temps).remove(&name);
                     if e.kind() != io::ErrorKind::AlreadyExists {
                         return Err(fs_err("create a temporary file in", dir.path().to_owned())(e));
                     }
@@ -634,7 +636,7 @@ impl Store {
             .and_then(|()| temp.as_file().sync_all())
             .map_err(io_err(format!("cannot write the manifest of {name}")))?;
         readable(temp.as_file())?;
-        let layout = self.layout.lock().unwrap_or_else(PoisonError::into_inner);
+        let layout = lock(&self.layout);
         let mut dir = manifests;
         for part in [name.registry(), name.namespace(), name.model()] {
             dir = dir.create_dir(part).map_err(fs_err("create", dir.rel(part)))?;
@@ -892,7 +894,7 @@ impl Store {
     /// Removes a manifest file, then the model, namespace and registry directories it
     /// leaves empty.
     fn remove_manifest(&self, name: &ModelName) -> Result<(), StoreError> {
-        let _layout = self.layout.lock().unwrap_or_else(PoisonError::into_inner);
+        let _layout = lock(&self.layout);
         let not_found = || StoreError::NotFound(name.to_string());
         let dirs = self.model_dirs(name)?.ok_or_else(not_found)?;
         match dirs[3].remove_file(name.tag()) {
@@ -919,7 +921,7 @@ impl Store {
         }
         // Holding the pin table while deciding: an operation pins before it writes a
         // manifest, so a blob is either pinned here or named by a manifest on disk.
-        let pins = self.pins.lock().unwrap_or_else(PoisonError::into_inner);
+        let pins = lock(&self.pins);
         let referenced = match self.references() {
             Ok(referenced) => referenced,
             Err(e) => {
