@@ -6,6 +6,8 @@
 //! as events, so the loop never waits on a process. Decisions come from
 //! [`policy::decide`](super::policy::decide) on a snapshot of this state. What it is
 //! asked and answers is in [`types`](super::types) and [`handle`](super::handle).
+//!
+//! Over 800 lines for a reason: one state and the handlers that change it, which read best together.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
