@@ -4,8 +4,8 @@
 //! a [`Lease`] on a ready runner (loading it first if needed) and releases it by dropping
 //! the lease. Slow work (starting and stopping runners) runs in tasks that report back
 //! as events, so the loop never waits on a process. Decisions come from
-//! [`policy::decide`](super::policy::decide) on a snapshot of this state. What it is
-//! asked and answers is in [`types`](super::types) and [`handle`](super::handle).
+//! [`policy::decide`] on a snapshot of this state. What it is asked and answers is in
+//! [`types`](super::types) and [`handle`](super::handle).
 //!
 //! Over 800 lines for a reason: one state and the handlers that change it, which read best together.
 
