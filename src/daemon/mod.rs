@@ -8,6 +8,11 @@
 //! With `[server] exit_on_idle` and sockets from systemd, it exits cleanly once nothing
 //! has been loaded, queued or in flight for that long: the sockets stay with systemd, so
 //! the next connection waits in their backlog and starts a new instance.
+//!
+//! [`run`] is the loop; each job it calls on has a file: `start` builds the parts,
+//! `reload` reads the configuration again, `supervise` watches the vital tasks and pings
+//! the watchdog, `idle` decides when to exit on idle, `llama_server` checks the
+//! configured executable, and [`refuse`] answers while the configuration is rejected.
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
