@@ -33,11 +33,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use corral::scheduler::actor::{Limits, ModelRequest, ScheduleError, Scheduler};
+use corral::scheduler::actor::Scheduler;
 use corral::scheduler::backend::{Backend, BoxFuture, LiveRunner, StartRequest, SupervisorBackend};
 use corral::scheduler::footprints::Footprints;
 use corral::scheduler::keep_alive::{Clamp, KeepAlive};
 use corral::scheduler::policy::{self, Decision, Footprint, GpuView, Placement, RunnerView, Snapshot};
+use corral::scheduler::types::{Limits, ModelRequest, ScheduleError};
 use corral::supervisor::command::{LoadOptions, ModelFiles};
 use corral::supervisor::runner::{LogSink, SupervisorConfig};
 

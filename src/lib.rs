@@ -23,5 +23,10 @@ pub mod scheduler;
 pub mod state_file;
 pub mod store;
 pub mod supervisor;
+pub mod sync;
 pub mod systemd;
 pub mod units;
+
+/// corral's own version: in the journal's first entry, `corral_version` on `/api/version`,
+/// the `X-Corral-Version` header of every answer and D-Bus' `Version`.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

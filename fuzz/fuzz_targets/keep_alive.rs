@@ -1,6 +1,6 @@
 //! Feeds arbitrary text to `keep_alive`'s reader, as a Go duration string and as any JSON
-//! value.  A duration that is accepted is written back (as Ollama's responses carry it)
-//! to a string that reads back to the same duration.
+//! value.  A duration is accepted or refused with its reason, never a panic, and the
+//! server's clamps bound what is accepted.
 
 #![no_main]
 
@@ -16,13 +16,6 @@ use serde_json::Value;
 fn check(value: &Value) {
     match KeepAlive::from_json(Some(value)) {
         Ok(Some(keep_alive)) => {
-            if let KeepAlive::For(d) = keep_alive {
-                // Go's durations end at i64::MAX nanoseconds; a number of seconds may go beyond.
-                if i64::try_from(d.as_nanos()).is_ok() {
-                    let written = keep_alive.to_json();
-                    assert_eq!(KeepAlive::from_json(Some(&written)), Ok(Some(keep_alive)), "{value} -> {written}");
-                }
-            }
             let clamp = Clamp { min: Some(Duration::from_secs(1)), max: Some(Duration::from_secs(3600)) };
             let resolved = resolve(Some(keep_alive), None, KeepAlive::Forever, clamp);
             assert!(keep_alive.is_zero() || resolved <= KeepAlive::For(Duration::from_secs(3600)));

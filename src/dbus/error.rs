@@ -9,9 +9,9 @@
 //! file `BadModel`, a load that made no progress `LoadTimeout`, and a crash or anything
 //! else `LoadFailed` (as before classes existed).
 
-use crate::scheduler::actor::ScheduleError;
 use crate::scheduler::failure::FailureClass;
 use crate::scheduler::request::RequestError;
+use crate::scheduler::types::ScheduleError;
 use crate::store::StoreError;
 use crate::store::name::InvalidName;
 
@@ -118,8 +118,8 @@ impl From<InvalidName> for Error {
 #[cfg(test)]
 mod tests {
     use super::Error;
-    use crate::scheduler::actor::ScheduleError;
     use crate::scheduler::failure::FailureClass;
+    use crate::scheduler::types::ScheduleError;
     use crate::store::StoreError;
 
     #[test]

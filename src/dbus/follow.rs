@@ -13,8 +13,8 @@ use zbus::zvariant::ObjectPath;
 use super::manager::{Manager, blocking};
 use super::model::{Facts, Model, ModelData};
 use super::{ROOT_PATH, Shared, lock, model_path};
-use crate::scheduler::actor::{Notice, UnloadReason};
 use crate::scheduler::policy::{Footprint, RunnerId};
+use crate::scheduler::types::{Notice, UnloadReason};
 use crate::supervisor::logparse::Offload;
 
 /// Serves an object per stored model, then follows changes in a task (returned).

@@ -301,7 +301,7 @@ async fn perform(shared: &Shared, work: Work, progress: impl FnMut(Progress) + S
             flatten(blocking(move || store.delete(&name).map(drop)).await)?;
             // A deleted model does not stay loaded (its runners stop once their requests end).
             match shared.context.scheduler.unload_model(&short).await {
-                Ok(()) | Err(crate::scheduler::actor::ScheduleError::NotLoaded(_)) => Ok(()),
+                Ok(()) | Err(crate::scheduler::types::ScheduleError::NotLoaded(_)) => Ok(()),
                 Err(e) => Err(e.to_string()),
             }
         }

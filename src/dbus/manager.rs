@@ -10,9 +10,9 @@ use zbus::{Connection, interface};
 use super::error::Error;
 use super::job::{self, Work};
 use super::{Shared, lock, model_path, options};
-use crate::scheduler::actor::ScheduleError;
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request;
+use crate::scheduler::types::ScheduleError;
 use crate::store::create::CreateSpec;
 use crate::store::modelfile::Modelfile;
 use crate::store::name::ModelName;
@@ -176,7 +176,7 @@ impl Manager {
     #[zbus(property(emits_changed_signal = "const"))]
     #[allow(clippy::unused_self)] // zbus calls getters on the object
     fn version(&self) -> &str {
-        crate::http::VERSION
+        crate::VERSION
     }
 
     /// Superseded by `Devices`; kept for compatibility.

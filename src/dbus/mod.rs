@@ -24,17 +24,19 @@ pub mod proxy;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use zbus::connection::Builder;
 use zbus::zvariant::OwnedObjectPath;
 
 use crate::config::BusKind;
 use crate::gpu::Inventory;
-use crate::scheduler::actor::{Handle, Limits};
+use crate::scheduler::handle::Handle;
 use crate::scheduler::request::Defaults;
+use crate::scheduler::types::Limits;
 use crate::store::Store;
 use crate::store::registry::Registry;
+use crate::sync::lock;
 
 /// The well-known bus name.
 pub const BUS_NAME: &str = "org.corral.Corral1";
@@ -174,11 +176,6 @@ impl Shared {
             }
         }
     }
-}
-
-/// Locks, ignoring poisoning: the data stays consistent field by field.
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The object path of the model named `name` (its short form): every byte outside

@@ -3,8 +3,8 @@
 //! runners.
 
 use super::Inventory;
-use crate::scheduler::actor::LoadedModel;
 use crate::scheduler::policy::{Footprint, Placement};
+use crate::scheduler::types::LoadedModel;
 
 /// The host's name among the devices.
 pub const HOST_NAME: &str = "host";
@@ -82,9 +82,9 @@ mod tests {
 
     use super::{DeviceUse, HOST_NAME, model_devices, usage};
     use crate::gpu::{Backend, Gpu, HostMemory, Inventory};
-    use crate::scheduler::actor::LoadedModel;
     use crate::scheduler::keep_alive::KeepAlive;
     use crate::scheduler::policy::{Footprint, Placement};
+    use crate::scheduler::types::LoadedModel;
 
     fn device(index: u32, id: &str, backend: Backend, bytes: u64) -> Gpu {
         Gpu {

@@ -16,9 +16,9 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
 use crate::prompt_template::TemplateError;
-use crate::scheduler::actor::ScheduleError;
 use crate::scheduler::failure::FailureClass;
 use crate::scheduler::request::RequestError;
+use crate::scheduler::types::ScheduleError;
 use crate::store::StoreError;
 use crate::store::registry::RegistryError;
 
@@ -251,8 +251,8 @@ mod tests {
     use axum::http::StatusCode;
 
     use super::schedule;
-    use crate::scheduler::actor::ScheduleError;
     use crate::scheduler::failure::FailureClass;
+    use crate::scheduler::types::ScheduleError;
 
     #[test]
     fn each_class_of_failed_load_has_its_status_and_the_reason_stays() {

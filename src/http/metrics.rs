@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::error::ApiError;
 use super::state::AppState;
-use crate::scheduler::actor::Stats;
+use crate::scheduler::types::Stats;
 
 /// The handler.
 pub async fn metrics(State(app): State<AppState>) -> Result<Response, ApiError> {
@@ -136,9 +136,9 @@ mod tests {
 
     use super::{escape, render, render_devices};
     use crate::gpu::DeviceUse;
-    use crate::scheduler::actor::{Counters, LoadedModel, Stats};
     use crate::scheduler::keep_alive::KeepAlive;
     use crate::scheduler::policy::{Footprint, Placement};
+    use crate::scheduler::types::{Counters, LoadedModel, Stats};
 
     #[test]
     fn the_text_format_has_every_series() {

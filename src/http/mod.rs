@@ -37,11 +37,7 @@ pub use state::AppState;
 /// use every request corral implements, and would meet the same API in that Ollama.
 pub const OLLAMA_VERSION: &str = "0.31.1";
 
-/// corral's own version: `corral_version` on `/api/version` and the `X-Corral-Version`
-/// header of every answer.
-pub const VERSION: &str = env!("CARGO_PKG_VERSION");
-
-/// The header that carries [`VERSION`].
+/// The header that carries [`crate::VERSION`].
 pub const VERSION_HEADER: &str = "x-corral-version";
 
 /// All routes of the API, serving `state`.
@@ -84,7 +80,7 @@ pub fn router(state: AppState) -> Router {
 /// Names corral and its version on every answer, refusals included.
 async fn version_header(request: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
     let mut response = next.run(request).await;
-    response.headers_mut().insert(HeaderName::from_static(VERSION_HEADER), HeaderValue::from_static(VERSION));
+    response.headers_mut().insert(HeaderName::from_static(VERSION_HEADER), HeaderValue::from_static(crate::VERSION));
     response
 }
 
@@ -100,7 +96,7 @@ struct Version {
 }
 
 async fn version() -> Json<Version> {
-    Json(Version { version: OLLAMA_VERSION, corral_version: VERSION })
+    Json(Version { version: OLLAMA_VERSION, corral_version: crate::VERSION })
 }
 
 async fn not_found(uri: Uri) -> ApiError {

@@ -7,9 +7,9 @@ use serde_json::{Map, Value};
 
 use super::error::{self, ApiError, bad, internal};
 use super::state::AppState;
-use crate::scheduler::actor::ModelRequest;
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request::{self, LoadOverrides, RequestError};
+use crate::scheduler::types::ModelRequest;
 use crate::store::name::ModelName;
 use crate::store::show::ModelDetails;
 

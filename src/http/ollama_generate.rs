@@ -25,9 +25,10 @@ use super::ollama_translate::{self as translate, ToolCalls};
 use super::runner_call;
 use super::state::{AppState, Tokens};
 use super::stream_scan::EventScanner;
-use crate::scheduler::actor::{Handle, Lease, ModelRequest, ScheduleError};
+use crate::scheduler::handle::{Handle, Lease};
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request;
+use crate::scheduler::types::{ModelRequest, ScheduleError};
 use crate::store::name::ModelName;
 use crate::supervisor::upstream::BodyStream;
 

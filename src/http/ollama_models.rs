@@ -20,8 +20,8 @@ use tokio::time::Instant;
 use super::error::{self, ApiError, StoreWork, bad};
 use super::state::AppState;
 use crate::gpu::Inventory;
-use crate::scheduler::actor::LoadedModel;
 use crate::scheduler::keep_alive::KeepAlive;
+use crate::scheduler::types::LoadedModel;
 use crate::store::manifest::{Manifest, ModelConfig};
 use crate::store::name::ModelName;
 use crate::store::{Store, StoreError};
@@ -536,10 +536,11 @@ mod tests {
     #[tokio::test]
     async fn ps_lists_a_model_on_a_worker_device_with_its_host_part() {
         use crate::gpu::{Backend as Kind, Gpu, HostMemory, Inventory};
-        use crate::scheduler::actor::{Limits, Scheduler};
+        use crate::scheduler::actor::Scheduler;
         use crate::scheduler::footprints::Footprints;
         use crate::scheduler::keep_alive::{Clamp, KeepAlive};
         use crate::scheduler::policy::GpuView;
+        use crate::scheduler::types::Limits;
 
         let (dir, mut state) = for_tests(absent_backend());
         let limits = Limits {

@@ -25,7 +25,7 @@ use super::ollama_embed::object;
 use super::runner_call;
 use super::state::{AppState, Tokens};
 use super::stream_scan::{EventScanner, JsonTail};
-use crate::scheduler::actor::{Handle, Lease};
+use crate::scheduler::handle::{Handle, Lease};
 use crate::store::name::ModelName;
 use crate::supervisor::upstream::BodyStream;
 

@@ -78,7 +78,7 @@ pub fn embed(body: &[u8]) -> Result<Value, ApiError> {
         "given": given,
         "name": name.full(),
         "options": options,
-        "keep_alive": keep_alive.map(crate::scheduler::keep_alive::KeepAlive::to_json),
+        "keep_alive": keep_alive.map(|k| format!("{k:?}")),
         "inputs": inputs,
     }))
 }

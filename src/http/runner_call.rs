@@ -16,7 +16,8 @@ use axum::http::StatusCode;
 
 use super::error::{self, ApiError, internal};
 use super::state::AppState;
-use crate::scheduler::actor::{Handle, Lease, ModelRequest};
+use crate::scheduler::handle::{Handle, Lease};
+use crate::scheduler::types::ModelRequest;
 use crate::supervisor::upstream::{BodyStream, UpstreamError};
 
 /// A request on its way: the lease held while its answer is read, the answer's status

@@ -3,14 +3,15 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::safety::Safety;
-use crate::scheduler::actor::Handle;
+use crate::scheduler::handle::Handle;
 use crate::scheduler::request::Defaults;
 use crate::store::Store;
 use crate::store::registry::{Registry, RegistryConfig};
+use crate::sync::lock;
 
 /// The state every route gets.
 #[derive(Debug, Clone)]
@@ -64,7 +65,7 @@ impl Tokens {
         }
         #[allow(clippy::cast_precision_loss)] // token counts are far below 2^52
         let speed = generated as f64 / generating.as_secs_f64();
-        let mut speeds = self.speeds.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut speeds = lock(&self.speeds);
         if speeds.len() >= MAX_SPEEDS && !speeds.contains_key(model) {
             speeds.clear();
         }
@@ -74,7 +75,7 @@ impl Tokens {
     /// Generated tokens per second in `model`'s last answer; 0 before one.
     #[must_use]
     pub fn speed(&self, model: &str) -> f64 {
-        self.speeds.lock().unwrap_or_else(PoisonError::into_inner).get(model).copied().unwrap_or(0.0)
+        lock(&self.speeds).get(model).copied().unwrap_or(0.0)
     }
 
     /// Prompt tokens and generated tokens so far.
@@ -111,9 +112,10 @@ impl AppState {
 pub(crate) fn for_tests(backend: Arc<dyn crate::scheduler::backend::Backend>) -> (tempfile::TempDir, AppState) {
     use std::time::Duration;
 
-    use crate::scheduler::actor::{Limits, Scheduler};
+    use crate::scheduler::actor::Scheduler;
     use crate::scheduler::footprints::Footprints;
     use crate::scheduler::keep_alive::{Clamp, KeepAlive};
+    use crate::scheduler::types::Limits;
 
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(&dir.path().join("store")).expect("open the store");

@@ -4,7 +4,10 @@
 //! a [`Lease`] on a ready runner (loading it first if needed) and releases it by dropping
 //! the lease. Slow work (starting and stopping runners) runs in tasks that report back
 //! as events, so the loop never waits on a process. Decisions come from
-//! [`policy::decide`](super::policy::decide) on a snapshot of this state.
+//! [`policy::decide`] on a snapshot of this state. What it is asked and answers is in
+//! [`types`](super::types) and [`handle`](super::handle).
+//!
+//! Over 800 lines for a reason: one state and the handlers that change it, which read best together.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
@@ -15,176 +18,15 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::backend::{Backend, LiveRunner, Projected, StartRequest};
-use super::failure::{FailureClass, LoadFailure};
+use super::failure::LoadFailure;
 use super::footprints::Footprints;
-use super::keep_alive::{self, Clamp, KeepAlive};
+use super::handle::{Command, Event, Handle, Lease, Reaped};
+use super::keep_alive::{self, KeepAlive};
 use super::key::RunnerKey;
 use super::policy::{self, Decision, Footprint, GpuView, Need, Placement, RunnerId, RunnerView, Snapshot};
-use crate::supervisor::command::{LoadOptions, ModelFiles};
+use super::types::{Counters, Limits, LoadedModel, ModelRequest, Notice, ScheduleError, Stats, UnloadReason};
 use crate::supervisor::logparse::Offload;
 use crate::supervisor::runner::DeviceMemory;
-
-/// What a request asks for.
-#[derive(Debug, Clone)]
-pub struct ModelRequest {
-    /// Runners are shared by requests with equal keys: the weights, adapters, projector
-    /// and load options (a difference in any of them needs another runner). A runner of
-    /// the same weights under another key is replaced, since its load options changed.
-    pub key: RunnerKey,
-    /// The model's display name.
-    pub name: String,
-    /// Its files.
-    pub files: ModelFiles,
-    /// Load options.
-    pub options: LoadOptions,
-    /// What it is expected to need (learned from earlier loads, or estimated).
-    pub need: Footprint,
-    /// The layers llama.cpp can offload (blocks and output layer; 0 when unknown).
-    pub layers: u32,
-    /// The client's keep-alive, if it sent one.
-    pub keep_alive: Option<KeepAlive>,
-    /// Never evicted once loaded.
-    pub pinned: bool,
-}
-
-/// Scheduler limits and defaults.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Limits {
-    /// Most runners at once.
-    pub max_loaded: usize,
-    /// Most requests waiting for a load.
-    pub max_queue: usize,
-    /// The keep-alive when neither the client nor the runner has one.
-    pub default_keep_alive: KeepAlive,
-    /// Bounds on what clients ask for.
-    pub clamp: Clamp,
-    /// Whether a model too big for the GPUs may run partly on the CPU.
-    pub partial_offload: bool,
-}
-
-/// Why a request got no runner.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ScheduleError {
-    /// The queue of requests waiting for a load is full.
-    #[error("server busy: {0} requests are already waiting for a model to load")]
-    QueueFull(usize),
-    /// Even with every evictable model unloaded it would not fit.
-    #[error(
-        "model '{model}' needs {} of memory, but at most {} can be made available{}",
-        crate::units::bytes(*.needed),
-        crate::units::bytes(*.available),
-        rooms(.devices, *.host)
-    )]
-    InsufficientMemory {
-        /// The model.
-        model: String,
-        /// Bytes needed: on one device, or in host memory when there are none.
-        needed: u64,
-        /// Bytes that could be freed there (0: only the count of models stands in the way).
-        available: u64,
-        /// Each device with the bytes that could be made available on it.
-        devices: Vec<(String, u64)>,
-        /// The host memory that could be made available.
-        host: u64,
-    },
-    /// The runner failed to start.
-    #[error("model '{model}' failed to load: {reason}")]
-    LoadFailed {
-        /// The model.
-        model: String,
-        /// The kind of failure, for the edges to map (HTTP status, D-Bus error name).
-        class: FailureClass,
-        /// Why.
-        reason: String,
-    },
-    /// The model crashed recently; loads wait before trying again.
-    #[error(
-        "model '{model}' failed {failures} times in a row, the last time with: {reason}; retrying in {}",
-        crate::durations::human(*retry_in)
-    )]
-    BackingOff {
-        /// The model.
-        model: String,
-        /// Consecutive failures.
-        failures: u32,
-        /// The last reason.
-        reason: String,
-        /// Time left before a new attempt.
-        retry_in: Duration,
-    },
-    /// No model by that name is loaded.
-    #[error("model '{0}' is not loaded")]
-    NotLoaded(String),
-    /// The scheduler stopped.
-    #[error("the scheduler is shutting down")]
-    ShuttingDown,
-}
-
-/// A loaded model as reported to `/api/ps`, D-Bus and `/metrics`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoadedModel {
-    /// The runner's id.
-    pub id: RunnerId,
-    /// The model's display name: the first model it was loaded for.
-    pub name: String,
-    /// Every model it serves, `name` first: models whose requests have the same key
-    /// (the same weights and load options) share one runner.
-    pub names: Vec<String>,
-    /// Its key.
-    pub key: RunnerKey,
-    /// `loading`, `ready` or `unloading`.
-    pub state: &'static str,
-    /// Where it runs.
-    pub placement: Placement,
-    /// Its memory (measured once loaded).
-    pub footprint: Footprint,
-    /// Requests holding it.
-    pub leases: u32,
-    /// When it will be unloaded if no request comes (none while busy, or forever).
-    pub expires_at: Option<Instant>,
-    /// Its keep-alive.
-    pub keep_alive: KeepAlive,
-    /// The child's pid, once started.
-    pub pid: Option<u32>,
-    /// Its context per request slot (`num_ctx`).
-    pub context_length: u32,
-    /// The layers it placed on GPUs, once ready (when llama-server said).
-    pub offload: Option<Offload>,
-    /// Each device's memory, planned and actual, once ready.
-    pub devices: Vec<DeviceMemory>,
-}
-
-/// Counters since start, for `/metrics`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Counters {
-    /// Loads started.
-    pub loads: u64,
-    /// Loads that failed.
-    pub load_failures: u64,
-    /// Total time of successful loads, in milliseconds.
-    pub load_millis: u64,
-    /// Runners stopped (expired, evicted, reloaded or asked to).
-    pub unloads: u64,
-    /// Runners chosen to make room (unloaded at once or drained).
-    pub evictions: u64,
-    /// Runners that died on their own.
-    pub crashes: u64,
-    /// Leases granted.
-    pub leases: u64,
-    /// Requests refused because the queue was full.
-    pub queue_full: u64,
-}
-
-/// The scheduler's numbers now.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Stats {
-    /// Counters since start.
-    pub counters: Counters,
-    /// Requests waiting for a load.
-    pub queue_depth: usize,
-    /// The runners.
-    pub loaded: Vec<LoadedModel>,
-}
 
 /// What a runner placed at `placement` takes: a partial one holds on its GPUs only their
 /// shares, and the layers left on the CPU in host memory.
@@ -196,268 +38,6 @@ fn planned_footprint(placement: &Placement, need: Need) -> Footprint {
             Footprint { vram: on_gpus, ram: footprint.ram.saturating_add(footprint.vram.saturating_sub(on_gpus)) }
         }
         _ => need.footprint,
-    }
-}
-
-/// ` (RPC0: 200 MiB, RPC1: 180 MiB; host: 2 GiB)`: each device's room, for the message.
-fn rooms(devices: &[(String, u64)], host: u64) -> String {
-    let devices: Vec<String> =
-        devices.iter().map(|(name, bytes)| format!("{name}: {}", crate::units::bytes(*bytes))).collect();
-    let devices = if devices.is_empty() { String::new() } else { format!("{}; ", devices.join(", ")) };
-    format!(" ({devices}host memory: {})", crate::units::bytes(host))
-}
-
-/// Why a runner stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UnloadReason {
-    /// Its keep-alive ran out (or was zero).
-    Expired,
-    /// It made room for another model.
-    Evicted,
-    /// Someone asked (an unload, or the model was deleted).
-    Requested,
-    /// The same weights were asked for with other load options.
-    Reloaded,
-    /// It died on its own.
-    Crashed,
-    /// The daemon is stopping.
-    Shutdown,
-}
-
-impl UnloadReason {
-    /// The reason as D-Bus and the journal name it.
-    #[must_use]
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Expired => "expired",
-            Self::Evicted => "evicted",
-            Self::Requested => "requested",
-            Self::Reloaded => "reloaded",
-            Self::Crashed => "crashed",
-            Self::Shutdown => "shutdown",
-        }
-    }
-}
-
-/// What changed in the scheduler, for views that follow it (D-Bus properties and
-/// signals). Sent after the change; a view that falls behind reads [`Handle::stats`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Notice {
-    /// A runner started loading.
-    Loading {
-        /// The runner.
-        runner: RunnerId,
-        /// The model's display name.
-        name: String,
-    },
-    /// A runner is ready.
-    Ready {
-        /// The runner.
-        runner: RunnerId,
-        /// The model's display name.
-        name: String,
-        /// The child's pid.
-        pid: u32,
-        /// What it uses, measured (or the estimate when nothing could be measured).
-        footprint: Footprint,
-        /// The layers it placed on GPUs, as llama-server reported them.
-        offload: Option<Offload>,
-    },
-    /// A load failed; the runner is gone.
-    LoadFailed {
-        /// The runner.
-        runner: RunnerId,
-        /// The model's display name.
-        name: String,
-        /// Why.
-        reason: String,
-    },
-    /// The models a runner serves changed: another model with the same weights and load
-    /// options now shares it, or a model moved to a runner of its own.
-    Serving {
-        /// The runner.
-        runner: RunnerId,
-        /// Every model it serves now, the first one it was loaded for first.
-        names: Vec<String>,
-    },
-    /// A runner is being stopped.
-    Unloading {
-        /// The runner.
-        runner: RunnerId,
-        /// The model's display name.
-        name: String,
-    },
-    /// A runner is gone and its child reaped.
-    Unloaded {
-        /// The runner.
-        runner: RunnerId,
-        /// The model's display name.
-        name: String,
-        /// Why it stopped.
-        reason: UnloadReason,
-        /// For a crash, what happened.
-        detail: Option<String>,
-    },
-    /// New limits apply.
-    Reconfigured(Limits),
-}
-
-/// A granted runner. Dropping it ends the request's hold.
-#[derive(Debug)]
-pub struct Lease {
-    runner: RunnerId,
-    socket: PathBuf,
-    events: mpsc::UnboundedSender<Event>,
-}
-
-impl Lease {
-    /// The runner's UNIX socket.
-    #[must_use]
-    pub fn socket(&self) -> &std::path::Path {
-        &self.socket
-    }
-
-    /// The runner's id.
-    #[must_use]
-    pub fn runner(&self) -> RunnerId {
-        self.runner
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        // Drop cannot await: the release goes through an unbounded channel.
-        let _ = self.events.send(Event::Released { runner: self.runner });
-    }
-}
-
-/// The scheduler's address.
-#[derive(Debug, Clone)]
-pub struct Handle {
-    commands: mpsc::Sender<Command>,
-    notices: broadcast::Sender<Notice>,
-}
-
-impl Handle {
-    /// A lease on a ready runner for `request`, loading it first if needed. Resolves when
-    /// the runner is ready (or with why it will not be).
-    pub async fn acquire(&self, request: ModelRequest) -> Result<Lease, ScheduleError> {
-        let (reply, answer) = oneshot::channel();
-        self.send(Command::Acquire { request: Box::new(request), reply }).await?;
-        answer.await.map_err(|_| ScheduleError::ShuttingDown)?
-    }
-
-    /// Unloads the runner with this key; resolves once its child is reaped. A busy runner
-    /// takes no new requests and unloads when its requests end.
-    pub async fn unload(&self, key: &RunnerKey) -> Result<(), ScheduleError> {
-        let (reply, answer) = oneshot::channel();
-        self.send(Command::Unload { key: key.clone(), reply }).await?;
-        answer.await.map_err(|_| ScheduleError::ShuttingDown)?
-    }
-
-    /// Unloads every runner serving the model named `name` (display name); resolves once
-    /// their children are reaped. [`ScheduleError::NotLoaded`] when none runs. A runner
-    /// shared with other models is one process: it stops for all of them.
-    pub async fn unload_model(&self, name: &str) -> Result<(), ScheduleError> {
-        let keys: Vec<RunnerKey> =
-            self.loaded().await?.into_iter().filter(|m| m.names.iter().any(|n| n == name)).map(|m| m.key).collect();
-        if keys.is_empty() {
-            return Err(ScheduleError::NotLoaded(name.to_owned()));
-        }
-        for key in keys {
-            match self.unload(&key).await {
-                // Gone meanwhile (expired, crashed): what was asked for holds.
-                Ok(()) | Err(ScheduleError::NotLoaded(_)) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
-    }
-
-    /// Notices of what changes from now on.
-    #[must_use]
-    pub fn subscribe(&self) -> broadcast::Receiver<Notice> {
-        self.notices.subscribe()
-    }
-
-    /// The loaded models.
-    pub async fn loaded(&self) -> Result<Vec<LoadedModel>, ScheduleError> {
-        let (reply, answer) = oneshot::channel();
-        self.send(Command::Loaded { reply }).await?;
-        answer.await.map_err(|_| ScheduleError::ShuttingDown)
-    }
-
-    /// The scheduler's counters, queue depth and runners.
-    pub async fn stats(&self) -> Result<Stats, ScheduleError> {
-        let (reply, answer) = oneshot::channel();
-        self.send(Command::Stats { reply }).await?;
-        answer.await.map_err(|_| ScheduleError::ShuttingDown)
-    }
-
-    /// Applies new limits (after a configuration reload); loaded runners keep their
-    /// keep-alive until their next request. A lower `max_loaded` applies at once: idle
-    /// runners beyond it unload now, busy ones take no new requests and unload when
-    /// their requests end ([`policy::shed`](super::policy::shed)).
-    pub async fn reconfigure(&self, limits: Limits) {
-        let _ = self.send(Command::Reconfigure { limits }).await;
-    }
-
-    /// Reports that the runner of `lease` is dead (its socket refused or reset a request
-    /// before anything came back), ahead of its own crash report: it takes no new
-    /// requests and goes once its requests end, so the next [`Handle::acquire`] (ordered
-    /// after this report) loads a fresh one.
-    pub async fn report_dead(&self, lease: Lease) {
-        let _ = self.send(Command::Dead { runner: lease.runner }).await;
-        drop(lease);
-    }
-
-    /// A round trip through the scheduler's loop: resolves once the loop took the
-    /// message, which proves it runs (the watchdog pings only then).
-    ///
-    /// # Errors
-    /// [`ScheduleError::ShuttingDown`] when the scheduler is gone.
-    pub async fn ping(&self) -> Result<(), ScheduleError> {
-        let (reply, answer) = oneshot::channel();
-        self.send(Command::Ping { reply }).await?;
-        answer.await.map_err(|_| ScheduleError::ShuttingDown)
-    }
-
-    /// Stops every runner and ends the scheduler; resolves once all children are reaped.
-    pub async fn shutdown(&self) {
-        let (reply, answer) = oneshot::channel();
-        if self.send(Command::Shutdown { reply }).await.is_ok() {
-            let _ = answer.await;
-        }
-    }
-
-    async fn send(&self, command: Command) -> Result<(), ScheduleError> {
-        self.commands.send(command).await.map_err(|_| ScheduleError::ShuttingDown)
-    }
-}
-
-enum Command {
-    Acquire { request: Box<ModelRequest>, reply: oneshot::Sender<Result<Lease, ScheduleError>> },
-    Unload { key: RunnerKey, reply: oneshot::Sender<Result<(), ScheduleError>> },
-    Loaded { reply: oneshot::Sender<Vec<LoadedModel>> },
-    Reconfigure { limits: Limits },
-    Dead { runner: RunnerId },
-    Ping { reply: oneshot::Sender<()> },
-    Stats { reply: oneshot::Sender<Stats> },
-    Shutdown { reply: oneshot::Sender<()> },
-}
-
-#[derive(Debug)]
-enum Event {
-    Started { runner: RunnerId, result: Result<Box<dyn LiveRunner>, LoadFailure> },
-    Projected { key: RunnerKey, result: Result<Projected, String> },
-    Released { runner: RunnerId },
-    Stopped { runner: RunnerId },
-    Crashed { runner: RunnerId, reason: String },
-}
-
-impl std::fmt::Debug for dyn LiveRunner {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "runner pid {}", self.pid())
     }
 }
 
@@ -592,6 +172,9 @@ impl Scheduler {
         match command {
             Command::Acquire { request, reply } => self.acquire(*request, reply),
             Command::Unload { key, reply } => self.unload_by_key(&key, reply),
+            Command::UnloadModel { name, reply } => {
+                let _ = reply.send(self.unload_model(&name));
+            }
             Command::Loaded { reply } => {
                 let _ = reply.send(self.loaded_models());
             }
@@ -1082,6 +665,24 @@ impl Scheduler {
         };
         entry.unload_waiters.push(reply);
         self.retire(id, UnloadReason::Requested);
+    }
+
+    /// Takes every runner serving `name` out of service, as one step; the answers come
+    /// as each child is reaped.
+    fn unload_model(&mut self, name: &str) -> Result<Vec<Reaped>, ScheduleError> {
+        let ids: Vec<RunnerId> =
+            self.runners.iter().filter(|(_, e)| e.users.iter().any(|n| n == name)).map(|(id, _)| *id).collect();
+        if ids.is_empty() {
+            return Err(ScheduleError::NotLoaded(name.to_owned()));
+        }
+        let mut reaped = Vec::with_capacity(ids.len());
+        for id in ids {
+            let (reply, answer) = oneshot::channel();
+            self.runners.get_mut(&id).expect("listed above").unload_waiters.push(reply);
+            self.retire(id, UnloadReason::Requested);
+            reaped.push(answer);
+        }
+        Ok(reaped)
     }
 
     fn begin_unload(&mut self, id: RunnerId, reason: UnloadReason) {

@@ -9,13 +9,15 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use super::actor::{Handle, Limits, ModelRequest, ScheduleError, Scheduler};
+use super::actor::Scheduler;
 use super::backend::{Backend, BoxFuture, LiveRunner, StartRequest};
 use super::failure::{FailureClass, LoadFailure};
 use super::footprints::Footprints;
+use super::handle::Handle;
 use super::keep_alive::{Clamp, KeepAlive};
 use super::key::{RunnerKey, Weights};
 use super::policy::{Footprint, GpuView};
+use super::types::{Limits, ModelRequest, ScheduleError};
 use crate::store::digest::Digest;
 use crate::supervisor::command::{LoadOptions, ModelFiles};
 
@@ -584,7 +586,7 @@ async fn models_with_the_same_weights_and_options_share_a_runner_and_each_shows_
     // The views are told who joined.
     let mut serving = None;
     while let Ok(notice) = notices.try_recv() {
-        if let super::actor::Notice::Serving { runner, names } = notice {
+        if let super::types::Notice::Serving { runner, names } = notice {
             serving = Some((runner, names));
         }
     }
@@ -650,7 +652,7 @@ async fn a_model_being_evicted_is_not_revived_mid_eviction() {
     let b = handle.acquire(model("b", 700));
     let again = async {
         loop {
-            if let Ok(super::actor::Notice::Unloading { .. }) = notices.recv().await {
+            if let Ok(super::types::Notice::Unloading { .. }) = notices.recv().await {
                 break;
             }
         }
@@ -689,4 +691,36 @@ async fn a_model_too_big_for_any_device_is_refused_at_once_naming_each_device() 
         "each device's room is named: {err}"
     );
     assert!(fake.lines().is_empty(), "nothing was started");
+}
+
+/// Unloading a model is one message: the scheduler takes every runner serving it out of
+/// service in one step. (Two steps, a list of runner keys and then an unload by each key,
+/// stopped the first runner with the key twice, here the draining one, and left its
+/// replacement running.)
+#[tokio::test(start_paused = true)]
+async fn unloading_a_model_stops_each_of_its_runners_a_draining_one_and_its_replacement() {
+    let (fake, handle) = scheduler(1000, limits());
+    let dead = handle.acquire(model("m", 100)).await.expect("m");
+    let held = handle.acquire(model("m", 100)).await.expect("m, a second request");
+    // Reported dead while another request holds it: it drains, and a replacement loads.
+    handle.report_dead(dead).await;
+    drop(handle.acquire(model("m", 100)).await.expect("a fresh load"));
+    let loaded = handle.loaded().await.expect("loaded");
+    let runners: Vec<(u64, &str)> = loaded.iter().map(|m| (m.id, m.state)).collect();
+    assert_eq!(runners, [(1, "ready"), (2, "ready")], "the draining runner beside its replacement");
+
+    let unload = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.unload_model("m").await }
+    });
+    // The idle replacement stops at once; the draining runner once its request ends.
+    let mut notices = handle.subscribe();
+    while handle.loaded().await.expect("loaded").iter().any(|m| m.id == 2) {
+        tokio::time::timeout(Duration::from_secs(10), notices.recv()).await.expect("a notice").expect("open");
+    }
+    assert!(!unload.is_finished(), "the busy runner is not reaped yet");
+    drop(held);
+    unload.await.expect("join").expect("unloaded");
+    assert!(handle.loaded().await.expect("loaded").is_empty(), "no runner of m is left");
+    assert_eq!(fake.lines(), ["start 1 m", "start 2 m", "stop 2", "stop 1"]);
 }

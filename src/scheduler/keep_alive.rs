@@ -60,15 +60,6 @@ impl KeepAlive {
     pub fn is_zero(self) -> bool {
         self == Self::For(Duration::ZERO)
     }
-
-    /// The value as Ollama encodes it in responses: a Go duration, or `-1` for forever.
-    #[must_use]
-    pub fn to_json(self) -> Value {
-        match self {
-            Self::Forever => Value::from(-1),
-            Self::For(d) => Value::from(format_go_duration(d)),
-        }
-    }
 }
 
 /// Server-side bounds on what clients may ask for.
@@ -159,29 +150,6 @@ fn parse_go_duration(s: &str) -> Result<i64, &'static str> {
     Ok(if negative { -nanos } else { nanos })
 }
 
-/// A duration as Go writes it, less the zero units (`"1h30m"`, `"24h"`, `"1.5s"` is
-/// `"1s500ms"`): what [`parse_go_duration`] reads back to the same nanosecond.
-fn format_go_duration(d: Duration) -> String {
-    use std::fmt::Write as _;
-    if d.is_zero() {
-        return "0s".to_owned();
-    }
-    let (seconds, nanos) = (d.as_secs(), d.subsec_nanos());
-    let parts = [
-        (seconds / 3600, "h"),
-        (seconds / 60 % 60, "m"),
-        (seconds % 60, "s"),
-        (u64::from(nanos / 1_000_000), "ms"),
-        (u64::from(nanos / 1_000 % 1_000), "us"),
-        (u64::from(nanos % 1_000), "ns"),
-    ];
-    let mut out = String::new();
-    for (count, unit) in parts.into_iter().filter(|(count, _)| *count > 0) {
-        let _ = write!(out, "{count}{unit}");
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -197,6 +165,29 @@ mod tests {
 
     const fn secs(s: u64) -> KeepAlive {
         KeepAlive::For(Duration::from_secs(s))
+    }
+
+    /// A duration as Go writes it, less the zero units (`"1h30m"`, `"24h"`, `"1.5s"` is
+    /// `"1s500ms"`): the strings [`parse_go_duration`] must read back to the nanosecond.
+    fn format_go_duration(d: Duration) -> String {
+        use std::fmt::Write as _;
+        if d.is_zero() {
+            return "0s".to_owned();
+        }
+        let (seconds, nanos) = (d.as_secs(), d.subsec_nanos());
+        let parts = [
+            (seconds / 3600, "h"),
+            (seconds / 60 % 60, "m"),
+            (seconds % 60, "s"),
+            (u64::from(nanos / 1_000_000), "ms"),
+            (u64::from(nanos / 1_000 % 1_000), "us"),
+            (u64::from(nanos % 1_000), "ns"),
+        ];
+        let mut out = String::new();
+        for (count, unit) in parts.into_iter().filter(|(count, _)| *count > 0) {
+            let _ = write!(out, "{count}{unit}");
+        }
+        out
     }
 
     #[test]
@@ -255,17 +246,6 @@ mod tests {
     }
 
     #[test]
-    fn encoded_like_ollama() {
-        assert_eq!(KeepAlive::Forever.to_json(), json!(-1));
-        assert_eq!(secs(300).to_json(), json!("5m"));
-        assert_eq!(secs(5400).to_json(), json!("1h30m"));
-        assert_eq!(secs(0).to_json(), json!("0s"));
-        // Go has no unit above hours: a day is 24h (humantime's "1day" did not parse back).
-        assert_eq!(secs(86_400).to_json(), json!("24h"));
-        assert_eq!(KeepAlive::For(Duration::from_nanos(1_500_000_001)).to_json(), json!("1s500ms1ns"));
-    }
-
-    #[test]
     fn go_durations_are_exact_to_the_nanosecond() {
         // 3000h and 1ns: beyond f64's 53 bits of nanoseconds.
         assert_eq!(parse_go_duration("3000h1ns"), Ok(3000 * 3_600_000_000_000 + 1));
@@ -285,7 +265,7 @@ mod tests {
         #[test]
         fn formatted_durations_parse_back(nanos in 0..=i64::MAX) {
             let d = Duration::from_nanos(nanos.unsigned_abs());
-            let text = KeepAlive::For(d).to_json();
+            let text = Value::from(format_go_duration(d));
             prop_assert_eq!(parse_go_duration(text.as_str().expect("a string")), Ok(nanos));
             prop_assert_eq!(KeepAlive::from_json(Some(&text)), Ok(Some(KeepAlive::For(d))));
             let negative = Value::String(format!("-{}", text.as_str().expect("a string")));

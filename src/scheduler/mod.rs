@@ -1,7 +1,9 @@
 //! Which models are loaded, where, for how long, and who waits.
 //!
-//! - [`actor`]: the one task that owns all scheduling state; everything else holds a
-//!   [`Handle`](actor::Handle);
+//! - [`actor`]: the one task that owns all scheduling state, and its loop;
+//! - [`handle`]: its address, the [`Handle`](handle::Handle) everything else holds, and
+//!   the [`Lease`](handle::Lease) a request holds a runner by;
+//! - [`types`]: what it is asked and answers (requests, limits, errors, reports, notices);
 //! - [`policy`]: pure decisions (fit, placement, eviction) on a snapshot;
 //! - [`keep_alive`]: what clients send and the server's clamps on it;
 //! - [`backend`]: the runners the actor starts, behind a trait, and the real one;
@@ -14,11 +16,13 @@ pub mod actor;
 pub mod backend;
 pub mod failure;
 pub mod footprints;
+pub mod handle;
 pub mod keep_alive;
 pub mod key;
 pub mod policy;
 pub mod projections;
 pub mod request;
+pub mod types;
 
 #[cfg(test)]
 mod actor_tests;

@@ -4,13 +4,14 @@
 
 use std::ffi::OsString;
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use super::backend::{BoxFuture, ProjectedRow, Projections};
 use crate::projection::{Projection, ProjectionCache, ProjectionKey, Projector};
 use crate::store::digest::Digest;
 use crate::supervisor::command::{self, FlashAttention, LoadOptions, ModelFiles};
 use crate::supervisor::runner::HOST;
+use crate::sync::lock;
 
 /// [`Projections`] through a [`Projector`], remembered in a [`ProjectionCache`].
 #[derive(Debug)]
@@ -53,10 +54,6 @@ impl Projections for CachedProjections {
             Ok(rows(&projection))
         })
     }
-}
-
-fn lock(cache: &Mutex<ProjectionCache>) -> std::sync::MutexGuard<'_, ProjectionCache> {
-    cache.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Each device's bytes, the host's as [`HOST`]. llama-fit-params prints whole MiB,

@@ -14,10 +14,10 @@ use std::collections::BTreeMap;
 
 use serde_json::{Map, Value};
 
-use super::actor::ModelRequest;
 use super::keep_alive::{InvalidKeepAlive, KeepAlive};
 use super::key::{RunnerKey, Weights};
 use super::policy::{self, Footprint};
+use super::types::ModelRequest;
 use crate::gguf::metadata::PoolingType;
 use crate::store::name::ModelName;
 use crate::store::show::ModelDetails;

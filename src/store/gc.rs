@@ -20,6 +20,8 @@
 
 use std::time::{Duration, SystemTime};
 
+use crate::sync::lock;
+
 use super::beneath::{Dir, Kind};
 use super::digest::Digest;
 use super::{Store, StoreError, TEMP_PREFIX, vanished};
@@ -70,7 +72,7 @@ impl Store {
     /// cannot be read (nobody can tell then which are unused); the rest is still collected.
     pub fn collect_garbage(&self, grace: Duration, now: SystemTime) -> Result<Collected, StoreError> {
         let mut collected = Collected::default();
-        let pins = self.pins.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let pins = lock(&self.pins);
         let referenced = match self.references() {
             Ok(referenced) => Some(referenced),
             Err(e) => {
@@ -115,7 +117,7 @@ impl Store {
     }
 
     fn is_live_temp(&self, name: &str) -> bool {
-        self.temps.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(name)
+        lock(&self.temps).contains(name)
     }
 
     /// Removes old temporary files no write holds below `dir` (`manifests/`).

@@ -1,10 +1,10 @@
 //! Manifests: written last and atomically, read from one open file, copied, and deleted
 //! with the blobs no other manifest or running operation needs.
 
+use crate::sync::lock;
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::{Read, Write};
-use std::sync::PoisonError;
 use std::time::SystemTime;
 
 use super::beneath::{self, Dir, Kind};
@@ -39,7 +39,7 @@ impl Store {
             .and_then(|()| temp.as_file().sync_all())
             .map_err(io_err(format!("cannot write the manifest of {name}")))?;
         readable(temp.as_file())?;
-        let layout = self.layout.lock().unwrap_or_else(PoisonError::into_inner);
+        let layout = lock(&self.layout);
         let mut dir = manifests;
         for part in [name.registry(), name.namespace(), name.model()] {
             dir = dir.create_dir(part).map_err(fs_err("create", dir.rel(part)))?;
@@ -151,7 +151,7 @@ impl Store {
     /// Removes a manifest file, then the model, namespace and registry directories it
     /// leaves empty.
     fn remove_manifest(&self, name: &ModelName) -> Result<(), StoreError> {
-        let _layout = self.layout.lock().unwrap_or_else(PoisonError::into_inner);
+        let _layout = lock(&self.layout);
         let not_found = || StoreError::NotFound(name.to_string());
         let dirs = self.model_dirs(name)?.ok_or_else(not_found)?;
         match dirs[3].remove_file(name.tag()) {
@@ -178,7 +178,7 @@ impl Store {
         }
         // Holding the pin table while deciding: an operation pins before it writes a
         // manifest, so a blob is either pinned here or named by a manifest on disk.
-        let pins = self.pins.lock().unwrap_or_else(PoisonError::into_inner);
+        let pins = lock(&self.pins);
         let referenced = match self.references() {
             Ok(referenced) => referenced,
             Err(e) => {

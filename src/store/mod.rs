@@ -45,7 +45,9 @@ use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
+
+use crate::sync::lock;
 
 use self::beneath::Dir;
 use self::digest::Digest;
@@ -83,7 +85,7 @@ pub struct Pin {
 
 impl Drop for Pin {
     fn drop(&mut self) {
-        let mut pins = self.pins.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut pins = lock(&self.pins);
         for digest in &self.digests {
             if let Some(count) = pins.get_mut(digest) {
                 *count -= 1;
@@ -202,7 +204,7 @@ impl Store {
     #[must_use]
     pub fn pin(&self, digests: impl IntoIterator<Item = Digest>) -> Pin {
         let digests: Vec<Digest> = digests.into_iter().collect();
-        let mut pins = self.pins.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut pins = lock(&self.pins);
         for digest in &digests {
             *pins.entry(*digest).or_default() += 1;
         }

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use serde_json::{Map, Value};
@@ -16,6 +16,7 @@ use super::name::ModelName;
 use super::{Store, StoreError};
 use crate::gguf::metadata::{self, ModelInfo};
 use crate::gguf::reader::GgufFile;
+use crate::sync::lock;
 
 /// Everything shown about a model.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,7 +65,7 @@ impl Store {
         }
         let details = Arc::new(self.read_details(name, None)?);
         let entry = Cached { file, details: Arc::clone(&details) };
-        self.details.lock().unwrap_or_else(PoisonError::into_inner).insert(name.clone(), entry);
+        lock(&self.details).insert(name.clone(), entry);
         Ok(details)
     }
 
@@ -78,12 +79,7 @@ impl Store {
     #[allow(clippy::type_complexity)]
     fn lookup(&self, name: &ModelName) -> Result<((u64, u64, SystemTime), Option<Arc<ModelDetails>>), StoreError> {
         let file = self.manifest_identity(name)?;
-        let cached = self
-            .details
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(name)
-            .and_then(|c| (c.file == file).then(|| Arc::clone(&c.details)));
+        let cached = lock(&self.details).get(name).and_then(|c| (c.file == file).then(|| Arc::clone(&c.details)));
         Ok((file, cached))
     }
 

@@ -5,7 +5,9 @@ use std::collections::HashSet;
 use std::fs::{self, File};
 use std::io::{self, Write};
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
+
+use crate::sync::lock;
 
 use super::beneath::{Dir, Kind};
 use super::{Store, StoreError, fs_err, io_err, vanished};
@@ -82,7 +84,7 @@ impl Drop for TempFile {
         if !self.placed {
             let _ = self.dir.remove_file(&self.name);
         }
-        self.temps.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.name);
+        lock(&self.temps).remove(&self.name);
     }
 }
 
@@ -93,13 +95,13 @@ impl Store {
         for _ in 0..16 {
             let name: String = std::iter::repeat_with(fastrand::alphanumeric).take(12).collect::<String>();
             let name = format!("{TEMP_PREFIX}{name}");
-            if !self.temps.lock().unwrap_or_else(PoisonError::into_inner).insert(name.clone()) {
+            if !lock(&self.temps).insert(name.clone()) {
                 continue;
             }
             match dir.create_new(&name, 0o600) {
                 Ok(file) => return Ok(TempFile { dir, name, file, temps: Arc::clone(&self.temps), placed: false }),
                 Err(e) => {
-                    self.temps.lock().unwrap_or_else(PoisonError::into_inner).remove(&name);
+                    lock(&self.temps).remove(&name);
                     if e.kind() != io::ErrorKind::AlreadyExists {
                         return Err(fs_err("create a temporary file in", dir.path().to_owned())(e));
                     }

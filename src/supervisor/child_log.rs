@@ -23,6 +23,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use super::logparse::{LineSplitter, LoadReport, ParsedLine, Priorities};
 use super::runner::LogSink;
+use crate::sync::lock;
 use crate::systemd::Priority;
 
 /// How long the reader of a ready runner's log waits between reads.
@@ -125,11 +126,6 @@ impl ChildLog {
         let _ = tokio::time::timeout(limit, &mut self.ended).await;
         self.report().clone()
     }
-}
-
-fn lock(report: &Mutex<LoadReport>) -> MutexGuard<'_, LoadReport> {
-    // Parsing does not panic with the lock held; if it did, the report is still usable.
-    report.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The thread's side.

@@ -18,6 +18,8 @@ use hyper::client::conn::http1::SendRequest;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 
+use crate::sync::lock;
+
 /// Why a request to a runner failed.
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
@@ -278,7 +280,7 @@ impl Pool {
 
     /// A kept connection to `socket` that can take a request now, if any.
     fn take(&self, socket: &Path) -> Option<Connection> {
-        let mut idle = self.idle.lock().expect("the pool's lock is never poisoned");
+        let mut idle = lock(&self.idle);
         let kept = idle.get_mut(socket)?;
         let mut found = None;
         while let Some(connection) = kept.pop() {
@@ -300,7 +302,7 @@ impl Pool {
     /// Opens a connection to `socket` for the next request, unless one is kept already.
     /// A runner that went away in the meantime simply gets none.
     async fn open_spare(&self, socket: PathBuf) {
-        if self.idle.lock().expect("the pool's lock is never poisoned").contains_key(&socket) {
+        if lock(&self.idle).contains_key(&socket) {
             return;
         }
         if let Ok(connection) = Connection::open(&socket).await {
@@ -313,7 +315,7 @@ impl Pool {
             connection.driver.abort();
             return;
         }
-        let mut idle = self.idle.lock().expect("the pool's lock is never poisoned");
+        let mut idle = lock(&self.idle);
         // Runners come and go: forget connections to ones that closed them.
         idle.retain(|_, kept| {
             kept.retain(|c| c.idle_since.elapsed() < Self::MAX_IDLE && !c.driver.is_finished());

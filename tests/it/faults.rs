@@ -61,7 +61,7 @@ impl World {
             probe: None,
             projections: None,
         };
-        let limits = corral::scheduler::actor::Limits { max_loaded, ..limits() };
+        let limits = corral::scheduler::types::Limits { max_loaded, ..limits() };
         let (scheduler, handle) =
             Scheduler::new(Arc::new(backend), Vec::new(), 4 << 30, limits, Footprints::in_memory());
         tokio::spawn(scheduler.run());

@@ -9,7 +9,7 @@
 //! registry's own token service): a token is never fetched over plain HTTP from elsewhere.
 //! Basic authentication is not supported.
 
-use std::sync::PoisonError;
+use crate::sync::lock;
 
 use reqwest::header::WWW_AUTHENTICATE;
 use reqwest::{RequestBuilder, Response, StatusCode, Url};
@@ -41,7 +41,7 @@ impl Remote {
         let mut renewed = false;
         loop {
             let mut request = build()?;
-            let token = self.token.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            let token = lock(&self.token).clone();
             if let Some(token) = token {
                 request = request.bearer_auth(token);
             }
@@ -65,7 +65,7 @@ impl Remote {
                 ));
             };
             let token = self.fetch_token(what, &challenge).await?;
-            *self.token.lock().unwrap_or_else(PoisonError::into_inner) = Some(token);
+            *lock(&self.token) = Some(token);
             renewed = true;
         }
     }

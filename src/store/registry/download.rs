@@ -8,7 +8,9 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
+
+use crate::sync::lock;
 use std::time::Duration;
 
 use futures_util::{StreamExt, TryStreamExt, stream};
@@ -31,7 +33,7 @@ pub(super) type Inflight = HashMap<InflightKey, Arc<watch::Sender<BlobStatus>>>;
 
 impl Inner {
     fn lock_inflight(&self) -> std::sync::MutexGuard<'_, Inflight> {
-        self.inflight.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.inflight)
     }
 
     /// Waits on the download of `layer` into `store`, starting it unless one is in flight.

@@ -19,8 +19,10 @@ use std::fs::File;
 use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, PoisonError};
+
+use crate::sync::lock;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -221,11 +223,11 @@ impl Partial {
     }
 
     pub(super) fn completed(&self) -> u64 {
-        self.done.lock().unwrap_or_else(PoisonError::into_inner).covered()
+        lock(&self.done).covered()
     }
 
     pub(super) fn missing(&self) -> Vec<(u64, u64)> {
-        self.done.lock().unwrap_or_else(PoisonError::into_inner).missing(self.size)
+        lock(&self.done).missing(self.size)
     }
 
     /// Writes data at `offset` and records it. Returns how much of the blob is now in place.
@@ -233,7 +235,7 @@ impl Partial {
         self.file
             .write_all_at(data, offset)
             .map_err(|e| Self::write_error(&self.data_path, &self.what, self.size, e))?;
-        let mut done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut done = lock(&self.done);
         done.insert(offset, offset + data.len() as u64);
         self.dirty.store(true, Ordering::SeqCst);
         Ok(done.covered())
@@ -241,7 +243,7 @@ impl Partial {
 
     /// Tells the waiting pulls how far the download is, at most every `PROGRESS_INTERVAL`.
     pub(super) fn report(&self, sender: &watch::Sender<BlobStatus>, completed: u64) {
-        let mut reported = self.reported.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut reported = lock(&self.reported);
         if completed == self.size || reported.is_none_or(|at| at.elapsed() >= PROGRESS_INTERVAL) {
             *reported = Some(Instant::now());
             sender.send_modify(|status| status.completed = status.completed.max(completed));
@@ -251,11 +253,11 @@ impl Partial {
     /// Records on disk which ranges are written: the data first synced, then the record
     /// replaced atomically, so it never claims data that a crash could lose.
     pub(super) fn checkpoint(&self) -> Result<(), RegistryError> {
-        let finished = self.finished.lock().unwrap_or_else(PoisonError::into_inner);
+        let finished = lock(&self.finished);
         if *finished || !self.dirty.swap(false, Ordering::SeqCst) {
             return Ok(());
         }
-        let done = self.done.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let done = lock(&self.done).clone();
         let result = self.write_record(&done);
         if result.is_err() {
             self.dirty.store(true, Ordering::SeqCst);
@@ -294,7 +296,7 @@ impl Partial {
         if actual != self.digest {
             return Err(RegistryError::DigestMismatch { registry: self.registry.clone(), digest: self.digest, actual });
         }
-        let mut finished = self.finished.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut finished = lock(&self.finished);
         *finished = true;
         let blob = self.digest.file_name();
         self.blobs.rename(&self.data_name, &self.blobs, &blob).map_err(|e| {
@@ -309,7 +311,7 @@ impl Partial {
 
     /// Deletes the data file and the record (or links of those names: never what they point to).
     pub(super) fn remove(&self) {
-        let mut finished = self.finished.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut finished = lock(&self.finished);
         *finished = true;
         for name in [&self.data_name, &self.record_name] {
             if let Err(e) = self.blobs.remove_file(name) {

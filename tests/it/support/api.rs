@@ -10,11 +10,12 @@ use axum::http::{Request, StatusCode};
 use axum::response::Response;
 
 use corral::http::{AppState, router};
-use corral::scheduler::actor::{Limits, Scheduler};
+use corral::scheduler::actor::Scheduler;
 use corral::scheduler::backend::SupervisorBackend;
 use corral::scheduler::footprints::Footprints;
 use corral::scheduler::keep_alive::{Clamp, KeepAlive};
 use corral::scheduler::request::Defaults;
+use corral::scheduler::types::Limits;
 use corral::store::Store;
 use corral::store::create::CreateSpec;
 use corral::store::modelfile::Modelfile;

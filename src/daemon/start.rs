@@ -1,0 +1,286 @@
+//! Building the parts at start: the store, the scheduler and its runners, the HTTP state,
+//! the D-Bus service, the preloads, and the process limits and cgroup tree they run in.
+
+use std::os::fd::OwnedFd;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+
+use crate::cli::LogTarget;
+use crate::config::{BusKind, Config, Loaded};
+use crate::dbus;
+use crate::gpu;
+use crate::http::{self, listeners};
+use crate::paths::Paths;
+use crate::projection::{ProjectionCache, Projector};
+use crate::scheduler::actor::Scheduler;
+use crate::scheduler::backend::Projections;
+use crate::scheduler::backend::SupervisorBackend;
+use crate::scheduler::footprints::Footprints;
+use crate::scheduler::handle::Handle;
+use crate::scheduler::keep_alive::{Clamp, KeepAlive};
+use crate::scheduler::policy::GpuView;
+use crate::scheduler::projections::CachedProjections;
+use crate::scheduler::request;
+use crate::scheduler::types::Limits;
+use crate::store::Store;
+use crate::store::name::ModelName;
+use crate::store::registry::{Registry, RegistryConfig};
+use crate::supervisor::cgroup::CgroupTree;
+use crate::supervisor::command::{Device, INHERITED_VARIABLES};
+use crate::supervisor::runner::{LogSink, SupervisorConfig};
+use crate::systemd::{JOURNAL_SOCKET, JournalWriter};
+
+/// The sockets systemd passed, or else the configured `[server] listen` addresses bound.
+pub(super) async fn listen(
+    sockets: Vec<(String, OwnedFd)>,
+    config: &Config,
+) -> Result<Vec<listeners::Listener>, listeners::ListenError> {
+    if sockets.is_empty() { listeners::bind(&config.server.listen).await } else { listeners::adopt(sockets) }
+}
+
+/// The journal's first entry: version, configuration files and directories.
+pub(super) fn log_start(loaded: &Loaded, paths: &Paths) {
+    tracing::info!(
+        corral_event = "start",
+        version = crate::VERSION,
+        config_files = ?loaded.files,
+        state_directory = %paths.state.display(),
+        runtime_directory = %paths.runtime.display(),
+        "corrald {} starting",
+        crate::VERSION,
+    );
+}
+
+/// Unused blobs and stale partial downloads go at start, then every `[store] gc_interval`.
+pub(super) fn start_gc(config: &Config, store: &Store) {
+    if let (false, Some(interval)) = (config.store.read_only, config.store.gc_interval) {
+        tokio::spawn(crate::store::gc::run(store.clone(), Some(interval), config.store.gc_grace));
+    }
+}
+
+/// Raises the soft limit on open files to the hard one: every connection, upload and
+/// runner socket is a file, and the soft limit is often 1024 (systemd's default, kept
+/// low for programs that still use `select`; corrald uses epoll).
+pub(super) fn raise_open_files_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::debug!(from = soft, to = hard, "raised the soft limit on open files"),
+            Err(e) => tracing::debug!(soft, hard, error = %e, "cannot raise the soft limit on open files"),
+        },
+        Ok((soft, _)) => tracing::debug!(limit = soft, "the soft limit on open files is already the hard one"),
+        Err(e) => tracing::debug!(error = %e, "cannot read the limit on open files"),
+    }
+}
+
+/// Opens the model store (checking it, which reads the disk: off the async threads).
+pub(super) async fn open_store(config: &Config, paths: &Paths) -> anyhow::Result<Store> {
+    let store_path = config.store.path.clone().unwrap_or_else(|| paths.default_store());
+    let read_only = config.store.read_only;
+    tokio::task::spawn_blocking(
+        move || {
+            if read_only { Store::open_read_only(&store_path) } else { Store::open(&store_path) }
+        },
+    )
+    .await
+    .context("the store check panicked")?
+    .context("cannot open the model store")
+}
+
+/// What the HTTP handlers share, from the configuration at start.
+pub(super) fn app_state(
+    config: &Config,
+    store: Store,
+    scheduler: Handle,
+    inventory: Arc<gpu::Inventory>,
+) -> http::AppState {
+    let registry = Registry::new(RegistryConfig {
+        insecure: config.store.insecure_registries.clone(),
+        ..RegistryConfig::default()
+    });
+    http::AppState {
+        store,
+        scheduler,
+        safety: Arc::new(http::Safety::new(&config.server, http::LocalNames::system())),
+        defaults: request::Defaults { num_ctx: config.scheduler.num_ctx, parallel: config.scheduler.num_parallel },
+        registry,
+        tokens: Arc::default(),
+        upstream: crate::supervisor::upstream::Pool::new(config.runner.stream_idle_timeout),
+        templates: crate::prompt_template::Renderer::default(),
+        inventory,
+    }
+}
+
+/// Serves the D-Bus interface, unless `[dbus] bus = "off"`. Without a bus (or the right
+/// to own the name) corrald still serves HTTP: D-Bus is a view, and a missing bus on a
+/// development machine must not stop the daemon.
+pub(super) async fn serve_dbus(config: &Config, state: &http::AppState) -> Option<dbus::Service> {
+    if config.dbus.bus == BusKind::Off {
+        return None;
+    }
+    let limits = limits(config, state.inventory.gpus.len());
+    let context = dbus::Context {
+        store: state.store.clone(),
+        scheduler: state.scheduler.clone(),
+        registry: state.registry.clone(),
+        defaults: state.defaults,
+        inventory: Arc::clone(&state.inventory),
+        limits,
+        read_only: config.store.read_only,
+        tokens: Arc::clone(&state.tokens),
+    };
+    match dbus::serve(config.dbus.bus, context).await {
+        Ok(service) => {
+            tracing::info!(bus = ?config.dbus.bus, name = dbus::BUS_NAME, "serving D-Bus");
+            Some(service)
+        }
+        Err(e) => {
+            tracing::warn!(bus = ?config.dbus.bus, error = %e, "cannot serve D-Bus; serving HTTP only");
+            None
+        }
+    }
+}
+
+/// Starts the scheduler on the memory inventory, with llama-server runners; returns its
+/// handle, the inventory and its task.
+pub(super) async fn start_scheduler(
+    config: &Config,
+    paths: &Paths,
+    cgroups: Option<CgroupTree>,
+    log_target: LogTarget,
+) -> anyhow::Result<(Handle, gpu::Inventory, tokio::task::JoinHandle<()>)> {
+    let gpu_config = config.gpu.clone();
+    // The workers are asked through llama-server, as the runners will see them.
+    let workers = gpu::rpc::Workers::new(config.runner.llama_server.clone(), config.workers.clone());
+    let (probe, inventory) = tokio::task::spawn_blocking(move || {
+        let probe: Arc<dyn gpu::MemoryProbe> = Arc::from(gpu::probe(&gpu_config, workers, &gpu::Roots::system()));
+        let inventory = probe.inventory();
+        (probe, inventory)
+    })
+    .await
+    .context("the memory probe panicked")?;
+    std::fs::create_dir_all(&paths.runtime)
+        .with_context(|| format!("cannot create the runtime directory {}", paths.runtime.display()))?;
+    let log_sink = match log_target {
+        LogTarget::Journal => LogSink::Journal(Arc::new(
+            JournalWriter::new(Path::new(JOURNAL_SOCKET)).context("cannot open the journal socket")?,
+        )),
+        _ => LogSink::Tracing,
+    };
+    let inherited_env =
+        std::env::vars_os().filter(|(k, _)| INHERITED_VARIABLES.iter().any(|allowed| k == allowed)).collect();
+    let backend = SupervisorBackend {
+        config: SupervisorConfig {
+            llama_server: config.runner.llama_server.clone(),
+            runtime_dir: paths.runtime.clone(),
+            inherited_env,
+            log_sink,
+            cgroups,
+            stop_grace: Duration::from_secs(10),
+        },
+        load_timeout: config.scheduler.load_timeout,
+        // A worker's devices are reached through its address (`--rpc`).
+        devices: inventory
+            .gpus
+            .iter()
+            .map(|g| Device { backend: g.backend, id: g.endpoint.clone().unwrap_or_else(|| g.id.clone()) })
+            .collect(),
+        probe: Some(probe),
+        projections: Projector::from_config(&config.runner, std::env::var_os("PATH").as_deref()).ok().map(
+            |projector| {
+                let cache = ProjectionCache::load(paths.state.join("projections.json"));
+                Arc::new(CachedProjections::new(projector, cache)) as Arc<dyn Projections>
+            },
+        ),
+    };
+    let gpus: Vec<GpuView> = inventory
+        .gpus
+        .iter()
+        .enumerate()
+        .map(|(index, g)| GpuView { index, name: g.name.clone(), worker: g.endpoint.clone(), usable: g.free_bytes })
+        .collect();
+    let limits = limits(config, gpus.len());
+    let max_loaded = limits.max_loaded;
+    tracing::info!(
+        gpus = inventory.gpus.len(),
+        host_bytes = inventory.host.available_bytes,
+        max_loaded,
+        "scheduling on {} device(s) and {} bytes of host memory",
+        inventory.gpus.len(),
+        inventory.host.available_bytes
+    );
+    let learned = Footprints::load(paths.state.join("footprints.json"));
+    let (scheduler, handle) = Scheduler::new(Arc::new(backend), gpus, inventory.host.available_bytes, limits, learned);
+    let task = tokio::spawn(scheduler.run());
+    Ok((handle, inventory, task))
+}
+
+/// The scheduler's limits from the configuration (applied again on reload).
+pub(super) fn limits(config: &Config, gpu_count: usize) -> Limits {
+    Limits {
+        max_loaded: match config.scheduler.max_loaded_models {
+            0 => (3 * gpu_count).max(3),
+            n => usize::try_from(n).unwrap_or(usize::MAX),
+        },
+        max_queue: usize::try_from(config.scheduler.max_queue).unwrap_or(usize::MAX),
+        default_keep_alive: KeepAlive::For(config.scheduler.keep_alive),
+        clamp: Clamp { min: config.scheduler.keep_alive_min, max: config.scheduler.keep_alive_max },
+        partial_offload: config.scheduler.partial_offload,
+    }
+}
+
+/// Loads the models configured with `preload = true`, in the background.
+pub(super) fn preload(config: &Config, store: &Store, scheduler: &Handle) {
+    let defaults = request::Defaults { num_ctx: config.scheduler.num_ctx, parallel: config.scheduler.num_parallel };
+    for (name, policy) in config.models.iter().filter(|(_, p)| p.preload) {
+        let (name_text, store, scheduler) = (name.clone(), store.clone(), scheduler.clone());
+        let keep_alive = policy.keep_alive.map(KeepAlive::For);
+        let pinned = policy.pinned;
+        tokio::spawn(async move {
+            let built = tokio::task::spawn_blocking(move || {
+                let name = ModelName::parse(&name_text).map_err(|e| e.to_string())?;
+                request::build(&store, &name, &request::LoadOverrides::default(), keep_alive, pinned, defaults)
+                    .map_err(|e| e.to_string())
+            })
+            .await;
+            let outcome = match built {
+                Ok(Ok(request)) => scheduler.acquire(request).await.map(drop).map_err(|e| e.to_string()),
+                Ok(Err(e)) => Err(e),
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = outcome {
+                tracing::error!(corral_event = "preload", error = %e, "cannot preload a model: {e}");
+            }
+        });
+    }
+}
+
+/// Under systemd, takes over the delegated cgroup subtree (moving the daemon into its
+/// `daemon` leaf) and kills runners an earlier instance left behind; elsewhere, runners
+/// use process groups and a parent-death signal.
+pub(super) fn take_cgroup_tree() -> Option<CgroupTree> {
+    match CgroupTree::adopt_if_service() {
+        Ok(Some(tree)) => {
+            match tree.kill_stale() {
+                Ok(stale) if !stale.is_empty() => {
+                    tracing::warn!(?stale, "killed runners left by an earlier instance");
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot clean up runners of an earlier instance"),
+            }
+            tracing::info!(cgroup = %tree.root().display(), "runners get their own cgroups");
+            Some(tree)
+        }
+        Ok(None) => {
+            tracing::info!("no delegated cgroup tree; runners use process groups");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot take over the delegated cgroup tree; runners use process groups");
+            None
+        }
+    }
+}
