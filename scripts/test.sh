@@ -12,6 +12,11 @@ scripts/setup-packaging.sh >/dev/null
 
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked --quiet
+# Licences, bans and sources of the dependency graph (offline: no advisory database).
+"$(scripts/setup-deny.sh)/cargo-deny" --frozen check licenses bans sources
+# The declared rust-version really builds (Debian's rustc of that release).
+scripts/check-msrv.sh
 cargo build --all-targets --locked
 # Both packages, lintian included; the package tests (tests/it/packages.rs) reuse this build.
 scripts/build-packages.sh all >/dev/null

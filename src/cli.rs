@@ -20,7 +20,7 @@ pub struct Cli {
     pub check_config: bool,
 
     /// Run as a user service (what the user units pass): serve D-Bus on the session bus
-    /// unless [dbus] bus says otherwise.
+    /// unless `[dbus] bus` says otherwise.
     #[arg(long)]
     pub user: bool,
 

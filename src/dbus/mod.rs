@@ -1,11 +1,11 @@
 //! The D-Bus control interface `org.corral.Corral1`: a view of the scheduler and the
 //! store, like the HTTP API.
 //!
-//! - [`manager`]: `org.corral.Corral1.Manager` at `/org/corral/Corral1`, beside
+//! - `manager`: `org.corral.Corral1.Manager` at `/org/corral/Corral1`, beside
 //!   `org.freedesktop.DBus.ObjectManager`;
-//! - [`model`]: one `org.corral.Corral1.Model` object per stored model;
-//! - [`job`]: `org.corral.Corral1.Job` objects for pull, push, create, copy and delete;
-//! - [`follow`]: the task that keeps those objects in step with the scheduler's notices
+//! - `model`: one `org.corral.Corral1.Model` object per stored model;
+//! - `job`: `org.corral.Corral1.Job` objects for pull, push, create, copy and delete;
+//! - `follow`: the task that keeps those objects in step with the scheduler's notices
 //!   and the store's changes, and emits the signals;
 //! - [`error`]: the named errors `org.corral.Corral1.Error.*`;
 //! - [`proxy`]: client proxies, for `corralctl` and the tests.

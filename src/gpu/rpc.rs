@@ -296,7 +296,7 @@ pub fn to_gpus(worker: &WorkerConfig, listed: &[Listed]) -> Vec<Gpu> {
 /// Runs `llama_server --rpc address --list-devices` and parses its answer.
 ///
 /// The child runs in its own process group, so that a timeout kills all of it; its
-/// output is read up to [`MAX_OUTPUT`] bytes.
+/// output is read up to `MAX_OUTPUT` bytes.
 pub fn ask(llama_server: &Path, address: &str, timeout: Duration) -> Result<Vec<Listed>, WorkerError> {
     let mut child = Command::new(llama_server)
         .args(["--rpc", address, "--list-devices"])

@@ -4,7 +4,7 @@
 //! The engine is gtmpl, a port of Go's `text/template`. It recurses once per nesting
 //! level while parsing, executing and dropping a template, follows `{{template}}`
 //! calls 100 000 deep, and copies a value for every reference. So before gtmpl sees a
-//! template, [`shape`] scans it (without recursion) and refuses what could blow the
+//! template, `shape` scans it (without recursion) and refuses what could blow the
 //! stack or run away: too long, nested too deep, templates that call themselves, more
 //! steps than [`Limits::steps`] once ranges and calls are multiplied out, or more copied
 //! bytes than [`Limits::copies`]. What a render produces is bounded while it runs: the

@@ -9,7 +9,7 @@
 //! lines.
 //!
 //! A full pipe blocks llama-server's logging and slows its answers (at 2 000 tiny requests
-//! a second it writes about 4 MB/s): batching needs the pipe enlarged to [`PIPE_SIZE`],
+//! a second it writes about 4 MB/s): batching needs the pipe enlarged to `PIPE_SIZE`,
 //! 115 KB being 25 ms of that rate. Where the kernel refuses (`fs.pipe-max-size`,
 //! or the user's pipe pages used up), the reader reads eagerly instead.
 

@@ -240,7 +240,7 @@ type Idle = HashMap<PathBuf, Vec<Connection>>;
 /// llama-server closes an idle connection after 5 s and any connection after 100
 /// requests, and closes a connection once it streamed server-sent events; a connection is
 /// therefore kept only after a plain (not `text/event-stream`) answer, reused only
-/// within [`Pool::MAX_IDLE`] and below [`Pool::MAX_USES`], and sent on only when it is
+/// within `Pool::MAX_IDLE` and below `Pool::MAX_USES`, and sent on only when it is
 /// ready, so a request does not go out on a connection the runner is closing. After a
 /// streamed answer a new connection is opened in its place, so the next request (a chat's
 /// next turn) does not wait for one.
