@@ -16,6 +16,7 @@ pub mod gpu;
 pub mod http;
 pub mod logging;
 pub mod paths;
+pub mod program;
 pub mod projection;
 pub mod prompt_template;
 pub mod redact;

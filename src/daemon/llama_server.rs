@@ -4,6 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::program::NotRunnable;
+
 /// Why the configured llama-server cannot run.  Each message names the key, so that the
 /// reader knows what to change.
 #[derive(Debug, thiserror::Error)]
@@ -30,33 +32,16 @@ pub enum LlamaServerProblem {
 }
 
 /// Where `llama_server` (a path, or a bare name looked up on `PATH`) resolves to, or why it
-/// cannot run.  A handful of lines, so no crate: the child's `PATH` is the daemon's.
+/// cannot run.
 pub fn find_llama_server(llama_server: &Path) -> Result<PathBuf, LlamaServerProblem> {
-    if llama_server.components().count() > 1 || llama_server.is_absolute() {
-        return executable(llama_server)
-            .map(|()| llama_server.to_owned())
-            .map_err(|why| LlamaServerProblem::Unusable { path: llama_server.to_owned(), why });
-    }
     let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(llama_server))
-        .find(|candidate| executable(candidate).is_ok())
-        .ok_or_else(|| LlamaServerProblem::NotOnPath {
+    crate::program::locate(llama_server, &path).map_err(|problem| match problem {
+        NotRunnable::NotOnPath => LlamaServerProblem::NotOnPath {
             name: llama_server.display().to_string(),
             path: path.to_string_lossy().into_owned(),
-        })
-}
-
-/// Ok when `path` is a file this process may execute, else why not.
-fn executable(path: &Path) -> Result<(), String> {
-    let metadata = std::fs::metadata(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => "does not exist".to_owned(),
-        _ => format!("cannot be read: {e}"),
-    })?;
-    if !metadata.is_file() {
-        return Err("is not a file".to_owned());
-    }
-    nix::unistd::access(path, nix::unistd::AccessFlags::X_OK).map_err(|e| format!("is not executable: {}", e.desc()))
+        },
+        NotRunnable::Unusable(why) => LlamaServerProblem::Unusable { path: llama_server.to_owned(), why },
+    })
 }
 
 /// Checks `[runner] llama_server` at start: a warning now, naming the key and the path,

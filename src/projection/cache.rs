@@ -141,26 +141,8 @@ impl ProjectionCache {
 #[cfg(test)]
 mod tests {
     use super::{MAX_ENTRIES, ProjectionCache};
-    use crate::projection::key::ProjectionKey;
+    use crate::projection::key::key;
     use crate::projection::parse::Projection;
-    use crate::store::digest::Digest;
-
-    fn key(context: u32) -> ProjectionKey {
-        ProjectionKey {
-            model: Digest::of(b"weights"),
-            projector: None,
-            adapters: Vec::new(),
-            context,
-            parallel: 1,
-            batch: None,
-            flash_attention: Some(true),
-            kv_cache_type: Some("q8_0".into()),
-            embedding: false,
-            devices: vec!["rpc:127.0.0.1:50052#0".into()],
-            gpu_layers: None,
-            tensor_split: Vec::new(),
-        }
-    }
 
     fn projection(compute_mib: u32) -> Projection {
         Projection::parse(format!("RPC0 12 3 {compute_mib}\nHost 1 0 2\n").as_bytes()).expect("valid")

@@ -41,29 +41,33 @@ pub struct ProjectionKey {
     pub tensor_split: Vec<u32>,
 }
 
+/// A key for tests: the weights `sha256("weights")` with context `context` on a worker
+/// and a GPU.
+#[cfg(test)]
+pub(crate) fn key(context: u32) -> ProjectionKey {
+    use crate::store::digest::Digest;
+    ProjectionKey {
+        model: Digest::of(b"weights"),
+        projector: None,
+        adapters: Vec::new(),
+        context,
+        parallel: 1,
+        batch: None,
+        flash_attention: None,
+        kv_cache_type: None,
+        embedding: false,
+        devices: vec!["rpc:127.0.0.1:50052#0".into(), "cuda:GPU-1234".into()],
+        gpu_layers: Some(99),
+        tensor_split: vec![1, 1],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;
 
-    use super::ProjectionKey;
+    use super::{ProjectionKey, key};
     use crate::store::digest::Digest;
-
-    fn key(context: u32) -> ProjectionKey {
-        ProjectionKey {
-            model: Digest::of(b"weights"),
-            projector: None,
-            adapters: Vec::new(),
-            context,
-            parallel: 1,
-            batch: None,
-            flash_attention: None,
-            kv_cache_type: None,
-            embedding: false,
-            devices: vec!["rpc:127.0.0.1:50052#0".into(), "cuda:GPU-1234".into()],
-            gpu_layers: Some(99),
-            tensor_split: vec![1, 1],
-        }
-    }
 
     #[test]
     fn a_key_reads_back_from_json_and_each_field_makes_a_different_key() {

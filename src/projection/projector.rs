@@ -276,7 +276,7 @@ pub fn locate(runner: &RunnerConfig, path: Option<&OsStr>) -> Result<PathBuf, Un
     let server = resolve(&runner.llama_server, path)
         .map_err(|why| Unavailable::NoLlamaServer { name: runner.llama_server.clone(), why })?;
     let beside = server.parent().unwrap_or_else(|| Path::new(".")).join(PROGRAM);
-    executable(&beside).map_err(|why| Unavailable::NotBeside { path: beside.clone(), why })?;
+    crate::program::executable(&beside).map_err(|why| Unavailable::NotBeside { path: beside.clone(), why })?;
     Ok(beside)
 }
 
@@ -298,25 +298,10 @@ pub fn log_availability(runner: &RunnerConfig, path: Option<&OsStr>) -> Option<P
 
 /// A path as given, or a bare name looked up on `path`.
 fn resolve(program: &Path, path: Option<&OsStr>) -> Result<PathBuf, String> {
-    if program.is_absolute() || program.components().count() > 1 {
-        return executable(program).map(|()| program.to_owned());
-    }
-    std::env::split_paths(path.unwrap_or_default())
-        .map(|dir| dir.join(program))
-        .find(|candidate| executable(candidate).is_ok())
-        .ok_or_else(|| "is not found on PATH".to_owned())
-}
-
-/// Ok when `path` is a file this process may execute, else why not.
-fn executable(path: &Path) -> Result<(), String> {
-    let metadata = std::fs::metadata(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => "does not exist".to_owned(),
-        _ => format!("cannot be read: {e}"),
-    })?;
-    if !metadata.is_file() {
-        return Err("is not a file".to_owned());
-    }
-    nix::unistd::access(path, nix::unistd::AccessFlags::X_OK).map_err(|e| format!("is not executable: {}", e.desc()))
+    crate::program::locate(program, path.unwrap_or_default()).map_err(|problem| match problem {
+        crate::program::NotRunnable::NotOnPath => "is not found on PATH".to_owned(),
+        crate::program::NotRunnable::Unusable(why) => why,
+    })
 }
 
 #[cfg(test)]
