@@ -188,25 +188,7 @@ fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
     // Chat; the runner's offload event reaches the journal with its fields.
     let runner = chat(&ct, "tiny");
     wait_event(&ct, "offload");
-    let entries = ct.journal("corrald.service");
-    let offload =
-        entries.iter().find(|e| field(e, "CORRAL_EVENT").as_deref() == Some("offload")).expect("an offload entry");
-    assert_eq!(field(offload, "CORRAL_MODEL").as_deref(), Some("tiny:latest"), "{offload}");
-    assert_eq!(field(offload, "CORRAL_RUNNER_PID").as_deref(), Some(runner.as_str()), "{offload}");
-    // The plan next to what was allocated, and what the runner's cgroup was charged.
-    let devices = field(offload, "CORRAL_DEVICES").unwrap_or_default();
-    assert!(devices.starts_with("Host:planned=") && devices.contains(",actual="), "{offload}");
-    for name in [
-        "CORRAL_GPU_LAYERS",
-        "CORRAL_TOTAL_LAYERS",
-        "CORRAL_VRAM_BYTES",
-        "CORRAL_RAM_BYTES",
-        "CORRAL_PLANNED_RAM_BYTES",
-        "CORRAL_MEMORY_PEAK_BYTES",
-    ] {
-        let value = field(offload, name).unwrap_or_else(|| panic!("{name} missing: {offload}"));
-        assert!(value.parse::<u64>().is_ok(), "{name}={value}");
-    }
+    the_offload_event_reports_the_plan_and_the_memory(&ct, &runner);
 
     // systemctl status shows the daemon's leaf and the runner's own cgroup.
     let status = ct.exec(&["systemctl", "status", "--no-pager", "-l", "corrald.service"]);
@@ -256,6 +238,37 @@ fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
     for gone in ["/var/lib/corral", "/etc/corral", "/usr/bin/corrald"] {
         assert!(!ct.exec(&["test", "-e", gone]).status.success(), "{gone} is left after purge");
     }
+}
+
+/// The runner's `offload` journal entry: its model and pid, the layers and memory, the
+/// plan next to what was allocated, and what the runner's cgroup was charged.
+fn the_offload_event_reports_the_plan_and_the_memory(ct: &Container, runner: &str) {
+    let entries = ct.journal("corrald.service");
+    let offload =
+        entries.iter().find(|e| field(e, "CORRAL_EVENT").as_deref() == Some("offload")).expect("an offload entry");
+    assert_eq!(field(offload, "CORRAL_MODEL").as_deref(), Some("tiny:latest"), "{offload}");
+    assert_eq!(field(offload, "CORRAL_RUNNER_PID").as_deref(), Some(runner), "{offload}");
+    // The plan next to what was allocated, and what the runner's cgroup was charged.
+    let devices = field(offload, "CORRAL_DEVICES").unwrap_or_default();
+    assert!(devices.starts_with("Host:planned=") && devices.contains(",actual="), "{offload}");
+    for name in [
+        "CORRAL_GPU_LAYERS",
+        "CORRAL_TOTAL_LAYERS",
+        "CORRAL_VRAM_BYTES",
+        "CORRAL_RAM_BYTES",
+        "CORRAL_PLANNED_RAM_BYTES",
+    ] {
+        let value = field(offload, name).unwrap_or_else(|| panic!("{name} missing: {offload}"));
+        assert!(value.parse::<u64>().is_ok(), "{name}={value}");
+    }
+    // The cgroup's charge is reported wherever the runner's cgroup accounts memory.
+    let accounted = ct
+        .exec(&["sh", "-c", "ls /sys/fs/cgroup/corral.slice/corrald.service/runner-*/memory.current"])
+        .status
+        .success();
+    let peak = field(offload, "CORRAL_MEMORY_PEAK_BYTES");
+    assert_eq!(peak.is_some(), accounted, "the runner cgroup accounts memory: {accounted}; {offload}");
+    assert!(peak.is_none_or(|p| p.parse::<u64>().is_ok_and(|p| p > 0)), "{offload}");
 }
 
 /// The shell commands of the README section headed `heading` (its first `sh` block).
