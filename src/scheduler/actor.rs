@@ -589,6 +589,10 @@ impl Scheduler {
                         reason: reason.clone(),
                     }));
                 }
+                // Asked to unload while it loaded: with the load failed, nothing is left.
+                for waiter in entry.unload_waiters {
+                    let _ = waiter.send(Ok(()));
+                }
             }
             Ok(mut live) => {
                 self.counters.load_millis += u64::try_from(entry.idle_since.elapsed().as_millis()).unwrap_or(u64::MAX);

@@ -724,3 +724,21 @@ async fn unloading_a_model_stops_each_of_its_runners_a_draining_one_and_its_repl
     assert!(handle.loaded().await.expect("loaded").is_empty(), "no runner of m is left");
     assert_eq!(fake.lines(), ["start 1 m", "start 2 m", "stop 2", "stop 1"]);
 }
+
+/// Asked to unload while it loads, a model whose load then fails is unloaded: the
+/// unload answers success (nothing is left), not "shutting down".
+#[tokio::test(start_paused = true)]
+async fn an_unload_during_a_load_that_fails_succeeds() {
+    let (fake, handle) = scheduler(1000, limits());
+    fake.failing.lock().expect("lock").push("bad".into());
+    let load = handle.acquire(model("bad", 100));
+    let unload = async {
+        // The load is under way (the fake takes 100 ms) when the unload comes.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        handle.unload_model("bad").await
+    };
+    let (load, unload) = tokio::join!(load, unload);
+    assert!(matches!(load, Err(ScheduleError::LoadFailed { .. })), "{load:?}");
+    assert_eq!(unload, Ok(()));
+    assert!(handle.loaded().await.expect("loaded").is_empty());
+}
