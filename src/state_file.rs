@@ -10,12 +10,24 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-/// Reads `path` as JSON; a missing file gives the default, an unreadable or damaged one
-/// gives the default with a warning naming `what` (the data is a cache: the daemon goes on
-/// without it).
+/// The largest state file read: far above what the bounded caches write (1024 entries of
+/// a few hundred bytes), so a larger one is damage, not data.
+const MAX_FILE: u64 = 16 << 20;
+
+/// Reads `path` as JSON; a missing file gives the default, an unreadable, oversized or
+/// damaged one gives the default with a warning naming `what` (the data is a cache: the
+/// daemon goes on without it).
 #[must_use]
 pub fn load<T: DeserializeOwned + Default>(path: &Path, what: &str) -> T {
-    match std::fs::read(path) {
+    let read = || -> std::io::Result<Vec<u8>> {
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::Read::take(std::fs::File::open(path)?, MAX_FILE + 1), &mut bytes)?;
+        if bytes.len() as u64 > MAX_FILE {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("larger than {MAX_FILE} bytes")));
+        }
+        Ok(bytes)
+    };
+    match read() {
         Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
             tracing::warn!(path = %path.display(), error = %e, "ignoring unreadable {what}");
             T::default()
@@ -72,7 +84,19 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 mod tests {
     use std::collections::BTreeMap;
 
-    use super::{PendingWrite, load};
+    use super::{MAX_FILE, PendingWrite, load};
+
+    #[test]
+    fn an_oversized_file_is_ignored_without_reading_it_all() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("x.json");
+        // Valid JSON past the bound: a string of MAX_FILE bytes.
+        let mut text = String::from("{\"a\":\"");
+        text.push_str(&"x".repeat(usize::try_from(MAX_FILE).expect("small")));
+        text.push_str("\"}");
+        std::fs::write(&path, text).expect("write");
+        assert_eq!(load::<BTreeMap<String, String>>(&path, "things"), BTreeMap::new());
+    }
 
     #[test]
     fn a_written_value_loads_back_and_a_missing_or_damaged_file_is_the_default() {

@@ -538,18 +538,10 @@ mod tests {
         use crate::gpu::{Backend as Kind, Gpu, HostMemory, Inventory};
         use crate::scheduler::actor::Scheduler;
         use crate::scheduler::footprints::Footprints;
-        use crate::scheduler::keep_alive::{Clamp, KeepAlive};
         use crate::scheduler::policy::GpuView;
-        use crate::scheduler::types::Limits;
 
         let (dir, mut state) = for_tests(absent_backend());
-        let limits = Limits {
-            max_loaded: 2,
-            max_queue: 8,
-            default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
-            clamp: Clamp::default(),
-            partial_offload: true,
-        };
+        let limits = super::super::state::test_limits();
         // One RPC device of 1 GiB: the runner (100 bytes of VRAM, 50 of RAM) goes there.
         let gpus = vec![GpuView { index: 0, name: "RPC0".into(), worker: None, usable: 1 << 30 }];
         let (scheduler, handle) = Scheduler::new(Arc::new(Immediate), gpus, 1 << 30, limits, Footprints::in_memory());

@@ -110,26 +110,28 @@ impl AppState {
 /// host memory and no GPU. Call it inside a Tokio runtime: it spawns the scheduler.
 #[cfg(test)]
 pub(crate) fn for_tests(backend: Arc<dyn crate::scheduler::backend::Backend>) -> (tempfile::TempDir, AppState) {
-    use std::time::Duration;
-
     use crate::scheduler::actor::Scheduler;
     use crate::scheduler::footprints::Footprints;
-    use crate::scheduler::keep_alive::{Clamp, KeepAlive};
-    use crate::scheduler::types::Limits;
 
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(&dir.path().join("store")).expect("open the store");
     crate::demo_model::write_tiny_llama(&dir.path().join("tiny.gguf")).expect("tiny model");
-    let limits = Limits {
+    let (scheduler, handle) = Scheduler::new(backend, Vec::new(), 1 << 30, test_limits(), Footprints::in_memory());
+    tokio::spawn(scheduler.run());
+    (dir, AppState::for_tests(store, handle, Defaults { num_ctx: 2048, parallel: 1 }))
+}
+
+/// The scheduler limits of [`for_tests`]: two runners, a queue of eight.
+#[cfg(test)]
+pub(crate) fn test_limits() -> crate::scheduler::types::Limits {
+    use crate::scheduler::keep_alive::{Clamp, KeepAlive};
+    crate::scheduler::types::Limits {
         max_loaded: 2,
         max_queue: 8,
         default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
         clamp: Clamp::default(),
         partial_offload: true,
-    };
-    let (scheduler, handle) = Scheduler::new(backend, Vec::new(), 1 << 30, limits, Footprints::in_memory());
-    tokio::spawn(scheduler.run());
-    (dir, AppState::for_tests(store, handle, Defaults { num_ctx: 2048, parallel: 1 }))
+    }
 }
 
 /// A backend that never starts anything (its llama-server does not exist).

@@ -24,7 +24,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use corral::demo_model::{LlamaShape, write_llama};
@@ -62,38 +62,11 @@ struct Projection {
 
 /// Runs `llama-fit-params -m MODEL ARGS --fit-print on` (bounded) and parses its lines.
 fn fit_print(model: &Path, args: &[&str]) -> Vec<Projection> {
-    let mut child = Command::new(llama::fit_params())
-        .arg("-m")
-        .arg(model)
-        .args(args)
-        .args(["--fit-print", "on"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn llama-fit-params");
-    let read = |mut pipe: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = pipe.read_to_string(&mut text);
-            text
-        })
-    };
-    let stdout = read(Box::new(child.stdout.take().expect("piped")));
-    let stderr = read(Box::new(child.stderr.take().expect("piped")));
-    let deadline = Instant::now() + FIT_TIMEOUT;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("poll llama-fit-params") {
-            break status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("llama-fit-params ran past {FIT_TIMEOUT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let (stdout, stderr) = (stdout.join().expect("stdout"), stderr.join().expect("stderr"));
+    let mut cmd = Command::new(llama::fit_params());
+    cmd.arg("-m").arg(model).args(args).args(["--fit-print", "on"]);
+    let out = crate::support::container::output_within(&mut cmd, FIT_TIMEOUT);
+    let (status, stdout, stderr) =
+        (out.status, String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr));
     assert!(status.success(), "llama-fit-params {args:?}: {status}\n{stdout}\n{stderr}");
     stdout
         .lines()
