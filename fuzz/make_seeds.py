@@ -120,6 +120,19 @@ SEED = {
                                       "usage": {"prompt_tokens": 3, "completion_tokens": 4}}).encode(),
         "no-newline": b"\x01data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}",
     },
+    "worker_listing": {
+        # Real llama-server b11434 answers: one worker, two, none, a GPU build's own GPU.
+        "one": "Available devices:\n  RPC0: 127.0.0.1:50061 (24105 MiB, 24105 MiB free)\n",
+        "two": "Available devices:\n  RPC0: 10.0.0.2:50052 (24105 MiB, 20000 MiB free)\n"
+               "  RPC1: 10.0.0.3:50052 (81920 MiB, 81000 MiB free)\n",
+        "none": "Available devices:\n  (none)\n",
+        "gpu-build": "Available devices:\n  CUDA0: NVIDIA H200 (143000 MiB, 140000 MiB free)\n"
+                     "  RPC0: 10.0.0.2:50052 (24105 MiB, 24105 MiB free)\n",
+        "free-above-total": "Available devices:\n  RPC0: x:1 (1 MiB, 2 MiB free)\n",
+        "huge": "Available devices:\n  RPC0: x:1 (99999999999999999999 MiB, 1 MiB free)\n",
+        "repeated": "Available devices:\n  RPC0: a:1 (1 MiB, 1 MiB free)\n  RPC0: a:1 (1 MiB, 1 MiB free)\n",
+        "no-header": "  RPC0: a:1 (1 MiB, 1 MiB free)\n",
+    },
     "fit_projection": {
         # Real llama-fit-params b11434 output: the CPU alone, two rpc-servers.
         "cpu": "Host 0 1 3 \n",

@@ -24,7 +24,7 @@ pub const ASK_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_OUTPUT: u64 = 64 * 1024;
 
 /// The most devices one worker may list.
-const MAX_DEVICES: usize = 64;
+pub const MAX_DEVICES: usize = 64;
 
 /// The most of a failed listing's message kept for the log.
 const MAX_REASON: usize = 300;
