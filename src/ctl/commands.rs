@@ -164,6 +164,8 @@ pub struct Status {
     pub gpus: Vec<GpuInfo>,
     /// Every device, the host last, with what corral uses on it.
     pub devices: Vec<DeviceInfo>,
+    /// Every configured RPC worker, with its health.
+    pub workers: Vec<WorkerInfo>,
     /// Host memory for models, in bytes.
     pub host_memory: u64,
     /// Models loading, ready or unloading.
@@ -176,6 +178,23 @@ pub struct Status {
     pub max_queue: u32,
     /// Seconds an idle model stays loaded; -1 for forever.
     pub default_keep_alive: i64,
+}
+
+/// One RPC worker, as `status` shows it.
+#[derive(Debug, Serialize)]
+pub struct WorkerInfo {
+    /// Its name.
+    pub name: String,
+    /// Its `HOST:PORT`.
+    pub address: String,
+    /// "up" or "down".
+    pub state: String,
+    /// Its devices' names.
+    pub devices: Vec<String>,
+    /// Why it is down; empty when up.
+    pub last_error: String,
+    /// The last check's connection time in microseconds (0: none yet).
+    pub rtt_usec: u64,
 }
 
 /// `list`.
@@ -592,6 +611,20 @@ pub async fn status(bus: &Bus, style: Style) -> Result<(), CtlError> {
                 used_bytes,
             })
             .collect(),
+        workers: m
+            .workers()
+            .await
+            .or_bus(bus)?
+            .into_iter()
+            .map(|(name, address, state, devices, last_error, rtt_usec, _)| WorkerInfo {
+                name,
+                address,
+                state,
+                devices,
+                last_error,
+                rtt_usec,
+            })
+            .collect(),
         host_memory: m.host_memory().await.or_bus(bus)?,
         loaded_models: m.loaded_models().await.or_bus(bus)?,
         queue_depth: m.queue_depth().await.or_bus(bus)?,
@@ -603,13 +636,39 @@ pub async fn status(bus: &Bus, style: Style) -> Result<(), CtlError> {
         return print_json(&status);
     }
     let loaded = if status.loaded_models.is_empty() { "none".to_owned() } else { status.loaded_models.join(", ") };
-    print(&fields(&[
-        ("Version", status.version.clone()),
-        ("Devices", devices_text(&status.devices, &labels)),
+    let mut shown = vec![("Version", status.version.clone()), ("Devices", devices_text(&status.devices, &labels))];
+    if !status.workers.is_empty() {
+        shown.push(("Workers", workers_text(&status.workers)));
+    }
+    shown.extend([
         ("Loaded models", format!("{} of at most {}: {loaded}", status.loaded_models.len(), status.max_loaded_models)),
         ("Queue depth", format!("{} of at most {}", status.queue_depth, status.max_queue)),
         ("Keep-alive", output::keep_alive(status.default_keep_alive)),
-    ]))
+    ]);
+    print(&fields(&shown))
+}
+
+/// One line per worker: "w1 (10.0.0.2:50052): up, 1 device, 0.3 ms" or
+/// "w2 (10.0.0.3:50052): down: cannot connect …".
+fn workers_text(workers: &[WorkerInfo]) -> String {
+    workers
+        .iter()
+        .map(|w| {
+            if w.state == "up" {
+                let rtt = std::time::Duration::from_micros(w.rtt_usec);
+                format!(
+                    "{} ({}): up, {}, {}",
+                    w.name,
+                    w.address,
+                    crate::units::count(w.devices.len(), "device", "devices"),
+                    crate::durations::human(rtt)
+                )
+            } else {
+                format!("{} ({}): {}: {}", w.name, w.address, w.state, w.last_error)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// One line per device: "RPC0  w1 (rpc:h:1#0):  12 MiB used, 200 MiB usable of 200 MiB".
@@ -645,7 +704,23 @@ pub async fn names(bus: &Bus) -> Result<(), CtlError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{ModelDevice, device_labels, narrow, placement};
+    use super::{ModelDevice, WorkerInfo, device_labels, narrow, placement, workers_text};
+
+    #[test]
+    fn workers_read_as_up_with_their_devices_or_down_with_why() {
+        let worker = |name: &str, state: &str, devices: usize, error: &str| WorkerInfo {
+            name: name.into(),
+            address: format!("10.0.0.{}:50052", devices + 2),
+            state: state.into(),
+            devices: vec!["rpc:x#0".into(); devices],
+            last_error: error.into(),
+            rtt_usec: 1500,
+        };
+        assert_eq!(
+            workers_text(&[worker("a", "up", 1, ""), worker("b", "down", 0, "cannot connect: refused")]),
+            "a (10.0.0.3:50052): up, 1 device, 1 ms\nb (10.0.0.2:50052): down: cannot connect: refused"
+        );
+    }
 
     #[test]
     fn devices_get_short_labels_and_placements_read_as_shares() {

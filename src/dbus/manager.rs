@@ -179,8 +179,8 @@ impl Manager {
         crate::VERSION
     }
 
-    /// Superseded by `Devices`; kept for compatibility.
-    #[zbus(property(emits_changed_signal = "const"))]
+    /// Superseded by `Devices`; kept for compatibility. Not signalled: workers come and go.
+    #[zbus(property(emits_changed_signal = "false"))]
     fn gpus(&self) -> Vec<(String, String, String, u64, u64)> {
         self.shared
             .context

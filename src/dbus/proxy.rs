@@ -62,11 +62,14 @@ pub trait Manager {
     #[zbus(property)]
     fn version(&self) -> zbus::Result<String>;
     /// GPUs: (id, name, driver, total, usable). Superseded by `devices`.
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "false"))]
     fn gpus(&self) -> zbus::Result<Vec<(String, String, String, u64, u64)>>;
     /// Devices, the host last: (kind, name, description, total, usable, used by corral).
     #[zbus(property(emits_changed_signal = "false"))]
     fn devices(&self) -> zbus::Result<Vec<(String, String, String, u64, u64, u64)>>;
+    /// Workers: (name, address, "up" or "down", devices, last error, rtt µs, since µs).
+    #[zbus(property)]
+    fn workers(&self) -> zbus::Result<Vec<(String, String, String, Vec<String>, String, u64, u64)>>;
     /// Host memory for models.
     #[zbus(property)]
     fn host_memory(&self) -> zbus::Result<u64>;
