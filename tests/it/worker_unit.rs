@@ -5,7 +5,7 @@
 //! filter, between network namespaces the test makes inside the container: the head that
 //! `IPAddressAllow=` names can list the worker's devices, another host cannot connect.
 
-use crate::support::container::{Container, describe, poll_until, repo_root};
+use crate::support::container::{Container, poll_until, repo_root};
 use crate::support::journald::field;
 use crate::systemd_container::{SETTLE, wait_active_state};
 
@@ -106,17 +106,6 @@ fn addresses(ct: &Container, unit: &str, property: &str) -> Vec<String> {
 /// How many connections rpc-server logged as accepted.
 fn accepted(ct: &Container, unit: &str) -> usize {
     messages(ct, unit).iter().filter(|m| m.as_str() == "Accepted client connection").count()
-}
-
-/// The overall exposure `systemd-analyze security` gives `unit` on the running systemd.
-pub(crate) fn exposure(ct: &Container, unit: &str) -> f64 {
-    let out = ct.exec(&["systemd-analyze", "security", "--no-pager", unit]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .find_map(|l| l.split(&format!("Overall exposure level for {unit}:")).nth(1))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no exposure score for {unit}: {}", describe(&out)))
 }
 
 #[test]
@@ -220,14 +209,14 @@ fn the_worker_unit_rates_at_most_2_5_as_shipped_and_with_its_head_allowed() {
     let unit = unit("127.0.0.1:50052");
     ct.run(&["systemctl", "start", &unit]);
     wait_active_state(&ct, &unit, "active");
-    let shipped = exposure(&ct, &unit);
+    let shipped = ct.exposure(&unit);
     assert!(shipped <= MAX_EXPOSURE, "{unit} rates {shipped}");
 
     // The documented drop-in for a head on the network.
     drop_in(&ct, &unit, "[Service]\nIPAddressAllow=10.0.0.1\n");
     ct.run(&["systemctl", "restart", &unit]);
     wait_active_state(&ct, &unit, "active");
-    let with_head = exposure(&ct, &unit);
+    let with_head = ct.exposure(&unit);
     assert!(with_head <= MAX_EXPOSURE, "{unit} with its head allowed rates {with_head}");
     eprintln!("systemd-analyze security {unit}: {shipped} as shipped, {with_head} with IPAddressAllow=10.0.0.1");
 }
@@ -282,5 +271,5 @@ fn only_the_head_that_ip_address_allow_names_reaches_the_worker() {
     ct.run(&["systemctl", "set-property", "--runtime", &unit, "IPAddressAllow=10.77.2.2"]);
     let (_, listing) = list_devices(&ct, Some("stranger"), endpoint, "30");
     assert!(rpc_device(&listing, endpoint).is_some(), "allowed now, the stranger lists the device: {listing}");
-    assert!(exposure(&ct, &unit) <= MAX_EXPOSURE);
+    assert!(ct.exposure(&unit) <= MAX_EXPOSURE);
 }
