@@ -273,3 +273,40 @@ fn only_the_head_that_ip_address_allow_names_reaches_the_worker() {
     assert!(rpc_device(&listing, endpoint).is_some(), "allowed now, the stranger lists the device: {listing}");
     assert!(ct.exposure(&unit) <= MAX_EXPOSURE);
 }
+
+#[test]
+fn the_worker_unit_verifies_without_a_single_warning() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let systemd = repo_root().join("systemd");
+    let text = std::fs::read_to_string(systemd.join("corral-rpc@.service")).expect("read the unit");
+    assert!(text.contains(&format!("ExecStart={LAUNCHER} %I")), "{text}");
+    // The launcher from the checkout stands at its installed path (verify checks it exists).
+    let launcher = systemd.join("corral-rpc-worker").display().to_string();
+    let unit = dir.path().join("corral-rpc@.service");
+    std::fs::write(&unit, text.replace(LAUNCHER, &launcher)).expect("write the unit");
+    // A template is verified as an instance of it.
+    let (ok, output) =
+        crate::shipped::analyze(&["verify".to_owned(), "--man=no".to_owned(), unit.display().to_string()]);
+    assert!(ok && output.trim().is_empty(), "systemd-analyze verify:\n{output}");
+}
+
+#[test]
+fn the_worker_man_page_renders_and_documents_every_setting() {
+    let page = repo_root().join("packaging/man/corral-rpc@.service.8");
+    let out = std::process::Command::new("groff").arg("-man").arg("-ww").arg("-z").arg(&page).output().expect("groff");
+    let warnings = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && warnings.is_empty(), "groff: {warnings}");
+    let text = std::fs::read_to_string(&page).expect("read the man page");
+    // Every variable the launcher reads has an entry.
+    let launcher = std::fs::read_to_string(repo_root().join("systemd/corral-rpc-worker")).expect("read the launcher");
+    let mut settings: Vec<&str> = launcher
+        .split(|c: char| !(c.is_ascii_uppercase() || c == '_'))
+        .filter(|w| w.starts_with("CORRAL_RPC_") && w.len() > "CORRAL_RPC_".len())
+        .collect();
+    settings.sort_unstable();
+    settings.dedup();
+    assert_eq!(settings.len(), 5, "{settings:?}");
+    for setting in settings {
+        assert!(text.contains(&format!(".B {setting}\n")), "corral-rpc@.service(8) documents {setting}");
+    }
+}
