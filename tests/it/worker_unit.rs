@@ -1,13 +1,17 @@
 //! The RPC worker unit `corral-rpc@.service` under real systemd 252 as PID 1 (a throwaway
 //! container per test) with the real rpc-server: it serves its devices on the instance's
-//! address as its own dynamic user, with its tensor cache in its `CacheDirectory=`; it
-//! refuses the wildcard address unless a drop-in allows it; its exposure score; and its IP
-//! filter, between network namespaces the test makes inside the container: the head that
-//! `IPAddressAllow=` names can list the worker's devices, another host cannot connect.
+//! address as its own dynamic user, with its tensor cache in its `CacheDirectory=` (a
+//! model's second load reads its big weights from there); it refuses the wildcard address
+//! unless a drop-in allows it; its exposure score; and its IP filter, between network
+//! namespaces the test makes inside the container: the head that `IPAddressAllow=` names
+//! can list the worker's devices, another host cannot connect.  The unit file verifies
+//! without a warning, and its man page documents every setting of the launcher.
+
+use corral::demo_model::{LlamaShape, Weights, write_llama};
 
 use crate::support::container::{Container, poll_until, repo_root};
 use crate::support::journald::field;
-use crate::systemd_container::{SETTLE, wait_active_state};
+use crate::systemd_container::{SETTLE, curl, wait_active_state};
 
 /// The launcher's path, as the packages install it (the unit's `ExecStart=`).
 const LAUNCHER: &str = "/usr/libexec/corral/rpc-worker";
@@ -309,4 +313,92 @@ fn the_worker_man_page_renders_and_documents_every_setting() {
     for setting in settings {
         assert!(text.contains(&format!(".B {setting}\n")), "corral-rpc@.service(8) documents {setting}");
     }
+}
+
+/// A llama with weight matrices over rpc-server's 10 MiB threshold for its tensor cache
+/// (feed-forward 2048 × 4096 in F16: 16 MiB each); one layer, about 70 MiB.
+const CACHED_LLAMA: LlamaShape = LlamaShape {
+    name: "corral-cache-llama",
+    n_layer: 1,
+    n_embd: 2048,
+    n_ff: 4096,
+    n_head: 16,
+    n_head_kv: 4,
+    context: 512,
+    weights: Weights::RandomBits,
+};
+
+/// Loads the staged model with every layer on the worker (llama-server as the transient
+/// unit `unit`), waits until it is ready and has it compute two tokens; then stops it
+/// and waits until the worker saw the connection close.
+fn load_on_the_worker(ct: &Container, worker: &str, unit: &str) {
+    let closed = messages(ct, worker).iter().filter(|m| m.as_str() == "Client connection closed").count();
+    ct.run(&[
+        "systemd-run",
+        &format!("--unit={unit}"),
+        "/usr/local/bin/llama-server",
+        "-m",
+        "/srv/host/cached.gguf",
+        "--rpc",
+        "127.0.0.1:50052",
+        "-ngl",
+        "99",
+        "-c",
+        "512",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8080",
+    ]);
+    poll_until(SETTLE, "llama-server to load the model on the worker", || {
+        match curl(ct, &[], "http://127.0.0.1:8080/health") {
+            Ok((200, _)) => Ok(()),
+            Ok((code, body)) => Err(format!("{code} {body}")),
+            Err(e) => Err(e),
+        }
+    });
+    let body = serde_json::json!({"prompt": "Hello", "n_predict": 2}).to_string();
+    let (code, answer) = curl(ct, &["-d", &body], "http://127.0.0.1:8080/completion").expect("completion");
+    assert_eq!(code, 200, "a completion computed on the worker: {answer}");
+    ct.run(&["systemctl", "stop", unit]);
+    poll_until(SETTLE, "the worker to see the head's connection close", || {
+        let now = messages(ct, worker).iter().filter(|m| m.as_str() == "Client connection closed").count();
+        if now > closed { Ok(()) } else { Err(format!("{now} closed")) }
+    });
+}
+
+/// The cache files rpc-server logged as saved.
+fn saved(ct: &Container, unit: &str) -> Vec<String> {
+    messages(ct, unit)
+        .iter()
+        .filter_map(|m| m.split_once("saved to '").and_then(|(_, rest)| rest.strip_suffix('\'')).map(str::to_owned))
+        .collect()
+}
+
+#[test]
+fn the_worker_keeps_the_tensors_it_was_sent_in_its_cache_for_the_next_load() {
+    let ct = Container::boot("worker-cache");
+    install_worker(&ct);
+    write_llama(&ct.share_dir().join("cached.gguf"), &CACHED_LLAMA).expect("write the model");
+    let worker = unit("127.0.0.1:50052");
+    ct.run(&["systemctl", "start", &worker]);
+    wait_active_state(&ct, &worker, "active");
+    wait_serving(&ct, None, "127.0.0.1:50052");
+
+    // The first load sends the big weights and the worker writes each into its cache.
+    load_on_the_worker(&ct, &worker, "test-head-1");
+    let first = saved(&ct, &worker);
+    assert!(first.len() >= 3, "the feed-forward weights are cached: {first:?}");
+    let dir = "/var/cache/corral-rpc/127.0.0.1:50052/rpc";
+    for file in &first {
+        assert!(file.starts_with(&format!("{dir}/")), "{file} is outside the CacheDirectory");
+        assert_eq!(ct.run(&["stat", "-L", "-c", "%U %s", file]).split(' ').next(), Some("corral-rpc"), "{file}");
+    }
+    let listed = ct.run(&["ls", "-1", &format!("{dir}/")]);
+    assert_eq!(listed.lines().count(), first.len(), "{listed}");
+    eprintln!("the first load cached {} tensors in {dir}", first.len());
+
+    // The second load finds them there: nothing is sent or saved again, and it computes.
+    load_on_the_worker(&ct, &worker, "test-head-2");
+    assert_eq!(saved(&ct, &worker), first, "the second load must come from the cache");
 }
