@@ -107,6 +107,21 @@ fn addresses(ct: &Container, unit: &str, property: &str) -> Vec<String> {
     list
 }
 
+/// A container with the worker unit installed and the instance `instance` started.
+fn started_worker(label: &str, instance: &str) -> (Container, String) {
+    let ct = Container::boot(label);
+    install_worker(&ct);
+    let unit = unit(instance);
+    ct.run(&["systemctl", "start", &unit]);
+    wait_active_state(&ct, &unit, "active");
+    (ct, unit)
+}
+
+/// The command line of process `pid`, its arguments joined by spaces.
+fn cmdline(ct: &Container, pid: &str) -> String {
+    ct.run(&["sh", "-c", &format!("tr '\\0' ' ' </proc/{pid}/cmdline")])
+}
+
 /// How many connections rpc-server logged as accepted.
 fn accepted(ct: &Container, unit: &str) -> usize {
     messages(ct, unit).iter().filter(|m| m.as_str() == "Accepted client connection").count()
@@ -114,11 +129,7 @@ fn accepted(ct: &Container, unit: &str) -> usize {
 
 #[test]
 fn the_worker_unit_serves_its_devices_as_its_own_user_with_its_tensor_cache() {
-    let ct = Container::boot("worker-unit");
-    install_worker(&ct);
-    let unit = unit("127.0.0.1:50052");
-    ct.run(&["systemctl", "start", &unit]);
-    wait_active_state(&ct, &unit, "active");
+    let (ct, unit) = started_worker("worker-unit", "127.0.0.1:50052");
 
     // llama-server sees the worker's device, on the instance's address.
     let device = wait_serving(&ct, None, "127.0.0.1:50052");
@@ -129,8 +140,7 @@ fn the_worker_unit_serves_its_devices_as_its_own_user_with_its_tensor_cache() {
     let pid = ct.unit_property(&unit, "MainPID");
     assert_ne!(pid, "0");
     assert_eq!(ct.run(&["readlink", &format!("/proc/{pid}/exe")]), "/usr/local/bin/rpc-server");
-    let cmdline = ct.run(&["sh", "-c", &format!("tr '\\0' ' ' </proc/{pid}/cmdline")]);
-    assert_eq!(cmdline, "/usr/local/bin/rpc-server -H 127.0.0.1 -p 50052 -c");
+    assert_eq!(cmdline(&ct, &pid), "/usr/local/bin/rpc-server -H 127.0.0.1 -p 50052 -c");
 
     // It runs as the unit's own dynamic user, with the GPUs' groups.
     assert_eq!(ct.unit_property(&unit, "DynamicUser"), "yes");
@@ -202,17 +212,13 @@ fn the_worker_unit_refuses_a_wildcard_address_unless_a_drop_in_allows_it() {
     wait_serving(&ct, None, "127.0.0.1:50053");
     wait_message(&ct, &wildcard, "listening on every address (0.0.0.0), as CORRAL_RPC_ALLOW_WILDCARD=1 allows");
     let pid = ct.unit_property(&wildcard, "MainPID");
-    let cmdline = ct.run(&["sh", "-c", &format!("tr '\\0' ' ' </proc/{pid}/cmdline")]);
-    assert!(cmdline.contains("-H 0.0.0.0 -p 50053"), "{cmdline}");
+    let line = cmdline(&ct, &pid);
+    assert!(line.contains("-H 0.0.0.0 -p 50053"), "{line}");
 }
 
 #[test]
 fn the_worker_unit_rates_at_most_2_5_as_shipped_and_with_its_head_allowed() {
-    let ct = Container::boot("worker-security");
-    install_worker(&ct);
-    let unit = unit("127.0.0.1:50052");
-    ct.run(&["systemctl", "start", &unit]);
-    wait_active_state(&ct, &unit, "active");
+    let (ct, unit) = started_worker("worker-security", "127.0.0.1:50052");
     let shipped = ct.exposure(&unit);
     assert!(shipped <= MAX_EXPOSURE, "{unit} rates {shipped}");
 
@@ -377,12 +383,8 @@ fn saved(ct: &Container, unit: &str) -> Vec<String> {
 
 #[test]
 fn the_worker_keeps_the_tensors_it_was_sent_in_its_cache_for_the_next_load() {
-    let ct = Container::boot("worker-cache");
-    install_worker(&ct);
+    let (ct, worker) = started_worker("worker-cache", "127.0.0.1:50052");
     write_llama(&ct.share_dir().join("cached.gguf"), &CACHED_LLAMA).expect("write the model");
-    let worker = unit("127.0.0.1:50052");
-    ct.run(&["systemctl", "start", &worker]);
-    wait_active_state(&ct, &worker, "active");
     wait_serving(&ct, None, "127.0.0.1:50052");
 
     // The first load sends the big weights and the worker writes each into its cache.
