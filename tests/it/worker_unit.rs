@@ -160,7 +160,7 @@ fn the_worker_unit_serves_its_devices_as_its_own_user_with_its_tensor_cache() {
     assert_eq!(line.split(':').skip(1).collect::<Vec<_>>().join(":").trim(), format!("{cache}/rpc"), "{line}");
     assert_eq!(ct.run(&["stat", "-L", "-c", "%U %a", &format!("{cache}/rpc")]), "corral-rpc 700");
 
-    // A crash is restarted (Restart=on-failure), by a new rpc-server.
+    // A crash is restarted (Restart=always), by a new rpc-server.
     ct.run(&["kill", "-KILL", &pid]);
     let restarted = poll_until(SETTLE, "a new rpc-server after SIGKILL", || {
         let now = ct.unit_property(&unit, "MainPID");
@@ -251,13 +251,20 @@ fn only_the_head_that_ip_address_allow_names_reaches_the_worker() {
     install_worker(&ct);
     // Two hosts, each in a namespace of its own inside the container: the head on the
     // worker's network 10.77.1.0/24, and a stranger on 10.77.2.0/24 with a route to it.
-    link_namespace(&ct, "head", "10.77.1.1", "10.77.1.2");
-    link_namespace(&ct, "stranger", "10.77.2.1", "10.77.2.2");
-
     let endpoint = "10.77.1.1:50052";
     let unit = unit(endpoint);
     drop_in(&ct, &unit, "[Service]\nIPAddressAllow=10.77.1.2\n");
+
+    // Started before its address exists (a tunnel that comes up late), rpc-server cannot
+    // bind and exits; the unit tries again until the address is there.
     ct.run(&["systemctl", "start", &unit]);
+    wait_message(&ct, &unit, "Failed to create server socket");
+    poll_until(SETTLE, "the unit to try again", || {
+        let restarts = ct.unit_property(&unit, "NRestarts");
+        if restarts.parse::<u32>().is_ok_and(|n| n > 0) { Ok(()) } else { Err(restarts) }
+    });
+    link_namespace(&ct, "head", "10.77.1.1", "10.77.1.2");
+    link_namespace(&ct, "stranger", "10.77.2.1", "10.77.2.2");
     wait_active_state(&ct, &unit, "active");
     assert_eq!(addresses(&ct, &unit, "IPAddressDeny"), ["0.0.0.0/0", "::/0"]);
     assert_eq!(addresses(&ct, &unit, "IPAddressAllow"), ["10.77.1.2/32", "127.0.0.0/8", "::1/128"]);
