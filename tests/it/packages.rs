@@ -21,8 +21,9 @@ const BUILD_TIMEOUT: Duration = Duration::from_secs(1200);
 /// (The container also runs the host's own docker-registry.service on port 5000.)
 const REGISTRY: &str = "127.0.0.1:5055";
 
-/// Runs `scripts/build-packages.sh KIND` and returns the package it printed.
-fn build(kind: &str) -> PathBuf {
+/// Runs `scripts/build-packages.sh KIND` and returns the packages it printed: corral's,
+/// then corral-worker's.
+fn build(kind: &str) -> (PathBuf, PathBuf) {
     // The environment of a shell, not of cargo and nextest: their variables would make the
     // release build's fingerprints differ from CI's own build, and rebuild it each time.
     let mut cmd = std::process::Command::new(repo_root().join("scripts/build-packages.sh"));
@@ -32,9 +33,17 @@ fn build(kind: &str) -> PathBuf {
     let out = output_within(&mut cmd, BUILD_TIMEOUT);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "build-packages.sh {kind} failed:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
-    let package = PathBuf::from(text.trim().lines().last().unwrap_or_default());
-    assert!(package.extension().is_some_and(|e| e == kind) && package.is_file(), "no .{kind} printed: {text}");
-    package
+    let packages: Vec<PathBuf> = text.trim().lines().rev().take(2).map(PathBuf::from).collect();
+    for package in &packages {
+        assert!(package.extension().is_some_and(|e| e == kind) && package.is_file(), "no .{kind} printed: {text}");
+    }
+    let name = |p: &PathBuf| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    match packages.as_slice() {
+        [worker, corral] if name(worker).starts_with("corral-worker") && !name(corral).starts_with("corral-worker") => {
+            (corral.clone(), worker.clone())
+        }
+        _ => panic!("corral's and corral-worker's .{kind}, in that order, expected: {text}"),
+    }
 }
 
 /// `curl` with a JSON body; the status and body.
@@ -130,7 +139,7 @@ fn pull_from_a_local_registry(ct: &Container) -> String {
 
 #[test]
 fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
-    let deb = build("deb");
+    let (deb, worker_deb) = build("deb");
     let ct = Container::boot("deb");
     let digest = stage(&ct, &deb);
 
@@ -160,15 +169,8 @@ fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
     let depends = ct.run(&["dpkg-query", "-W", "-f", "${Depends}", "corral"]);
     assert!(depends.contains("default-dbus-system-bus | dbus-system-bus"), "{depends}");
     // The installed unit, as the running systemd sees it, keeps its exposure low.
-    let security = ct.exec(&["systemd-analyze", "security", "--no-pager", "corrald.service"]);
-    let security = String::from_utf8_lossy(&security.stdout);
-    let score: f64 = security
-        .lines()
-        .find_map(|l| l.split("Overall exposure level for corrald.service:").nth(1))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no exposure score in:\n{security}"));
-    assert!(score <= 2.0, "the installed corrald.service rates {score}:\n{security}");
+    let score = ct.exposure("corrald.service");
+    assert!(score <= 2.0, "the installed corrald.service rates {score}");
     ct.run(&["install", "-m", "0640", "-g", "corral", "/srv/host/50-test.toml", "/etc/corral/corral.toml.d/"]);
 
     // The first request starts the service.
@@ -237,6 +239,63 @@ fn the_deb_installs_serves_restarts_and_removes_cleanly_under_real_systemd() {
     ct.run(&["dpkg", "-P", "corral"]);
     for gone in ["/var/lib/corral", "/etc/corral", "/usr/bin/corrald"] {
         assert!(!ct.exec(&["test", "-e", gone]).status.success(), "{gone} is left after purge");
+    }
+
+    // The worker's package needs nothing of corral's.
+    std::fs::copy(&worker_deb, ct.share_dir().join("corral-worker.deb")).expect("stage the worker package");
+    the_worker_package_installs_an_enableable_unit(&ct);
+}
+
+/// corral-worker's .deb (staged at `/srv/host/corral-worker.deb`, with llama-server in
+/// `/srv/host`): its files, an instance enabled and serving with the installed unit and
+/// launcher, stopped on removal, its enablement and cache gone with a purge.
+pub(crate) fn the_worker_package_installs_an_enableable_unit(ct: &Container) {
+    std::fs::copy(crate::support::llama::bin_dir().join("rpc-server"), ct.share_dir().join("rpc-server"))
+        .expect("stage rpc-server");
+    ct.run(&["dpkg", "-i", "/srv/host/corral-worker.deb"]);
+    for file in [
+        "/lib/systemd/system/corral-rpc@.service",
+        "/usr/libexec/corral/rpc-worker",
+        "/usr/lib/sysusers.d/corral-rpc.conf",
+        "/usr/share/man/man8/corral-rpc@.service.8.gz",
+    ] {
+        ct.run(&["test", "-s", file]);
+    }
+    ct.run(&["getent", "group", "render"]);
+    assert_eq!(ct.run(&["dpkg-query", "-W", "-f", "${Depends}", "corral-worker"]), "systemd (>= 252)");
+
+    // An instance on loopback, rpc-server named by a drop-in as the README shows.
+    let unit = "corral-rpc@127.0.0.1:50052.service";
+    ct.run(&["mkdir", "-p", &format!("/etc/systemd/system/{unit}.d")]);
+    ct.run(&[
+        "sh",
+        "-c",
+        &format!("printf '[Service]\\nEnvironment=CORRAL_RPC_SERVER=/srv/host/rpc-server\\n' >/etc/systemd/system/{unit}.d/rpc-server.conf"),
+    ]);
+    ct.run(&["systemctl", "daemon-reload"]);
+    ct.run(&["systemctl", "enable", "--now", unit]);
+    assert_eq!(ct.run(&["systemctl", "is-enabled", unit]), "enabled");
+    ct.run(&["test", "-L", &format!("/etc/systemd/system/multi-user.target.wants/{unit}")]);
+    wait_active_state(ct, unit, "active");
+    let listing = poll_until(SETTLE, "the packaged worker to list its device", || {
+        let out = ct.exec(&["/srv/host/llama-server", "--rpc", "127.0.0.1:50052", "--list-devices"]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if text.contains("RPC0: 127.0.0.1:50052 (") { Ok(text) } else { Err(describe(&out)) }
+    });
+    assert!(listing.contains("MiB free)"), "{listing}");
+    let score = ct.exposure(unit);
+    assert!(score <= 2.5, "the installed {unit} rates {score}");
+
+    // Removal stops it; a purge takes its enablement and its cache.
+    ct.run(&["dpkg", "-r", "corral-worker"]);
+    assert_eq!(ct.unit_property(unit, "ActiveState"), "inactive");
+    ct.run(&["dpkg", "-P", "corral-worker"]);
+    for gone in [
+        format!("/etc/systemd/system/multi-user.target.wants/{unit}"),
+        "/var/cache/private/corral-rpc".to_owned(),
+        "/usr/libexec/corral/rpc-worker".to_owned(),
+    ] {
+        assert!(!ct.exec(&["test", "-e", &gone]).status.success(), "{gone} is left after purge");
     }
 }
 
@@ -359,13 +418,16 @@ fn d_bus_on_the_system_bus(ct: &Container, runner: &str) {
 /// units stopped on removal and restarted on an upgrade.
 #[test]
 fn the_rpm_holds_the_units_and_the_scriptlets() {
-    let rpm = build("rpm");
-    let query = |args: &[&str]| {
-        let out =
-            output_within(std::process::Command::new("rpm").arg("-qp").args(args).arg(&rpm), Duration::from_secs(60));
+    let (rpm, worker) = build("rpm");
+    let query_of = |package: &PathBuf, args: &[&str]| {
+        let out = output_within(
+            std::process::Command::new("rpm").arg("-qp").args(args).arg(package),
+            Duration::from_secs(60),
+        );
         assert!(out.status.success(), "rpm -qp {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
+    let query = |args: &[&str]| query_of(&rpm, args);
     let files = query(&["--list"]);
     for file in [
         "/usr/bin/corrald",
@@ -405,4 +467,24 @@ fn the_rpm_holds_the_units_and_the_scriptlets() {
     let requires = query(&["--requires"]);
     assert!(requires.lines().any(|l| l.starts_with("systemd >= 252")), "{requires}");
     assert!(requires.lines().any(|l| l.trim() == "dbus"), "{requires}");
+
+    // corral-worker: the unit, its launcher and man page, architecture-independent; its
+    // instances stopped on removal and restarted on an upgrade; nothing of corral's needed.
+    let files = query_of(&worker, &["--list"]);
+    for file in [
+        "/usr/lib/systemd/system/corral-rpc@.service",
+        "/usr/libexec/corral/rpc-worker",
+        "/usr/lib/sysusers.d/corral-rpc.conf",
+    ] {
+        assert!(files.lines().any(|l| l == file), "{file} missing from the worker rpm:\n{files}");
+    }
+    assert!(files.lines().any(|l| l.starts_with("/usr/share/man/man8/corral-rpc@.service.8")), "{files}");
+    assert!(!files.contains("/usr/bin/"), "{files}");
+    assert_eq!(query_of(&worker, &["--queryformat", "%{ARCH}"]), "noarch");
+    let scripts = query_of(&worker, &["--scripts"]);
+    assert!(scripts.contains("systemctl stop 'corral-rpc@*.service'"), "{scripts}");
+    assert!(scripts.contains("systemctl try-restart 'corral-rpc@*.service'"), "{scripts}");
+    let requires = query_of(&worker, &["--requires"]);
+    assert!(requires.lines().any(|l| l.starts_with("systemd >= 252")), "{requires}");
+    assert!(!requires.contains("corral"), "{requires}");
 }

@@ -25,7 +25,7 @@ fn stage(dir: &Path, from: &str, units: &[&str]) {
 
 /// Runs `systemd-analyze ARGS` in a private mount namespace with a fresh /run, because
 /// it writes below /run/systemd even when only checking files.
-fn analyze(args: &[String]) -> (bool, String) {
+pub(crate) fn analyze(args: &[String]) -> (bool, String) {
     // The user manager's checks need a runtime directory.
     let script = r#"mount -t tmpfs tmpfs /run && mkdir -p -m 0700 /run/user/0 && exec systemd-analyze "$@""#;
     let out = Command::new("unshare")

@@ -230,6 +230,17 @@ impl Container {
         self.run(&["systemctl", "show", "-P", property, unit])
     }
 
+    /// The overall exposure `systemd-analyze security UNIT` gives `unit` on this systemd.
+    pub fn exposure(&self, unit: &str) -> f64 {
+        let out = self.exec(&["systemd-analyze", "security", "--no-pager", unit]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.lines()
+            .find_map(|l| l.split(&format!("Overall exposure level for {unit}:")).nth(1))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no exposure score for {unit}: {}", describe(&out)))
+    }
+
     /// The journal entries of `unit` (`journalctl -u UNIT -o json -a`), parsed.
     pub fn journal(&self, unit: &str) -> Vec<serde_json::Value> {
         let out = self.run(&["journalctl", "--no-pager", "-a", "-o", "json", "-u", unit]);
@@ -281,7 +292,8 @@ impl Container {
         self.run(&["getent", "passwd", "corral"]);
         self.run(&["getent", "group", "corral"]);
         self.run(&["systemctl", "daemon-reload"]);
-        for unit in &names {
+        // A template (corral-rpc@.service) loads only as an instance: `worker_unit` starts those.
+        for unit in names.iter().filter(|n| !n.contains("@.")) {
             let load = self.unit_property(unit, "LoadState");
             assert_eq!(load, "loaded", "unit {unit} did not load in {}", self.name);
         }
