@@ -33,8 +33,8 @@ pub fn log_change(status: &WorkerStatus, change: Change) {
     match change {
         Change::Up => tracing::info!(
             corral_event = "worker-up",
-            corral_worker = %status.name,
-            corral_worker_address = %status.address,
+            corral_worker = status.name.as_str(),
+            corral_worker_address = status.address.as_str(),
             corral_worker_devices = status.devices.len(),
             "worker {} ({}) is up with {}",
             status.name,
@@ -43,9 +43,9 @@ pub fn log_change(status: &WorkerStatus, change: Change) {
         ),
         Change::Down => tracing::warn!(
             corral_event = "worker-down",
-            corral_worker = %status.name,
-            corral_worker_address = %status.address,
-            corral_reason = %status.last_error,
+            corral_worker = status.name.as_str(),
+            corral_worker_address = status.address.as_str(),
+            corral_reason = status.last_error.as_str(),
             "worker {} ({}) is down: {}; its devices are left out until it is back",
             status.name,
             status.address,

@@ -49,7 +49,7 @@ async fn workers_are_devices_in_every_view_and_a_down_worker_is_left_out() {
     let log = daemon.corrald.stderr();
     let down: Vec<&str> = log.lines().filter(|l| l.contains("corral_event=\"worker-down\"")).collect();
     assert_eq!(down.len(), 1, "{log}");
-    assert!(down[0].contains("corral_worker=\"gone\"") && down[0].contains("Failed to connect"), "{log}");
+    assert!(down[0].contains("corral_worker=\"gone\"") && down[0].contains("cannot connect"), "{log}");
 
     // D-Bus: the two workers' devices in order, capped at 200 MiB, then the host.
     let connection = daemon.connect().await;
@@ -83,13 +83,28 @@ async fn workers_are_devices_in_every_view_and_a_down_worker_is_left_out() {
     }
     let series: Vec<&str> = metrics.lines().filter(|l| l.starts_with("corral_device_memory_bytes{")).collect();
     assert_eq!(series.len(), 9, "{metrics}");
-    assert!(!metrics.contains(&format!("127.0.0.1:{gone}")), "the down worker is left out: {metrics}");
+    assert!(!series.iter().any(|l| l.contains(&format!("127.0.0.1:{gone}"))), "the down worker is left out: {metrics}");
+    // ... and shown down among the workers, the others up.
+    for (worker, address, up) in [("one", one, 1), ("gone", gone, 0)] {
+        let line = format!("corral_worker_up{{worker=\"{worker}\",address=\"127.0.0.1:{address}\"}} {up}");
+        assert!(metrics.lines().any(|l| l == line), "missing {line:?} in\n{metrics}");
+    }
+    let workers = manager.workers().await.expect("Workers");
+    let states: Vec<(&str, &str, usize)> = workers.iter().map(|w| (w.0.as_str(), w.2.as_str(), w.3.len())).collect();
+    let unnamed = format!("127.0.0.1:{two}");
+    assert_eq!(states, [("one", "up", 1), (unnamed.as_str(), "up", 1), ("gone", "down", 0)], "{workers:?}");
+    assert!(workers[2].4.contains("cannot connect") && workers[0].4.is_empty(), "{workers:?}");
 
     // corralctl status lists the devices.
     let status = ctl(&daemon, &["status"]);
     assert!(status.contains(&format!("one (rpc:127.0.0.1:{one}#0):")), "{status}");
     assert!(status.contains("0 B used, 200.0 MiB usable of 200.0 MiB"), "{status}");
     assert!(status.contains("host memory:"), "{status}");
+    assert!(
+        status.contains(&format!("Workers:"))
+            && status.contains(&format!("gone (127.0.0.1:{gone}): down: cannot connect")),
+        "{status}"
+    );
     let json: serde_json::Value = serde_json::from_str(&ctl(&daemon, &["--json", "status"])).expect("JSON");
     assert_eq!(json["devices"][1]["description"], format!("127.0.0.1:{two}"), "{json}");
     assert_eq!(json["devices"][2]["kind"], "host", "{json}");
@@ -132,4 +147,73 @@ async fn workers_are_devices_in_every_view_and_a_down_worker_is_left_out() {
     assert!(table.lines().next().is_some_and(|h| h.contains("PLACEMENT")), "{table}");
     assert!(table.lines().nth(1).is_some_and(|r| r.starts_with("chat:latest") && r.contains('%')), "{table}");
     assert!(table.lines().all(|l| l.chars().count() <= 80), "{table}");
+}
+
+/// The D-Bus `Workers` property as (name, state) pairs, and the rpc devices of `Devices`.
+async fn fleet_now(manager: &ManagerProxy<'_>) -> (Vec<(String, String)>, Vec<String>) {
+    let workers = manager.workers().await.expect("Workers").into_iter().map(|w| (w.0, w.2)).collect();
+    let devices = manager.devices().await.expect("Devices").into_iter().filter(|d| d.0 == "rpc").map(|d| d.1).collect();
+    (workers, devices)
+}
+
+/// Polls the fleet until `want` holds, for at most 30 s (checks run every second).
+async fn wait_fleet(manager: &ManagerProxy<'_>, what: &str, want: impl Fn(&[(String, String)], &[String]) -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let (workers, devices) = fleet_now(manager).await;
+        if want(&workers, &devices) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "{what}: workers {workers:?}, devices {devices:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_joins_when_it_comes_up_leaves_when_it_dies_and_comes_back() {
+    let port = free_port();
+    let extra = format!(
+        "[scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\nreserve = \"0\"\n\
+         [worker_health]\ninterval = \"1s\"\ntimeout = \"1s\"\n\
+         [[workers]]\naddress = \"127.0.0.1:{port}\"\nname = \"late\"\nmemory = \"200MiB\"\n"
+    );
+    let daemon = tokio::task::spawn_blocking(move || BusDaemon::start(&extra)).await.expect("start");
+    let connection = daemon.connect().await;
+    let manager =
+        ManagerProxy::builder(&connection).cache_properties(CacheProperties::No).build().await.expect("manager");
+    let (workers, devices) = fleet_now(&manager).await;
+    assert_eq!(workers, [("late".to_owned(), "down".to_owned())]);
+    assert!(devices.is_empty(), "{devices:?}");
+
+    // It comes up: checked within a second, its device joins, a load goes there.
+    let mut server = RpcServer::start(port);
+    wait_fleet(&manager, "the worker joins", |w, d| w[0].1 == "up" && d.len() == 1).await;
+    let loaded = ctl(&daemon, &["load", "chat"]);
+    assert!(loaded.contains("is ready"), "{loaded}");
+    let on_worker = |ps: &serde_json::Value| {
+        ps["models"][0]["devices"].as_array().is_some_and(|d| d.iter().any(|d| d["kind"] == "rpc"))
+    };
+    let ps = get(&daemon, "/api/ps").json();
+    assert!(on_worker(&ps), "placed on the worker: {ps}");
+
+    // It dies: the runner that used it is gone, the worker is down, its device left out.
+    server.kill();
+    wait_fleet(&manager, "the worker leaves", |w, d| w[0].1 == "down" && d.is_empty()).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !get(&daemon, "/api/ps").json()["models"].as_array().is_some_and(Vec::is_empty) {
+        assert!(std::time::Instant::now() < deadline, "the runner is reaped");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let log = daemon.corrald.stderr();
+    let events = |event: &str| log.lines().filter(|l| l.contains(&format!("corral_event=\"{event}\""))).count();
+    assert_eq!((events("worker-up"), events("worker-down")), (1, 2), "down at start, up, down: {log}");
+
+    // Back on the same port: used again, by itself.
+    let _server = RpcServer::start(port);
+    wait_fleet(&manager, "the worker is back", |w, d| w[0].1 == "up" && d.len() == 1).await;
+    let loaded = ctl(&daemon, &["load", "chat"]);
+    assert!(loaded.contains("is ready"), "{loaded}");
+    assert!(on_worker(&get(&daemon, "/api/ps").json()), "on the worker again");
+    let metrics = get(&daemon, "/metrics").body;
+    assert!(metrics.contains("corral_worker_up{worker=\"late\",address=\"127.0.0.1:"), "{metrics}");
 }
