@@ -90,9 +90,9 @@ async fn workers_are_devices_in_every_view_and_a_down_worker_is_left_out() {
         assert!(metrics.lines().any(|l| l == line), "missing {line:?} in\n{metrics}");
     }
     let workers = manager.workers().await.expect("Workers");
-    let states: Vec<(&str, &str, usize)> = workers.iter().map(|w| (w.0.as_str(), w.2.as_str(), w.3.len())).collect();
+    let rows: Vec<(&str, &str, usize)> = workers.iter().map(|w| (w.0.as_str(), w.2.as_str(), w.3.len())).collect();
     let unnamed = format!("127.0.0.1:{two}");
-    assert_eq!(states, [("one", "up", 1), (unnamed.as_str(), "up", 1), ("gone", "down", 0)], "{workers:?}");
+    assert_eq!(rows, [("one", "up", 1), (unnamed.as_str(), "up", 1), ("gone", "down", 0)], "{workers:?}");
     assert!(workers[2].4.contains("cannot connect") && workers[0].4.is_empty(), "{workers:?}");
 
     // corralctl status lists the devices.
