@@ -85,15 +85,7 @@ async fn workers_are_devices_in_every_view_and_a_down_worker_is_left_out() {
     assert_eq!(series.len(), 9, "{metrics}");
     assert!(!series.iter().any(|l| l.contains(&format!("127.0.0.1:{gone}"))), "the down worker is left out: {metrics}");
     // ... and shown down among the workers, the others up.
-    for (worker, address, up) in [("one", one, 1), ("gone", gone, 0)] {
-        let line = format!("corral_worker_up{{worker=\"{worker}\",address=\"127.0.0.1:{address}\"}} {up}");
-        assert!(metrics.lines().any(|l| l == line), "missing {line:?} in\n{metrics}");
-    }
-    let workers = manager.workers().await.expect("Workers");
-    let rows: Vec<(&str, &str, usize)> = workers.iter().map(|w| (w.0.as_str(), w.2.as_str(), w.3.len())).collect();
-    let unnamed = format!("127.0.0.1:{two}");
-    assert_eq!(rows, [("one", "up", 1), (unnamed.as_str(), "up", 1), ("gone", "down", 0)], "{workers:?}");
-    assert!(workers[2].4.contains("cannot connect") && workers[0].4.is_empty(), "{workers:?}");
+    assert_workers_shown(&manager, &metrics, [one, two, gone]).await;
 
     // corralctl status lists the devices.
     let status = ctl(&daemon, &["status"]);
@@ -101,8 +93,7 @@ async fn workers_are_devices_in_every_view_and_a_down_worker_is_left_out() {
     assert!(status.contains("0 B used, 200.0 MiB usable of 200.0 MiB"), "{status}");
     assert!(status.contains("host memory:"), "{status}");
     assert!(
-        status.contains(&format!("Workers:"))
-            && status.contains(&format!("gone (127.0.0.1:{gone}): down: cannot connect")),
+        status.contains("Workers:") && status.contains(&format!("gone (127.0.0.1:{gone}): down: cannot connect")),
         "{status}"
     );
     let json: serde_json::Value = serde_json::from_str(&ctl(&daemon, &["--json", "status"])).expect("JSON");
@@ -147,6 +138,19 @@ async fn workers_are_devices_in_every_view_and_a_down_worker_is_left_out() {
     assert!(table.lines().next().is_some_and(|h| h.contains("PLACEMENT")), "{table}");
     assert!(table.lines().nth(1).is_some_and(|r| r.starts_with("chat:latest") && r.contains('%')), "{table}");
     assert!(table.lines().all(|l| l.chars().count() <= 80), "{table}");
+}
+
+/// `/metrics` and D-Bus `Workers` show workers `one` and (unnamed) `two` up, `gone` down.
+async fn assert_workers_shown(manager: &ManagerProxy<'_>, metrics: &str, [one, two, gone]: [u16; 3]) {
+    for (worker, address, up) in [("one", one, 1), ("gone", gone, 0)] {
+        let line = format!("corral_worker_up{{worker=\"{worker}\",address=\"127.0.0.1:{address}\"}} {up}");
+        assert!(metrics.lines().any(|l| l == line), "missing {line:?} in\n{metrics}");
+    }
+    let workers = manager.workers().await.expect("Workers");
+    let rows: Vec<(&str, &str, usize)> = workers.iter().map(|w| (w.0.as_str(), w.2.as_str(), w.3.len())).collect();
+    let unnamed = format!("127.0.0.1:{two}");
+    assert_eq!(rows, [("one", "up", 1), (unnamed.as_str(), "up", 1), ("gone", "down", 0)], "{workers:?}");
+    assert!(workers[2].4.contains("cannot connect") && workers[0].4.is_empty(), "{workers:?}");
 }
 
 /// The D-Bus `Workers` property as (name, state) pairs, and the rpc devices of `Devices`.
