@@ -159,6 +159,7 @@ pub(super) async fn start_scheduler(
     .context("the memory probe panicked")?;
     // The workers are asked through llama-server, as the runners will see them.
     let checks = CheckSettings {
+        tcp_table: gpu::Roots::system().proc.join("net/tcp"),
         llama_server: config.runner.llama_server.clone(),
         timeout: config.worker_health.timeout,
         list_timeout: gpu::rpc::ASK_TIMEOUT,

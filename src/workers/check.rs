@@ -1,6 +1,13 @@
 //! One check of one worker: resolve its address (refusing public ones unless allowed),
 //! connect within the timeout, and, when its devices are wanted, list them the way
 //! llama.cpp sees them.  Every step is bounded.
+//!
+//! A worker a runner holds is not connected to: rpc-server serves one client at a time
+//! and listens with a backlog of one, so a check's connection would wait in its accept
+//! queue, and the next ones would find the queue full and time out.  Its health is read
+//! from the runner's own connection instead, in `/proc/net/tcp`: a connection whose
+//! data goes unacknowledged through [`STALLED_AFTER`] retransmission timeouts (about
+//! 1.4 s on a LAN) is a worker cut off.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -9,9 +16,19 @@ use super::fleet::Outcome;
 use crate::config::{WorkerConfig, is_private_v4};
 use crate::gpu::rpc;
 
+/// Retransmission timeouts in a row (RTO 200 ms, doubling) after which a runner's
+/// connection to its worker counts as cut off.
+pub const STALLED_AFTER: u32 = 3;
+
+/// The most of `/proc/net/tcp` read (about 150 bytes a socket).
+const MAX_TCP_TABLE: u64 = 64 << 20;
+
 /// How a check is made.
 #[derive(Debug, Clone)]
 pub struct CheckSettings {
+    /// The kernel's table of this network namespace's TCP sockets, normally
+    /// `/proc/net/tcp`.
+    pub tcp_table: std::path::PathBuf,
     /// `[runner] llama_server`, which lists a worker's devices.
     pub llama_server: std::path::PathBuf,
     /// How long resolving and connecting may take.
@@ -32,6 +49,17 @@ pub async fn check(worker: &WorkerConfig, settings: &CheckSettings, list: bool) 
         Ok(address) => address,
         Err(why) => return Outcome::Down(why),
     };
+    if !list {
+        match held(&settings.tcp_table, address) {
+            Held::Stalled(timeouts) => {
+                return Outcome::Down(format!(
+                    "a runner's connection to {address} got no answer through {timeouts} retransmission timeouts"
+                ));
+            }
+            Held::Healthy => return Outcome::Busy,
+            Held::Free => {}
+        }
+    }
     let started = Instant::now();
     match tokio::time::timeout(settings.timeout, tokio::net::TcpStream::connect(address)).await {
         Err(_) => {
@@ -61,6 +89,64 @@ pub async fn check(worker: &WorkerConfig, settings: &CheckSettings, list: bool) 
         Ok(Err(e)) => Outcome::Down(format!("it does not list its devices: {e}")),
         Err(_) => Outcome::Down("the listing panicked".to_owned()),
     }
+}
+
+/// What the established connections from this host to a worker say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Held {
+    /// None: the worker is free to be connected to.
+    Free,
+    /// A runner holds it, and its data is acknowledged.
+    Healthy,
+    /// A runner holds it, and its data has gone unacknowledged through this many
+    /// retransmission timeouts.
+    Stalled(u32),
+}
+
+/// Reads `table` (`/proc/net/tcp`) for established connections to `address`; an
+/// unreadable table counts as none.
+fn held(table: &std::path::Path, address: SocketAddr) -> Held {
+    use std::io::Read as _;
+    let mut text = String::new();
+    let read = std::fs::File::open(table).and_then(|f| f.take(MAX_TCP_TABLE).read_to_string(&mut text));
+    if read.is_err() {
+        return Held::Free;
+    }
+    held_in(&text, address)
+}
+
+/// [`held`] on the table's text.  Each line: `sl local rem st tx:rx tr:when retrnsmt …`,
+/// addresses as `HEXIP:HEXPORT` (the IP the kernel's 32-bit value in this machine's byte
+/// order), state `01` established, `retrnsmt` the retransmission timeouts in a row (hex).
+/// Written by hand: the procfs crate does not expose the retransmission count.
+fn held_in(text: &str, address: SocketAddr) -> Held {
+    let SocketAddr::V4(address) = address else { return Held::Free };
+    let mut held = Held::Free;
+    for line in text.lines().skip(1) {
+        let fields: Vec<&str> = line.split_whitespace().take(7).collect();
+        let [_, _, remote, state, _, _, retransmits] = fields[..] else { continue };
+        if state != "01" || parse_v4(remote) != Some(address) {
+            continue;
+        }
+        let timeouts = u32::from_str_radix(retransmits, 16).unwrap_or(0);
+        held = match held {
+            Held::Stalled(n) => Held::Stalled(n.max(timeouts)),
+            _ if timeouts >= STALLED_AFTER => Held::Stalled(timeouts),
+            _ => Held::Healthy,
+        };
+    }
+    held
+}
+
+/// `0100007F:C35A` as 127.0.0.1:50010.
+fn parse_v4(text: &str) -> Option<std::net::SocketAddrV4> {
+    let (ip, port) = text.split_once(':')?;
+    if ip.len() != 8 {
+        return None;
+    }
+    let ip = u32::from_str_radix(ip, 16).ok()?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    Some(std::net::SocketAddrV4::new(std::net::Ipv4Addr::from(ip.to_ne_bytes()), port))
 }
 
 /// The worker's first IPv4 address.  A name is resolved within `timeout`, and every
@@ -99,7 +185,7 @@ mod tests {
     use std::os::unix::fs::PermissionsExt as _;
     use std::time::Duration;
 
-    use super::{CheckSettings, Outcome, check, pick};
+    use super::{CheckSettings, Held, Outcome, check, held_in, pick};
     use crate::config::WorkerConfig;
 
     const MIB: u64 = 1024 * 1024;
@@ -114,6 +200,7 @@ mod tests {
             .expect("write");
         std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).expect("chmod");
         CheckSettings {
+            tcp_table: dir.join("no-tcp-table"),
             llama_server: program,
             timeout: Duration::from_secs(2),
             list_timeout: Duration::from_secs(10),
@@ -155,6 +242,37 @@ mod tests {
         settings.llama_server = dir.path().join("missing");
         let Outcome::Down(why) = check(&worker(&address, false), &settings, true).await else { panic!("down") };
         assert!(why.contains("cannot run"), "{why}");
+    }
+
+    /// A `/proc/net/tcp` line from `local` to `remote` in `state` with `timeouts`.
+    fn line(remote: &str, state: &str, timeouts: u32) -> String {
+        let hex = |a: &str| {
+            let a: std::net::SocketAddrV4 = a.parse().expect("address");
+            format!("{:08X}:{:04X}", u32::from_ne_bytes(a.ip().octets()), a.port())
+        };
+        format!(
+            "   1: {} {} {state} 00000010:00000000 01:00000014 {timeouts:08X}     0        0 123 2 0 20 4 30 10 -1",
+            hex("10.0.0.1:40000"),
+            hex(remote)
+        )
+    }
+
+    #[test]
+    fn a_held_worker_is_judged_by_its_runners_connection() {
+        let header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode";
+        let worker: std::net::SocketAddr = "10.0.0.2:50052".parse().expect("address");
+        let table = |lines: &[String]| format!("{header}\n{}\n", lines.join("\n"));
+        assert_eq!(held_in(&table(&[]), worker), Held::Free);
+        // Another worker's, a closing one and a listening one do not count.
+        let others =
+            [line("10.0.0.3:50052", "01", 9), line("10.0.0.2:50052", "06", 9), line("10.0.0.2:50052", "0A", 0)];
+        assert_eq!(held_in(&table(&others), worker), Held::Free);
+        assert_eq!(held_in(&table(&[line("10.0.0.2:50052", "01", 0)]), worker), Held::Healthy);
+        assert_eq!(held_in(&table(&[line("10.0.0.2:50052", "01", 2)]), worker), Held::Healthy, "a lost packet or two");
+        assert_eq!(held_in(&table(&[line("10.0.0.2:50052", "01", 3)]), worker), Held::Stalled(3));
+        let both = [line("10.0.0.2:50052", "01", 0), line("10.0.0.2:50052", "01", 17)];
+        assert_eq!(held_in(&table(&both), worker), Held::Stalled(17), "hex, and the worst connection decides");
+        assert_eq!(held_in("garbage\n1: x y 01 z w 3\n\n", worker), Held::Free, "malformed lines are skipped");
     }
 
     #[test]

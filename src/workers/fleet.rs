@@ -38,6 +38,9 @@ pub enum Outcome {
         /// Its devices, when listed.
         devices: Option<Vec<Gpu>>,
     },
+    /// A runner holds it, and the runner's connection to it is healthy (it was not
+    /// connected to: it serves one client at a time).
+    Busy,
     /// It could not be reached, or did not answer as an rpc-server does.
     Down(String),
 }
@@ -124,6 +127,7 @@ impl Fleet {
                 self.workers[index].rtt = Some(rtt);
                 None
             }
+            Outcome::Busy => None,
             Outcome::Down(why) => {
                 self.inventory.offline.extend(self.slots[index].iter().copied());
                 let status = &mut self.workers[index];
@@ -227,6 +231,9 @@ mod tests {
         let ids: Vec<_> = fleet.inventory.online().map(|(i, g)| (i, g.id.as_str())).collect();
         assert_eq!(ids, [(0, "GPU-local"), (1, "rpc:b:2#0"), (2, "rpc:a:1#0"), (3, "rpc:a:1#1")]);
         assert!(!fleet.needs_listing(0), "an up worker is only connected to");
+        assert_eq!(fleet.apply(0, Outcome::Busy, at(3)), None, "held by a runner, healthy: still up");
+        assert!(fleet.workers[0].up);
+        assert_eq!(fleet.apply(1, Outcome::Busy, at(3)), None, "no news: still up");
 
         // b goes down: its index stays, offline; a check without a listing keeps it down.
         assert_eq!(fleet.apply(1, Outcome::Down("no connection within 3 s".into()), at(4)), Some(Change::Down));
