@@ -44,3 +44,4 @@ mod supervision;
 mod systemd_container;
 mod term_habits;
 mod top_habits;
+mod workers_netns;
