@@ -114,8 +114,20 @@ fn main() {
     );
     let relay = delayer == Delayer::Relay;
     let mut setups = vec![
-        Setup { label: "local device (loopback)".into(), split: false, delay: Duration::ZERO, cache: true, relay: false },
-        Setup { label: "2 workers, veth, no cache".into(), split: true, delay: Duration::ZERO, cache: false, relay: false },
+        Setup {
+            label: "local device (loopback)".into(),
+            split: false,
+            delay: Duration::ZERO,
+            cache: true,
+            relay: false,
+        },
+        Setup {
+            label: "2 workers, veth, no cache".into(),
+            split: true,
+            delay: Duration::ZERO,
+            cache: false,
+            relay: false,
+        },
         Setup { label: "2 workers, veth".into(), split: true, delay: Duration::ZERO, cache: true, relay: false },
     ];
     if relay {
@@ -143,8 +155,8 @@ fn make_model(dir: &Path) -> u64 {
     let file = dir.join("bench.gguf");
     write_llama(&file, &SHAPE).expect("write the model");
     let store = Store::open(&dir.join("models")).expect("store");
-    let spec = CreateSpec::from_modelfile(&Modelfile::parse("FROM ./bench.gguf\n").expect("modelfile"), dir)
-        .expect("spec");
+    let spec =
+        CreateSpec::from_modelfile(&Modelfile::parse("FROM ./bench.gguf\n").expect("modelfile"), dir).expect("spec");
     store.create(&ModelName::parse("bench").expect("name"), &spec, &mut |_| {}).expect("create");
     let bytes = std::fs::metadata(&file).expect("model").len();
     std::fs::remove_file(&file).expect("the store has its copy");
@@ -204,7 +216,8 @@ fn measure(dir: &Path, bin: &Path, model_bytes: u64, setup: &Setup) -> Row {
         addresses.push(endpoint.to_string());
     }
     // Split: each worker gets 70 % of the model, so that it fits only across both.
-    let memory = if setup.split { format!("memory = \"{}MiB\"\n", (model_bytes * 7 / 10) >> 20) } else { String::new() };
+    let memory =
+        if setup.split { format!("memory = \"{}MiB\"\n", (model_bytes * 7 / 10) >> 20) } else { String::new() };
     let workers = addresses.iter().fold(String::new(), |mut text, a| {
         let _ = write!(text, "[[workers]]\naddress = \"{a}\"\n{memory}");
         text
@@ -268,7 +281,8 @@ fn relay(listen: &str, target: &str, delay: Duration) {
         for stream in [&client, &upstream] {
             stream.set_nodelay(true).expect("nodelay");
         }
-        let (mut from_client, mut to_upstream) = (client.try_clone().expect("clone"), upstream.try_clone().expect("clone"));
+        let (mut from_client, mut to_upstream) =
+            (client.try_clone().expect("clone"), upstream.try_clone().expect("clone"));
         let (mut from_upstream, mut to_client) = (upstream, client);
         std::thread::spawn(move || {
             let _ = std::io::copy(&mut from_upstream, &mut to_client);
@@ -357,7 +371,8 @@ impl Corrald {
 
     /// Loads the model (a one-token answer); corrald's `load_duration`.
     fn load(&self) -> Duration {
-        let body = serde_json::json!({"model": "bench", "prompt": "hi", "stream": false, "options": {"num_predict": 1}});
+        let body =
+            serde_json::json!({"model": "bench", "prompt": "hi", "stream": false, "options": {"num_predict": 1}});
         let reply = self.request("POST", "/api/generate", Some(&body)).json();
         Duration::from_nanos(reply["load_duration"].as_u64().expect("load_duration"))
     }
@@ -375,14 +390,18 @@ impl Corrald {
     fn devices(&self) -> Vec<String> {
         let ps = self.request("GET", "/api/ps", None).json();
         let devices = ps["models"][0]["devices"].as_array().cloned().unwrap_or_default();
-        devices.iter().map(|d| format!("{} {} MiB", d["name"].as_str().unwrap_or("?"), d["bytes"].as_u64().unwrap_or(0) >> 20)).collect()
+        devices
+            .iter()
+            .map(|d| format!("{} {} MiB", d["name"].as_str().unwrap_or("?"), d["bytes"].as_u64().unwrap_or(0) >> 20))
+            .collect()
     }
 
     /// One streamed answer of [`TOKENS`] tokens: the time to its first token, and its
     /// tokens per second (`eval_count` over `eval_duration`, llama.cpp's own timing).
     fn stream(&self) -> (Duration, f64) {
-        let body = serde_json::json!({"model": "bench", "prompt": "Once upon a time", "options": {"num_predict": TOKENS}})
-            .to_string();
+        let body =
+            serde_json::json!({"model": "bench", "prompt": "Once upon a time", "options": {"num_predict": TOKENS}})
+                .to_string();
         let mut stream = UnixStream::connect(&self.socket).expect("connect");
         stream.set_read_timeout(Some(REQUEST_TIMEOUT)).expect("timeout");
         let asked = Instant::now();

@@ -114,7 +114,9 @@ impl Rig {
         let workers: Vec<String> = self
             .workers
             .iter()
-            .map(|w| format!("[[workers]]\nname = \"{}\"\naddress = \"{}\"\nmemory = \"{CAP}\"\n", w.name, w.endpoint()))
+            .map(|w| {
+                format!("[[workers]]\nname = \"{}\"\naddress = \"{}\"\nmemory = \"{CAP}\"\n", w.name, w.endpoint())
+            })
             .collect();
         let config = write_config(
             self.dir.path(),
@@ -233,9 +235,9 @@ impl Rig {
         let stream = self.stream_long();
         fault(&mut self.workers[1]);
         let faulted = Instant::now();
-        let reply = stream.recv_timeout(FAULT_BOUND).unwrap_or_else(|_| {
-            panic!("the stream did not end within {FAULT_BOUND:?}:\n{}", self.corrald().stderr())
-        });
+        let reply = stream
+            .recv_timeout(FAULT_BOUND)
+            .unwrap_or_else(|_| panic!("the stream did not end within {FAULT_BOUND:?}:\n{}", self.corrald().stderr()));
         eprintln!("the stream ended {:?} after the fault", faulted.elapsed());
         assert_eq!(reply.status, 200, "the stream had begun: {}", reply.body);
         let last = reply.body.lines().last().unwrap_or_default();

@@ -187,7 +187,18 @@ impl Link {
             worker: Ipv4Addr::new(10, a, b, c + 2),
         };
         let made = head
-            .ip(&["link", "add", &link.head_dev, "type", "veth", "peer", "name", &link.worker_dev, "netns", worker.name()])
+            .ip(&[
+                "link",
+                "add",
+                &link.head_dev,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &link.worker_dev,
+                "netns",
+                worker.name(),
+            ])
             .and_then(|()| head.ip(&["addr", "add", &format!("{}/30", link.head), "dev", &link.head_dev]))
             .and_then(|()| head.ip(&["link", "set", &link.head_dev, "up"]))
             .and_then(|()| worker.ip(&["addr", "add", &format!("{}/30", link.worker), "dev", &link.worker_dev]))
@@ -321,7 +332,11 @@ impl NsRpcServer {
     pub fn wait_lines(&self, text: &str, n: usize, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         while self.count_lines(text) < n {
-            assert!(Instant::now() < deadline, "no {n}×{text:?} from rpc-server within {timeout:?}:\n{}", self.output());
+            assert!(
+                Instant::now() < deadline,
+                "no {n}×{text:?} from rpc-server within {timeout:?}:\n{}",
+                self.output()
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
     }
