@@ -721,7 +721,7 @@ fn with_fake(fake: &Path, dir: &Path, requests: usize) -> Setup {
         backend: Arc::new(SupervisorBackend {
             config,
             load_timeout: Duration::from_secs(30),
-            devices: Vec::new(),
+            devices: Arc::default(),
             probe: None,
             projections: None,
         }),

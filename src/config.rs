@@ -36,6 +36,27 @@ pub struct Config {
     pub models: BTreeMap<String, ModelPolicy>,
     /// `[[workers]]`: ggml `rpc-server` endpoints whose devices models may be placed on.
     pub workers: Vec<WorkerConfig>,
+    /// `[worker_health]`: how the workers are checked.
+    pub worker_health: WorkerHealthConfig,
+}
+
+/// `[worker_health]`: each worker is checked at start and then every `interval`; a check
+/// that gets no connection within `timeout` marks it down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerHealthConfig {
+    /// How often each worker is checked.
+    #[serde(deserialize_with = "positive_duration")]
+    pub interval: Duration,
+    /// How long one check's connection may take.
+    #[serde(deserialize_with = "positive_duration")]
+    pub timeout: Duration,
+}
+
+impl Default for WorkerHealthConfig {
+    fn default() -> Self {
+        Self { interval: Duration::from_secs(10), timeout: Duration::from_secs(3) }
+    }
 }
 
 /// `[dbus]`.
@@ -318,6 +339,10 @@ pub struct WorkerConfig {
     /// small device); all the memory it reports when not given.
     #[serde(default, deserialize_with = "byte_size_opt")]
     pub memory: Option<u64>,
+    /// Allows an address that is not loopback or private: rpc-server has no
+    /// authentication, so a public address is refused unless this says otherwise.
+    #[serde(default)]
+    pub allow_public: bool,
 }
 
 impl WorkerConfig {
@@ -338,6 +363,24 @@ impl WorkerAddress {
     #[must_use]
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// Its host when that is an IPv4 address (not a name).
+    #[must_use]
+    pub fn ip(&self) -> Option<std::net::Ipv4Addr> {
+        self.0.rsplit_once(':').and_then(|(host, _)| host.parse().ok())
+    }
+
+    /// Its port.
+    #[must_use]
+    pub fn port(&self) -> u16 {
+        self.0.rsplit_once(':').and_then(|(_, port)| port.parse().ok()).unwrap_or_default()
+    }
+
+    /// Its host: an IPv4 address or a name.
+    #[must_use]
+    pub fn host(&self) -> &str {
+        self.0.rsplit_once(':').map_or(&self.0, |(host, _)| host)
     }
 }
 
@@ -647,12 +690,34 @@ fn check_together(config: &Config, files: &[PathBuf]) -> Result<(), ConfigError>
     check_workers(&config.workers, files)
 }
 
+/// Whether an IPv4 address is only reachable from this host or a private network:
+/// loopback, RFC 1918, link-local, or shared address space (RFC 6598, carrier-grade NAT
+/// and some VPNs).
+#[must_use]
+pub fn is_private_v4(ip: std::net::Ipv4Addr) -> bool {
+    let [a, b, ..] = ip.octets();
+    ip.is_loopback() || ip.is_private() || ip.is_link_local() || (a == 100 && (64..128).contains(&b))
+}
+
 /// Worker names (their addresses when unnamed) and addresses are unique: the error
 /// names the last line that repeats one.
 fn check_workers(workers: &[WorkerConfig], files: &[PathBuf]) -> Result<(), ConfigError> {
     let mut names = std::collections::HashSet::new();
     let mut addresses = std::collections::HashSet::new();
     for worker in workers {
+        if let Some(ip) = worker.address.ip().filter(|ip| !worker.allow_public && !is_private_v4(*ip)) {
+            let (path, line) = where_value(files, "address", worker.address.as_str());
+            return Err(ConfigError::Invalid {
+                path,
+                line,
+                key: Some("workers.address".into()),
+                message: format!(
+                    "{ip} is a public address: rpc-server has no authentication, so anyone who reaches it can \
+                     run code there; use a loopback or private address (a private network or a VPN), or set \
+                     allow_public = true in this [[workers]] entry"
+                ),
+            });
+        }
         let (key, value, what) = if !addresses.insert(worker.address.as_str()) {
             ("address", worker.address.as_str(), "address")
         } else if !names.insert(worker.name()) {
@@ -1161,10 +1226,51 @@ memory = "200MiB"
         let [a, b] = &workers[..] else { panic!("two workers: {workers:?}") };
         assert_eq!((a.address.as_str(), a.name.as_deref(), a.memory), ("127.0.0.1:50052", None, None));
         assert_eq!(a.name(), "127.0.0.1:50052", "the name defaults to the address");
+        assert!(!a.allow_public, "public addresses are refused by default");
         assert_eq!(
             (b.address.to_string(), b.name(), b.memory),
             ("gpu-box.lan:50053".to_owned(), "gpu-box", Some(200 * MIB))
         );
+    }
+
+    #[test]
+    fn only_loopback_and_private_worker_addresses_pass_without_allow_public() {
+        for private in [
+            "127.0.0.1",
+            "127.9.9.9",
+            "10.1.2.3",
+            "172.16.0.1",
+            "172.31.255.255",
+            "192.168.1.1",
+            "169.254.0.1",
+            "100.64.0.1",
+            "100.127.255.255",
+        ] {
+            assert!(super::is_private_v4(private.parse().expect("ip")), "{private}");
+        }
+        for public in [
+            "8.8.8.8",
+            "172.32.0.1",
+            "172.15.255.255",
+            "192.169.0.1",
+            "100.128.0.1",
+            "100.63.255.255",
+            "1.1.1.1",
+            "0.0.0.0",
+            "255.255.255.255",
+        ] {
+            assert!(!super::is_private_v4(public.parse().expect("ip")), "{public}");
+        }
+        let allowed = load(&[("corral.toml", "[[workers]]\naddress = \"8.8.8.8:50052\"\nallow_public = true\n")])
+            .expect("allowed explicitly");
+        assert!(allowed.config.workers[0].allow_public);
+        let health = load(&[("corral.toml", "[worker_health]\ninterval = \"1s\"\ntimeout = \"500ms\"\n")])
+            .expect("valid")
+            .config
+            .worker_health;
+        assert_eq!((health.interval, health.timeout), (Duration::from_secs(1), Duration::from_millis(500)));
+        let defaults = load(&[]).expect("defaults").config.worker_health;
+        assert_eq!((defaults.interval, defaults.timeout), (Duration::from_secs(10), Duration::from_secs(3)));
     }
 
     #[test]
@@ -1246,6 +1352,20 @@ memory = "200MiB"
                 &[("corral.toml", "[[workers]]\naddress = \"h:1\"\n[[workers]]\naddress = \"h:2\"\nname = \"h:1\"\n")],
                 &["corral.toml:5", "workers.name", "the name \"h:1\""],
             ),
+            (
+                &[("corral.toml", "[[workers]]\naddress = \"10.0.0.2:1\"\n[[workers]]\naddress = \"8.8.8.8:50052\"\n")],
+                &["corral.toml:4", "workers.address", "8.8.8.8 is a public address", "allow_public = true"],
+            ),
+            (
+                &[("corral.toml", "[[workers]]\naddress = \"10.0.0.2:1\"\nallow_public = \"yes\"\n")],
+                &["corral.toml:3", "workers[0].allow_public", "expected a boolean"],
+            ),
+            (&[("corral.toml", "[worker_health]\ninterval = \"0s\"\n")], &["worker_health.interval", "is zero"]),
+            (
+                &[("corral.toml", "[worker_health]\ntimeout = \"soon\"\n")],
+                &["corral.toml:2", "worker_health.timeout", "\"soon\""],
+            ),
+            (&[("corral.toml", "[worker_health]\nevery = \"1s\"\n")], &["unknown field `every`", "`interval`"]),
         ];
         for (files, wanted) in cases {
             let err = error(files);

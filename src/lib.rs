@@ -27,6 +27,7 @@ pub mod supervisor;
 pub mod sync;
 pub mod systemd;
 pub mod units;
+pub mod workers;
 
 /// corral's own version: in the journal's first entry, `corral_version` on `/api/version`,
 /// the `X-Corral-Version` header of every answer and D-Bus' `Version`.

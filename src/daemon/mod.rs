@@ -15,7 +15,6 @@
 //! configured executable, and [`refuse`] answers while the configuration is rejected.
 
 use std::os::fd::OwnedFd;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -92,8 +91,8 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     // Listen before any runner starts: a start that fails to listen leaves nothing behind.
     let socket_activated = !sockets.is_empty();
     let listeners = listen(sockets, &loaded.config).await?;
-    let (scheduler, inventory, scheduler_task) = start_scheduler(&loaded.config, &paths, cgroups, log_target).await?;
-    let gpu_count = inventory.gpus.len();
+    let (scheduler, fleet, scheduler_task) = start_scheduler(&loaded.config, &paths, cgroups, log_target).await?;
+    let gpu_count = fleet.inventory().gpus.len();
     preload(&loaded.config, &store, &scheduler);
     let names: Vec<String> = listeners.iter().map(listeners::Listener::describe).collect();
     let status_of = |models: usize| {
@@ -105,7 +104,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let mut servers = JoinSet::new();
     let requests = Requests::default();
-    let state = app_state(&loaded.config, store.clone(), scheduler.clone(), Arc::new(inventory));
+    let state = app_state(&loaded.config, store.clone(), scheduler.clone(), fleet);
     // Served before READY=1, so that a client started after the service finds the name.
     let mut bus = serve_dbus(&loaded.config, &state).await;
     let router = http::router(state).layer(from_fn_with_state(requests.clone(), count_requests));

@@ -29,9 +29,10 @@ use crate::store::Store;
 use crate::store::name::ModelName;
 use crate::store::registry::{Registry, RegistryConfig};
 use crate::supervisor::cgroup::CgroupTree;
-use crate::supervisor::command::{Device, INHERITED_VARIABLES};
+use crate::supervisor::command::INHERITED_VARIABLES;
 use crate::supervisor::runner::{LogSink, SupervisorConfig};
 use crate::systemd::{JOURNAL_SOCKET, JournalWriter};
+use crate::workers::{self, CheckSettings, Fleet, FleetView, Monitor};
 
 /// The sockets systemd passed, or else the configured `[server] listen` addresses bound.
 pub(super) async fn listen(
@@ -91,12 +92,7 @@ pub(super) async fn open_store(config: &Config, paths: &Paths) -> anyhow::Result
 }
 
 /// What the HTTP handlers share, from the configuration at start.
-pub(super) fn app_state(
-    config: &Config,
-    store: Store,
-    scheduler: Handle,
-    inventory: Arc<gpu::Inventory>,
-) -> http::AppState {
+pub(super) fn app_state(config: &Config, store: Store, scheduler: Handle, fleet: FleetView) -> http::AppState {
     let registry = Registry::new(RegistryConfig {
         insecure: config.store.insecure_registries.clone(),
         ..RegistryConfig::default()
@@ -110,7 +106,7 @@ pub(super) fn app_state(
         tokens: Arc::default(),
         upstream: crate::supervisor::upstream::Pool::new(config.runner.stream_idle_timeout),
         templates: crate::prompt_template::Renderer::default(),
-        inventory,
+        fleet,
     }
 }
 
@@ -121,13 +117,13 @@ pub(super) async fn serve_dbus(config: &Config, state: &http::AppState) -> Optio
     if config.dbus.bus == BusKind::Off {
         return None;
     }
-    let limits = limits(config, state.inventory.gpus.len());
+    let limits = limits(config, state.fleet.inventory().gpus.len());
     let context = dbus::Context {
         store: state.store.clone(),
         scheduler: state.scheduler.clone(),
         registry: state.registry.clone(),
         defaults: state.defaults,
-        inventory: Arc::clone(&state.inventory),
+        fleet: state.fleet.clone(),
         limits,
         read_only: config.store.read_only,
         tokens: Arc::clone(&state.tokens),
@@ -144,24 +140,33 @@ pub(super) async fn serve_dbus(config: &Config, state: &http::AppState) -> Optio
     }
 }
 
-/// Starts the scheduler on the memory inventory, with llama-server runners; returns its
-/// handle, the inventory and its task.
+/// Starts the scheduler on the memory inventory and the workers that answer the first
+/// check, with llama-server runners, and the workers' health monitor; returns the
+/// scheduler's handle, the views' copy of the fleet and the scheduler's task.
 pub(super) async fn start_scheduler(
     config: &Config,
     paths: &Paths,
     cgroups: Option<CgroupTree>,
     log_target: LogTarget,
-) -> anyhow::Result<(Handle, gpu::Inventory, tokio::task::JoinHandle<()>)> {
+) -> anyhow::Result<(Handle, FleetView, tokio::task::JoinHandle<()>)> {
     let gpu_config = config.gpu.clone();
-    // The workers are asked through llama-server, as the runners will see them.
-    let workers = gpu::rpc::Workers::new(config.runner.llama_server.clone(), config.workers.clone());
-    let (probe, inventory) = tokio::task::spawn_blocking(move || {
-        let probe: Arc<dyn gpu::MemoryProbe> = Arc::from(gpu::probe(&gpu_config, workers, &gpu::Roots::system()));
+    let (probe, local) = tokio::task::spawn_blocking(move || {
+        let probe: Arc<dyn gpu::MemoryProbe> = Arc::from(gpu::probe(&gpu_config, &gpu::Roots::system()));
         let inventory = probe.inventory();
         (probe, inventory)
     })
     .await
     .context("the memory probe panicked")?;
+    // The workers are asked through llama-server, as the runners will see them.
+    let checks = CheckSettings {
+        llama_server: config.runner.llama_server.clone(),
+        timeout: config.worker_health.timeout,
+        list_timeout: gpu::rpc::ASK_TIMEOUT,
+        reserve: config.gpu.reserve,
+    };
+    let fleet = Fleet::new(local, &config.workers, std::time::SystemTime::now());
+    let fleet = workers::first_round(fleet, &config.workers, &checks).await;
+    let inventory = &fleet.inventory;
     std::fs::create_dir_all(&paths.runtime)
         .with_context(|| format!("cannot create the runtime directory {}", paths.runtime.display()))?;
     let log_sink = match log_target {
@@ -182,12 +187,7 @@ pub(super) async fn start_scheduler(
             stop_grace: Duration::from_secs(10),
         },
         load_timeout: config.scheduler.load_timeout,
-        // A worker's devices are reached through its address (`--rpc`).
-        devices: inventory
-            .gpus
-            .iter()
-            .map(|g| Device { backend: g.backend, id: g.endpoint.clone().unwrap_or_else(|| g.id.clone()) })
-            .collect(),
+        devices: Arc::new(std::sync::RwLock::new(SupervisorBackend::device_ids(&inventory.gpus))),
         probe: Some(probe),
         projections: Projector::from_config(&config.runner, std::env::var_os("PATH").as_deref()).ok().map(
             |projector| {
@@ -204,18 +204,37 @@ pub(super) async fn start_scheduler(
         .collect();
     let limits = limits(config, gpus.len());
     let max_loaded = limits.max_loaded;
+    let online = inventory.online().count();
     tracing::info!(
-        gpus = inventory.gpus.len(),
+        gpus = online,
         host_bytes = inventory.host.available_bytes,
         max_loaded,
-        "scheduling on {} device(s) and {} bytes of host memory",
-        inventory.gpus.len(),
-        inventory.host.available_bytes
+        "scheduling on {} and {} of host memory",
+        crate::units::count(online, "device", "devices"),
+        crate::units::bytes(inventory.host.available_bytes)
     );
     let learned = Footprints::load(paths.state.join("footprints.json"));
     let (scheduler, handle) = Scheduler::new(Arc::new(backend), gpus, inventory.host.available_bytes, limits, learned);
+    let (views, view) = tokio::sync::watch::channel(fleet.clone());
+    let scheduler = if config.workers.is_empty() {
+        scheduler
+    } else {
+        let (nudge, nudges) = tokio::sync::mpsc::unbounded_channel();
+        let scheduler = scheduler.with_workers(&fleet, nudge);
+        let monitor = Monitor {
+            fleet,
+            workers: config.workers.clone(),
+            settings: checks,
+            interval: config.worker_health.interval,
+            views,
+            scheduler: handle.clone(),
+            nudges,
+        };
+        tokio::spawn(monitor.run());
+        scheduler
+    };
     let task = tokio::spawn(scheduler.run());
-    Ok((handle, inventory, task))
+    Ok((handle, FleetView::new(view), task))
 }
 
 /// The scheduler's limits from the configuration (applied again on reload).

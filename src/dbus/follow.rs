@@ -22,7 +22,9 @@ pub(super) async fn start(shared: Arc<Shared>, connection: Connection) -> tokio:
     // Subscribed before the first snapshot, so no change falls between them.
     let mut notices = shared.context.scheduler.subscribe();
     let mut store_changes = shared.context.store.changes();
-    let mut follower = Follower { shared, connection };
+    let mut fleet = shared.context.fleet.clone();
+    let mut follower = Follower { shared, connection, workers: Vec::new() };
+    follower.workers = follower.workers_shown();
     follower.sync_store().await;
     follower.sync_runners().await;
     tokio::spawn(async move {
@@ -39,6 +41,7 @@ pub(super) async fn start(shared: Arc<Shared>, connection: Connection) -> tokio:
                     }
                     follower.sync_store().await;
                 }
+                () = fleet.changed() => follower.sync_workers().await,
             }
             // Replies waiting for the views to show their effect look again.
             follower.shared.applied.notify_waiters();
@@ -107,6 +110,9 @@ impl Runner {
 struct Follower {
     shared: Arc<Shared>,
     connection: Connection,
+    /// The workers as last signalled: (name, state, devices, error); a new round-trip
+    /// time alone is not a change worth a signal.
+    workers: Vec<(String, bool, Vec<String>, String)>,
 }
 
 impl Follower {
@@ -261,6 +267,24 @@ impl Follower {
     }
 
     /// Reads the runners from the scheduler (at start, and after falling behind).
+    /// The workers' state as `Workers` signals it.
+    fn workers_shown(&self) -> Vec<(String, bool, Vec<String>, String)> {
+        let fleet = self.shared.context.fleet.now();
+        fleet.workers.into_iter().map(|w| (w.name, w.up, w.devices, w.last_error)).collect()
+    }
+
+    /// Signals `Workers` when a worker's state, devices or error changed.
+    async fn sync_workers(&mut self) {
+        let now = self.workers_shown();
+        if now == self.workers {
+            return;
+        }
+        self.workers = now;
+        if let Ok(manager) = self.manager().await {
+            let _ = manager.get().await.workers_changed(manager.signal_emitter()).await;
+        }
+    }
+
     async fn sync_runners(&mut self) {
         let Ok(loaded) = self.shared.context.scheduler.loaded().await else { return };
         {

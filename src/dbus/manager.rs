@@ -184,9 +184,10 @@ impl Manager {
     fn gpus(&self) -> Vec<(String, String, String, u64, u64)> {
         self.shared
             .context
-            .inventory
-            .gpus
-            .iter()
+            .fleet
+            .inventory()
+            .online()
+            .map(|(_, g)| g)
             .map(|g| (g.id.clone(), g.name.clone(), g.backend.as_str().to_owned(), g.total_bytes, g.free_bytes))
             .collect()
     }
@@ -196,15 +197,23 @@ impl Manager {
     #[zbus(property(emits_changed_signal = "false"))]
     async fn devices(&self) -> zbus::fdo::Result<Vec<(String, String, String, u64, u64, u64)>> {
         let stats = self.shared.context.scheduler.stats().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
-        Ok(crate::gpu::usage(&self.shared.context.inventory, &stats.loaded)
+        Ok(crate::gpu::usage(&self.shared.context.fleet.inventory(), &stats.loaded)
             .into_iter()
             .map(|d| (d.kind.to_owned(), d.name, d.description, d.total_bytes, d.usable_bytes, d.used_bytes))
             .collect())
     }
 
+    /// Every configured worker: (name, address, "up" or "down", its devices' ids, why it is
+    /// down, the last check's connection time in µs, since when in its state in µs since
+    /// the epoch). Signalled when a worker's state, devices or error change.
+    #[zbus(property)]
+    fn workers(&self) -> Vec<WorkerRow> {
+        workers_property(&self.shared.context.fleet.now().workers)
+    }
+
     #[zbus(property(emits_changed_signal = "const"))]
     fn host_memory(&self) -> u64 {
-        self.shared.context.inventory.host.available_bytes
+        self.shared.context.fleet.inventory().host.available_bytes
     }
 
     #[zbus(property)]
@@ -304,4 +313,26 @@ pub(super) async fn unload(shared: &Shared, short: &str) -> Result<(), Error> {
 /// Runs store work on the blocking pool.
 pub(super) async fn blocking<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, Error> {
     tokio::task::spawn_blocking(work).await.map_err(|e| Error::Failed(format!("a store task failed: {e}")))
+}
+
+/// One worker in `Workers`: name, address, state, devices, last error, rtt and since (µs).
+type WorkerRow = (String, String, String, Vec<String>, String, u64, u64);
+
+/// The `Workers` property's value.
+pub(super) fn workers_property(workers: &[crate::workers::WorkerStatus]) -> Vec<WorkerRow> {
+    let micros = |d: std::time::Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+    workers
+        .iter()
+        .map(|w| {
+            (
+                w.name.clone(),
+                w.address.clone(),
+                if w.up { "up" } else { "down" }.to_owned(),
+                w.devices.clone(),
+                w.last_error.clone(),
+                w.rtt.map_or(0, micros),
+                w.since.duration_since(std::time::UNIX_EPOCH).map_or(0, micros),
+            )
+        })
+        .collect()
 }

@@ -30,7 +30,6 @@ use zbus::connection::Builder;
 use zbus::zvariant::OwnedObjectPath;
 
 use crate::config::BusKind;
-use crate::gpu::Inventory;
 use crate::scheduler::handle::Handle;
 use crate::scheduler::request::Defaults;
 use crate::scheduler::types::Limits;
@@ -58,8 +57,8 @@ pub struct Context {
     pub registry: Registry,
     /// Load defaults from the configuration.
     pub defaults: Defaults,
-    /// The devices (GPUs, then the workers' RPC devices) and host memory found at start.
-    pub inventory: Arc<Inventory>,
+    /// The devices (GPUs, then the workers' RPC devices), host memory and workers' health.
+    pub fleet: crate::workers::FleetView,
     /// The scheduler's limits at start (reloads arrive as notices).
     pub limits: Limits,
     /// Whether the store refuses writes (`[store] read_only`).

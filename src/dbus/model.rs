@@ -232,7 +232,7 @@ impl Model {
         let loaded =
             self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
         let Some(runner) = loaded.iter().find(|m| m.names.contains(&name)) else { return Ok(Vec::new()) };
-        Ok(crate::gpu::model_devices(&self.shared.context.inventory, &runner.placement, runner.footprint)
+        Ok(crate::gpu::model_devices(&self.shared.context.fleet.inventory(), &runner.placement, runner.footprint)
             .into_iter()
             .map(|(kind, device, bytes)| (device, kind.to_owned(), bytes))
             .collect())

@@ -47,7 +47,7 @@ impl MemoryProbe for FixedProbe {
                 HostMemory::default()
             })
         });
-        Inventory { gpus: self.gpus.clone(), host }
+        Inventory { gpus: self.gpus.clone(), host, offline: std::collections::BTreeSet::new() }
     }
 }
 

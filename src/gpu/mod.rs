@@ -4,9 +4,11 @@
 //! [`probe`] picks one from the configuration: the fixed inventory of `[gpu] devices`
 //! (CPU-only hosts, tests), or a [`SystemProbe`] that combines NVIDIA GPUs through NVML
 //! ([`nvml`]; no library means no NVIDIA GPUs), AMD GPUs through sysfs ([`amd`]) and host
-//! memory from `/proc/meminfo` ([`host`]).  Either way the devices of the `[[workers]]`
-//! (ggml `rpc-server`s, [`rpc`]) follow the local GPUs.  Every filesystem root, program
-//! and the NVML handle are passed in, so tests point them at a temporary directory.
+//! memory from `/proc/meminfo` ([`host`]).  The devices of the `[[workers]]` (ggml
+//! `rpc-server`s, listed by [`rpc`]) follow the local GPUs; the health monitor
+//! ([`crate::workers`]) adds them as the workers come up and takes them out (by index, in
+//! [`Inventory::offline`]) as they go down.  Every filesystem root, program and the NVML
+//! handle are passed in, so tests point them at a temporary directory.
 //! [`usage`] is the per-device view the D-Bus, `/metrics` and `/api/ps` show.
 
 pub mod amd;
@@ -31,6 +33,16 @@ pub struct Inventory {
     pub gpus: Vec<Gpu>,
     /// The host's memory.
     pub host: HostMemory,
+    /// The indices in `gpus` of devices whose worker is down: kept, so that indices stay
+    /// stable, but planned with and listed by no one.
+    pub offline: std::collections::BTreeSet<usize>,
+}
+
+impl Inventory {
+    /// The devices that can be used now, with their indices.
+    pub fn online(&self) -> impl Iterator<Item = (usize, &Gpu)> {
+        self.gpus.iter().enumerate().filter(|(index, _)| !self.offline.contains(index))
+    }
 }
 
 /// One offload device: a local GPU, or a worker's RPC device.
@@ -104,10 +116,9 @@ impl Roots {
 
 /// The probe for this configuration: the fixed inventory when `[gpu] fixed` is set, else a
 /// [`SystemProbe`] with NVML (when its library loads), AMD sysfs and `/proc/meminfo`.
-/// Either way the devices of `workers` follow the local GPUs, and `[gpu] reserve` is
-/// taken off every device's total and free memory.
+/// Either way `[gpu] reserve` is taken off every device's total and free memory.
 #[must_use]
-pub fn probe(config: &GpuConfig, workers: rpc::Workers, roots: &Roots) -> Box<dyn MemoryProbe> {
+pub fn probe(config: &GpuConfig, roots: &Roots) -> Box<dyn MemoryProbe> {
     let inner: Box<dyn MemoryProbe> = if config.fixed {
         tracing::info!(gpus = config.devices.len(), "using the fixed GPU inventory from [gpu]");
         Box::new(fixed::FixedProbe::new(config, roots))
@@ -117,8 +128,6 @@ pub fn probe(config: &GpuConfig, workers: rpc::Workers, roots: &Roots) -> Box<dy
         }
         Box::new(SystemProbe::new(nvml::NvmlProbe::new(), roots.clone()))
     };
-    let inner: Box<dyn MemoryProbe> =
-        if workers.workers.is_empty() { inner } else { Box::new(WithWorkers { inner, workers }) };
     if config.reserve == 0 { inner } else { Box::new(Reserved { inner, reserve: config.reserve }) }
 }
 
@@ -145,30 +154,11 @@ impl MemoryProbe for SystemProbe {
             tracing::warn!("host memory unknown: {e}");
             HostMemory::default()
         });
-        Inventory { gpus, host }
+        Inventory { gpus, host, offline: std::collections::BTreeSet::new() }
     }
 
     fn process_vram(&self, pid: u32) -> Option<u64> {
         self.nvml.process_vram(pid)
-    }
-}
-
-/// Another probe with the workers' devices after its own; the workers are asked on each
-/// inventory.
-struct WithWorkers {
-    inner: Box<dyn MemoryProbe>,
-    workers: rpc::Workers,
-}
-
-impl MemoryProbe for WithWorkers {
-    fn inventory(&self) -> Inventory {
-        let mut inventory = self.inner.inventory();
-        inventory.gpus.extend(self.workers.devices());
-        inventory
-    }
-
-    fn process_vram(&self, pid: u32) -> Option<u64> {
-        self.inner.process_vram(pid)
     }
 }
 
@@ -193,7 +183,7 @@ impl MemoryProbe for Reserved {
 }
 
 /// Takes `bytes` off a GPU's total and free memory, stopping at zero.
-fn reserve(gpu: &mut Gpu, bytes: u64) {
+pub fn reserve(gpu: &mut Gpu, bytes: u64) {
     gpu.total_bytes = gpu.total_bytes.saturating_sub(bytes);
     gpu.free_bytes = gpu.free_bytes.saturating_sub(bytes);
 }
@@ -203,8 +193,8 @@ mod tests {
     use std::fs;
     use std::path::Path;
 
-    use super::{Backend, Gpu, HostMemory, Roots, probe, reserve, rpc};
-    use crate::config::{FixedGpu, GpuConfig, WorkerConfig};
+    use super::{Backend, Gpu, HostMemory, Roots, probe, reserve};
+    use crate::config::{FixedGpu, GpuConfig};
 
     const MIB: u64 = 1024 * 1024;
     const GIB: u64 = 1024 * MIB;
@@ -233,53 +223,6 @@ mod tests {
         }
     }
 
-    fn no_workers() -> rpc::Workers {
-        rpc::Workers::default()
-    }
-
-    /// Workers answered by a script: `down:*` cannot be reached, the others have one
-    /// device of 1 GiB with 768 MiB free.
-    fn scripted_workers(dir: &Path, addresses: &[&str]) -> rpc::Workers {
-        use std::os::unix::fs::PermissionsExt as _;
-        let program = dir.join("llama-server");
-        fs::write(
-            &program,
-            "#!/bin/sh\ncase \"$2\" in down:*) echo 'Failed to connect' >&2; exit 1;; esac\n\
-             echo 'Available devices:'\necho \"  RPC0: $2 (1024 MiB, 768 MiB free)\"\n",
-        )
-        .expect("write");
-        fs::set_permissions(&program, fs::Permissions::from_mode(0o755)).expect("chmod");
-        let workers = addresses
-            .iter()
-            .map(|a| WorkerConfig { address: a.parse().expect("address"), name: None, memory: None })
-            .collect();
-        rpc::Workers::new(program, workers)
-    }
-
-    #[test]
-    fn workers_devices_follow_the_gpus_fixed_or_probed_with_the_reserve_taken_off() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let roots = fake_roots(dir.path());
-        let mut config = fixed_config();
-        config.reserve = 256 * MIB;
-        let workers = scripted_workers(dir.path(), &["w:1", "down:2", "w:3"]);
-        let fixed = probe(&config, workers.clone(), &roots).inventory();
-        let ids: Vec<_> = fixed.gpus.iter().map(|g| (g.id.as_str(), g.backend, g.total_bytes, g.free_bytes)).collect();
-        assert_eq!(
-            ids,
-            [
-                ("0", Backend::Cuda, 8 * GIB - 256 * MIB, 8 * GIB - 256 * MIB),
-                ("x", Backend::Vulkan, 4 * GIB - 256 * MIB, 4 * GIB - 256 * MIB),
-                ("rpc:w:1#0", Backend::Rpc, GIB - 256 * MIB, 512 * MIB),
-                ("rpc:w:3#0", Backend::Rpc, GIB - 256 * MIB, 512 * MIB),
-            ]
-        );
-        config.fixed = false;
-        let probed = probe(&config, workers, &roots).inventory();
-        let kinds: Vec<_> = probed.gpus.iter().map(|g| g.backend).collect();
-        assert_eq!(kinds.last_chunk::<3>(), Some(&[Backend::Rocm, Backend::Rpc, Backend::Rpc]), "{probed:?}");
-    }
-
     #[test]
     fn system_roots_are_sys_and_proc() {
         let roots = Roots::system();
@@ -291,11 +234,11 @@ mod tests {
     fn probe_uses_the_fixed_inventory_when_configured_and_probes_nothing() {
         let dir = tempfile::tempdir().expect("tempdir");
         let roots = fake_roots(dir.path());
-        let inventory = probe(&fixed_config(), no_workers(), &roots).inventory();
+        let inventory = probe(&fixed_config(), &roots).inventory();
         let names: Vec<_> = inventory.gpus.iter().map(|g| g.name.as_str()).collect();
         assert_eq!(names, ["test0", "test1"], "the AMD card under the fake sysfs is not probed");
         assert_eq!(inventory.host, HostMemory { total_bytes: 32 * GIB, available_bytes: 32 * GIB });
-        assert_eq!(probe(&fixed_config(), no_workers(), &roots).process_vram(1), None);
+        assert_eq!(probe(&fixed_config(), &roots).process_vram(1), None);
     }
 
     #[test]
@@ -304,7 +247,7 @@ mod tests {
         let roots = fake_roots(dir.path());
         let mut config = fixed_config();
         config.fixed = false;
-        let inventory = probe(&config, no_workers(), &roots).inventory();
+        let inventory = probe(&config, &roots).inventory();
         assert!(inventory.gpus.iter().all(|g| g.name != "test0"), "configured devices are ignored");
         let amd: Vec<_> = inventory.gpus.iter().filter(|g| g.backend == Backend::Rocm).collect();
         assert_eq!(amd.len(), 1, "{inventory:?}");
@@ -318,13 +261,13 @@ mod tests {
         let roots = fake_roots(dir.path());
         let mut config = fixed_config();
         config.reserve = 512 * MIB;
-        let fixed = probe(&config, no_workers(), &roots).inventory();
+        let fixed = probe(&config, &roots).inventory();
         assert_eq!(fixed.gpus[0].total_bytes, 8 * GIB - 512 * MIB);
         assert_eq!(fixed.gpus[1].free_bytes, 4 * GIB - 512 * MIB);
         assert_eq!(fixed.host.total_bytes, 32 * GIB, "host memory has no reserve");
 
         config.fixed = false;
-        let probed = probe(&config, no_workers(), &roots).inventory();
+        let probed = probe(&config, &roots).inventory();
         let amd = probed.gpus.iter().find(|g| g.backend == Backend::Rocm).expect("AMD card");
         assert_eq!((amd.total_bytes, amd.free_bytes), (16 * GIB - 512 * MIB, 15 * GIB - 512 * MIB));
     }

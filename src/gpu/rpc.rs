@@ -3,9 +3,8 @@
 //! Each worker is asked the way llama.cpp itself sees it:
 //! `llama-server --rpc ADDRESS --list-devices` (`--rpc` first: `--list-devices` exits as
 //! soon as it is parsed), within [`ASK_TIMEOUT`] and with its output bounded.  The answer
-//! is parsed strictly ([`parse_list`]); a worker that cannot be reached, or answers
-//! something else, is logged once as `worker-down` and left out.  `[[workers]] memory`
-//! caps each of its devices.
+//! is parsed strictly ([`parse_list`]).  `[[workers]] memory` caps each of its devices.
+//! When to ask, and what a failure means, is the health monitor's ([`crate::workers`]).
 
 use std::io::Read;
 use std::os::unix::process::CommandExt as _;
@@ -30,66 +29,6 @@ pub const MAX_DEVICES: usize = 64;
 const MAX_REASON: usize = 300;
 
 const MIB: u64 = 1024 * 1024;
-
-/// The workers of `[[workers]]`, and the llama-server that asks them.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Workers {
-    /// `[runner] llama_server`: a bare name is looked up on `PATH`.
-    pub llama_server: PathBuf,
-    /// The workers, in the configuration's order.
-    pub workers: Vec<WorkerConfig>,
-    /// How long each listing may take.
-    pub timeout: Duration,
-}
-
-impl Workers {
-    /// `workers`, asked through `llama_server` within [`ASK_TIMEOUT`].
-    #[must_use]
-    pub fn new(llama_server: PathBuf, workers: Vec<WorkerConfig>) -> Self {
-        Self { llama_server, workers, timeout: ASK_TIMEOUT }
-    }
-
-    /// Every reachable worker's devices, in the configuration's order, each worker's in its
-    /// own order.  The workers are asked at once; one that fails is logged and left out.
-    #[must_use]
-    pub fn devices(&self) -> Vec<Gpu> {
-        let answers: Vec<Result<Vec<Listed>, WorkerError>> = std::thread::scope(|scope| {
-            let asks: Vec<_> = self
-                .workers
-                .iter()
-                .map(|w| scope.spawn(|| ask(&self.llama_server, w.address.as_str(), self.timeout)))
-                .collect();
-            asks.into_iter().map(|ask| ask.join().unwrap_or(Err(WorkerError::Panicked))).collect()
-        });
-        let mut gpus = Vec::new();
-        for (worker, answer) in self.workers.iter().zip(answers) {
-            match answer {
-                Ok(listed) => {
-                    tracing::info!(
-                        corral_worker = worker.name(),
-                        corral_worker_address = worker.address.as_str(),
-                        devices = listed.len(),
-                        "worker {} ({}) has {}",
-                        worker.name(),
-                        worker.address,
-                        crate::units::count(listed.len(), "device", "devices")
-                    );
-                    gpus.extend(to_gpus(worker, &listed));
-                }
-                Err(e) => tracing::warn!(
-                    corral_event = "worker-down",
-                    corral_worker = worker.name(),
-                    corral_worker_address = worker.address.as_str(),
-                    corral_reason = %e,
-                    "worker {} ({}) left out: {e}",
-                    worker.name(),
-                    worker.address
-                ),
-            }
-        }
-        gpus
-    }
-}
 
 /// One device line of `--list-devices`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -398,14 +337,19 @@ mod tests {
 
     use proptest::prelude::{any, proptest};
 
-    use super::{ListError, Listed, WorkerError, Workers, ask, parse_list, reason, to_gpus};
+    use super::{ListError, Listed, WorkerError, ask, parse_list, reason, to_gpus};
     use crate::config::WorkerConfig;
     use crate::gpu::Backend;
 
     const MIB: u64 = 1024 * 1024;
 
     fn worker(address: &str, name: Option<&str>, memory: Option<u64>) -> WorkerConfig {
-        WorkerConfig { address: address.parse().expect("address"), name: name.map(str::to_owned), memory }
+        WorkerConfig {
+            address: address.parse().expect("address"),
+            name: name.map(str::to_owned),
+            memory,
+            allow_public: false,
+        }
     }
 
     #[test]
@@ -562,21 +506,5 @@ mod tests {
         let err = ask(&hang, "h:9", Duration::from_millis(300)).expect_err("times out");
         assert!(matches!(err, WorkerError::Timeout(_)), "{err}");
         assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
-    }
-
-    #[test]
-    fn workers_that_fail_are_left_out_and_the_others_kept_in_order() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let program = script(
-            dir.path(),
-            "case \"$2\" in down:*) echo 'Failed to connect' >&2; exit 1;; esac\necho 'Available devices:'\necho \"  RPC0: $2 (100 MiB, 90 MiB free)\"",
-        );
-        let workers = Workers::new(
-            program,
-            vec![worker("a:1", None, None), worker("down:2", None, None), worker("b:3", Some("bee"), Some(50 * MIB))],
-        );
-        let gpus = workers.devices();
-        let got: Vec<_> = gpus.iter().map(|g| (g.id.as_str(), g.name.as_str(), g.free_bytes)).collect();
-        assert_eq!(got, [("rpc:a:1#0", "a:1", 90 * MIB), ("rpc:b:3#0", "bee", 50 * MIB)]);
     }
 }

@@ -27,13 +27,12 @@ pub struct DeviceUse {
     pub used_bytes: u64,
 }
 
-/// Every device of `inventory` in its order, then the host, with what `loaded` takes.
+/// Every device of `inventory` that is online, in its order, then the host, with what
+/// `loaded` takes.
 #[must_use]
 pub fn usage(inventory: &Inventory, loaded: &[LoadedModel]) -> Vec<DeviceUse> {
     let mut devices: Vec<DeviceUse> = inventory
-        .gpus
-        .iter()
-        .enumerate()
+        .online()
         .map(|(index, gpu)| DeviceUse {
             kind: gpu.backend.as_str(),
             name: gpu.id.clone(),
@@ -104,6 +103,7 @@ mod tests {
         Inventory {
             gpus: vec![device(0, "GPU-a", Backend::Cuda, 1000), device(0, "rpc:h:1#0", Backend::Rpc, 500)],
             host: HostMemory { total_bytes: 4000, available_bytes: 3000 },
+            offline: std::collections::BTreeSet::new(),
         }
     }
 
@@ -147,6 +147,10 @@ mod tests {
                 ("host", HOST_NAME, 4000, 3000, 52)
             ]
         );
+        let mut down = inventory();
+        down.offline.insert(1);
+        let online: Vec<_> = usage(&down, &loaded).into_iter().map(|d| d.name).collect();
+        assert_eq!(online, ["GPU-a", HOST_NAME], "a down worker's device leaves the listing");
         let empty = usage(&Inventory::default(), &[]);
         assert_eq!(
             empty,

@@ -274,7 +274,14 @@ mod tests {
             available: 1,
             devices: Vec::new(),
             host: 1,
+            down: vec!["worker w (10.0.0.2:50052): cannot connect".into()],
         };
         assert_eq!(schedule(&refused, "/api/chat").status(), StatusCode::INSUFFICIENT_STORAGE);
+        assert!(
+            schedule(&refused, "/api/chat")
+                .message()
+                .ends_with("; down, so not counted: worker w (10.0.0.2:50052): cannot connect"),
+            "a down worker is named"
+        );
     }
 }

@@ -21,7 +21,9 @@ use crate::scheduler::types::Stats;
 pub async fn metrics(State(app): State<AppState>) -> Result<Response, ApiError> {
     let snapshot = app.scheduler.stats().await.map_err(|e| super::error::scheduler_view(&e, "/metrics"))?;
     let mut text = render(&snapshot);
-    text.push_str(&render_devices(&crate::gpu::usage(&app.inventory, &snapshot.loaded)));
+    let fleet = app.fleet.now();
+    text.push_str(&render_devices(&crate::gpu::usage(&fleet.inventory, &snapshot.loaded)));
+    text.push_str(&render_workers(&fleet.workers));
     let (prompt, generated) = app.tokens.totals();
     let _ = writeln!(
         text,
@@ -125,6 +127,35 @@ pub fn render_devices(devices: &[crate::gpu::DeviceUse]) -> String {
     out
 }
 
+/// Each worker's health: up (1) or down (0), and the last check's connection time.
+#[must_use]
+pub fn render_workers(workers: &[crate::workers::WorkerStatus]) -> String {
+    if workers.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "# HELP corral_worker_up Whether each RPC worker is up (its devices in use).\n# TYPE corral_worker_up gauge\n",
+    );
+    for w in workers {
+        let _ = writeln!(
+            out,
+            "corral_worker_up{{worker=\"{}\",address=\"{}\"}} {}",
+            escape(&w.name),
+            escape(&w.address),
+            u8::from(w.up)
+        );
+    }
+    out.push_str(
+        "# HELP corral_worker_rtt_seconds The last health check's connection time to each RPC worker.\n\
+         # TYPE corral_worker_rtt_seconds gauge\n",
+    );
+    for w in workers.iter().filter(|w| w.rtt.is_some()) {
+        let rtt = w.rtt.unwrap_or_default().as_secs_f64();
+        let _ = writeln!(out, "corral_worker_rtt_seconds{{worker=\"{}\"}} {rtt:.6}", escape(&w.name));
+    }
+    out
+}
+
 /// A label value with `\`, `"` and newlines escaped, as the format requires.
 fn escape(value: &str) -> String {
     value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
@@ -134,7 +165,7 @@ fn escape(value: &str) -> String {
 mod tests {
     use std::time::Duration;
 
-    use super::{escape, render, render_devices};
+    use super::{escape, render, render_devices, render_workers};
     use crate::gpu::DeviceUse;
     use crate::scheduler::keep_alive::KeepAlive;
     use crate::scheduler::policy::{Footprint, Placement};
@@ -220,5 +251,24 @@ mod tests {
             text.lines().filter(|l| !l.starts_with('#')).map(|l| l.rsplit_once(' ').expect("value").0).collect();
         let unique: std::collections::BTreeSet<&&str> = series.iter().collect();
         assert_eq!((series.len(), unique.len()), (6, 6), "{text}");
+    }
+
+    #[test]
+    fn workers_are_up_or_down_with_their_round_trip() {
+        assert_eq!(render_workers(&[]), "", "no workers, no series");
+        let worker = |name: &str, up: bool, rtt: Option<Duration>| crate::workers::WorkerStatus {
+            name: name.into(),
+            address: "10.0.0.2:50052".into(),
+            up,
+            devices: Vec::new(),
+            last_error: String::new(),
+            rtt,
+            since: std::time::UNIX_EPOCH,
+        };
+        let text = render_workers(&[worker("a\"b", true, Some(Duration::from_micros(250))), worker("c", false, None)]);
+        assert!(text.contains("corral_worker_up{worker=\"a\\\"b\",address=\"10.0.0.2:50052\"} 1\n"), "{text}");
+        assert!(text.contains("corral_worker_up{worker=\"c\",address=\"10.0.0.2:50052\"} 0\n"), "{text}");
+        assert!(text.contains("corral_worker_rtt_seconds{worker=\"a\\\"b\"} 0.000250\n"), "{text}");
+        assert!(!text.contains("corral_worker_rtt_seconds{worker=\"c\"}"), "no check answered: no rtt");
     }
 }

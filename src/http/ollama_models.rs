@@ -157,7 +157,7 @@ async fn ps(State(state): State<AppState>) -> Result<Json<Ps>, ApiError> {
     const PATH: &str = "/api/ps";
     let loaded = state.scheduler.loaded().await.map_err(|e| error::scheduler_view(&e, PATH))?;
     let (now, wall) = (Instant::now(), SystemTime::now());
-    let (store, inventory) = (state.store, state.inventory);
+    let (store, inventory) = (state.store, state.fleet.inventory());
     let mut models = blocking(move || {
         // An entry for each model a runner serves: models with the same weights and load
         // options share one.
@@ -547,7 +547,7 @@ mod tests {
         let (scheduler, handle) = Scheduler::new(Arc::new(Immediate), gpus, 1 << 30, limits, Footprints::in_memory());
         tokio::spawn(scheduler.run());
         state.scheduler = handle;
-        state.inventory = Arc::new(Inventory {
+        let inventory = Inventory {
             gpus: vec![Gpu {
                 index: 0,
                 id: "rpc:127.0.0.1:50052#0".into(),
@@ -560,7 +560,9 @@ mod tests {
                 endpoint: Some("127.0.0.1:50052".into()),
             }],
             host: HostMemory { total_bytes: 1 << 30, available_bytes: 1 << 30 },
-        });
+            offline: std::collections::BTreeSet::new(),
+        };
+        state.fleet = crate::workers::FleetView::fixed(crate::workers::Fleet::new(inventory, &[], SystemTime::now()));
         create(&dir, &state, "tiny", "FROM ./tiny.gguf\n");
         let name = ModelName::parse("tiny").expect("name");
         let defaults = Defaults { num_ctx: 1024, parallel: 1 };

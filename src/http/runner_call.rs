@@ -73,13 +73,28 @@ pub(super) fn unanswered(error: &UpstreamError, path: &str) -> ApiError {
     internal(format!("the model runner did not answer: {error}"), path)
 }
 
+/// How long a request whose runner died under it waits to learn why (the runner reaped,
+/// the workers it used checked) before it answers with what it has.
+const FATE_WAIT: Duration = Duration::from_secs(5);
+
 /// The runner failed in the middle of its answer. One that fell silent is stopped (the
 /// scheduler replaces it for the next request): a runner that stalls once holds its
-/// slots and would stall the next client too.
+/// slots and would stall the next client too. One that broke off is asked after: the
+/// message says why it ended (a worker that went down is named), within [`FATE_WAIT`].
 pub(super) async fn failed_mid_answer(scheduler: &Handle, lease: Option<Lease>, error: &UpstreamError) -> String {
-    if let (UpstreamError::Stalled(_), Some(lease)) = (error, lease) {
-        tracing::error!(runner = lease.runner(), error = %error, "the model runner fell silent mid-answer; stopping it");
-        scheduler.report_dead(lease).await;
+    match (error, lease) {
+        (UpstreamError::Stalled(_), Some(lease)) => {
+            tracing::error!(runner = lease.runner(), error = %error, "the model runner fell silent mid-answer; stopping it");
+            scheduler.report_dead(lease).await;
+        }
+        (error, Some(lease)) if error.runner_gone() => {
+            let runner = lease.runner();
+            drop(lease);
+            if let Ok(Some(fate)) = tokio::time::timeout(FATE_WAIT, scheduler.fate(runner)).await {
+                return format!("the model runner failed mid-answer: {fate}");
+            }
+        }
+        _ => {}
     }
     format!("the model runner failed mid-answer: {error}")
 }

@@ -32,8 +32,8 @@ pub struct AppState {
     pub upstream: crate::supervisor::upstream::Pool,
     /// Request templates' renderer, with the slots all requests share.
     pub templates: crate::prompt_template::Renderer,
-    /// The devices and host memory found at start, for the per-device views.
-    pub inventory: Arc<crate::gpu::Inventory>,
+    /// The devices, host memory and workers' health, for the per-device views.
+    pub fleet: crate::workers::FleetView,
 }
 
 /// Token counters since start, and each model's speed in its last answer.
@@ -100,7 +100,7 @@ impl AppState {
             tokens: Arc::default(),
             upstream: crate::supervisor::upstream::Pool::default(),
             templates: crate::prompt_template::Renderer::default(),
-            inventory: Arc::default(),
+            fleet: crate::workers::FleetView::default(),
         }
     }
 }
@@ -150,7 +150,7 @@ pub(crate) fn absent_backend() -> Arc<dyn crate::scheduler::backend::Backend> {
             stop_grace: Duration::from_secs(1),
         },
         load_timeout: Duration::from_secs(5),
-        devices: Vec::new(),
+        devices: Arc::default(),
         probe: None,
         projections: None,
     })

@@ -8,6 +8,7 @@
 //! [`types`](super::types) and [`handle`](super::handle).
 //!
 //! Over 800 lines for a reason: one state and the handlers that change it, which read best together.
+//! What RPC workers coming and going do to it is in [`workers`].
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
@@ -28,6 +29,8 @@ use super::types::{Counters, Limits, LoadedModel, ModelRequest, Notice, Schedule
 use crate::supervisor::logparse::Offload;
 use crate::supervisor::runner::DeviceMemory;
 
+mod workers;
+
 /// What a runner placed at `placement` takes: a partial one holds on its GPUs only their
 /// shares, and the layers left on the CPU in host memory.
 fn planned_footprint(placement: &Placement, need: Need) -> Footprint {
@@ -43,9 +46,18 @@ fn planned_footprint(placement: &Placement, need: Need) -> Footprint {
 
 type Reply = oneshot::Sender<Result<Lease, ScheduleError>>;
 
+/// How a ready runner is stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// SIGTERM, then SIGKILL after the grace period.
+    Graceful,
+    /// SIGKILL now: its worker is gone, so it cannot finish anything.
+    Now,
+}
+
 enum Phase {
     Loading { waiters: Vec<Reply> },
-    Ready { stop: oneshot::Sender<()>, socket: PathBuf, pid: u32 },
+    Ready { stop: oneshot::Sender<Stop>, socket: PathBuf, pid: u32 },
     Unloading { waiters: Vec<oneshot::Sender<Result<(), ScheduleError>>> },
 }
 
@@ -65,6 +77,8 @@ struct Entry {
     draining: bool,
     /// Why it is being taken out of service (the first reason given wins).
     unload_reason: Option<UnloadReason>,
+    /// What more there is to say about it (the worker that went down).
+    unload_detail: Option<String>,
     unload_waiters: Vec<oneshot::Sender<Result<(), ScheduleError>>>,
 }
 
@@ -109,6 +123,8 @@ pub struct Scheduler {
     estimated: std::collections::BTreeSet<String>,
     counters: Counters,
     notices: broadcast::Sender<Notice>,
+    /// The RPC workers: who is up, what to ask the monitor, whose fate is awaited.
+    fleet: workers::FleetState,
 }
 
 impl Scheduler {
@@ -144,6 +160,7 @@ impl Scheduler {
             estimated: std::collections::BTreeSet::new(),
             counters: Counters::default(),
             notices: notices.clone(),
+            fleet: workers::FleetState::default(),
         };
         (scheduler, Handle { commands: commands_tx, notices })
     }
@@ -190,6 +207,8 @@ impl Scheduler {
                 self.schedule();
             }
             Command::Dead { runner } => self.dead(runner),
+            Command::Fleet { fleet, checked } => self.fleet_changed(*fleet, &checked),
+            Command::Fate { runner, reply } => self.await_fate(runner, reply),
             Command::Ping { reply } => {
                 let _ = reply.send(());
             }
@@ -381,6 +400,8 @@ impl Scheduler {
                     return;
                 }
                 Decision::Wait => return,
+                // Workers being checked may bring room back: wait for the check (bounded by its timeout).
+                Decision::NoFit { .. } if self.checking_workers() => return,
                 Decision::NoFit { needed, available, gpus, host } => {
                     let (request, reply) = self.queue.pop_front().expect("checked above");
                     let devices = gpus
@@ -388,8 +409,14 @@ impl Scheduler {
                         .map(|(index, room)| (self.gpus.get(index).map_or_else(String::new, |g| g.name.clone()), room))
                         .collect();
                     let model = request.name;
-                    let error =
-                        ScheduleError::InsufficientMemory { model: model.clone(), needed, available, devices, host };
+                    let error = ScheduleError::InsufficientMemory {
+                        model: model.clone(),
+                        needed,
+                        available,
+                        devices,
+                        host,
+                        down: self.down_workers(),
+                    };
                     tracing::warn!(corral_event = "no_fit", corral_model = %model, "{error}");
                     let _ = reply.send(Err(error));
                 }
@@ -456,6 +483,7 @@ impl Scheduler {
                 idle_since: Instant::now(),
                 draining: false,
                 unload_reason: None,
+                unload_detail: None,
                 unload_waiters: Vec::new(),
             },
         );
@@ -529,8 +557,14 @@ impl Scheduler {
                     self.counters.unloads += 1;
                     let reason = entry.unload_reason.unwrap_or(UnloadReason::Requested);
                     let served = entry.served();
-                    tracing::info!(corral_event = "unload", corral_model = %entry.main(), runner, reason = reason.as_str(), "unloaded {served} ({})", reason.as_str());
-                    self.notify(Notice::Unloaded { runner, name: entry.request.name.clone(), reason, detail: None });
+                    tracing::info!(corral_event = "unload", corral_model = %entry.main(), runner, reason = reason.as_str(), "unloaded {served} ({})", entry.unload_detail.as_deref().unwrap_or(reason.as_str()));
+                    let detail = entry.unload_detail.clone();
+                    self.ended(
+                        runner,
+                        &entry.placement,
+                        detail.clone().unwrap_or_else(|| format!("it was unloaded ({})", reason.as_str())),
+                    );
+                    self.notify(Notice::Unloaded { runner, name: entry.request.name.clone(), reason, detail });
                     let waiters = match entry.phase {
                         Phase::Unloading { waiters } => waiters,
                         _ => Vec::new(),
@@ -547,6 +581,9 @@ impl Scheduler {
                     let served = entry.served();
                     tracing::warn!(corral_event = "crash", corral_model = %entry.main(), runner, "{served} crashed: {reason}");
                     self.record_failure(&entry.request.key, reason.clone());
+                    // A worker it used may be why: have them checked before planning on them again.
+                    self.suspect(&entry.placement);
+                    self.ended(runner, &entry.placement, format!("it crashed: {reason}"));
                     self.notify(Notice::Unloaded {
                         runner,
                         name: entry.request.name.clone(),
@@ -577,6 +614,7 @@ impl Scheduler {
                 let entry = self.runners.remove(&id).expect("looked up above");
                 tracing::warn!(corral_event = "load_failed", corral_model = %entry.request.name, runner = id, corral_class = class.as_str(), "{} failed to load ({}): {reason}", entry.request.name, class.as_str());
                 self.record_failure(&entry.request.key, reason.clone());
+                self.suspect(&entry.placement);
                 self.notify(Notice::LoadFailed {
                     runner: id,
                     name: entry.request.name.clone(),
@@ -607,7 +645,7 @@ impl Scheduler {
                 let pid = live.pid();
                 let offload = live.offload();
                 let devices = live.devices();
-                let (stop_tx, stop_rx) = oneshot::channel::<()>();
+                let (stop_tx, stop_rx) = oneshot::channel::<Stop>();
                 let events = self.events_tx.clone();
                 // The runner's own task: stop on request, report a crash otherwise.
                 tokio::spawn(async move {
@@ -615,8 +653,8 @@ impl Scheduler {
                         reason = live.exited() => {
                             let _ = events.send(Event::Crashed { runner: id, reason });
                         }
-                        _ = stop_rx => {
-                            live.stop().await;
+                        how = stop_rx => {
+                            if how == Ok(Stop::Now) { live.kill().await } else { live.stop().await }
                             let _ = events.send(Event::Stopped { runner: id });
                         }
                     }
@@ -690,6 +728,12 @@ impl Scheduler {
     }
 
     fn begin_unload(&mut self, id: RunnerId, reason: UnloadReason) {
+        self.stop_runner(id, reason, Stop::Graceful);
+    }
+
+    /// Takes runner `id` out of service: a ready one is stopped (`how`), a loading one
+    /// goes as soon as its load ends.
+    fn stop_runner(&mut self, id: RunnerId, reason: UnloadReason, how: Stop) {
         let Some(entry) = self.runners.get_mut(&id) else { return };
         entry.unload_reason.get_or_insert(reason);
         if let Phase::Ready { .. } = entry.phase {
@@ -698,7 +742,7 @@ impl Scheduler {
             else {
                 unreachable!("matched above")
             };
-            let _ = stop.send(());
+            let _ = stop.send(how);
             let name = entry.request.name.clone();
             self.notify(Notice::Unloading { runner: id, name });
         } else {
@@ -736,7 +780,7 @@ impl Scheduler {
             })
             .collect();
         Snapshot {
-            gpus: self.gpus.clone(),
+            gpus: self.usable_gpus(),
             host_usable: self.host_usable,
             runners,
             max_loaded: self.limits.max_loaded,

@@ -93,6 +93,12 @@ impl LiveRunner for FakeRunner {
         })
     }
 
+    fn kill(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            self.journal.lock().expect("lock").lines.push(format!("kill {}", self.id));
+        })
+    }
+
     fn exited(&mut self) -> BoxFuture<'_, String> {
         Box::pin(async move {
             // A dropped trigger means "never crashes".
@@ -271,7 +277,8 @@ async fn a_model_that_cannot_fit_is_refused_with_the_numbers() {
             needed: 2000 * MIB,
             available: 1000 * MIB,
             devices: vec![],
-            host: 1000 * MIB
+            host: 1000 * MIB,
+            down: vec![],
         }
     );
     // In binary units, as people read them; the raw numbers stay in the error's fields.
@@ -741,4 +748,119 @@ async fn an_unload_during_a_load_that_fails_succeeds() {
     assert!(matches!(load, Err(ScheduleError::LoadFailed { .. })), "{load:?}");
     assert_eq!(unload, Ok(()));
     assert!(handle.loaded().await.expect("loaded").is_empty());
+}
+
+/// A worker `w` at 10.0.0.2:1 with one device of 1000 MiB, up or down (`why`).
+fn fleet(down: Option<&str>) -> crate::workers::Fleet {
+    use crate::workers::{Fleet, Outcome};
+    let worker = crate::config::WorkerConfig {
+        address: "10.0.0.2:1".parse().expect("address"),
+        name: Some("w".into()),
+        memory: None,
+        allow_public: false,
+    };
+    let device = crate::gpu::Gpu {
+        index: 0,
+        id: "rpc:10.0.0.2:1#0".into(),
+        name: "w".into(),
+        backend: crate::gpu::Backend::Rpc,
+        total_bytes: 1000 * MIB,
+        free_bytes: 1000 * MIB,
+        driver: None,
+        compute: None,
+        endpoint: Some("10.0.0.2:1".into()),
+    };
+    let mut fleet = Fleet::new(crate::gpu::Inventory::default(), &[worker], std::time::UNIX_EPOCH);
+    fleet.apply(0, Outcome::Up { rtt: Duration::from_millis(1), devices: Some(vec![device]) }, std::time::UNIX_EPOCH);
+    if let Some(why) = down {
+        fleet.apply(0, Outcome::Down(why.into()), std::time::UNIX_EPOCH);
+    }
+    fleet
+}
+
+/// A scheduler with 100 MiB of host memory and the worker of [`fleet`], up; and where it
+/// asks for early checks.
+fn scheduler_with_worker() -> (Fake, Handle, tokio::sync::mpsc::UnboundedReceiver<Vec<String>>) {
+    let fake = Fake::default();
+    let gpus = vec![GpuView { index: 0, name: "w".into(), worker: Some("10.0.0.2:1".into()), usable: 1000 * MIB }];
+    let (scheduler, handle) =
+        Scheduler::new(Arc::new(fake.clone()), gpus, 100 * MIB, limits(), Footprints::in_memory());
+    let (nudge, nudges) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(scheduler.with_workers(&fleet(None), nudge).run());
+    (fake, handle, nudges)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_worker_that_goes_down_has_its_runners_killed_and_is_named_to_their_requests() {
+    let (fake, handle, _nudges) = scheduler_with_worker();
+    let lease = handle.acquire(model("m", 500)).await.expect("loaded on the worker");
+    let loaded = handle.loaded().await.expect("loaded");
+    assert_eq!(loaded[0].placement, super::policy::Placement::Gpu(0));
+    let runner = lease.runner();
+
+    handle.fleet_changed(fleet(Some("cannot connect: refused")), vec!["10.0.0.2:1".into()]).await.expect("sent");
+    // The request in flight still holds its lease: the runner is killed anyway, at once.
+    drop(lease);
+    let ended = handle.fate(runner).await.expect("a fate");
+    assert_eq!(ended, "worker w (10.0.0.2:1) is down: cannot connect: refused");
+    assert!(fake.lines().contains(&"kill 1".to_owned()), "killed, not stopped: {:?}", fake.lines());
+    assert!(handle.loaded().await.expect("loaded").is_empty());
+
+    // Without the worker the model fits nowhere: refused at once, naming the worker.
+    let err = handle.acquire(model("m", 500)).await.expect_err("no room");
+    assert!(err.to_string().ends_with("down, so not counted: worker w (10.0.0.2:1): cannot connect: refused"), "{err}");
+    assert_eq!(handle.fate(999).await, None, "an unknown runner has no fate");
+
+    // Back: used again.
+    handle.fleet_changed(fleet(None), vec!["10.0.0.2:1".into()]).await.expect("sent");
+    drop(handle.acquire(model("m", 500)).await.expect("on the worker again"));
+    assert_eq!(handle.loaded().await.expect("loaded")[0].placement, super::policy::Placement::Gpu(0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_crash_on_a_worker_has_it_checked_before_it_is_planned_with_again() {
+    let (fake, handle, mut nudges) = scheduler_with_worker();
+    let runner = {
+        let lease = handle.acquire(model("m", 500)).await.expect("loaded");
+        lease.runner()
+    };
+    fake.crash(runner);
+    assert_eq!(nudges.recv().await, Some(vec!["10.0.0.2:1".to_owned()]), "the monitor is asked to check");
+
+    // Meanwhile a request waits for the check instead of failing for want of room.
+    let waiting = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.acquire(model("m", 500)).await.map(|lease| lease.runner()) }
+    });
+    let ended = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.fate(runner).await }
+    });
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(!waiting.is_finished() && !ended.is_finished(), "both wait for the check");
+
+    // The check finds the worker down: the request is refused naming it, the fate says both.
+    handle.fleet_changed(fleet(Some("refused")), vec!["10.0.0.2:1".into()]).await.expect("sent");
+    let err = waiting.await.expect("joined").expect_err("no room without the worker");
+    assert!(err.to_string().contains("worker w (10.0.0.2:1): refused"), "{err}");
+    assert_eq!(
+        ended.await.expect("joined"),
+        Some("worker w (10.0.0.2:1) is down: refused; the runner: it crashed: killed by signal 9".to_owned())
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_crash_on_a_healthy_worker_is_checked_and_the_worker_used_again() {
+    let (fake, handle, mut nudges) = scheduler_with_worker();
+    let runner = handle.acquire(model("m", 500)).await.expect("loaded").runner();
+    fake.crash(runner);
+    assert!(nudges.recv().await.is_some());
+    let waiting = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.acquire(model("m", 500)).await.map(|lease| lease.runner()) }
+    });
+    handle.fleet_changed(fleet(None), vec!["10.0.0.2:1".into()]).await.expect("sent");
+    let again = waiting.await.expect("joined").expect("loaded on the worker again");
+    assert_ne!(again, runner);
+    assert_eq!(handle.fate(runner).await, Some("it crashed: killed by signal 9".to_owned()));
 }

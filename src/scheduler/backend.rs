@@ -56,6 +56,11 @@ pub trait LiveRunner: Send + 'static {
     }
     /// Stops it; resolves once it is reaped.
     fn stop(self: Box<Self>) -> BoxFuture<'static, ()>;
+    /// Kills it without a grace period; resolves once it is reaped.
+    #[must_use]
+    fn kill(self: Box<Self>) -> BoxFuture<'static, ()> {
+        self.stop()
+    }
     /// Resolves (with a reason) if it dies on its own.
     fn exited(&mut self) -> BoxFuture<'_, String>;
 }
@@ -72,6 +77,12 @@ pub trait Backend: Send + Sync + 'static {
     fn project(&self, files: &ModelFiles, options: &LoadOptions) -> BoxFuture<'static, Result<Projected, String>> {
         let _ = (files, options);
         Box::pin(async { Err("this backend makes no projections".to_owned()) })
+    }
+
+    /// The inventory's devices changed (a worker came up with new ones); the indices of
+    /// later [`StartRequest`]s refer to `gpus`.
+    fn devices_changed(&self, gpus: &[crate::gpu::Gpu]) {
+        let _ = gpus;
     }
 }
 
@@ -117,8 +128,9 @@ pub struct SupervisorBackend {
     pub config: SupervisorConfig,
     /// The load timeout (restarted by progress).
     pub load_timeout: Duration,
-    /// The ids the GPUs of the inventory are known by, by index, for device visibility.
-    pub devices: Vec<command::Device>,
+    /// The ids the GPUs of the inventory are known by, by index, for device visibility;
+    /// written only by the scheduler's task ([`Backend::devices_changed`]).
+    pub devices: Arc<std::sync::RwLock<Vec<command::Device>>>,
     /// Per-process GPU memory (NVML), where the probe can tell.
     pub probe: Option<Arc<dyn MemoryProbe>>,
     /// llama.cpp's projections, where `llama-fit-params` is there.
@@ -131,12 +143,32 @@ impl std::fmt::Debug for dyn MemoryProbe {
     }
 }
 
+impl SupervisorBackend {
+    /// The devices by inventory index, as the scheduler last said.
+    fn devices(&self) -> Vec<command::Device> {
+        self.devices.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// How the children know the inventory's devices: a worker's by its address.
+    #[must_use]
+    pub fn device_ids(gpus: &[crate::gpu::Gpu]) -> Vec<command::Device> {
+        gpus.iter()
+            .map(|g| command::Device { backend: g.backend, id: g.endpoint.clone().unwrap_or_else(|| g.id.clone()) })
+            .collect()
+    }
+}
+
 impl Backend for SupervisorBackend {
+    fn devices_changed(&self, gpus: &[crate::gpu::Gpu]) {
+        *self.devices.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Self::device_ids(gpus);
+    }
+
     fn start(&self, request: StartRequest) -> BoxFuture<'static, Result<Box<dyn LiveRunner>, LoadFailure>> {
         let config = self.config.clone();
-        let placement = child_placement(&self.devices, &request.placement);
+        let devices = self.devices();
+        let placement = child_placement(&devices, &request.placement);
         // Without an exact projection, the plan is the scheduler's own split of the footprint.
-        let mut planned: Vec<(String, u64)> = planned_shares(&self.devices, &placement, &request);
+        let mut planned: Vec<(String, u64)> = planned_shares(&devices, &placement, &request);
         // Each planned device's room, by llama.cpp's name for it.
         let rooms: Vec<(String, u64)> = request
             .placement
@@ -182,10 +214,11 @@ impl Backend for SupervisorBackend {
         // Every layer on the first local GPU. Not on a worker: an rpc-server serves one
         // client at a time, and may be serving a runner now; with workers alone the CPU
         // stands in (its buffers are the sizes the worker's CPU backend allocates).
-        let local = self.devices.iter().position(|d| d.backend != Family::Rpc);
+        let devices = self.devices();
+        let local = devices.iter().position(|d| d.backend != Family::Rpc);
         let whole = local.map_or(Placement::Cpu, Placement::Gpu);
-        let placement = child_placement(&self.devices, &whole);
-        let offloads = !self.devices.is_empty();
+        let placement = child_placement(&devices, &whole);
+        let offloads = !devices.is_empty();
         let (args, env) = command::projection(files, options, &placement, &self.config.inherited_env);
         let device = placement.plan.as_ref().and_then(|p| p.devices.first()).map(|d| d.name.clone());
         let projected = projections.project(files, options, &placement, args, env);
@@ -378,6 +411,12 @@ impl LiveRunner for SupervisedRunner {
     fn stop(self: Box<Self>) -> BoxFuture<'static, ()> {
         Box::pin(async move {
             self.runner.stop().await;
+        })
+    }
+
+    fn kill(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            self.runner.kill().await;
         })
     }
 

@@ -118,6 +118,25 @@ impl Handle {
         drop(lease);
     }
 
+    /// The health monitor's news: the fleet now, and the workers (by address) it has just
+    /// checked. Runners of a worker that went down are killed; planning follows the
+    /// fleet.
+    ///
+    /// # Errors
+    /// [`ScheduleError::ShuttingDown`] when the scheduler is gone.
+    pub async fn fleet_changed(&self, fleet: crate::workers::Fleet, checked: Vec<String>) -> Result<(), ScheduleError> {
+        self.send(Command::Fleet { fleet: Box::new(fleet), checked }).await
+    }
+
+    /// Why runner `runner` ended, once it has (and the workers it used were checked):
+    /// for a request whose answer broke off. `None` when the scheduler does not know it.
+    /// The caller bounds the wait: a runner that is still alive never answers.
+    pub async fn fate(&self, runner: RunnerId) -> Option<String> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Command::Fate { runner, reply }).await.ok()?;
+        answer.await.ok().flatten()
+    }
+
     /// A round trip through the scheduler's loop: resolves once the loop took the
     /// message, which proves it runs (the watchdog pings only then).
     ///
@@ -168,6 +187,14 @@ pub(super) enum Command {
     },
     Dead {
         runner: RunnerId,
+    },
+    Fleet {
+        fleet: Box<crate::workers::Fleet>,
+        checked: Vec<String>,
+    },
+    Fate {
+        runner: RunnerId,
+        reply: oneshot::Sender<Option<String>>,
     },
     Ping {
         reply: oneshot::Sender<()>,

@@ -61,10 +61,11 @@ pub enum ScheduleError {
     QueueFull(usize),
     /// Even with every evictable model unloaded it would not fit.
     #[error(
-        "model '{model}' needs {} of memory, but at most {} can be made available{}",
+        "model '{model}' needs {} of memory, but at most {} can be made available{}{}",
         crate::units::bytes(*.needed),
         crate::units::bytes(*.available),
-        rooms(.devices, *.host)
+        rooms(.devices, *.host),
+        down_workers(.down)
     )]
     InsufficientMemory {
         /// The model.
@@ -77,6 +78,8 @@ pub enum ScheduleError {
         devices: Vec<(String, u64)>,
         /// The host memory that could be made available.
         host: u64,
+        /// The workers that are down, each with why: their devices were not counted.
+        down: Vec<String>,
     },
     /// The runner failed to start.
     #[error("model '{model}' failed to load: {reason}")]
@@ -185,6 +188,11 @@ fn rooms(devices: &[(String, u64)], host: u64) -> String {
     format!(" ({devices}host memory: {})", crate::units::bytes(host))
 }
 
+/// The workers that are down, for the end of a message.
+fn down_workers(down: &[String]) -> String {
+    if down.is_empty() { String::new() } else { format!("; down, so not counted: {}", down.join("; ")) }
+}
+
 /// Why a runner stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum UnloadReason {
@@ -198,6 +206,8 @@ pub enum UnloadReason {
     Reloaded,
     /// It died on its own.
     Crashed,
+    /// A worker it used went down.
+    WorkerDown,
     /// The daemon is stopping.
     Shutdown,
 }
@@ -212,6 +222,7 @@ impl UnloadReason {
             Self::Requested => "requested",
             Self::Reloaded => "reloaded",
             Self::Crashed => "crashed",
+            Self::WorkerDown => "worker-down",
             Self::Shutdown => "shutdown",
         }
     }

@@ -303,6 +303,13 @@ impl Runner {
         }
     }
 
+    /// Kills the child (SIGKILL, no grace period): for one that cannot finish anything,
+    /// its worker gone; returns once it is reaped and its cgroup removed.
+    pub async fn kill(mut self) -> Exit {
+        self.stop_grace = Duration::ZERO;
+        self.stop().await
+    }
+
     /// Stops the child: SIGTERM, up to the grace period, then SIGKILL; returns once it is
     /// reaped and its cgroup removed. Close connections to the runner first: llama-server
     /// waits for open requests before it exits.

@@ -57,7 +57,7 @@ impl World {
                 stop_grace: Duration::from_secs(10),
             },
             load_timeout: Duration::from_secs(30),
-            devices: Vec::new(),
+            devices: Arc::default(),
             probe: None,
             projections: None,
         };

@@ -51,7 +51,7 @@ pub fn backend(dir: &Path) -> SupervisorBackend {
             stop_grace: Duration::from_secs(10),
         },
         load_timeout: Duration::from_secs(60),
-        devices: Vec::new(),
+        devices: Arc::default(),
         probe: None,
         projections: None,
     }

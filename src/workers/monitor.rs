@@ -1,0 +1,122 @@
+//! The health monitor task: checks every worker each interval (and at once when the
+//! scheduler asks), applies the outcomes to its [`Fleet`], logs each change as a
+//! `worker-up` / `worker-down` journal event, and tells the views and the scheduler.
+
+use std::time::{Duration, SystemTime};
+
+use futures_util::future::join_all;
+use tokio::sync::{mpsc, watch};
+
+use super::check::{CheckSettings, check};
+use super::fleet::{Change, Fleet, WorkerStatus};
+use crate::config::WorkerConfig;
+use crate::scheduler::handle::Handle;
+
+/// Where the scheduler asks for workers (by address) to be checked now.
+pub type Nudges = mpsc::UnboundedReceiver<Vec<String>>;
+
+/// Checks every worker once, listing their devices, and logs what it found: the fleet
+/// the daemon starts with.
+pub async fn first_round(mut fleet: Fleet, workers: &[WorkerConfig], settings: &CheckSettings) -> Fleet {
+    let outcomes = join_all(workers.iter().map(|w| check(w, settings, true))).await;
+    let now = SystemTime::now();
+    for (index, outcome) in outcomes.into_iter().enumerate() {
+        if let Some(change) = fleet.apply(index, outcome, now) {
+            log_change(&fleet.workers[index], change);
+        }
+    }
+    fleet
+}
+
+/// Logs a worker's change of state as its journal event.
+pub fn log_change(status: &WorkerStatus, change: Change) {
+    match change {
+        Change::Up => tracing::info!(
+            corral_event = "worker-up",
+            corral_worker = %status.name,
+            corral_worker_address = %status.address,
+            corral_worker_devices = status.devices.len(),
+            "worker {} ({}) is up with {}",
+            status.name,
+            status.address,
+            crate::units::count(status.devices.len(), "device", "devices")
+        ),
+        Change::Down => tracing::warn!(
+            corral_event = "worker-down",
+            corral_worker = %status.name,
+            corral_worker_address = %status.address,
+            corral_reason = %status.last_error,
+            "worker {} ({}) is down: {}; its devices are left out until it is back",
+            status.name,
+            status.address,
+            status.last_error
+        ),
+    }
+}
+
+/// The task that owns the workers' health.
+pub struct Monitor {
+    /// The fleet it keeps.
+    pub fleet: Fleet,
+    /// The workers, in the fleet's order.
+    pub workers: Vec<WorkerConfig>,
+    /// How each check is made.
+    pub settings: CheckSettings,
+    /// How often every worker is checked.
+    pub interval: Duration,
+    /// The views' copy.
+    pub views: watch::Sender<Fleet>,
+    /// The scheduler, told of every change.
+    pub scheduler: Handle,
+    /// The scheduler's requests for an early check.
+    pub nudges: Nudges,
+}
+
+impl Monitor {
+    /// Runs until the scheduler is gone.
+    pub async fn run(mut self) {
+        let mut nudges = Some(self.nudges);
+        let all: Vec<usize> = (0..self.workers.len()).collect();
+        let mut tick = tokio::time::interval(self.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await; // The first tick is now: the first round was at start.
+        loop {
+            let (which, asked) = tokio::select! {
+                _ = tick.tick() => (all.clone(), false),
+                nudge = recv(&mut nudges) => {
+                    let Some(addresses) = nudge else {
+                        nudges = None;
+                        continue;
+                    };
+                    (addresses.iter().filter_map(|a| self.fleet.position(a)).collect(), true)
+                }
+            };
+            let outcomes =
+                join_all(which.iter().map(|&i| check(&self.workers[i], &self.settings, self.fleet.needs_listing(i))))
+                    .await;
+            let now = SystemTime::now();
+            let mut changed = false;
+            for (&index, outcome) in which.iter().zip(outcomes) {
+                if let Some(change) = self.fleet.apply(index, outcome, now) {
+                    log_change(&self.fleet.workers[index], change);
+                    changed = true;
+                }
+            }
+            self.views.send_replace(self.fleet.clone());
+            if changed || asked {
+                let checked = which.iter().map(|&i| self.fleet.workers[i].address.clone()).collect();
+                if self.scheduler.fleet_changed(self.fleet.clone(), checked).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// The next nudge; pends forever once the channel is closed (`None` is returned once).
+async fn recv(nudges: &mut Option<Nudges>) -> Option<Vec<String>> {
+    match nudges {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
