@@ -295,8 +295,8 @@ fn a_model_split_across_two_worker_hosts_answers_a_chat() {
     assert!(rig.workers.iter().all(|w| Rig::on(&devices, w)), "the runner is listed with both workers: {devices:?}");
     let metrics = rig.request("GET", "/metrics", None).body;
     for worker in &rig.workers {
-        let line = format!("corral_worker_up{{worker=\"{}\"}} 1", worker.name);
-        assert!(metrics.lines().any(|l| l == line), "{line} in:\n{metrics}");
+        let up = format!("corral_worker_up{{worker=\"{}\",address=\"{}\"}} 1", worker.name, worker.endpoint());
+        assert!(metrics.lines().any(|l| l == up), "{up} in:\n{metrics}");
     }
 }
 
