@@ -9,6 +9,7 @@
 //! answer streams, corrald stopped while its runner holds the workers, a worker that never
 //! started.
 
+use std::fmt::Write as _;
 use std::net::SocketAddrV4;
 use std::path::PathBuf;
 use std::sync::mpsc;
@@ -197,9 +198,33 @@ impl Rig {
     fn wait_event(&mut self, event: &str, worker: usize, before: usize) {
         let deadline = Instant::now() + HEALTH_BOUND;
         while self.events(event, worker) <= before {
-            assert!(Instant::now() < deadline, "no {event} for worker {worker}:\n{}", self.corrald().stderr());
+            assert!(Instant::now() < deadline, "no {event} for worker {worker}:\n{}", self.diagnosis());
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// corrald's log, and each worker's output and TCP connections, for a failure message.
+    fn diagnosis(&mut self) -> String {
+        let mut text = format!("corrald:\n{}", self.corrald().stderr());
+        for worker in &self.workers {
+            let output = worker.server.as_ref().map(NsRpcServer::output).unwrap_or_default();
+            let mut ss = worker.netns.command("ss");
+            ss.arg("-tan");
+            let mut list = self.head.command(llama::bin_dir().join("llama-server"));
+            list.args(["--rpc", &worker.endpoint().to_string(), "--list-devices"]);
+            let [sockets, listed] = [ss, list].map(|mut cmd| {
+                output_within(&mut cmd, Duration::from_secs(15)).map_or_else(
+                    |e| e,
+                    |out| format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+                )
+            });
+            let _ = write!(
+                text,
+                "\n{}'s rpc-server:\n{output}\nits TCP sockets:\n{sockets}\nits devices, asked now:\n{listed}",
+                worker.name
+            );
+        }
+        text
     }
 
     /// Starts an answer that streams for long on a thread, and returns once corrald counts
@@ -380,4 +405,36 @@ fn a_worker_that_never_started_is_planned_around_or_named_at_once() {
     assert_eq!(reply.status, 200, "{}", reply.body);
     let devices = rig.devices();
     assert!(rig.workers.iter().all(|w| Rig::on(&devices, w)), "split once both are up: {devices:?}");
+}
+
+/// While a runner holds a worker, rpc-server serves no one else: each health check's
+/// connection waits in its accept queue (`listen(fd, 1)`: two at most), yet the worker is up
+/// and its runner must keep it.  Five answered checks later, the split runner still serves.
+#[test]
+fn a_runner_holding_its_workers_outlasts_their_health_checks() {
+    let mut rig = Rig::new(&[true, true]);
+    rig.start_corrald();
+    let reply = rig.generate();
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let rtt = |rig: &Rig| -> Option<String> {
+        let metrics = rig.request("GET", "/metrics", None).body;
+        let prefix = format!("corral_worker_rtt_seconds{{worker=\"{}\"}} ", rig.workers[0].name);
+        metrics.lines().find_map(|l| l.strip_prefix(&prefix).map(str::to_owned))
+    };
+    // Each check that connects sets a new round-trip time (to the microsecond).
+    let (mut last, mut checks) = (rtt(&rig), 0);
+    let deadline = Instant::now() + HEALTH_BOUND;
+    while checks < 5 {
+        assert_eq!(rig.events("worker-down", 0), 0, "w0 went down under its runner:\n{}", rig.diagnosis());
+        assert!(Instant::now() < deadline, "fewer than 5 checks of w0 within {HEALTH_BOUND:?}:\n{}", rig.diagnosis());
+        let now = rtt(&rig);
+        if now != last {
+            (last, checks) = (now, checks + 1);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let devices = rig.devices();
+    assert!(rig.workers.iter().all(|w| Rig::on(&devices, w)), "still split: {devices:?}");
+    let reply = rig.generate();
+    assert_eq!(reply.status, 200, "{}", reply.body);
 }
