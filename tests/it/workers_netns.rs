@@ -206,7 +206,8 @@ impl Rig {
     /// corrald's log, and each worker's output and TCP connections, for a failure message.
     fn diagnosis(&mut self) -> String {
         let mut text = format!("corrald:\n{}", self.corrald().stderr());
-        for worker in &self.workers {
+        for worker in &mut self.workers {
+            let ended = worker.server.as_mut().and_then(NsRpcServer::exit_status);
             let output = worker.server.as_ref().map(NsRpcServer::output).unwrap_or_default();
             let mut ss = worker.netns.command("ss");
             ss.arg("-tan");
@@ -220,7 +221,7 @@ impl Rig {
             });
             let _ = write!(
                 text,
-                "\n{}'s rpc-server:\n{output}\nits TCP sockets:\n{sockets}\nits devices, asked now:\n{listed}",
+                "\n{}'s rpc-server (ended: {ended:?}):\n{output}\nits TCP sockets:\n{sockets}\nits devices, asked now:\n{listed}",
                 worker.name
             );
         }

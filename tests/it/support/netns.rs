@@ -263,8 +263,15 @@ pub struct NsRpcServer {
 impl NsRpcServer {
     /// Starts `program` (rpc-server) in `netns` on `endpoint` and waits until it accepted a
     /// probe connection from inside the namespace.
+    ///
+    /// It runs with SIGPIPE ignored, as systemd starts a service (`IgnoreSIGPIPE=yes`, the
+    /// default, so under `corral-rpc@.service`): rpc-server writes with `send(…, 0)`, so a
+    /// client whose connection was reset (a head cut off, killed, then back) would kill it
+    /// with SIGPIPE; ignored, the write fails and it drops that client.
     pub fn start(netns: &Netns, program: &Path, endpoint: SocketAddrV4, cache: Option<&Path>) -> Self {
-        let mut cmd = netns.command(program);
+        let mut cmd = netns.command("sh");
+        // An ignored signal stays ignored across exec; the PID is rpc-server's.
+        cmd.args(["-c", r#"trap '' PIPE && exec "$0" "$@""#]).arg(program);
         cmd.args(["-H", &endpoint.ip().to_string(), "-p", &endpoint.port().to_string()]);
         if let Some(cache) = cache {
             cmd.arg("-c").env("LLAMA_CACHE", cache);
@@ -350,6 +357,14 @@ impl NsRpcServer {
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
             .expect("VmRSS");
         kib * 1024
+    }
+
+    /// How it ended, if it did (reaped then); `None` while it runs.
+    pub fn exit_status(&mut self) -> Option<ExitStatus> {
+        if self.status.is_none() {
+            self.status = self.child.try_wait().expect("poll rpc-server");
+        }
+        self.status
     }
 
     /// Sends SIGKILL and reaps it; its exit status.  Idempotent.
