@@ -329,11 +329,15 @@ impl Corrald {
         let socket = dirs.path().join("corral.sock");
         let config = format!(
             "[server]\nlisten = [\"{}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
-             [scheduler]\nnum_ctx = 2048\n[gpu]\nfixed = true\nhost_memory = \"8GiB\"\nreserve = \"0B\"\n{workers}",
+             [scheduler]\nnum_ctx = 2048\n[worker_health]\ninterval = \"1h\"\n\
+             [gpu]\nfixed = true\nhost_memory = \"8GiB\"\nreserve = \"0B\"\n{workers}",
             socket.display(),
             dir.join("models").display(),
             bin.join("llama-server").display(),
         );
+        // The checks at start only: a check while a runner holds a worker waits in
+        // rpc-server's accept queue, and the third one times out, which takes the worker down
+        // under its runner (tests/it/workers_netns.rs, a_runner_holding_its_workers_…).
         let path = dirs.path().join("corral.toml");
         std::fs::write(&path, config).expect("write config");
         let log = std::fs::File::create(dirs.path().join("corrald.log")).expect("log");
