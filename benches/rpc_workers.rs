@@ -32,13 +32,15 @@ mod http;
 #[allow(dead_code, reason = "the tests' namespace fixtures; only part of them is used here")]
 #[path = "../tests/it/support/netns.rs"]
 mod netns;
+#[path = "../tests/it/support/setup.rs"]
+mod setup;
 
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddrV4, TcpListener, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -103,7 +105,8 @@ fn main() {
         relay(&args[2], &args[3], Duration::from_micros(args[4].parse().expect("micros")));
         return;
     }
-    let bin = llama_bin_dir();
+    // The directory of llama-server and rpc-server, built once into a cache.
+    let bin = setup::run("setup-llama-server.sh");
     let dir = tempfile::tempdir().expect("tempdir");
     let model_bytes = make_model(dir.path());
     let delayer = probe_netem();
@@ -140,14 +143,6 @@ fn main() {
     }
     let rows: Vec<Row> = setups.iter().map(|s| measure(dir.path(), &bin, model_bytes, s)).collect();
     print_table(&rows);
-}
-
-/// The directory of llama-server and rpc-server (`scripts/setup-llama-server.sh`).
-fn llama_bin_dir() -> PathBuf {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-llama-server.sh");
-    let out = Command::new("bash").arg(&script).stderr(Stdio::inherit()).output().expect("run setup script");
-    assert!(out.status.success(), "setup-llama-server.sh failed");
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
 /// Writes the model into a store in `dir` as `bench`; its size.

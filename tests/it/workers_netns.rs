@@ -152,6 +152,28 @@ impl Rig {
         self.request("POST", "/api/generate", Some(&body))
     }
 
+    /// Loads the model (a short answer) and checks that it is split over both workers.
+    fn load_split(&self) {
+        let reply = self.generate();
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        let devices = self.devices();
+        assert!(self.workers.iter().all(|w| Self::on(&devices, w)), "split over both workers: {devices:?}");
+    }
+
+    /// `llama-server --rpc WORKER --list-devices` from the head (a new client of the
+    /// worker): its stdout, or why it failed.
+    fn list_devices(&self, worker: &Worker) -> Result<String, String> {
+        let mut list = self.head.command(llama::bin_dir().join("llama-server"));
+        list.args(["--rpc", &worker.endpoint().to_string(), "--list-devices"]);
+        let out = output_within(&mut list, Duration::from_secs(15))?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        if out.status.success() {
+            Ok(stdout)
+        } else {
+            Err(format!("{}: {stdout}{}", out.status, String::from_utf8_lossy(&out.stderr)))
+        }
+    }
+
     /// The devices of the one loaded model in `/api/ps`, by name (`rpc:ADDRESS#0`, `host`).
     fn devices(&self) -> Vec<String> {
         let ps = self.request("GET", "/api/ps", None).json();
@@ -206,19 +228,13 @@ impl Rig {
     /// corrald's log, and each worker's output and TCP connections, for a failure message.
     fn diagnosis(&mut self) -> String {
         let mut text = format!("corrald:\n{}", self.corrald().stderr());
-        for worker in &mut self.workers {
+        let listed: Vec<String> = self.workers.iter().map(|w| self.list_devices(w).unwrap_or_else(|e| e)).collect();
+        for (worker, listed) in self.workers.iter_mut().zip(listed) {
             let ended = worker.server.as_mut().and_then(NsRpcServer::exit_status);
             let output = worker.server.as_ref().map(NsRpcServer::output).unwrap_or_default();
             let mut ss = worker.netns.command("ss");
-            ss.arg("-tan");
-            let mut list = self.head.command(llama::bin_dir().join("llama-server"));
-            list.args(["--rpc", &worker.endpoint().to_string(), "--list-devices"]);
-            let [sockets, listed] = [ss, list].map(|mut cmd| {
-                output_within(&mut cmd, Duration::from_secs(15)).map_or_else(
-                    |e| e,
-                    |out| format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
-                )
-            });
+            let sockets = output_within(ss.arg("-tan"), Duration::from_secs(10))
+                .map_or_else(|e| e, |out| String::from_utf8_lossy(&out.stdout).into_owned());
             let _ = write!(
                 text,
                 "\n{}'s rpc-server (ended: {ended:?}):\n{output}\nits TCP sockets:\n{sockets}\nits devices, asked now:\n{listed}",
@@ -253,9 +269,7 @@ impl Rig {
     /// load plan without the worker, and `heal` bring it back for a split load again.
     fn fault_mid_stream(&mut self, fault: impl FnOnce(&mut Worker), heal: impl FnOnce(&mut Worker)) {
         self.start_corrald();
-        let reply = self.generate();
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        assert!(self.workers.iter().all(|w| Self::on(&self.devices(), w)), "split: {:?}", self.devices());
+        self.load_split();
         let (downs, ups) = (self.events("worker-down", 1), self.events("worker-up", 1));
 
         let stream = self.stream_long();
@@ -283,10 +297,7 @@ impl Rig {
         heal(&mut self.workers[1]);
         self.wait_event("worker-up", 1, ups);
         self.unload();
-        let reply = self.generate();
-        assert_eq!(reply.status, 200, "{}", reply.body);
-        let devices = self.devices();
-        assert!(self.workers.iter().all(|w| Self::on(&devices, w)), "split again: {devices:?}");
+        self.load_split();
     }
 
     /// The processes whose command line mentions this rig's directory (its runners: the
@@ -347,8 +358,7 @@ fn a_worker_cut_off_mid_stream_ends_the_answer_and_is_used_again_when_back() {
 fn corrald_stopped_while_its_runner_holds_the_workers_frees_them() {
     let mut rig = Rig::new(&[true, true]);
     rig.start_corrald();
-    let reply = rig.generate();
-    assert_eq!(reply.status, 200, "{}", reply.body);
+    rig.load_split();
     let held: Vec<u64> = rig.workers.iter_mut().map(|w| w.server().rss()).collect();
     assert!(held.iter().all(|&rss| rss > 40 << 20), "each worker holds its share of the weights: {held:?}");
 
@@ -366,18 +376,12 @@ fn corrald_stopped_while_its_runner_holds_the_workers_frees_them() {
     }
     // ... and serves a new client (one at a time: a runner still connected would hold it).
     for worker in &rig.workers {
-        let mut list = rig.head.command(llama::bin_dir().join("llama-server"));
-        list.args(["--rpc", &worker.endpoint().to_string(), "--list-devices"]);
-        let out = output_within(&mut list, Duration::from_secs(30)).unwrap_or_else(|e| panic!("{e}"));
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(stdout.contains(&format!("RPC0: {}", worker.endpoint())), "{stdout}");
+        let listed = rig.list_devices(worker).unwrap_or_else(|e| panic!("{e}"));
+        assert!(listed.contains(&format!("RPC0: {}", worker.endpoint())), "{listed}");
     }
     // A fresh corrald loads the model across both again.
     rig.start_corrald();
-    let reply = rig.generate();
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    let devices = rig.devices();
-    assert!(rig.workers.iter().all(|w| Rig::on(&devices, w)), "{devices:?}");
+    rig.load_split();
 }
 
 #[test]
@@ -402,10 +406,7 @@ fn a_worker_that_never_started_is_planned_around_or_named_at_once() {
     if reply.status == 200 {
         rig.unload();
     }
-    let reply = rig.generate();
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    let devices = rig.devices();
-    assert!(rig.workers.iter().all(|w| Rig::on(&devices, w)), "split once both are up: {devices:?}");
+    rig.load_split();
 }
 
 /// While a runner holds a worker, rpc-server serves no one else: each health check's
@@ -415,8 +416,7 @@ fn a_worker_that_never_started_is_planned_around_or_named_at_once() {
 fn a_runner_holding_its_workers_outlasts_their_health_checks() {
     let mut rig = Rig::new(&[true, true]);
     rig.start_corrald();
-    let reply = rig.generate();
-    assert_eq!(reply.status, 200, "{}", reply.body);
+    rig.load_split();
     let rtt = |rig: &Rig| -> Option<String> {
         let metrics = rig.request("GET", "/metrics", None).body;
         let prefix = format!("corral_worker_rtt_seconds{{worker=\"{}\"}} ", rig.workers[0].name);

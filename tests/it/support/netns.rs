@@ -369,13 +369,12 @@ impl NsRpcServer {
 
     /// Sends SIGKILL and reaps it; its exit status.  Idempotent.
     pub fn kill(&mut self) -> ExitStatus {
-        if let Some(status) = self.status {
+        if let Some(status) = self.exit_status() {
             return status;
         }
+        // ESRCH: it ended in between; the wait reaps it all the same.
         let _ = self.child.kill();
-        let status = self.child.wait().expect("reap rpc-server");
-        self.status = Some(status);
-        status
+        *self.status.insert(self.child.wait().expect("reap rpc-server"))
     }
 }
 
