@@ -7,7 +7,18 @@
 //!
 //! Faults: a worker killed (SIGKILL) or cut off (`ip link set down` on its end) while an
 //! answer streams, corrald stopped while its runner holds the workers, a worker that never
-//! started.
+//! started.  And the health checks themselves must not take down a worker whose runner
+//! holds it.
+//!
+//! What upstream rpc-server does that these tests met (b11434):
+//!
+//! * It serves one client at a time and listens with a backlog of 1: while a runner holds
+//!   it, other connections complete into its accept queue (two at most) and wait there; the
+//!   next one gets no answer to its SYN.
+//! * It writes with `send(…, 0)` and does not ignore SIGPIPE: a client whose connection was
+//!   reset (the head cut off, its runner killed meanwhile, then the link back) kills it with
+//!   SIGPIPE, silently.  systemd ignores SIGPIPE for services (`IgnoreSIGPIPE=yes`), so the
+//!   worker unit is safe; the fixture starts it the same way.
 
 use std::fmt::Write as _;
 use std::net::SocketAddrV4;
