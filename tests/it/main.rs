@@ -45,3 +45,4 @@ mod systemd_container;
 mod term_habits;
 mod top_habits;
 mod worker_unit;
+mod workers_netns;

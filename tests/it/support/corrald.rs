@@ -50,6 +50,15 @@ impl Corrald {
         Self::spawn(cmd)
     }
 
+    /// `corrald ARGS` as [`Corrald::start`] runs it, inside the network namespace `netns`
+    /// (`ip netns exec`, which execs corrald: the PID is corrald's).
+    pub fn start_in_netns(netns: &str, args: &[&str], notify: &Path) -> Self {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", netns, CORRALD, "--log-target", "stderr"]).args(args);
+        cmd.env("NOTIFY_SOCKET", notify);
+        Self::spawn(cmd)
+    }
+
     /// `corrald ARGS` under `systemd-socket-activate`, listening on each of `listen` with fd name `http`.
     /// The tool waits for the first connection, then runs corrald in its place (same PID).
     pub fn socket_activated(listen: &[String], args: &[&str], notify: &Path, extra_env: &[(&str, &str)]) -> Self {

@@ -10,6 +10,7 @@ pub mod dbus;
 pub mod http;
 pub mod journald;
 pub mod llama;
+pub mod netns;
 pub mod notify;
 pub mod registry;
 pub mod setup;
