@@ -153,6 +153,12 @@ pub fn render_workers(workers: &[crate::workers::WorkerStatus]) -> String {
         let rtt = w.rtt.unwrap_or_default().as_secs_f64();
         let _ = writeln!(out, "corral_worker_rtt_seconds{{worker=\"{}\"}} {rtt:.6}", escape(&w.name));
     }
+    out.push_str(
+        "# HELP corral_worker_checks_total Health checks of each RPC worker.\n# TYPE corral_worker_checks_total counter\n",
+    );
+    for w in workers {
+        let _ = writeln!(out, "corral_worker_checks_total{{worker=\"{}\"}} {}", escape(&w.name), w.checks);
+    }
     out
 }
 
@@ -264,11 +270,13 @@ mod tests {
             last_error: String::new(),
             rtt,
             since: std::time::UNIX_EPOCH,
+            checks: 7,
         };
         let text = render_workers(&[worker("a\"b", true, Some(Duration::from_micros(250))), worker("c", false, None)]);
         assert!(text.contains("corral_worker_up{worker=\"a\\\"b\",address=\"10.0.0.2:50052\"} 1\n"), "{text}");
         assert!(text.contains("corral_worker_up{worker=\"c\",address=\"10.0.0.2:50052\"} 0\n"), "{text}");
         assert!(text.contains("corral_worker_rtt_seconds{worker=\"a\\\"b\"} 0.000250\n"), "{text}");
         assert!(!text.contains("corral_worker_rtt_seconds{worker=\"c\"}"), "no check answered: no rtt");
+        assert!(text.contains("corral_worker_checks_total{worker=\"c\"} 7\n"), "{text}");
     }
 }

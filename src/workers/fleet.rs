@@ -25,6 +25,8 @@ pub struct WorkerStatus {
     pub rtt: Option<Duration>,
     /// When it entered its state.
     pub since: SystemTime,
+    /// How many checks it had.
+    pub checks: u64,
 }
 
 /// What one check found.
@@ -84,6 +86,7 @@ impl Fleet {
                     last_error: "not checked yet".to_owned(),
                     rtt: None,
                     since: now,
+                    checks: 0,
                 })
                 .collect(),
             slots: vec![Vec::new(); workers.len()],
@@ -114,6 +117,7 @@ impl Fleet {
     pub fn apply(&mut self, index: usize, outcome: Outcome, now: SystemTime) -> Option<Change> {
         let first = !std::mem::replace(self.checked.get_mut(index)?, true);
         let was_up = self.workers.get(index)?.up;
+        self.workers[index].checks += 1;
         let change = match outcome {
             Outcome::Up { rtt, devices: Some(devices) } => {
                 self.place(index, devices);
@@ -234,6 +238,7 @@ mod tests {
         assert_eq!(fleet.apply(0, Outcome::Busy, at(3)), None, "held by a runner, healthy: still up");
         assert!(fleet.workers[0].up);
         assert_eq!(fleet.apply(1, Outcome::Busy, at(3)), None, "no news: still up");
+        assert_eq!((fleet.workers[0].checks, fleet.workers[1].checks), (4, 2), "every check counts");
 
         // b goes down: its index stays, offline; a check without a listing keeps it down.
         assert_eq!(fleet.apply(1, Outcome::Down("no connection within 3 s".into()), at(4)), Some(Change::Down));
