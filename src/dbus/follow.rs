@@ -295,7 +295,7 @@ impl Follower {
                 listed
                     .into_iter()
                     .map(|m| {
-                        let config = store.model_config(&m.manifest);
+                        let config = m.config;
                         let details = HashMap::from([
                             ("format".to_owned(), config.model_format),
                             ("family".to_owned(), config.model_family),

@@ -22,7 +22,7 @@ use super::state::AppState;
 use crate::gpu::Inventory;
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::types::LoadedModel;
-use crate::store::manifest::{Manifest, ModelConfig};
+use crate::store::manifest::ModelConfig;
 use crate::store::name::ModelName;
 use crate::store::{Store, StoreError};
 
@@ -132,6 +132,7 @@ struct Show {
 async fn tags(State(state): State<AppState>) -> Result<Json<Tags>, ApiError> {
     const PATH: &str = "/api/tags";
     let store = state.store;
+    // The store's index: no file is read when it is current (`store::list`).
     let models = blocking(move || {
         let mut listed = store.list()?;
         listed.sort_by_key(|l| std::cmp::Reverse(l.modified));
@@ -143,7 +144,7 @@ async fn tags(State(state): State<AppState>) -> Result<Json<Tags>, ApiError> {
                 modified_at: rfc3339(l.modified),
                 size: l.size,
                 digest: l.digest.hex(),
-                details: details_of(&store, &l.manifest),
+                details: l.config.into(),
             })
             .collect())
     })
@@ -188,9 +189,10 @@ fn ps_model(
         (None, KeepAlive::For(d)) => wall + d,
         (None, KeepAlive::Forever) => wall + FOREVER,
     };
+    // The details the model's requests use, cached per manifest file (one `stat`).
     let (digest, details) = match ModelName::parse(name).map_err(|e| e.to_string()).and_then(|name| {
-        let (manifest, digest, _) = store.manifest(&name).map_err(|e| e.to_string())?;
-        Ok((digest.hex(), details_of(store, &manifest)))
+        let details = store.details(&name).map_err(|e| e.to_string())?;
+        Ok((details.digest.hex(), Details::from(details.config.clone())))
     }) {
         Ok(found) => found,
         Err(e) => {
@@ -281,11 +283,6 @@ async fn delete_model(State(state): State<AppState>, body: Bytes) -> Result<Stat
     // None loaded is the common case, not an error.
     let _ = state.scheduler.unload_model(&name_text).await;
     Ok(StatusCode::OK)
-}
-
-/// `details` from a manifest's config blob.
-fn details_of(store: &Store, manifest: &Manifest) -> Details {
-    store.model_config(manifest).into()
 }
 
 /// RFC 3339 in UTC, with nanoseconds (Go's `time.Time` JSON form, less the zone offset).
