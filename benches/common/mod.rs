@@ -370,27 +370,7 @@ impl Client {
     /// returns the time to the first content frame, the time from it to the end, and the
     /// token count `count_key` reports.
     pub async fn stream(&mut self, path: &str, body: &Bytes, count_key: &str) -> (Duration, Duration, u64) {
-        // llama-server closes the connection after a stream, so every stream starts on a
-        // new connection, on both sides.
-        *self = Self::connect(self.port).await;
-        let start = Instant::now();
-        let mut response = self.post(path, body).await.into_body();
-        let mut first = None;
-        let mut all = Vec::with_capacity(64 << 10);
-        while let Some(frame) = response.frame().await {
-            let frame = frame.expect("body");
-            if let Ok(data) = frame.into_data() {
-                if first.is_none() && has_content(&data) {
-                    first = Some(start.elapsed());
-                }
-                all.extend_from_slice(&data);
-            }
-        }
-        let total = start.elapsed();
-        let first = first.unwrap_or_else(|| panic!("{path}: no content in {}", String::from_utf8_lossy(&all)));
-        let count = last_number(&all, count_key)
-            .unwrap_or_else(|| panic!("{path}: no {count_key} in {}", String::from_utf8_lossy(&all)));
-        (first, total.saturating_sub(first), count)
+        stream_once(self.port, path, body, count_key).await.unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// A tiny `/v1/completions` request, its answer checked.
@@ -399,6 +379,51 @@ impl Client {
         let bytes = response.into_body().collect().await.expect("body").to_bytes();
         assert!(find(&bytes, b"\"choices\"", 0).is_some(), "{}", String::from_utf8_lossy(&bytes));
     }
+}
+
+/// Streams `body` to `path` on a new connection to `port` (llama-server closes a connection
+/// after a stream, so every stream starts on a new one, opened before the clock starts);
+/// the time to the first content frame, the time from it to the end, and the token count
+/// `count_key` reports; or what went wrong.
+pub async fn stream_once(
+    port: u16,
+    path: &str,
+    body: &Bytes,
+    count_key: &str,
+) -> Result<(Duration, Duration, u64), String> {
+    let stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| format!("connect: {e}"))?;
+    stream.set_nodelay(true).map_err(|e| e.to_string())?;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| format!("handshake: {e}"))?;
+    tokio::spawn(connection);
+    let request = hyper::Request::post(path)
+        .header("host", format!("127.0.0.1:{port}"))
+        .header("content-type", "application/json")
+        .body(Full::new(body.clone()))
+        .map_err(|e| e.to_string())?;
+    let start = Instant::now();
+    let response = sender.send_request(request).await.map_err(|e| format!("{path}: {e}"))?;
+    let status = response.status();
+    let mut response = response.into_body();
+    let mut first = None;
+    let mut all = Vec::with_capacity(16 << 10);
+    while let Some(frame) = response.frame().await {
+        let frame = frame.map_err(|e| format!("{path}: body: {e}"))?;
+        if let Ok(data) = frame.into_data() {
+            if first.is_none() && has_content(&data) {
+                first = Some(start.elapsed());
+            }
+            all.extend_from_slice(&data);
+        }
+    }
+    let total = start.elapsed();
+    let text = || String::from_utf8_lossy(&all).into_owned();
+    if !status.is_success() {
+        return Err(format!("{path}: {status}: {}", text()));
+    }
+    let first = first.ok_or_else(|| format!("{path}: no content in {}", text()))?;
+    let count = last_number(&all, count_key).ok_or_else(|| format!("{path}: no {count_key} in {}", text()))?;
+    Ok((first, total.saturating_sub(first), count))
 }
 
 /// Waits until GET `path` on `port` succeeds (at most 30 s), while `process` runs.
