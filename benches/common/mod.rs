@@ -173,7 +173,9 @@ impl Corrald {
         let mut command = Command::new(corrald_binary());
         command.arg("--config").arg(config).args(["--log-target", "stderr"]);
         command.env("STATE_DIRECTORY", dir.join("state")).env("RUNTIME_DIRECTORY", dir.join("run"));
-        command.env("NOTIFY_SOCKET", &notify_path).env("RUST_LOG", "error");
+        // CORRAL_BENCH_LOG: corrald's log filter, to see where its time goes.
+        let log = std::env::var("CORRAL_BENCH_LOG").unwrap_or_else(|_| "error".to_owned());
+        command.env("NOTIFY_SOCKET", &notify_path).env("RUST_LOG", log);
         for (key, value) in env {
             command.env(key, value);
         }
