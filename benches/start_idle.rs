@@ -5,7 +5,7 @@
 //!   timed from just before `exec` to the `READY=1` datagram; with the shipped defaults
 //!   (`[dbus] bus = "system"`, which this machine may not have: corrald then serves HTTP
 //!   only) and with `[dbus] bus = "off"`. The floor is `systemd-notify --ready` started the
-//!   same way: a process that only execs and sends `READY=1`.
+//!   same way (`--no-block`): a process that only execs and sends `READY=1`.
 //! - **idle memory**: `VmRSS` (and its anonymous part) at `READY=1`, one second later, after
 //!   a model was loaded and unloaded (`keep_alive: 0`, then `/api/ps` empty), and after
 //!   `CORRAL_BENCH_CYCLES` (default 10) more loads and unloads.
@@ -35,8 +35,9 @@ fn floor(dir: &std::path::Path) -> Duration {
     let socket = UnixDatagram::bind(&path).expect("bind");
     socket.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
     let start = Instant::now();
+    // --no-block: it sends READY=1 and exits, without waiting for a barrier reply.
     let mut child = Command::new("systemd-notify")
-        .arg("--ready")
+        .args(["--ready", "--no-block"])
         .env("NOTIFY_SOCKET", &path)
         .stdin(Stdio::null())
         .stdout(Stdio::null())

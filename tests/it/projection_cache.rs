@@ -10,7 +10,7 @@ use crate::support::corrald::{Corrald, free_port, write_config};
 use crate::support::http::{connect, request};
 use crate::support::notify::NotifyListener;
 
-/// `body` POSTed to `path` on corrald at `port`; the answer's status and JSON.
+/// `body` sent with POST to `path` on corrald at `port`; the answer's status and JSON.
 fn post(port: u16, path: &str, body: &str) -> (u16, serde_json::Value) {
     let stream = connect("corrald", || std::net::TcpStream::connect(("127.0.0.1", port)));
     stream.set_read_timeout(Some(Duration::from_secs(120))).expect("timeout");
