@@ -13,13 +13,14 @@ use zbus::zvariant::ObjectPath;
 use super::manager::{Manager, blocking};
 use super::model::{Facts, Model, ModelData};
 use super::{BUS_NAME, ROOT_PATH, Shared, lock, model_path};
+use crate::config::BusKind;
 use crate::scheduler::policy::{Footprint, RunnerId};
 use crate::scheduler::types::{Notice, UnloadReason};
 use crate::supervisor::logparse::Offload;
 
 /// In a task (returned): serves an object per stored model, takes the bus name, then
 /// follows changes.
-pub(super) fn start(shared: Arc<Shared>, connection: Connection) -> tokio::task::JoinHandle<()> {
+pub(super) fn start(shared: Arc<Shared>, connection: Connection, bus: BusKind) -> tokio::task::JoinHandle<()> {
     // Subscribed before the first snapshot, so no change falls between them.
     let mut notices = shared.context.scheduler.subscribe();
     let mut store_changes = shared.context.store.changes();
@@ -30,7 +31,7 @@ pub(super) fn start(shared: Arc<Shared>, connection: Connection) -> tokio::task:
         // Without the name the objects are still served on the connection's unique name;
         // HTTP is unaffected, so this is not a reason to stop.
         match follower.connection.request_name(BUS_NAME).await {
-            Ok(()) => tracing::debug!(name = BUS_NAME, "took the bus name"),
+            Ok(()) => tracing::info!(?bus, name = BUS_NAME, "serving D-Bus"),
             Err(e) => tracing::warn!(name = BUS_NAME, error = %e, "cannot take the bus name {BUS_NAME}: {e}"),
         }
         follower.shared.applied.notify_waiters();
