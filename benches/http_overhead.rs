@@ -40,11 +40,6 @@ use std::time::{Duration, Instant};
 use common::{Client, Corrald, env_or, kib_to_mib, median, memory, ms, pin, start_direct, wait_ready, write_config};
 use hyper::body::Bytes;
 
-use corral::store::Store;
-use corral::store::create::CreateSpec;
-use corral::store::modelfile::Modelfile;
-use corral::store::name::ModelName;
-
 const MODEL: &str = "chat";
 
 /// The pause before each stream of the "after a pause" rows: longer than corrald keeps an
@@ -127,11 +122,7 @@ fn main() {
 
     let llama_server = common::llama_bin_dir().join("llama-server");
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = Store::open(&dir.path().join("models")).expect("store");
-    corral::demo_model::write_tiny_llama(&dir.path().join("tiny.gguf")).expect("model");
-    let modelfile = Modelfile::parse("FROM ./tiny.gguf\nPARAMETER num_thread 1\n").expect("modelfile");
-    let spec = CreateSpec::from_modelfile(&modelfile, dir.path()).expect("spec");
-    store.create(&ModelName::parse(MODEL).expect("name"), &spec, &mut |_| {}).expect("create");
+    common::tiny_store(dir.path(), MODEL);
 
     let corral_port = common::free_port();
     let config = write_config(dir.path(), corral_port, &llama_server, "[scheduler]\nkeep_alive = \"1h\"\n");
@@ -149,20 +140,7 @@ fn main() {
     std::thread::sleep(Duration::from_millis(500));
     let idle = memory(daemon_pid);
 
-    let chat = |model: &str, stream: bool| {
-        Bytes::from(
-            serde_json::json!({
-                "model": model,
-                "messages": [{"role": "user", "content": "Tell me a story about a corral."}],
-                "stream": stream,
-                "stream_options": {"include_usage": true},
-                "max_tokens": tokens,
-                "ignore_eos": true,
-                "temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "seed": 7,
-            })
-            .to_string(),
-        )
-    };
+    let chat = |model: &str, stream: bool| common::chat_body(model, tokens, stream);
     let ollama_chat = Bytes::from(
         serde_json::json!({
             "model": MODEL,

@@ -32,10 +32,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{Client, Corrald, env_or, median, memory, ms, percentile, pin, start_direct, stream_once, wait_ready};
-use corral::store::Store;
-use corral::store::create::CreateSpec;
-use corral::store::modelfile::Modelfile;
-use corral::store::name::ModelName;
 use hyper::body::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -141,6 +137,21 @@ async fn one_request(stream: Option<tokio::net::TcpStream>, port: u16) -> std::i
     }
 }
 
+/// What a new client sees: the median ms of `rounds` GETs of `/api/version` and of
+/// `/api/tags` on new connections, and of ten streamed chats' first token.
+async fn responsiveness(port: u16, chat: &Bytes, rounds: usize) -> (f64, f64, f64) {
+    let version = fresh_gets(port, "/api/version", rounds).await;
+    let tags = fresh_gets(port, "/api/tags", rounds).await;
+    let mut ttft = Vec::new();
+    for _ in 0..TTFT_ROUNDS {
+        ttft.push(ms(stream_once(port, "/v1/chat/completions", chat, "completion_tokens").await.expect("chat").0));
+    }
+    (version, tags, median(&ttft))
+}
+
+/// Streamed chats timed by [`responsiveness`].
+const TTFT_ROUNDS: usize = 10;
+
 /// Median ms of `rounds` calls of GET `path` on new connections.
 async fn fresh_gets(port: u16, path: &str, rounds: usize) -> f64 {
     let mut samples = Vec::with_capacity(rounds);
@@ -174,12 +185,7 @@ fn main() {
 
     let llama_server = common::llama_bin_dir().join("llama-server");
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = Store::open(&dir.path().join("models")).expect("store");
-    corral::demo_model::write_tiny_llama(&dir.path().join("tiny.gguf")).expect("model");
-    let modelfile = Modelfile::parse("FROM ./tiny.gguf\nPARAMETER num_thread 1\n").expect("modelfile");
-    let spec = CreateSpec::from_modelfile(&modelfile, dir.path()).expect("spec");
-    store.create(&ModelName::parse(MODEL).expect("name"), &spec, &mut |_| {}).expect("create");
-    drop(store);
+    common::tiny_store(dir.path(), MODEL);
     let port = common::free_port();
     let config =
         common::write_config(dir.path(), port, &llama_server, "[scheduler]\nkeep_alive = \"1h\"\nnum_parallel = 4\n");
@@ -191,20 +197,7 @@ fn main() {
     let daemon = Corrald::start(dir.path(), &config, &[]);
     let daemon_pid = daemon.pid();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-    let chat = |model: &str| {
-        Bytes::from(
-            serde_json::json!({
-                "model": model,
-                "messages": [{"role": "user", "content": "Tell me a story about a corral."}],
-                "stream": true,
-                "stream_options": {"include_usage": true},
-                "max_tokens": tokens,
-                "ignore_eos": true,
-                "temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "seed": 7,
-            })
-            .to_string(),
-        )
-    };
+    let chat = |model: &str| common::chat_body(model, tokens, true);
     runtime.block_on(async {
         let mut client = Client::connect(port).await;
         let (_, _, count) = client.stream("/v1/chat/completions", &chat(MODEL), "completion_tokens").await;
@@ -282,35 +275,16 @@ fn main() {
     // Idle connections.
     let before = memory(daemon_pid);
     let fds_before = common::open_fds(daemon_pid);
-    let (rounds_fresh, ttft_rounds) = (50, 10);
-    let (version_before, tags_before, ttft_before) = runtime.block_on(async {
-        let v = fresh_gets(port, "/api/version", rounds_fresh).await;
-        let t = fresh_gets(port, "/api/tags", rounds_fresh).await;
-        let mut ttft = Vec::new();
-        for _ in 0..ttft_rounds {
-            ttft.push(ms(stream_once(port, "/v1/chat/completions", &corral_body, "completion_tokens")
-                .await
-                .expect("chat")
-                .0));
-        }
-        (v, t, median(&ttft))
-    });
+    let rounds_fresh = 50;
+    let (version_before, tags_before, ttft_before) = runtime.block_on(responsiveness(port, &corral_body, rounds_fresh));
     let start = Instant::now();
     let (open, failed) = runtime.block_on(open_idle(port, idle));
     let opened_in = start.elapsed();
     std::thread::sleep(Duration::from_millis(500));
     let held = memory(daemon_pid);
     let fds_held = common::open_fds(daemon_pid);
-    let (version_held, tags_held, ttft_held, still) = runtime.block_on(async {
-        let v = fresh_gets(port, "/api/version", rounds_fresh).await;
-        let t = fresh_gets(port, "/api/tags", rounds_fresh).await;
-        let mut ttft = Vec::new();
-        for _ in 0..ttft_rounds {
-            ttft.push(ms(stream_once(port, "/v1/chat/completions", &corral_body, "completion_tokens")
-                .await
-                .expect("chat")
-                .0));
-        }
+    let (version_held, tags_held, ttft_held) = runtime.block_on(responsiveness(port, &corral_body, rounds_fresh));
+    let still = runtime.block_on(async {
         // Every hundredth idle connection asked again: still open, still answering.
         let mut still = 0;
         let mut checked = 0;
@@ -326,7 +300,7 @@ fn main() {
                 kept.push(stream);
             }
         }
-        (v, t, median(&ttft), (still, checked, kept))
+        (still, checked, kept)
     });
     let (still, checked, kept) = still;
     let per_connection =
@@ -347,7 +321,7 @@ fn main() {
         "| GET /api/version, new connection (median of {rounds_fresh}) | {version_before:.3} ms | {version_held:.3} ms |"
     );
     println!("| GET /api/tags, new connection (median of {rounds_fresh}) | {tags_before:.3} ms | {tags_held:.3} ms |");
-    println!("| streamed chat TTFT (median of {ttft_rounds}) | {ttft_before:.3} ms | {ttft_held:.3} ms |");
+    println!("| streamed chat TTFT (median of {TTFT_ROUNDS}) | {ttft_before:.3} ms | {ttft_held:.3} ms |");
     println!("RSS per idle connection: {per_connection} bytes");
     drop(kept);
     daemon.stop();

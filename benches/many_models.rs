@@ -29,10 +29,6 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Client, Corrald, Process, env_or, free_port, median, ms, percentile, write_config};
-use corral::store::Store;
-use corral::store::create::CreateSpec;
-use corral::store::modelfile::Modelfile;
-use corral::store::name::ModelName;
 use hyper::body::Bytes;
 
 const BUS_NAME: &str = "org.corral.Corral1";
@@ -103,14 +99,8 @@ fn main() {
     let dir = tempfile::tempdir().expect("tempdir");
     let root = dir.path().join("models");
     // The first model through the store (blobs, config, template), the rest as copies of its manifest.
-    let store = Store::open(&root).expect("store");
-    corral::demo_model::write_tiny_llama(&dir.path().join("tiny.gguf")).expect("model");
-    let modelfile = Modelfile::parse("FROM ./tiny.gguf\nPARAMETER num_thread 1\n").expect("modelfile");
-    let spec = CreateSpec::from_modelfile(&modelfile, dir.path()).expect("spec");
-    let first = ModelName::parse("m0000").expect("name");
-    store.create(&first, &spec, &mut |_| {}).expect("create");
-    let template = std::fs::read(store.manifest_path(&first)).expect("manifest");
-    drop(store);
+    common::tiny_store(dir.path(), "m0000");
+    let template = std::fs::read(root.join("manifests/registry.ollama.ai/library/m0000/latest")).expect("manifest");
     let bus = Bus::start(dir.path());
     let port = free_port();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");

@@ -22,10 +22,6 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Client, Corrald, Memory, env_or, free_port, median, memory, ms, percentile, write_config};
-use corral::store::Store;
-use corral::store::create::CreateSpec;
-use corral::store::modelfile::Modelfile;
-use corral::store::name::ModelName;
 use hyper::body::Bytes;
 
 /// exec → READY=1 of `systemd-notify --ready`.
@@ -87,12 +83,7 @@ fn main() {
     let cycles: usize = env_or("CORRAL_BENCH_CYCLES", 10);
     let llama_server = common::llama_bin_dir().join("llama-server");
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = Store::open(&dir.path().join("models")).expect("store");
-    corral::demo_model::write_tiny_llama(&dir.path().join("tiny.gguf")).expect("model");
-    let modelfile = Modelfile::parse("FROM ./tiny.gguf\nPARAMETER num_thread 1\n").expect("modelfile");
-    let spec = CreateSpec::from_modelfile(&modelfile, dir.path()).expect("spec");
-    store.create(&ModelName::parse("tiny").expect("name"), &spec, &mut |_| {}).expect("create");
-    drop(store);
+    common::tiny_store(dir.path(), "tiny");
     let port = free_port();
     let defaults = write_config(dir.path(), port, &llama_server, "");
     let off = dir.path().join("off.toml");

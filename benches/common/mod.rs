@@ -222,6 +222,37 @@ impl Corrald {
     }
 }
 
+/// A store in `dir/models` holding the tiny llama as `name` (`PARAMETER num_thread 1`, so
+/// a runner keeps to one CPU), written through the store's own create.
+pub fn tiny_store(dir: &Path, name: &str) {
+    use corral::store::Store;
+    use corral::store::create::CreateSpec;
+    use corral::store::modelfile::Modelfile;
+    use corral::store::name::ModelName;
+    let store = Store::open(&dir.join("models")).expect("store");
+    corral::demo_model::write_tiny_llama(&dir.join("tiny.gguf")).expect("model");
+    let modelfile = Modelfile::parse("FROM ./tiny.gguf\nPARAMETER num_thread 1\n").expect("modelfile");
+    let spec = CreateSpec::from_modelfile(&modelfile, dir).expect("spec");
+    store.create(&ModelName::parse(name).expect("name"), &spec, &mut |_| {}).expect("create");
+}
+
+/// A `/v1/chat/completions` body for `model`: `tokens` tokens exactly (`ignore_eos`), fixed
+/// sampling and seed, the usage in the stream.
+pub fn chat_body(model: &str, tokens: u64, stream: bool) -> Bytes {
+    Bytes::from(
+        serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": "Tell me a story about a corral."}],
+            "stream": stream,
+            "stream_options": {"include_usage": true},
+            "max_tokens": tokens,
+            "ignore_eos": true,
+            "temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "seed": 7,
+        })
+        .to_string(),
+    )
+}
+
 /// Writes `corral.toml` in `dir`: listening on `port`, the store at `dir/models`, the given
 /// llama-server, and `extra` (more tables).
 pub fn write_config(dir: &Path, port: u16, llama_server: &Path, extra: &str) -> PathBuf {
