@@ -37,7 +37,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Client, Corrald, env_or, kib_to_mib, median, memory, ms, pin, start_direct, wait_ready, write_config};
+use common::{Client, Corrald, env_or, kib_to_mib, median, memory, ms, pin, wait_ready, write_config};
 use hyper::body::Bytes;
 
 const MODEL: &str = "chat";
@@ -161,15 +161,8 @@ fn main() {
         let mut client = Client::connect(corral_port).await;
         client.tiny(&tiny(MODEL)).await;
     });
-    let (child_pid, argv) = daemon.child_argv();
-    let direct_port = common::free_port();
-    let (mut direct, alias) = start_direct(&argv, direct_port);
-    runtime.block_on(wait_ready(direct_port, "/health", &mut direct));
-    if pinned {
-        pin(daemon_pid, "0");
-        pin(child_pid, &last_cpu);
-        pin(direct.pid(), &last_cpu);
-    }
+    let (direct, direct_port, alias, _) =
+        runtime.block_on(common::direct_beside(&daemon, pinned.then_some(last_cpu.as_str())));
     let loaded = memory(daemon_pid);
 
     let mut ttft = Pair::new("TTFT /v1/chat/completions", "ms", false, "added <= 0.2 ms");

@@ -31,7 +31,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Client, Corrald, env_or, median, memory, ms, percentile, pin, start_direct, stream_once, wait_ready};
+use common::{Client, Corrald, env_or, median, memory, ms, percentile, pin, stream_once};
 use hyper::body::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -203,16 +203,9 @@ fn main() {
         let (_, _, count) = client.stream("/v1/chat/completions", &chat(MODEL), "completion_tokens").await;
         assert_eq!(count, tokens);
     });
-    let (child_pid, argv) = daemon.child_argv();
+    let (direct, direct_port, alias, argv) =
+        runtime.block_on(common::direct_beside(&daemon, pinned.then_some(last_cpu.as_str())));
     assert!(argv.windows(2).any(|w| w[0] == "-np" && w[1] == "4"), "the runner has 4 slots: {argv:?}");
-    let direct_port = common::free_port();
-    let (mut direct, alias) = start_direct(&argv, direct_port);
-    runtime.block_on(wait_ready(direct_port, "/health", &mut direct));
-    if pinned {
-        pin(daemon_pid, "0");
-        pin(child_pid, &last_cpu);
-        pin(direct.pid(), &last_cpu);
-    }
     let (direct_body, corral_body) = (chat(&alias), chat(MODEL));
 
     println!(

@@ -294,6 +294,23 @@ pub fn start_direct(argv: &[String], port: u16) -> (Process, String) {
     (process, alias)
 }
 
+/// llama-server started again beside `daemon`'s one child with the child's argv, on a
+/// loopback port, and waited for (`/health`); with `pinned` (a CPU list), corrald goes to
+/// CPU 0 and both llama-servers to those CPUs. The process, its port, the model alias and
+/// the argv.
+pub async fn direct_beside(daemon: &Corrald, pinned: Option<&str>) -> (Process, u16, String, Vec<String>) {
+    let (child_pid, argv) = daemon.child_argv();
+    let port = free_port();
+    let (mut direct, alias) = start_direct(&argv, port);
+    wait_ready(port, "/health", &mut direct).await;
+    if let Some(cpus) = pinned {
+        pin(daemon.pid(), "0");
+        pin(child_pid, cpus);
+        pin(direct.pid(), cpus);
+    }
+    (direct, port, alias, argv)
+}
+
 /// The first position of `needle` in `hay` at or after `from`.
 pub fn find(hay: &[u8], needle: &[u8], from: usize) -> Option<usize> {
     hay.get(from..)?.windows(needle.len()).position(|w| w == needle).map(|p| p + from)
