@@ -443,6 +443,23 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn tags_read_no_blob_once_the_model_is_listed() {
+        let (_dir, state) = with_tiny();
+        let (status, first) = call(&state, Method::GET, "/api/tags", "").await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(first["models"][0]["details"]["family"], "llama", "{first}");
+        // Every blob gone, the GGUF weights and the config included: a listing that read
+        // any of them would now fail or show empty details.
+        let (manifest, _, _) = state.store.manifest(&ModelName::parse("tiny").expect("name")).expect("manifest");
+        for layer in manifest.blobs() {
+            std::fs::remove_file(state.store.blob_path(&layer.digest)).expect("remove a blob");
+        }
+        let (status, again) = call(&state, Method::GET, "/api/tags", "").await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(again, first);
+    }
+
+    #[tokio::test]
     async fn tags_of_an_empty_store_head_and_a_wrong_method() {
         let (_dir, state) = for_tests(absent_backend());
         assert_eq!(call(&state, Method::GET, "/api/tags", "").await, (StatusCode::OK, json!({"models": []})));
