@@ -7,8 +7,9 @@
 //!   temporary directory and created in corrald's store (a hard link, no copy).
 //! - **corral**: `POST /api/generate` with an empty prompt (Ollama's "load the model") until
 //!   the answer; then `keep_alive: 0` unloads it, waited for on `/api/ps`.
-//! - **direct**: llama-server started with exactly the argv corrald gave its child (read
-//!   from `/proc`), listening on a loopback TCP port: spawn until `/health` answers 200.
+//! - **direct**: llama-server started with exactly the argv and environment corrald gave
+//!   its child (read from `/proc`), listening on a loopback TCP port: spawn until
+//!   `/health` answers 200.
 //! - **cold**: `sync` and `echo 3 > /proc/sys/vm/drop_caches` (root) before each load, so the
 //!   weights come from the disk; **warm**: the file stays cached.
 //! - **projection**: the first load of a fresh corrald (no projection cached) against the
@@ -77,11 +78,11 @@ async fn corral_unload(port: u16) {
     }
 }
 
-/// llama-server started with `argv` on a TCP port: spawn to `/health` 200.
-async fn direct_load(argv: &[String]) -> Duration {
+/// llama-server started as corrald's child was, on a TCP port: spawn to `/health` 200.
+async fn direct_load(child: &common::ChildCommand) -> Duration {
     let port = common::free_port();
     let start = Instant::now();
-    let (mut process, _) = start_direct(argv, port);
+    let (mut process, _) = start_direct(child, port);
     wait_until_healthy(port, &mut process).await;
     let elapsed = start.elapsed();
     process.stop(Duration::from_secs(5));
@@ -156,7 +157,8 @@ fn main() {
     // A fresh corrald: the first load runs llama-fit-params.
     let daemon = Corrald::start(dir.path(), &config, &[]);
     let first = ms(runtime.block_on(corral_load(port)));
-    let (_, argv) = daemon.child_argv();
+    let (_, child) = daemon.child_argv();
+    let argv = child.argv.clone();
     runtime.block_on(corral_unload(port));
     // llama-fit-params alone, with the model-shaping arguments of the runner's command line.
     let mut fit_args: Vec<String> = Vec::new();
@@ -192,7 +194,7 @@ fn main() {
         for round in 0..rounds {
             for is_direct in if round % 2 == 0 { [true, false] } else { [false, true] } {
                 if is_direct {
-                    warm_direct.push(ms(direct_load(&argv).await));
+                    warm_direct.push(ms(direct_load(&child).await));
                 } else {
                     warm_corral.push(ms(corral_load(port).await));
                     corral_unload(port).await;
@@ -204,7 +206,7 @@ fn main() {
                 for is_direct in if round % 2 == 0 { [true, false] } else { [false, true] } {
                     assert!(drop_caches(), "drop_caches");
                     if is_direct {
-                        cold_direct.push(ms(direct_load(&argv).await));
+                        cold_direct.push(ms(direct_load(&child).await));
                     } else {
                         cold_corral.push(ms(corral_load(port).await));
                         corral_unload(port).await;

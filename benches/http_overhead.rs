@@ -1,9 +1,9 @@
 //! HTTP overhead: corrald in front of llama-server against a client talking to
 //! llama-server directly, on the tiny model, side by side in one run.
 //!
-//! - **direct**: llama-server started with exactly the argv corrald gave its child (read
-//!   from `/proc/PID/cmdline`), except that it listens on a loopback TCP port, as a client
-//!   would use it.
+//! - **direct**: llama-server started with exactly the argv and environment corrald gave
+//!   its child (read from `/proc/PID/cmdline` and `environ`), except that it listens on a
+//!   loopback TCP port, as a client would use it.
 //! - **corral**: `corrald` as cargo builds it for the benchmark (`target/release/corrald`,
 //!   the bench profile, which is the release profile) on a loopback TCP port, with a store
 //!   holding the tiny model (`PARAMETER num_thread 1`) and a keep-alive of one hour, so the

@@ -3,7 +3,7 @@
 //!
 //! - **streams**: corrald with `[scheduler] num_parallel = 4` on the tiny llama
 //!   (`PARAMETER num_thread 1`, kept loaded), and llama-server started again with exactly
-//!   the argv corrald gave its child (`-np 4`), listening on a loopback TCP port. For 1, 8,
+//!   the argv and environment corrald gave its child (`-np 4`), listening on a loopback TCP port. For 1, 8,
 //!   64 and 256 concurrent clients (`CORRAL_BENCH_CLIENTS`), each side in turn
 //!   (`CORRAL_BENCH_ROUNDS` rounds, default 3, alternating which goes first): every client
 //!   streams `/v1/chat/completions` of `CORRAL_BENCH_TOKENS` (default 32) tokens

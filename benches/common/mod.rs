@@ -198,8 +198,9 @@ impl Corrald {
         self.process.pid()
     }
 
-    /// The argv of corrald's one llama-server child (any of its threads may have spawned it).
-    pub fn child_argv(&self) -> (u32, Vec<String>) {
+    /// corrald's one llama-server child (any of its threads may have spawned it): its pid,
+    /// argv and environment.
+    pub fn child_argv(&self) -> (u32, ChildCommand) {
         let pid = self.pid();
         let mut children = Vec::new();
         for task in std::fs::read_dir(format!("/proc/{pid}/task")).expect("read tasks") {
@@ -207,13 +208,15 @@ impl Corrald {
             children.extend(listed.split_whitespace().map(|p| p.parse::<u32>().expect("pid")));
         }
         assert_eq!(children.len(), 1, "corrald runs one child: {children:?}");
-        let argv = std::fs::read(format!("/proc/{}/cmdline", children[0]))
-            .expect("read cmdline")
-            .split(|b| *b == 0)
-            .filter(|a| !a.is_empty())
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        (children[0], argv)
+        let read = |what: &str| -> Vec<String> {
+            std::fs::read(format!("/proc/{}/{what}", children[0]))
+                .unwrap_or_else(|e| panic!("read /proc/PID/{what}: {e}"))
+                .split(|b| *b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect()
+        };
+        (children[0], ChildCommand { argv: read("cmdline"), env: read("environ") })
     }
 
     /// SIGTERM, and a bounded wait for the exit.
@@ -253,6 +256,15 @@ pub fn chat_body(model: &str, tokens: u64, stream: bool) -> Bytes {
     )
 }
 
+/// A llama-server command line as corrald ran it.
+#[derive(Debug, Clone)]
+pub struct ChildCommand {
+    /// The argv, the program first.
+    pub argv: Vec<String>,
+    /// The environment, `NAME=value` each.
+    pub env: Vec<String>,
+}
+
 /// Writes `corral.toml` in `dir`: listening on `port`, the store at `dir/models`, the given
 /// llama-server, and `extra` (more tables).
 pub fn write_config(dir: &Path, port: u16, llama_server: &Path, extra: &str) -> PathBuf {
@@ -269,22 +281,25 @@ pub fn write_config(dir: &Path, port: u16, llama_server: &Path, extra: &str) -> 
     config
 }
 
-/// `argv` (a llama-server command line read from `/proc`) started again, listening on the
-/// loopback `port` instead of its UNIX socket, its stderr drained; with the model alias.
-pub fn start_direct(argv: &[String], port: u16) -> (Process, String) {
+/// `child` (a llama-server command line read from `/proc`) started again with the same
+/// environment, listening on the loopback `port` instead of its UNIX socket, its stderr
+/// drained; with the model alias.
+pub fn start_direct(child: &ChildCommand, port: u16) -> (Process, String) {
+    let argv = &child.argv;
     let alias = argv.iter().position(|a| a == "-a").map(|i| argv[i + 1].clone()).expect("-a ALIAS in the argv");
     let mut direct_args = argv[1..].to_vec();
     let host = direct_args.iter().position(|a| a == "--host").expect("--host in the argv");
     direct_args[host + 1] = "127.0.0.1".into();
     direct_args.extend(["--port".into(), port.to_string()]);
+    let mut command = Command::new(&argv[0]);
+    command.args(&direct_args).env_clear();
+    for pair in &child.env {
+        if let Some((key, value)) = pair.split_once('=') {
+            command.env(key, value);
+        }
+    }
     let mut process = Process(
-        Command::new(&argv[0])
-            .args(&direct_args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start llama-server"),
+        command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("start llama-server"),
     );
     let mut stderr = process.0.stderr.take().expect("stderr");
     std::thread::spawn(move || {
@@ -299,16 +314,16 @@ pub fn start_direct(argv: &[String], port: u16) -> (Process, String) {
 /// CPU 0 and both llama-servers to those CPUs. The process, its port, the model alias and
 /// the argv.
 pub async fn direct_beside(daemon: &Corrald, pinned: Option<&str>) -> (Process, u16, String, Vec<String>) {
-    let (child_pid, argv) = daemon.child_argv();
+    let (child_pid, child) = daemon.child_argv();
     let port = free_port();
-    let (mut direct, alias) = start_direct(&argv, port);
+    let (mut direct, alias) = start_direct(&child, port);
     wait_ready(port, "/health", &mut direct).await;
     if let Some(cpus) = pinned {
         pin(daemon.pid(), "0");
         pin(child_pid, cpus);
         pin(direct.pid(), cpus);
     }
-    (direct, port, alias, argv)
+    (direct, port, alias, child.argv)
 }
 
 /// The first position of `needle` in `hay` at or after `from`.
