@@ -134,17 +134,20 @@ async fn tags(State(state): State<AppState>) -> Result<Json<Tags>, ApiError> {
     let store = state.store;
     // The store's index: no file is read when it is current (`store::list`).
     let models = blocking(move || {
-        let mut listed = store.list()?;
+        let mut listed = store.list_shared()?;
         listed.sort_by_key(|l| std::cmp::Reverse(l.modified));
         Ok(listed
-            .into_iter()
-            .map(|l| TagsModel {
-                name: l.name.to_string(),
-                model: l.name.to_string(),
-                modified_at: rfc3339(l.modified),
-                size: l.size,
-                digest: l.digest.hex(),
-                details: l.config.into(),
+            .iter()
+            .map(|l| {
+                let name = l.name.to_string();
+                TagsModel {
+                    model: name.clone(),
+                    name,
+                    modified_at: rfc3339(l.modified),
+                    size: l.size,
+                    digest: l.digest.hex(),
+                    details: l.config.clone().into(),
+                }
             })
             .collect())
     })

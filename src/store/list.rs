@@ -63,6 +63,11 @@ impl Store {
     /// From the in-memory index when it is current (no file read), else the tree is walked
     /// and only new or changed manifests are read.
     pub fn list(&self) -> Result<Vec<Listed>, StoreError> {
+        Ok(self.list_shared()?.iter().map(|l| Listed::clone(l)).collect())
+    }
+
+    /// [`Store::list`] without copying the entries: what the listings of a large store use.
+    pub fn list_shared(&self) -> Result<Vec<Arc<Listed>>, StoreError> {
         let mut index = lock(&self.index);
         // The count is read before the walk: a change that lands during it makes the next
         // listing walk again.
@@ -72,7 +77,7 @@ impl Store {
             self.refresh(&mut index)?;
             index.built = Some((count, Instant::now()));
         }
-        let mut listed: Vec<Listed> = index.entries.values().map(|(_, l)| Listed::clone(l)).collect();
+        let mut listed: Vec<Arc<Listed>> = index.entries.values().map(|(_, l)| Arc::clone(l)).collect();
         drop(index);
         listed.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(listed)
