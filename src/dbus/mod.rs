@@ -109,8 +109,8 @@ impl Drop for Service {
 /// Connects to `bus` and serves the manager; a task then serves an object per stored
 /// model and only then takes the name `org.corral.Corral1` (so a client woken by the name
 /// finds every object in place), and logs "serving D-Bus". That happens after this
-/// returns: reading a large store must not delay `READY=1` (a client started meanwhile
-/// that asks for the name waits in the bus's activation until the name is taken).
+/// returns: reading a large store must not delay `READY=1` (a client started in that
+/// moment may not find the name yet).
 pub async fn serve(bus: BusKind, context: Context) -> Result<Service, zbus::Error> {
     let builder = match bus {
         BusKind::System => Builder::system()?,
