@@ -6,7 +6,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::support::corrald::{Corrald, free_port, write_config};
+use crate::support::corrald::{on_demo_store_with, write_config};
 use crate::support::http::{connect, request};
 use crate::support::notify::NotifyListener;
 
@@ -40,7 +40,6 @@ fn unload(port: u16) {
 #[test]
 fn a_second_load_takes_the_projection_from_the_cache() {
     let dir = tempfile::tempdir().expect("tempdir");
-    crate::support::api::demo_store(dir.path());
     // The real llama-fit-params, behind a script that counts its runs.
     let real = crate::support::llama::bin_dir().join("llama-fit-params");
     let real = if real.is_file() {
@@ -59,20 +58,12 @@ fn a_second_load_takes_the_projection_from_the_cache() {
     )
     .expect("wrapper");
     std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let port = free_port();
-    let config = write_config(
-        dir.path(),
-        "corral.toml",
-        &format!(
-            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
-             llama_fit_params = \"{}\"\n[scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n",
-            dir.path().join("models").display(),
-            crate::support::llama::bin_dir().join("llama-server").display(),
-            wrapper.display(),
-        ),
-    );
+    // The demo store's configuration, and a drop-in naming the wrapper.
+    let drop_ins = dir.path().join("corral.toml.d");
+    std::fs::create_dir_all(&drop_ins).expect("drop-in directory");
+    write_config(&drop_ins, "fit.toml", &format!("[runner]\nllama_fit_params = \"{}\"\n", wrapper.display()));
     let notify = NotifyListener::start();
-    let _corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    let (_corrald, port) = on_demo_store_with(dir.path(), "", &notify);
     notify.wait_for("READY", "1", Duration::from_secs(60));
 
     let load = r#"{"model":"chat","prompt":"","keep_alive":"10m"}"#;
