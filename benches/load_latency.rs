@@ -11,20 +11,17 @@
 
 #![allow(clippy::print_stdout, reason = "a benchmark reports on stdout")]
 
+mod common;
+
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{env_or, ms};
+
 use corral::supervisor::command::{LoadOptions, ModelFiles, Placement};
 use corral::supervisor::runner::{self, LogSink, RunnerSpec, SupervisorConfig};
-
-fn llama_bin_dir() -> PathBuf {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-llama-server.sh");
-    let out = Command::new("bash").arg(&script).stderr(Stdio::inherit()).output().expect("run setup script");
-    assert!(out.status.success(), "setup-llama-server.sh failed");
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-}
 
 /// Spawn llama-server directly and wait until it is healthy; returns the elapsed time.
 fn direct(llama_server: &Path, model: &Path, socket: &Path) -> Duration {
@@ -84,18 +81,9 @@ fn direct(llama_server: &Path, model: &Path, socket: &Path) -> Duration {
     elapsed
 }
 
-fn median(mut samples: Vec<Duration>) -> Duration {
-    samples.sort();
-    samples[samples.len() / 2]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
-}
-
 fn main() {
-    let rounds: usize = std::env::var("CORRAL_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(30);
-    let bin = llama_bin_dir();
+    let rounds: usize = env_or("CORRAL_BENCH_ROUNDS", 30);
+    let bin = common::llama_bin_dir();
     let llama_server = bin.join("llama-server");
     let dir = tempfile::tempdir().expect("tempdir");
     let model = dir.path().join("tiny-llama.gguf");
@@ -139,7 +127,10 @@ fn main() {
             direct_samples.push(direct(&llama_server, &model, &socket));
         }
     }
-    let (d, c) = (median(direct_samples.clone()), median(corral_samples.clone()));
+    let median = |samples: &[Duration]| {
+        Duration::from_secs_f64(common::median(&samples.iter().map(Duration::as_secs_f64).collect::<Vec<_>>()))
+    };
+    let (d, c) = (median(&direct_samples), median(&corral_samples));
     println!("load latency, tiny model, {rounds} rounds alternating (median, min..max)");
     println!(
         "  direct llama-server spawn -> listening -> /health 200: {:7.2} ms  ({:.2}..{:.2})",

@@ -43,13 +43,14 @@ fn main() -> ExitCode {
     }
 
     let log_target = logging::init(cli.log_target, handoff.stderr_is_journal);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(runtime) => runtime,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot start the async runtime");
-            return ExitCode::from(EX_OSERR);
-        }
-    };
+    let runtime =
+        match tokio::runtime::Builder::new_multi_thread().worker_threads(worker_threads()).enable_all().build() {
+            Ok(runtime) => runtime,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the async runtime");
+                return ExitCode::from(EX_OSERR);
+            }
+        };
     let loaded = match source.load_over(base.clone()) {
         Ok(loaded) => loaded,
         Err(e) => {
@@ -87,6 +88,17 @@ fn main() -> ExitCode {
         }
     }
 }
+
+/// Tokio's workers: one per CPU (Tokio's default), at most [`MAX_WORKERS`]. corrald moves
+/// bytes between sockets while llama-server computes: a few workers keep up with hundreds
+/// of streams (`benches/many_clients.rs`), and each idle worker costs memory (its stack and
+/// malloc arena) on a machine with many CPUs.
+fn worker_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZero::get).min(MAX_WORKERS)
+}
+
+/// The most async worker threads corrald starts.
+const MAX_WORKERS: usize = 4;
 
 fn check_config(source: &ConfigSource, base: toml::Table) -> ExitCode {
     match source.load_over(base) {

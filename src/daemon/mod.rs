@@ -105,7 +105,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let mut servers = JoinSet::new();
     let requests = Requests::default();
     let state = app_state(&loaded.config, store.clone(), scheduler.clone(), fleet);
-    // Served before READY=1, so that a client started after the service finds the name.
+    // Connected before READY=1; the name follows once every model's object is served.
     let mut bus = serve_dbus(&loaded.config, &state).await;
     let router = http::router(state).layer(from_fn_with_state(requests.clone(), count_requests));
     for listener in listeners {

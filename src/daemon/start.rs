@@ -130,7 +130,8 @@ pub(super) async fn serve_dbus(config: &Config, state: &http::AppState) -> Optio
     };
     match dbus::serve(config.dbus.bus, context).await {
         Ok(service) => {
-            tracing::info!(bus = ?config.dbus.bus, name = dbus::BUS_NAME, "serving D-Bus");
+            // "serving D-Bus" follows once the name is taken (`dbus::serve`).
+            tracing::debug!(bus = ?config.dbus.bus, "connected to D-Bus");
             Some(service)
         }
         Err(e) => {

@@ -12,22 +12,31 @@ use zbus::zvariant::ObjectPath;
 
 use super::manager::{Manager, blocking};
 use super::model::{Facts, Model, ModelData};
-use super::{ROOT_PATH, Shared, lock, model_path};
+use super::{BUS_NAME, ROOT_PATH, Shared, lock, model_path};
+use crate::config::BusKind;
 use crate::scheduler::policy::{Footprint, RunnerId};
 use crate::scheduler::types::{Notice, UnloadReason};
 use crate::supervisor::logparse::Offload;
 
-/// Serves an object per stored model, then follows changes in a task (returned).
-pub(super) async fn start(shared: Arc<Shared>, connection: Connection) -> tokio::task::JoinHandle<()> {
+/// In a task (returned): serves an object per stored model, takes the bus name, then
+/// follows changes.
+pub(super) fn start(shared: Arc<Shared>, connection: Connection, bus: BusKind) -> tokio::task::JoinHandle<()> {
     // Subscribed before the first snapshot, so no change falls between them.
     let mut notices = shared.context.scheduler.subscribe();
     let mut store_changes = shared.context.store.changes();
     let mut fleet = shared.context.fleet.clone();
     let mut follower = Follower { shared, connection, workers: Vec::new() };
     follower.workers = follower.workers_shown();
-    follower.sync_store().await;
-    follower.sync_runners().await;
     tokio::spawn(async move {
+        follower.sync_store().await;
+        follower.sync_runners().await;
+        // Without the name the objects are still served on the connection's unique name;
+        // HTTP is unaffected, so this is not a reason to stop.
+        match follower.connection.request_name(BUS_NAME).await {
+            Ok(()) => tracing::info!(?bus, name = BUS_NAME, "serving D-Bus"),
+            Err(e) => tracing::warn!(name = BUS_NAME, error = %e, "cannot take the bus name {BUS_NAME}: {e}"),
+        }
+        follower.shared.applied.notify_waiters();
         loop {
             tokio::select! {
                 notice = notices.recv() => match notice {
@@ -319,7 +328,7 @@ impl Follower {
                 listed
                     .into_iter()
                     .map(|m| {
-                        let config = store.model_config(&m.manifest);
+                        let config = m.config;
                         let details = HashMap::from([
                             ("format".to_owned(), config.model_format),
                             ("family".to_owned(), config.model_family),

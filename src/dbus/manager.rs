@@ -34,12 +34,12 @@ impl Manager {
     #[zbus(out_args("models"))]
     async fn list_models(&self) -> Result<Vec<(String, OwnedObjectPath, String, u64, String)>, Error> {
         let store = self.shared.context.store.clone();
-        let mut listed = blocking(move || store.list()).await??;
-        // Newest first; equal times by name, so the order is stable.
-        listed.sort_by(|a, b| b.modified.cmp(&a.modified).then_with(|| a.name.to_string().cmp(&b.name.to_string())));
+        let mut listed = blocking(move || store.list_shared()).await??;
+        // Newest first; equal times by name, so the order is stable (each name written once).
+        listed.sort_by_cached_key(|m| (std::cmp::Reverse(m.modified), m.name.to_string()));
         let models = lock(&self.shared.models);
         Ok(listed
-            .into_iter()
+            .iter()
             .map(|m| {
                 let short = m.name.to_string();
                 let state = models.get(&short).map_or("stopped", |d| lock(d).state);

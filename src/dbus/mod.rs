@@ -105,8 +105,11 @@ impl Drop for Service {
     }
 }
 
-/// Connects to `bus`, serves the objects, then takes the name `org.corral.Corral1` (so a
-/// client woken by the name finds every object in place).
+/// Connects to `bus` and serves the manager; a task then serves an object per stored
+/// model and only then takes the name `org.corral.Corral1` (so a client woken by the name
+/// finds every object in place), and logs "serving D-Bus". That happens after this
+/// returns: reading a large store must not delay `READY=1` (a client started in that
+/// moment may not find the name yet).
 pub async fn serve(bus: BusKind, context: Context) -> Result<Service, zbus::Error> {
     let builder = match bus {
         BusKind::System => Builder::system()?,
@@ -119,8 +122,7 @@ pub async fn serve(bus: BusKind, context: Context) -> Result<Service, zbus::Erro
         .serve_at(ROOT_PATH, manager::Manager::new(Arc::clone(&shared)))?
         .build()
         .await?;
-    let follower = follow::start(Arc::clone(&shared), connection.clone()).await;
-    connection.request_name(BUS_NAME).await?;
+    let follower = follow::start(Arc::clone(&shared), connection.clone(), bus);
     Ok(Service { connection, follower, shared })
 }
 

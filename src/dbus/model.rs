@@ -84,6 +84,13 @@ impl Model {
     fn get<T>(&self, read: impl FnOnce(&ModelData) -> T) -> T {
         read(&lock(&self.data))
     }
+
+    /// The model's name if the views show a runner for it (loading, ready or unloading):
+    /// a model without one has nothing to ask the scheduler about, which keeps an object
+    /// tree walk (every property of every model) from asking it once per stored model.
+    fn with_runner(&self) -> Option<String> {
+        self.get(|d| (!matches!(d.state, "stopped" | "failed")).then(|| d.short_name.clone()))
+    }
 }
 
 #[interface(name = "org.corral.Corral1.Model")]
@@ -199,7 +206,7 @@ impl Model {
     /// Read from the scheduler on each get: it changes with every request.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn expires_at(&self) -> zbus::fdo::Result<u64> {
-        let name = self.get(|d| d.short_name.clone());
+        let Some(name) = self.with_runner() else { return Ok(0) };
         let loaded =
             self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
         let now = tokio::time::Instant::now();
@@ -219,7 +226,7 @@ impl Model {
 
     #[zbus(property(emits_changed_signal = "false"))]
     async fn active_requests(&self) -> zbus::fdo::Result<u32> {
-        let name = self.get(|d| d.short_name.clone());
+        let Some(name) = self.with_runner() else { return Ok(0) };
         let loaded =
             self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
         Ok(loaded.iter().filter(|m| m.names.contains(&name)).map(|m| m.leases).sum())
@@ -228,7 +235,7 @@ impl Model {
     /// Where its runner's memory is, read from the scheduler on each get.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn devices(&self) -> zbus::fdo::Result<Vec<(String, String, u64)>> {
-        let name = self.get(|d| d.short_name.clone());
+        let Some(name) = self.with_runner() else { return Ok(Vec::new()) };
         let loaded =
             self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
         let Some(runner) = loaded.iter().find(|m| m.names.contains(&name)) else { return Ok(Vec::new()) };
@@ -242,7 +249,7 @@ impl Model {
     /// (0 when there was no plan for that device) and what llama.cpp allocated there.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn memory(&self) -> zbus::fdo::Result<Vec<(String, u64, u64)>> {
-        let name = self.get(|d| d.short_name.clone());
+        let Some(name) = self.with_runner() else { return Ok(Vec::new()) };
         let loaded =
             self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
         let Some(runner) = loaded.iter().find(|m| m.names.contains(&name)) else { return Ok(Vec::new()) };

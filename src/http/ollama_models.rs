@@ -22,7 +22,7 @@ use super::state::AppState;
 use crate::gpu::Inventory;
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::types::LoadedModel;
-use crate::store::manifest::{Manifest, ModelConfig};
+use crate::store::manifest::ModelConfig;
 use crate::store::name::ModelName;
 use crate::store::{Store, StoreError};
 
@@ -132,18 +132,22 @@ struct Show {
 async fn tags(State(state): State<AppState>) -> Result<Json<Tags>, ApiError> {
     const PATH: &str = "/api/tags";
     let store = state.store;
+    // The store's index: no file is read when it is current (`store::list`).
     let models = blocking(move || {
-        let mut listed = store.list()?;
+        let mut listed = store.list_shared()?;
         listed.sort_by_key(|l| std::cmp::Reverse(l.modified));
         Ok(listed
-            .into_iter()
-            .map(|l| TagsModel {
-                name: l.name.to_string(),
-                model: l.name.to_string(),
-                modified_at: rfc3339(l.modified),
-                size: l.size,
-                digest: l.digest.hex(),
-                details: details_of(&store, &l.manifest),
+            .iter()
+            .map(|l| {
+                let name = l.name.to_string();
+                TagsModel {
+                    model: name.clone(),
+                    name,
+                    modified_at: rfc3339(l.modified),
+                    size: l.size,
+                    digest: l.digest.hex(),
+                    details: l.config.clone().into(),
+                }
             })
             .collect())
     })
@@ -188,9 +192,10 @@ fn ps_model(
         (None, KeepAlive::For(d)) => wall + d,
         (None, KeepAlive::Forever) => wall + FOREVER,
     };
+    // The details the model's requests use, cached per manifest file (one `stat`).
     let (digest, details) = match ModelName::parse(name).map_err(|e| e.to_string()).and_then(|name| {
-        let (manifest, digest, _) = store.manifest(&name).map_err(|e| e.to_string())?;
-        Ok((digest.hex(), details_of(store, &manifest)))
+        let details = store.details(&name).map_err(|e| e.to_string())?;
+        Ok((details.digest.hex(), Details::from(details.config.clone())))
     }) {
         Ok(found) => found,
         Err(e) => {
@@ -281,11 +286,6 @@ async fn delete_model(State(state): State<AppState>, body: Bytes) -> Result<Stat
     // None loaded is the common case, not an error.
     let _ = state.scheduler.unload_model(&name_text).await;
     Ok(StatusCode::OK)
-}
-
-/// `details` from a manifest's config blob.
-fn details_of(store: &Store, manifest: &Manifest) -> Details {
-    store.model_config(manifest).into()
 }
 
 /// RFC 3339 in UTC, with nanoseconds (Go's `time.Time` JSON form, less the zone offset).
@@ -443,6 +443,23 @@ mod tests {
         assert!(tiny["size"].as_u64().expect("size") > 0);
         assert!(assert_rfc3339(&tiny["modified_at"]) <= SystemTime::now());
         assert_tiny_details(&tiny["details"]);
+    }
+
+    #[tokio::test]
+    async fn tags_read_no_blob_once_the_model_is_listed() {
+        let (_dir, state) = with_tiny();
+        let (status, first) = call(&state, Method::GET, "/api/tags", "").await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(first["models"][0]["details"]["family"], "llama", "{first}");
+        // Every blob gone, the GGUF weights and the config included: a listing that read
+        // any of them would now fail or show empty details.
+        let (manifest, _, _) = state.store.manifest(&ModelName::parse("tiny").expect("name")).expect("manifest");
+        for layer in manifest.blobs() {
+            std::fs::remove_file(state.store.blob_path(&layer.digest)).expect("remove a blob");
+        }
+        let (status, again) = call(&state, Method::GET, "/api/tags", "").await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(again, first);
     }
 
     #[tokio::test]

@@ -1,14 +1,29 @@
 //! Listing the models: every manifest file four levels below `manifests/`, parsed, sorted
 //! by name; what cannot be read is skipped with a warning.
+//!
+//! The listing is kept in memory ([`Index`]) with each manifest file's identity (inode,
+//! size, modification time) and its config blob's facts, so that a listing reads no file:
+//! a change made through this store (or a clone) drops it, and one older than
+//! [`REVALIDATE_AFTER`] is checked against the directory tree (one `stat` a manifest; only
+//! the manifests whose identity changed are read again), so that changes made behind
+//! corrald's back (an Ollama directory used as is) show within that time. Blobs never
+//! change under their digest, so the config read once stays true.
 
-use std::time::SystemTime;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
 
 use super::beneath::{Dir, Kind};
 use super::digest::Digest;
-use super::manifest::Manifest;
+use super::manifest::{Manifest, ModelConfig};
 use super::manifests::read_manifest_file;
 use super::name::ModelName;
 use super::{Store, StoreError, fs_err, vanished};
+use crate::sync::lock;
+
+/// How long a listing is trusted without looking at the directory tree, when nothing
+/// changed through this store: what another program wrote shows after at most this long.
+pub const REVALIDATE_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A model in a listing.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,13 +38,62 @@ pub struct Listed {
     pub modified: SystemTime,
     /// The manifest.
     pub manifest: Manifest,
+    /// Its config blob's facts (format, family, size, quantization); empty ones when the
+    /// blob cannot be read, as Ollama lists such a model.
+    pub config: ModelConfig,
+}
+
+/// A manifest file's identity: inode, size, modification time.
+type FileId = (u64, u64, SystemTime);
+
+/// The listing kept between calls (see the module documentation).
+#[derive(Debug, Default)]
+pub(super) struct Index {
+    /// The store's change count when the walk began, and when it ended; `None`: never built.
+    built: Option<(u64, Instant)>,
+    /// Every model listed, by name, with its manifest file's identity.
+    entries: HashMap<ModelName, (FileId, Arc<Listed>)>,
+    /// Manifests read (parsed, hashed, config read) so far: what tests check.
+    reads: u64,
 }
 
 impl Store {
     /// Every model, sorted by name. Files that are not valid manifests are skipped with a
     /// warning; entries that vanish while the listing runs (a concurrent delete) are left out.
+    /// From the in-memory index when it is current (no file read), else the tree is walked
+    /// and only new or changed manifests are read.
     pub fn list(&self) -> Result<Vec<Listed>, StoreError> {
-        let mut listed = Vec::new();
+        Ok(self.list_shared()?.iter().map(|l| Listed::clone(l)).collect())
+    }
+
+    /// [`Store::list`] without copying the entries: what the listings of a large store use.
+    pub fn list_shared(&self) -> Result<Vec<Arc<Listed>>, StoreError> {
+        let mut index = lock(&self.index);
+        // The count is read before the walk: a change that lands during it makes the next
+        // listing walk again.
+        let count = *self.changes.borrow();
+        let current = index.built.is_some_and(|(at, when)| at == count && when.elapsed() < REVALIDATE_AFTER);
+        if !current {
+            self.refresh(&mut index)?;
+            index.built = Some((count, Instant::now()));
+        }
+        let mut listed: Vec<Arc<Listed>> = index.entries.values().map(|(_, l)| Arc::clone(l)).collect();
+        drop(index);
+        listed.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(listed)
+    }
+
+    /// How many manifests the index has read since the store was opened (a listing that
+    /// finds the index current reads none).
+    #[must_use]
+    pub fn manifests_read(&self) -> u64 {
+        lock(&self.index).reads
+    }
+
+    /// Walks the tree: keeps the entries whose manifest file is unchanged, reads the others.
+    fn refresh(&self, index: &mut Index) -> Result<(), StoreError> {
+        let mut seen: HashMap<ModelName, (FileId, Arc<Listed>)> = HashMap::with_capacity(index.entries.len());
+        let mut reads = 0;
         self.walk_manifests(&mut |dir, parts, tag| {
             let name = match ModelName::parse(&format!("{}/{}/{}:{tag}", parts[0], parts[1], parts[2])) {
                 Ok(name) => name,
@@ -39,16 +103,33 @@ impl Store {
                 }
             };
             let path = dir.rel(tag);
+            let id = match dir.stat(tag) {
+                Ok(Some(meta)) if meta.kind == Kind::File => (meta.ino, meta.len, meta.modified),
+                Ok(_) => return,
+                Err(e) if vanished(&e) => return,
+                Err(e) => return tracing::warn!(path, error = %e, "skipping an unreadable manifest"),
+            };
+            if let Some((known, listed)) = index.entries.remove(&name) {
+                if known == id {
+                    seen.insert(name, (id, listed));
+                    return;
+                }
+            }
+            reads += 1;
             let read = dir.open(tag).map_err(fs_err("read", path.clone())).and_then(|f| read_manifest_file(f, &path));
             match read {
                 Ok((bytes, modified)) => match Manifest::parse(&bytes) {
-                    Ok(manifest) => listed.push(Listed {
-                        size: manifest.size(),
-                        digest: Digest::of(&bytes),
-                        name,
-                        modified,
-                        manifest,
-                    }),
+                    Ok(manifest) => {
+                        let listed = Listed {
+                            size: manifest.size(),
+                            digest: Digest::of(&bytes),
+                            config: self.model_config(&manifest),
+                            name: name.clone(),
+                            modified,
+                            manifest,
+                        };
+                        seen.insert(name, (id, Arc::new(listed)));
+                    }
                     Err(source) => {
                         let e = StoreError::Manifest { name: name.to_string(), source };
                         tracing::warn!(error = %e, "skipping an unreadable manifest");
@@ -58,8 +139,9 @@ impl Store {
                 Err(e) => tracing::warn!(error = %e, "skipping an unreadable manifest"),
             }
         })?;
-        listed.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(listed)
+        index.entries = seen;
+        index.reads += reads;
+        Ok(())
     }
 
     /// Calls `visit` with the model directory, the registry, namespace and model, and the
@@ -129,5 +211,83 @@ impl Store {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::super::Store;
+    use super::super::manifest::{self, Layer, Manifest};
+    use super::super::name::ModelName;
+
+    fn name(s: &str) -> ModelName {
+        ModelName::parse(s).expect("name")
+    }
+
+    /// A model whose config says it is a llama, written through the store.
+    fn add_model(store: &Store, model: &str, weights: &[u8]) -> Manifest {
+        let layer = |media_type: &str, data: &[u8]| {
+            let (digest, size) = store.write_blob(data, None).expect("blob");
+            Layer { media_type: media_type.into(), digest, size, from: None }
+        };
+        let config = br#"{"model_format":"gguf","model_family":"llama","file_type":"F16"}"#;
+        let m = Manifest::new(layer(manifest::CONFIG_MEDIA_TYPE, config), vec![layer(manifest::MODEL, weights)])
+            .expect("weights");
+        store.write_manifest(&name(model), &m).expect("manifest");
+        m
+    }
+
+    #[test]
+    fn a_listing_reads_no_file_once_indexed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path()).expect("open");
+        let m = add_model(&store, "a", b"weights of a");
+        let first = store.list().expect("list");
+        assert_eq!(first.len(), 1);
+        assert_eq!((first[0].config.model_family.as_str(), first[0].config.file_type.as_str()), ("llama", "F16"));
+        assert_eq!(store.manifests_read(), 1);
+        // Every blob gone (the weights' GGUF header and the config included): a listing
+        // that read any of them would now show empty details or fail.
+        for layer in m.blobs() {
+            std::fs::remove_file(store.blob_path(&layer.digest)).expect("remove a blob");
+        }
+        let again = store.list().expect("list");
+        assert_eq!(again, first, "listed from the index");
+        assert_eq!(store.manifests_read(), 1, "no manifest read again");
+    }
+
+    #[test]
+    fn changes_through_the_store_show_at_once_and_only_they_are_read() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path()).expect("open");
+        add_model(&store, "a", b"weights of a");
+        assert_eq!(store.list().expect("list").len(), 1);
+        add_model(&store, "b", b"weights of b");
+        let names: Vec<String> = store.list().expect("list").iter().map(|l| l.name.to_string()).collect();
+        assert_eq!(names, ["a:latest", "b:latest"]);
+        assert_eq!(store.manifests_read(), 2, "the unchanged manifest of a is not read again");
+        store.delete(&name("a")).expect("delete");
+        let names: Vec<String> = store.list().expect("list").iter().map(|l| l.name.to_string()).collect();
+        assert_eq!(names, ["b:latest"]);
+        assert_eq!(store.manifests_read(), 2);
+    }
+
+    #[test]
+    fn a_manifest_written_by_another_program_shows_within_the_revalidation_time() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path()).expect("open");
+        add_model(&store, "a", b"weights of a");
+        assert_eq!(store.list().expect("list").len(), 1);
+        // Another program (Ollama on the same directory) adds a tag behind corrald's back.
+        let copy = store.manifest_path(&name("a:other"));
+        std::fs::copy(store.manifest_path(&name("a")), &copy).expect("copy the manifest");
+        let deadline = Instant::now() + super::REVALIDATE_AFTER + Duration::from_secs(10);
+        while store.list().expect("list").len() < 2 {
+            assert!(Instant::now() < deadline, "the new manifest never showed");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert_eq!(store.manifests_read(), 2, "only the new manifest was read");
     }
 }

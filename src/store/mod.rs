@@ -74,6 +74,8 @@ pub struct Store {
     changes: Arc<tokio::sync::watch::Sender<u64>>,
     /// What requests read of a model, by name, with the manifest file it came from.
     details: Arc<Mutex<HashMap<ModelName, show::Cached>>>,
+    /// The listing kept between calls (`list.rs`).
+    index: Arc<Mutex<list::Index>>,
 }
 
 /// Keeps blobs from being removed while an operation that will refer to them runs.
@@ -148,6 +150,7 @@ impl Store {
             layout: Arc::default(),
             changes: Arc::new(tokio::sync::watch::Sender::new(0)),
             details: Arc::default(),
+            index: Arc::default(),
         })
     }
 

@@ -31,6 +31,7 @@ mod models_habits;
 mod packages;
 mod private_bus;
 mod projection;
+mod projection_cache;
 mod registry;
 mod rig_devices;
 mod scheduling;

@@ -1,0 +1,249 @@
+//! Many models: how corrald's listings and its start grow with the number of stored
+//! models (10, 100, 1 000 by default; `CORRAL_BENCH_MODELS=10,100,1000`).
+//!
+//! The store holds the tiny llama once (one GGUF blob, one config, one template) and one
+//! manifest per model naming them (`mNNNN:latest`, each in its own directory, as `ollama
+//! pull` lays them out), written straight into `manifests/`. For each size, corrald starts
+//! on a private session bus (`dbus-daemon --session`, `[dbus] bus = "session"`) and the
+//! benchmark measures, against the floor of the same kind of call that does no work:
+//!
+//! - exec → `READY=1` (median of `CORRAL_BENCH_STARTS`, default 7, starts), with D-Bus and
+//!   with `[dbus] bus = "off"`; the floor is the empty store;
+//! - `GET /api/tags` (the first after start, then the median of `CORRAL_BENCH_ROUNDS`,
+//!   default 30), `GET /api/ps` (one model loaded), `POST /api/show` of one model; floor:
+//!   `GET /api/version`;
+//! - D-Bus `Manager.ListModels`, `ObjectManager.GetManagedObjects` (every model object with
+//!   all its properties: the object tree) and `Introspect` of the models' node (the child
+//!   list a tree walker reads first); floor: `Peer.Ping` to corrald.
+//!
+//! Targets: a listing of 1 000 models within 5 ms; start growing by at most 1 ms per 100
+//! models. Run with `cargo bench --bench many_models`.
+
+#![allow(clippy::print_stdout, reason = "a benchmark reports on stdout")]
+
+mod common;
+
+use std::io::BufRead;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Client, Corrald, Process, env_or, free_port, median, ms, percentile, write_config};
+use hyper::body::Bytes;
+
+const BUS_NAME: &str = "org.corral.Corral1";
+const ROOT: &str = "/org/corral/Corral1";
+const MODELS: &str = "/org/corral/Corral1/models";
+
+/// A private session bus, killed on drop.
+struct Bus {
+    _process: Process,
+    address: String,
+}
+
+impl Bus {
+    fn start(dir: &Path) -> Self {
+        let mut child = Command::new("dbus-daemon")
+            .args(["--session", "--nofork", "--print-address=1"])
+            .arg(format!("--address=unix:path={}", dir.join("bus.sock").display()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start dbus-daemon");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("bus address");
+        Self { _process: Process(child), address: line.trim().to_owned() }
+    }
+}
+
+/// Adds models `from..to` to the store at `root`: manifests naming the blobs of `template`.
+fn add_models(root: &Path, template: &[u8], from: usize, to: usize) {
+    for i in from..to {
+        let dir = root.join(format!("manifests/registry.ollama.ai/library/m{i:04}"));
+        std::fs::create_dir_all(&dir).expect("model directory");
+        std::fs::write(dir.join("latest"), template).expect("manifest");
+    }
+}
+
+/// Times `$call` (an expression that awaits) `$rounds` times after one untimed run; the
+/// samples in ms.
+macro_rules! time {
+    ($rounds:expr, $call:expr) => {{
+        $call;
+        let mut samples = Vec::with_capacity($rounds);
+        for _ in 0..$rounds {
+            let start = Instant::now();
+            $call;
+            samples.push(ms(start.elapsed()));
+        }
+        samples
+    }};
+}
+
+/// One row: median (p99) of `samples`.
+fn cell(samples: &[f64]) -> String {
+    format!("{:.3} ({:.3})", median(samples), percentile(samples, 99.0))
+}
+
+#[allow(clippy::too_many_lines, reason = "one linear script of a benchmark")]
+fn main() {
+    let sizes: Vec<usize> = std::env::var("CORRAL_BENCH_MODELS")
+        .unwrap_or_else(|_| "10,100,1000".to_owned())
+        .split(',')
+        .map(|n| n.trim().parse().expect("a number of models"))
+        .collect();
+    let rounds: usize = env_or("CORRAL_BENCH_ROUNDS", 30);
+    let starts: usize = env_or("CORRAL_BENCH_STARTS", 7);
+    let llama_server = common::llama_bin_dir().join("llama-server");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path().join("models");
+    // The first model through the store (blobs, config, template), the rest as copies of its manifest.
+    common::tiny_store(dir.path(), "m0000");
+    let template = std::fs::read(root.join("manifests/registry.ollama.ai/library/m0000/latest")).expect("manifest");
+    let bus = Bus::start(dir.path());
+    let port = free_port();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+
+    let start_ms = |config: &Path| {
+        let mut samples = Vec::with_capacity(starts);
+        for _ in 0..starts {
+            let daemon = Corrald::start(dir.path(), config, &[("DBUS_SESSION_BUS_ADDRESS", &bus.address)]);
+            samples.push(ms(daemon.ready_after));
+            daemon.stop();
+        }
+        samples
+    };
+    let with_bus = write_config(dir.path(), port, &llama_server, "[dbus]\nbus = \"session\"\n");
+    let config_off = dir.path().join("off.toml");
+    std::fs::write(
+        &config_off,
+        std::fs::read_to_string(&with_bus).expect("config").replace("bus = \"session\"", "bus = \"off\""),
+    )
+    .expect("config");
+
+    // The floor of start: the empty store (the first model's manifest moved aside).
+    let first_manifest = root.join("manifests/registry.ollama.ai/library/m0000/latest");
+    let aside = dir.path().join("m0000.latest");
+    std::fs::rename(&first_manifest, &aside).expect("move aside");
+    let empty_bus = start_ms(&with_bus);
+    let empty_off = start_ms(&config_off);
+    std::fs::rename(&aside, &first_manifest).expect("move back");
+
+    println!("many models: the tiny llama under N names, {rounds} rounds a call, {starts} starts a size");
+    println!("times in ms: median (p99); floors: empty store for start, /api/version for HTTP, Peer.Ping for D-Bus");
+    println!();
+    println!(
+        "| models | start, D-Bus | start, no bus | first /api/tags | /api/tags | /api/ps | /api/show | \
+         ListModels | GetManagedObjects (first) | GetManagedObjects | Introspect models | floor HTTP | floor D-Bus |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| 0 | {} | {} | | | | | | | | | | |", cell(&empty_bus), cell(&empty_off));
+    let mut have = 1;
+    let mut growth = Vec::new();
+    for &size in &sizes {
+        add_models(&root, &template, have, size);
+        have = have.max(size);
+        let start_bus = start_ms(&with_bus);
+        let start_off = start_ms(&config_off);
+        let daemon = Corrald::start(dir.path(), &with_bus, &[("DBUS_SESSION_BUS_ADDRESS", &bus.address)]);
+        let row = runtime.block_on(async {
+            let mut http = Client::connect(port).await;
+            let first_start = Instant::now();
+            let tags = http.get_body("/api/tags").await.expect("/api/tags");
+            let first_tags = ms(first_start.elapsed());
+            let listed = serde_json::from_slice::<serde_json::Value>(&tags).expect("json")["models"]
+                .as_array()
+                .map_or(0, Vec::len);
+            assert_eq!(listed, size, "/api/tags lists every model");
+            let floor_http = time!(rounds, assert!(http.get("/api/version").await));
+            // The body is read, not decoded: the benchmark's own JSON parsing is not corrald's cost.
+            let tags = time!(rounds, assert!(http.get("/api/tags").await));
+            // One model loaded, for /api/ps.
+            let load =
+                Bytes::from_static(br#"{"model":"m0000","prompt":"hi","stream":false,"options":{"num_predict":1}}"#);
+            drop(http.post("/api/generate", &load).await);
+            let mut http = Client::connect(port).await;
+            let ps = time!(rounds, assert!(http.get("/api/ps").await));
+            let show_body = Bytes::from(format!("{{\"model\":\"m{:04}\"}}", size / 2));
+            let show = time!(rounds, {
+                let response = http.post("/api/show", &show_body).await;
+                drop(http_body_util::BodyExt::collect(response.into_body()).await.expect("body"));
+            });
+
+            let connection = zbus::connection::Builder::address(bus.address.as_str())
+                .expect("address")
+                .build()
+                .await
+                .expect("connect to the bus");
+            // The name is taken once the model objects are served.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let dbus = zbus::fdo::DBusProxy::new(&connection).await.expect("bus proxy");
+            while !dbus.name_has_owner(BUS_NAME.try_into().expect("name")).await.expect("NameHasOwner") {
+                assert!(Instant::now() < deadline, "corrald never took its bus name");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            let call = |path: &'static str, interface: &'static str, method: &'static str| {
+                let connection = connection.clone();
+                async move {
+                    connection
+                        .call_method(Some(BUS_NAME), path, Some(interface), method, &())
+                        .await
+                        .unwrap_or_else(|e| panic!("{interface}.{method}: {e}"))
+                }
+            };
+            let floor_bus = time!(rounds, drop(call(ROOT, "org.freedesktop.DBus.Peer", "Ping").await));
+            // Each answer is checked once; the timed calls only wait for it (the benchmark's
+            // own decoding is not corrald's cost).
+            let reply = call(ROOT, "org.corral.Corral1.Manager", "ListModels").await;
+            let models: Vec<(String, zbus::zvariant::OwnedObjectPath, String, u64, String)> =
+                reply.body().deserialize().expect("ListModels' answer");
+            assert_eq!(models.len(), size);
+            let list = time!(rounds, drop(call(ROOT, "org.corral.Corral1.Manager", "ListModels").await));
+            let tree_once = || async { call(ROOT, "org.freedesktop.DBus.ObjectManager", "GetManagedObjects").await };
+            let first_tree_start = Instant::now();
+            let reply = tree_once().await;
+            let first_tree = ms(first_tree_start.elapsed());
+            let objects: zbus::fdo::ManagedObjects = reply.body().deserialize().expect("objects");
+            let models = objects
+                .keys()
+                .filter(|path| path.as_str().starts_with(concat!("/org/corral/Corral1/models", "/")))
+                .count();
+            assert_eq!(models, size, "an object per model");
+            let tree = time!(rounds.min(10), drop(tree_once().await));
+            let introspect_once = || call(MODELS, "org.freedesktop.DBus.Introspectable", "Introspect");
+            let xml: String = introspect_once().await.body().deserialize().expect("xml");
+            assert_eq!(xml.matches("<node name=").count(), size, "a node per model");
+            let introspect = time!(rounds, drop(introspect_once().await));
+            (first_tags, tags, ps, show, list, first_tree, tree, introspect, floor_http, floor_bus)
+        });
+        let (first_tags, tags, ps, show, list, first_tree, tree, introspect, floor_http, floor_bus) = row;
+        println!(
+            "| {size} | {} | {} | {first_tags:.3} | {} | {} | {} | {} | {first_tree:.3} | {} | {} | {} | {} |",
+            cell(&start_bus),
+            cell(&start_off),
+            cell(&tags),
+            cell(&ps),
+            cell(&show),
+            cell(&list),
+            cell(&tree),
+            cell(&introspect),
+            cell(&floor_http),
+            cell(&floor_bus),
+        );
+        growth.push((size, median(&start_bus), median(&start_off), median(&tags), median(&list)));
+        daemon.stop();
+    }
+    println!();
+    let (empty_bus, empty_off) = (median(&empty_bus), median(&empty_off));
+    for (size, bus, off, tags, list) in growth {
+        #[allow(clippy::cast_precision_loss, reason = "a few thousand models")]
+        let hundreds = size as f64 / 100.0;
+        println!(
+            "{size} models: start +{:.3} ms per 100 models with D-Bus, +{:.3} without (target <= 1); \
+             /api/tags {tags:.3} ms, ListModels {list:.3} ms (target <= 5 ms at 1 000)",
+            (bus - empty_bus) / hundreds,
+            (off - empty_off) / hundreds,
+        );
+    }
+}

@@ -1,0 +1,162 @@
+//! Start and idle: corrald's exec → `READY=1` and its resident memory when idle.
+//!
+//! - **start**: corrald on a store holding the tiny llama, started `CORRAL_BENCH_STARTS`
+//!   times (default 20) with a notify socket of the benchmark's own (as systemd starts it),
+//!   timed from just before `exec` to the `READY=1` datagram; with the shipped defaults
+//!   (`[dbus] bus = "system"`, which this machine may not have: corrald then serves HTTP
+//!   only) and with `[dbus] bus = "off"`. The floor is `systemd-notify --ready` started the
+//!   same way (`--no-block`): a process that only execs and sends `READY=1`.
+//! - **idle memory**: `VmRSS` (and its anonymous part) at `READY=1`, one second later, after
+//!   a model was loaded and unloaded (`keep_alive: 0`, then `/api/ps` empty), and after
+//!   `CORRAL_BENCH_CYCLES` (default 10) more loads and unloads.
+//!
+//! Targets: exec → READY ≤ 5 ms; idle RSS ≤ 8 MiB at READY and < 10 MiB after a load and
+//! unload. Run with `cargo bench --bench start_idle`.
+
+#![allow(clippy::print_stdout, reason = "a benchmark reports on stdout")]
+
+mod common;
+
+use std::os::unix::net::UnixDatagram;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Client, Corrald, Memory, env_or, free_port, median, memory, ms, percentile, write_config};
+use hyper::body::Bytes;
+
+/// exec → READY=1 of `systemd-notify --ready`.
+fn floor(dir: &std::path::Path) -> Duration {
+    let path = dir.join("floor.sock");
+    let _ = std::fs::remove_file(&path);
+    let socket = UnixDatagram::bind(&path).expect("bind");
+    socket.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let start = Instant::now();
+    // --no-block: it sends READY=1 and exits, without waiting for a barrier reply.
+    let mut child = Command::new("systemd-notify")
+        .args(["--ready", "--no-block"])
+        .env("NOTIFY_SOCKET", &path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("run systemd-notify");
+    let mut buf = [0u8; 256];
+    let n = socket.recv(&mut buf).expect("READY=1 from systemd-notify");
+    let elapsed = start.elapsed();
+    assert!(buf[..n].starts_with(b"READY=1"), "{:?}", String::from_utf8_lossy(&buf[..n]));
+    let _ = child.wait();
+    elapsed
+}
+
+fn row(name: &str, m: Memory) {
+    println!(
+        "| {name} | {:.2} MiB | {:.2} MiB | {:.2} MiB | {} |",
+        m.rss_mib(),
+        common::kib_to_mib(m.anon),
+        common::kib_to_mib(m.hwm),
+        m.threads
+    );
+}
+
+/// Loads `tiny` (one token) and unloads it; returns once `/api/ps` is empty.
+async fn load_and_unload(port: u16) {
+    let mut client = Client::connect(port).await;
+    let load = Bytes::from_static(br#"{"model":"tiny","prompt":"hi","stream":false,"options":{"num_predict":1}}"#);
+    drop(client.post("/api/generate", &load).await);
+    let unload = Bytes::from_static(br#"{"model":"tiny","keep_alive":0}"#);
+    drop(client.post("/api/generate", &unload).await);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ps = client.get_body("/api/ps").await.expect("/api/ps");
+        if serde_json::from_slice::<serde_json::Value>(&ps).expect("json")["models"]
+            .as_array()
+            .is_some_and(Vec::is_empty)
+        {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the model was not unloaded");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn main() {
+    let starts: usize = env_or("CORRAL_BENCH_STARTS", 20);
+    let cycles: usize = env_or("CORRAL_BENCH_CYCLES", 10);
+    let llama_server = common::llama_bin_dir().join("llama-server");
+    let dir = tempfile::tempdir().expect("tempdir");
+    common::tiny_store(dir.path(), "tiny");
+    let port = free_port();
+    let defaults = write_config(dir.path(), port, &llama_server, "");
+    let off = dir.path().join("off.toml");
+    std::fs::write(&off, std::fs::read_to_string(&defaults).expect("config") + "[dbus]\nbus = \"off\"\n")
+        .expect("config");
+
+    floor(dir.path());
+    let mut floors = Vec::with_capacity(starts);
+    let mut with_defaults = Vec::with_capacity(starts);
+    let mut bus_off = Vec::with_capacity(starts);
+    let mut at_ready = Vec::with_capacity(starts);
+    for _ in 0..starts {
+        floors.push(ms(floor(dir.path())));
+        for (config, samples, shipped) in [(&defaults, &mut with_defaults, true), (&off, &mut bus_off, false)] {
+            let daemon = Corrald::start(dir.path(), config, &[]);
+            samples.push(ms(daemon.ready_after));
+            if shipped {
+                at_ready.push(memory(daemon.pid()));
+            }
+            daemon.stop();
+        }
+    }
+    println!("start and idle: corrald on a store with the tiny llama, {starts} starts each, alternating");
+    println!();
+    println!("| exec -> READY=1 | median | p90 | min | corral - floor (median) | target |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    let min = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+    println!(
+        "| floor: systemd-notify --ready | {:.3} ms | {:.3} ms | {:.3} ms | | |",
+        median(&floors),
+        percentile(&floors, 90.0),
+        min(&floors)
+    );
+    for (name, samples) in [("corrald, shipped defaults", &with_defaults), ("corrald, [dbus] bus = \"off\"", &bus_off)]
+    {
+        println!(
+            "| {name} | {:.3} ms | {:.3} ms | {:.3} ms | {:+.3} ms | <= 5 ms |",
+            median(samples),
+            percentile(samples, 90.0),
+            min(samples),
+            median(samples) - median(&floors)
+        );
+    }
+
+    // Memory over one daemon's life.
+    let daemon = Corrald::start(dir.path(), &defaults, &[]);
+    let pid = daemon.pid();
+    let ready = memory(pid);
+    std::thread::sleep(Duration::from_secs(1));
+    let settled = memory(pid);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    runtime.block_on(load_and_unload(port));
+    std::thread::sleep(Duration::from_secs(1));
+    let once = memory(pid);
+    for _ in 0..cycles {
+        runtime.block_on(load_and_unload(port));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let many = memory(pid);
+    daemon.stop();
+    let rss: Vec<f64> = at_ready.iter().map(Memory::rss_mib).collect();
+    println!();
+    println!(
+        "VmRSS at READY=1 over the {starts} starts: median {:.2} MiB, max {:.2} MiB (target <= 8 MiB)",
+        median(&rss),
+        rss.iter().copied().fold(0.0, f64::max)
+    );
+    println!();
+    println!("| corrald (shipped defaults) | VmRSS | RssAnon | VmHWM | threads |");
+    println!("| --- | --- | --- | --- | --- |");
+    row("at READY=1", ready);
+    row("idle 1 s after READY", settled);
+    row("after a load and unload, 1 s idle", once);
+    row(&format!("after {} loads and unloads, 1 s idle", cycles + 1), many);
+    println!("targets: <= 8 MiB at READY, < 10 MiB after a load and unload");
+}
