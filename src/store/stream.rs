@@ -203,8 +203,10 @@ mod tests {
     use super::{BATCH, Batch, Writeback, copy_hashed};
     use crate::store::digest::{Digest, Hasher};
 
-    /// A reader of `len` pseudo-random bytes that checks how much any one read asks for.
+    /// A reader of `left` bytes, each a function of its position, that notes how much any
+    /// one read asks for.
     struct Endless {
+        at: u64,
         left: u64,
         largest_ask: usize,
     }
@@ -214,9 +216,10 @@ mod tests {
             self.largest_ask = self.largest_ask.max(buf.len());
             let n = buf.len().min(usize::try_from(self.left).unwrap_or(usize::MAX)).min(100_000);
             for (i, b) in buf[..n].iter_mut().enumerate() {
-                *b = (self.left.wrapping_add(i as u64).wrapping_mul(31) & 0xff) as u8;
+                *b = ((self.at + i as u64).wrapping_mul(31) >> 3 & 0xff) as u8;
             }
             self.left -= n as u64;
+            self.at += n as u64;
             Ok(n)
         }
     }
@@ -250,7 +253,7 @@ mod tests {
         let path = dir.path().join("copy");
         let file = std::fs::File::create(&path).expect("file");
         let len = 40 * BATCH as u64 + 12_345;
-        let mut reader = Endless { left: len, largest_ask: 0 };
+        let mut reader = Endless { at: 0, left: len, largest_ask: 0 };
         let mut writeback = Writeback::new(&file);
         let (mut offset, mut largest) = (0, 0);
         let (digest, copied) = copy_hashed(&mut reader, |batch| {
@@ -267,7 +270,7 @@ mod tests {
         assert!(reader.largest_ask <= BATCH, "a read asked for {} bytes", reader.largest_ask);
         let data = std::fs::read(&path).expect("read");
         assert_eq!(digest, Digest::of(&data));
-        let mut again = Endless { left: len, largest_ask: 0 };
+        let mut again = Endless { at: 0, left: len, largest_ask: 0 };
         let mut expected = Vec::new();
         again.read_to_end(&mut expected).expect("read");
         assert_eq!(data, expected);

@@ -10,7 +10,7 @@
 //!    model that shares a blob cannot remove it while the pull runs.
 //! 3. Each blob not already in the store is downloaded in ranged parts (`Range: bytes=a-b`,
 //!    [`RegistryConfig::part_size`] each, [`RegistryConfig::max_parts`] at a time), its size
-//!    taken from the manifest; up to three blobs of a model at once. Every answer is checked:
+//!    taken from the manifest; up to three large blobs (8 MiB or more) of a model at once. Every answer is checked:
 //!    `206` with exactly the asked `Content-Range`, or `200` only when the whole blob was
 //!    asked for. The data goes into `blobs/sha256-<hex>-partial` at each part's offset, in
 //!    batches of the buffers it arrived in, hashed beside the write (see `partial.rs`).
@@ -86,8 +86,11 @@ use super::{Store, StoreError};
 
 /// Downloaded data is written, and uploaded data read, in pieces of about this size.
 const WRITE_CHUNK: usize = 1 << 20;
-/// How many layers of a model a pull downloads at once.
+/// How many large layers of a model a pull downloads at once.
 const LAYERS_AT_ONCE: usize = 3;
+/// Layers from this size on download beside others; smaller ones (a config, a template)
+/// take longer to ask for than to fetch, and go one after the other.
+const CONCURRENT_LAYER: u64 = 8 << 20;
 /// How often progress is reported while bytes flow.
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -254,35 +257,32 @@ impl Registry {
             model: remote.model.clone(),
             reason: e.to_string(),
         })?;
-        let pin = store.pin(manifest.blobs().map(|l| l.digest));
         let layers: Vec<Layer> = manifest.blobs().cloned().collect();
-        // The blobs this pull brings: taken back if it fails.
-        let new: BTreeSet<Digest> = layers.iter().filter(|l| !store.has_blob(&l.digest)).map(|l| l.digest).collect();
-        let fetched = self.fetch_layers(&remote, store, &layers, &mut progress).await;
-        if let Err(e) = fetched {
-            drop(pin);
-            let store = store.clone();
-            let _ = blocking(move || Ok(store.remove_unreferenced(new))).await;
-            return Err(e);
-        }
+        let mut taken = TakeBack {
+            pin: Some(store.pin(layers.iter().map(|l| l.digest))),
+            new: layers.iter().filter(|l| !store.has_blob(&l.digest)).map(|l| l.digest).collect(),
+            store: store.clone(),
+        };
+        self.fetch_layers(&remote, store, &layers, &mut progress).await?;
         // Every new blob was checked against its digest before it was put in place.
         progress(Progress::step("verifying sha256 digest"));
         progress(Progress::step("writing manifest"));
-        let (store, name) = (store.clone(), name.clone());
+        let (store, name, pin) = (store.clone(), name.clone(), taken.pin.take());
         let digest = blocking(move || {
             let digest = store.write_manifest_bytes(&name, &bytes, &manifest)?;
             drop(pin);
             Ok(digest)
         })
         .await?;
+        taken.new.clear();
         progress(Progress::step("success"));
         Ok(digest)
     }
 
-    /// Downloads the layers a store lacks, [`LAYERS_AT_ONCE`] at a time, reporting each
-    /// layer's progress in turn (one after the other, as a sequential pull would). On
+    /// Downloads the layers a store lacks, large ones [`LAYERS_AT_ONCE`] at a time, reporting
+    /// each layer's progress in turn (one after the other, as a sequential pull would). On
     /// failure, the other downloads are left (they stop unless another pull waits on them)
-    /// and their end is waited for.
+    /// and their end is waited for, so that what they put in place can be taken back.
     async fn fetch_layers(
         &self,
         remote: &Arc<protocol::Remote>,
@@ -293,7 +293,14 @@ impl Registry {
         let mut joined: Vec<Option<download::Joined>> = Vec::with_capacity(layers.len());
         let mut result = Ok(());
         for (i, layer) in layers.iter().enumerate() {
-            while joined.len() < layers.len() && joined.len() < i + LAYERS_AT_ONCE {
+            // The next layers start while this one runs, as long as they all are large.
+            let mut ahead = i + 1;
+            if layer.size >= CONCURRENT_LAYER {
+                while ahead < layers.len() && ahead < i + LAYERS_AT_ONCE && layers[ahead].size >= CONCURRENT_LAYER {
+                    ahead += 1;
+                }
+            }
+            while joined.len() < ahead {
                 let next = &layers[joined.len()];
                 let started = (!store.has_blob(&next.digest)).then(|| self.inner.join_download(remote, store, next));
                 joined.push(started);
@@ -348,6 +355,25 @@ impl Registry {
         remote.expect(&what, response, &[StatusCode::CREATED, StatusCode::OK]).await?;
         progress(Progress::step("success"));
         Ok(Digest::of(&bytes))
+    }
+}
+
+/// The blobs a pull brings, pinned while it runs and taken back (unless something else
+/// uses them) if it fails or is given up before its manifest is written. A pull given up
+/// does not wait for its downloads to end: a blob one of them puts in place after this is
+/// left to garbage collection.
+struct TakeBack {
+    pin: Option<super::Pin>,
+    new: BTreeSet<Digest>,
+    store: Store,
+}
+
+impl Drop for TakeBack {
+    fn drop(&mut self) {
+        drop(self.pin.take());
+        if !self.new.is_empty() {
+            self.store.remove_unreferenced(std::mem::take(&mut self.new));
+        }
     }
 }
 
