@@ -80,6 +80,16 @@ fn post_json(base: &str, path: &str, body: &serde_json::Value) {
     assert!(last.contains("\"success\"") && !out.contains("\"error\""), "{path}: {out}");
 }
 
+/// Posts JSON to corrald that answers a plain 200 (`/api/copy`).
+fn post_ok(base: &str, path: &str, body: &serde_json::Value) {
+    curl(&["-X", "POST", "-H", "Content-Type: application/json", "-d", &body.to_string(), &format!("{base}{path}")]);
+}
+
+/// Uploads `file` to corrald as blob `url` (`POST /api/blobs/<digest>`), as a stream.
+fn upload(file: &str, url: &str) {
+    curl(&["-X", "POST", "-T", file, "-H", "Content-Type: application/octet-stream", url]);
+}
+
 /// Deletes `model` from corrald's store if it is there.
 fn delete_model(base: &str, model: &str) {
     let body = serde_json::json!({"model": model}).to_string();
@@ -304,16 +314,11 @@ fn main() {
         let mut row = Row::new(size_mib, "upload (`POST /api/blobs`)");
         for _ in 0..rounds {
             remove(&in_store);
-            row.round(
-                pid,
-                || cp_fsync(&gguf, &copy),
-                || {
-                    curl(&["-X", "POST", "-T", &gguf_text, "-H", "Content-Type: application/octet-stream", &blob_url]);
-                },
-            );
+            row.round(pid, || cp_fsync(&gguf, &copy), || upload(&gguf_text, &blob_url));
             remove(&copy);
             assert!(in_store.is_file(), "the upload is in the store");
         }
+        row.print();
         rows.push(row);
 
         // Create: what `corralctl create` sends once it has the file's digest.
@@ -333,13 +338,14 @@ fn main() {
                         .output()
                         .expect("curl");
                     assert_eq!(String::from_utf8_lossy(&head.stdout), "404");
-                    curl(&["-X", "POST", "-T", &gguf_text, "-H", "Content-Type: application/octet-stream", &blob_url]);
+                    upload(&gguf_text, &blob_url);
                     let files = serde_json::json!({"bench.gguf": digest.to_string()});
                     post_json(&base, "/api/create", &serde_json::json!({"model": model, "files": files}));
                 },
             );
             remove(&copy);
         }
+        row.print();
         rows.push(row);
 
         // Push: the model under a new repository each round (a registry answers HEAD per
@@ -347,7 +353,7 @@ fn main() {
         let mut row = Row::new(size_mib, "push (`/api/push`)");
         for round in 0..rounds {
             let target = format!("{host}/bench/push{size_mib}-{round}:latest");
-            post_json(&base, "/api/copy", &serde_json::json!({"source": model, "destination": target}));
+            post_ok(&base, "/api/copy", &serde_json::json!({"source": model, "destination": target}));
             row.round(
                 pid,
                 || {
@@ -376,6 +382,7 @@ fn main() {
                 || post_json(&base, "/api/push", &serde_json::json!({"model": target})),
             );
         }
+        row.print();
         rows.push(row);
 
         // Pull: into a store without the blob (every model using it deleted first).
@@ -398,9 +405,10 @@ fn main() {
             remove(&copy);
             assert!(in_store.is_file(), "the pull put the blob in place");
         }
+        row.print();
         rows.push(row);
         // Back to the state the next size starts from: the model created again from the blob.
-        post_json(&base, "/api/copy", &serde_json::json!({"source": source, "destination": model}));
+        post_ok(&base, "/api/copy", &serde_json::json!({"source": source, "destination": model}));
         remove(&gguf);
         println!(
             "client-side digest of the {size_mib} MiB file (corralctl's pass before it uploads): {client_hash:.2} s"
