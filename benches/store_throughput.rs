@@ -303,6 +303,8 @@ fn main() {
     for &size_mib in &sizes {
         let gguf = dir.join(format!("bench-{size_mib}.gguf"));
         corral::demo_model::write_llama(&gguf, &shape_of(size_mib << 20)).expect("write the model");
+        // On disk before anything is measured: its write-back must not compete with the first rounds.
+        fs::File::open(&gguf).and_then(|f| f.sync_all()).expect("sync the model");
         let (digest, bytes) = Digest::of_reader(fs::File::open(&gguf).expect("open")).expect("hash the model");
         let blob_url = format!("{base}/api/blobs/{digest}");
         let in_store = blobs.join(digest.file_name());
