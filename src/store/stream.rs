@@ -245,6 +245,23 @@ mod tests {
         assert_eq!(hasher.finish(), (Digest::of(&all), all.len() as u64));
     }
 
+    /// An upload gathers chunks until its batch is full, then hands it on: what it holds
+    /// is at most one batch and one chunk, however long the body.
+    #[test]
+    fn a_batch_is_full_at_its_bound() {
+        let chunk = Bytes::from(vec![7u8; 300_000]);
+        let mut batch = Batch::default();
+        let mut largest = 0;
+        for _ in 0..1000 {
+            batch.push(chunk.clone());
+            if batch.is_full() {
+                largest = largest.max(batch.len());
+                batch = Batch::default();
+            }
+        }
+        assert!(largest >= BATCH && largest < BATCH + chunk.len(), "{largest}");
+    }
+
     /// A large stream is copied batch by batch: no read asks for more than one batch (the
     /// memory a copy holds), and the digest is the data's.
     #[test]
