@@ -10,7 +10,6 @@
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
-use std::io::Write;
 use std::time::SystemTime;
 
 use axum::Json;
@@ -33,7 +32,8 @@ use crate::store::digest::{Digest, Hasher};
 use crate::store::modelfile::Message;
 use crate::store::name::ModelName;
 use crate::store::registry::{Progress, Registry};
-use crate::store::{Store, StoreError};
+use crate::store::stream::Batch;
+use crate::store::{Store, StoreError, TempFile};
 
 /// The routes of this module whose bodies are JSON.
 pub(super) fn routes() -> Router<AppState> {
@@ -67,10 +67,11 @@ async fn head_blob(State(state): State<AppState>, Path(digest): Path<String>) ->
 /// `POST /api/blobs/<digest>` with the raw bytes: 201 when stored, 200 when the store
 /// already had it, 400 when the data does not hash to `digest` (and nothing is kept).
 ///
-/// The body is read here, on the async workers; only data in hand goes to the blocking
-/// pool, to be hashed and written, so a client that stalls holds no thread (and its
-/// body fails after `[server] body_idle_timeout`, which drops the partial file). At most
-/// `[server] max_uploads` run at once.
+/// The body is read here, on the async workers, in batches of the buffers it arrives in
+/// (not copied); each batch is written by one blocking thread while another hashes it, as
+/// the next one is read, so a client that stalls holds no thread (and its body fails after
+/// `[server] body_idle_timeout`, which drops the partial file). At most two batches are in
+/// memory per upload. At most `[server] max_uploads` run at once.
 async fn post_blob(
     State(state): State<AppState>,
     Path(digest): Path<String>,
@@ -89,9 +90,8 @@ async fn post_blob(
         // A failed body (the client went away, or sent nothing for too long) ends the
         // upload; dropping it removes the partial file.
         let chunk = chunk.map_err(|e| bad(format!("the upload failed: {e}"), BLOBS))?;
-        batch.len += chunk.len();
-        batch.chunks.push(chunk);
-        if batch.len >= WRITE_BATCH {
+        batch.push(chunk);
+        if batch.is_full() {
             upload.write(std::mem::take(&mut batch)).await?;
         }
     }
@@ -100,75 +100,67 @@ async fn post_blob(
     Ok(StatusCode::CREATED)
 }
 
-/// How much of an upload is gathered before it goes to the blocking pool.
-const WRITE_BATCH: usize = 1 << 20;
+/// The writing and the hashing of the batch in flight, each on a blocking thread.
+type InFlight = (tokio::task::JoinHandle<Result<TempFile, StoreError>>, tokio::task::JoinHandle<Hasher>);
 
-/// Chunks of an upload in hand, to be written together.
-#[derive(Default)]
-struct Batch {
-    chunks: Vec<Bytes>,
-    len: usize,
-}
-
-/// A blob being uploaded: its temporary file (removed when dropped) and its hash so far.
-struct Partial {
-    file: crate::store::TempFile,
-    hasher: Hasher,
-}
-
-/// An upload in progress. One write at a time runs on the blocking pool while the next
-/// batch is read from the network.
+/// An upload in progress: its temporary file (removed when dropped) and its hash so far,
+/// each moved to the blocking thread that works on the batch in flight, and back.
 struct Upload {
     store: Store,
-    idle: Option<Partial>,
-    writing: Option<tokio::task::JoinHandle<Result<Partial, StoreError>>>,
+    idle: Option<(TempFile, Hasher)>,
+    in_flight: Option<InFlight>,
 }
 
 impl Upload {
     async fn start(store: Store) -> Result<Self, ApiError> {
         let opened = store.clone();
         let file = blocking(move || opened.temp_blob_file()).await?;
-        Ok(Self { store, idle: Some(Partial { file, hasher: Hasher::default() }), writing: None })
+        Ok(Self { store, idle: Some((file, Hasher::default())), in_flight: None })
     }
 
-    /// The partial blob, once the write in progress is done.
-    async fn partial(&mut self) -> Result<Partial, ApiError> {
-        match self.writing.take() {
-            Some(write) => write.await.map_err(|_| opaque(BLOBS))?.map_err(|e| upload_error(&e)),
+    /// The file and the hash, once the batch in flight is written and hashed.
+    async fn settle(&mut self) -> Result<(TempFile, Hasher), ApiError> {
+        match self.in_flight.take() {
+            Some((writing, hashing)) => {
+                let (written, hashed) = tokio::join!(writing, hashing);
+                let file = written.map_err(|_| opaque(BLOBS))?.map_err(|e| upload_error(&e))?;
+                Ok((file, hashed.map_err(|_| opaque(BLOBS))?))
+            }
             None => self.idle.take().ok_or_else(|| opaque(BLOBS)),
         }
     }
 
-    /// Starts writing `batch` once the previous write is done.
+    /// Starts writing and hashing `batch` once the previous one is done.
     async fn write(&mut self, batch: Batch) -> Result<(), ApiError> {
-        let mut partial = self.partial().await?;
-        if batch.len == 0 {
-            self.idle = Some(partial);
+        let (mut file, mut hasher) = self.settle().await?;
+        if batch.is_empty() {
+            self.idle = Some((file, hasher));
             return Ok(());
         }
-        self.writing = Some(tokio::task::spawn_blocking(move || {
-            for chunk in &batch.chunks {
-                partial.hasher.update(chunk);
-                partial.file.write_all(chunk).map_err(|source| StoreError::Io {
-                    context: format!("cannot write {}", partial.file.rel()),
-                    source,
-                })?;
-            }
-            Ok(partial)
-        }));
+        let shared = batch.clone();
+        let hashing = tokio::task::spawn_blocking(move || {
+            shared.hash_into(&mut hasher);
+            hasher
+        });
+        let writing = tokio::task::spawn_blocking(move || {
+            file.write_batch(&batch)
+                .map_err(|source| StoreError::Io { context: format!("cannot write {}", file.rel()), source })?;
+            Ok(file)
+        });
+        self.in_flight = Some((writing, hashing));
         Ok(())
     }
 
     /// Checks the digest and moves the blob into place.
     async fn finish(mut self, expected: Digest) -> Result<(), ApiError> {
-        let partial = self.partial().await?;
+        let (file, hasher) = self.settle().await?;
         let store = self.store;
         blocking(move || {
-            let (digest, _) = partial.hasher.finish();
+            let (digest, _) = hasher.finish();
             if digest != expected {
                 return Err(StoreError::DigestMismatch { expected, actual: digest });
             }
-            if store.has_blob(&digest) { Ok(()) } else { store.commit_blob(partial.file, &digest) }
+            if store.has_blob(&digest) { Ok(()) } else { store.commit_blob(file, &digest) }
         })
         .await
     }

@@ -2,12 +2,13 @@
 //! are named) and verified.
 
 use std::fs::File;
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::path::PathBuf;
 use std::time::SystemTime;
 
 use super::beneath::Kind;
-use super::digest::{Digest, Hasher};
+use super::digest::Digest;
+use super::stream::copy_hashed;
 use super::temp::{TempFile, readable};
 use super::{Pin, Store, StoreError, fs_err, io_err, limits, vanished};
 
@@ -76,9 +77,9 @@ impl Store {
     }
 
     /// Moves a fully written temporary file into place as blob `digest` (syncing it first).
-    pub fn commit_blob(&self, temp: TempFile, digest: &Digest) -> Result<(), StoreError> {
+    pub fn commit_blob(&self, mut temp: TempFile, digest: &Digest) -> Result<(), StoreError> {
         readable(temp.as_file())?;
-        temp.as_file().sync_all().map_err(io_err(format!("cannot sync {}", temp.rel())))?;
+        temp.sync().map_err(io_err(format!("cannot sync {}", temp.rel())))?;
         let blobs = self.blobs()?;
         temp.place(&blobs, &digest.file_name())?;
         blobs.sync().map_err(io_err("cannot sync blobs/"))
@@ -94,21 +95,20 @@ impl Store {
     /// will refer to it never loses it to a garbage collection in between.
     pub fn write_blob_pinned(
         &self,
-        mut reader: impl Read,
+        reader: impl Read,
         expected: Option<&Digest>,
     ) -> Result<(Digest, u64, Pin), StoreError> {
         let mut temp = self.temp_blob_file()?;
-        let mut hasher = Hasher::default();
-        let mut buf = vec![0u8; 1 << 20];
-        loop {
-            let n = reader.read(&mut buf).map_err(io_err("cannot read the blob's data"))?;
-            if n == 0 {
-                break;
-            }
-            hasher.update(&buf[..n]);
-            temp.write_all(&buf[..n]).map_err(io_err(format!("cannot write {}", temp.rel())))?;
-        }
-        let (digest, size) = hasher.finish();
+        let mut write_error = None;
+        let copied = copy_hashed(reader, |batch| temp.write_batch(batch).inspect_err(|e| write_error = Some(e.kind())));
+        let (digest, size) = copied.map_err(|e| {
+            let context = if write_error.is_some() {
+                format!("cannot write {}", temp.rel())
+            } else {
+                "cannot read the blob's data".to_owned()
+            };
+            StoreError::Io { context, source: e }
+        })?;
         if let Some(expected) = expected {
             if *expected != digest {
                 return Err(StoreError::DigestMismatch { expected: *expected, actual: digest });

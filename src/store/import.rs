@@ -1,14 +1,15 @@
 //! Files from outside the store, and other stores' models (an Ollama models directory),
 //! added without storing their data twice where the file system allows: a reflink, else a
-//! hard link, else a copy; every digest checked.
+//! hard link, else a copy; every digest checked, in the same pass over the data.
 
 use std::fs::{self, File};
-use std::io::{self, Seek};
+use std::io::Seek;
 use std::path::Path;
 
 use super::beneath::Dir;
 use super::digest::Digest;
 use super::name::ModelName;
+use super::stream::copy_hashed;
 use super::temp::readable;
 use super::{Pin, Store, StoreError, io_err};
 
@@ -70,6 +71,9 @@ impl Store {
 
     /// Imports the open file `source`, which `link` names for a hard link (a directory of
     /// another store and a name in it, or an absolute path); `what` names it in errors.
+    ///
+    /// One pass over the data: a reflink or a hard link is hashed once made (what is hashed
+    /// is what gets named), and a copy is hashed as it is written.
     fn import_open(
         &self,
         mut source: File,
@@ -77,8 +81,24 @@ impl Store {
         what: &str,
         expected: Option<&Digest>,
     ) -> Result<(Digest, u64, bool, Pin), StoreError> {
-        let (digest, size) =
-            Digest::of_reader(io::BufReader::new(&source)).map_err(io_err(format!("cannot read {what}")))?;
+        let blobs = self.blobs()?;
+        let mut temp = self.temp_in(&blobs)?;
+        let cloned = rustix::fs::ioctl_ficlone(temp.as_file(), &source).is_ok();
+        let linked = !cloned && link.is_some_and(|(dir, path)| temp.link_from(dir, path).is_ok());
+        let (digest, size) = if cloned || linked {
+            let mut placed = temp.as_file();
+            placed.rewind().map_err(io_err("cannot read the imported blob"))?;
+            Digest::of_reader(placed).map_err(io_err(format!("cannot read {what}")))?
+        } else {
+            temp.reset().map_err(io_err(format!("cannot write {}", temp.rel())))?;
+            source.rewind().map_err(io_err(format!("cannot read {what}")))?;
+            let mut write_failed = false;
+            copy_hashed(&source, |batch| temp.write_batch(batch).inspect_err(|_| write_failed = true)).map_err(|e| {
+                let context =
+                    if write_failed { format!("cannot write {}", temp.rel()) } else { format!("cannot read {what}") };
+                StoreError::Io { context, source: e }
+            })?
+        };
         if let Some(expected) = expected {
             if *expected != digest {
                 return Err(StoreError::DigestMismatch { expected: *expected, actual: digest });
@@ -88,27 +108,10 @@ impl Store {
         if self.has_blob(&digest) {
             return Ok((digest, size, false, pin));
         }
-        let blobs = self.blobs()?;
-        let mut temp = self.temp_in(&blobs)?;
-        let cloned = rustix::fs::ioctl_ficlone(temp.as_file(), &source).is_ok();
-        let linked = !cloned && link.is_some_and(|(dir, path)| temp.link_from(dir, path).is_ok());
-        if !cloned && !linked {
-            temp.reset().map_err(io_err(format!("cannot write {}", temp.rel())))?;
-            source.rewind().map_err(io_err(format!("cannot read {what}")))?;
-            io::copy(&mut source, &mut temp.file).map_err(io_err(format!("cannot copy {what}")))?;
-        }
         if !linked {
             // The store's own copy: readable like every blob, and on disk before it is named.
             readable(temp.as_file())?;
-            temp.as_file().sync_all().map_err(io_err("cannot sync the copy"))?;
-        }
-        // Whatever was placed must still be what was hashed.
-        let mut placed = temp.as_file();
-        placed.rewind().map_err(io_err("cannot read the imported blob"))?;
-        let (actual, _) =
-            Digest::of_reader(io::BufReader::new(placed)).map_err(io_err("cannot read the imported blob"))?;
-        if actual != digest {
-            return Err(StoreError::DigestMismatch { expected: digest, actual });
+            temp.sync().map_err(io_err("cannot sync the copy"))?;
         }
         temp.place(&blobs, &digest.file_name())?;
         blobs.sync().map_err(io_err("cannot sync blobs/"))?;

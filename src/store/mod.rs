@@ -21,7 +21,7 @@
 //! Where each part is: this file opens the store and pins blobs; `blobs.rs` reads and
 //! writes blobs, `import.rs` adds files and other stores' models, `manifests.rs` writes,
 //! reads, copies and deletes manifests, `list.rs` lists the models, `temp.rs` keeps the
-//! temporary files, `error.rs` holds [`StoreError`]; [`create`], [`show`], [`gc`] and
+//! temporary files, `stream.rs` moves blob data in (hashed beside the write, one sync), `error.rs` holds [`StoreError`]; [`create`], [`show`], [`gc`] and
 //! [`registry`] build on them.
 
 mod beneath;
@@ -39,6 +39,7 @@ pub mod modelfile;
 pub mod name;
 pub mod registry;
 pub mod show;
+pub mod stream;
 mod temp;
 
 use std::collections::{HashMap, HashSet};

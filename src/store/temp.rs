@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use crate::sync::lock;
 
 use super::beneath::{Dir, Kind};
+use super::stream::{Batch, Writeback};
 use super::{Store, StoreError, fs_err, io_err, vanished};
 
 /// Prefix of temporary files in the store; anything named so is debris from a crash
@@ -25,6 +26,10 @@ pub struct TempFile {
     pub(super) file: File,
     temps: Arc<Mutex<HashSet<String>>>,
     placed: bool,
+    /// Where the next [`TempFile::write_batch`] goes.
+    written: u64,
+    /// Sends what [`TempFile::write_batch`] wrote to disk as it goes.
+    writeback: Option<Writeback>,
 }
 
 impl TempFile {
@@ -38,6 +43,23 @@ impl TempFile {
     #[must_use]
     pub fn rel(&self) -> String {
         self.dir.rel(&self.name)
+    }
+
+    /// Appends `batch` (the file is written only this way, or only through [`Write`]),
+    /// starting its pages' way to disk as it goes.
+    pub fn write_batch(&mut self, batch: &Batch) -> io::Result<()> {
+        batch.write_at(&self.file, self.written)?;
+        self.written += batch.len() as u64;
+        self.writeback.get_or_insert_with(|| Writeback::new(&self.file)).wrote(batch.len());
+        Ok(())
+    }
+
+    /// Syncs the file: what is written is on disk.
+    pub(super) fn sync(&mut self) -> io::Result<()> {
+        if let Some(mut writeback) = self.writeback.take() {
+            writeback.finish()?;
+        }
+        self.file.sync_all()
     }
 
     /// Moves it into place as `to` in `target`: an atomic rename, which replaces a file
@@ -54,6 +76,7 @@ impl TempFile {
         self.dir.remove_file(&self.name)?;
         self.dir.link_from(source_dir, source, &self.name)?;
         self.file = self.dir.open(&self.name)?;
+        self.writeback = None;
         Ok(())
     }
 
@@ -65,6 +88,7 @@ impl TempFile {
             Err(e) => return Err(e),
         }
         self.file = self.dir.create_new(&self.name, 0o600)?;
+        (self.written, self.writeback) = (0, None);
         Ok(())
     }
 }
@@ -99,7 +123,10 @@ impl Store {
                 continue;
             }
             match dir.create_new(&name, 0o600) {
-                Ok(file) => return Ok(TempFile { dir, name, file, temps: Arc::clone(&self.temps), placed: false }),
+                Ok(file) => {
+                    let temps = Arc::clone(&self.temps);
+                    return Ok(TempFile { dir, name, file, temps, placed: false, written: 0, writeback: None });
+                }
                 Err(e) => {
                     lock(&self.temps).remove(&name);
                     if e.kind() != io::ErrorKind::AlreadyExists {

@@ -806,3 +806,109 @@ async fn an_api_push_whose_client_goes_away_is_cancelled_before_its_manifest() {
         .status();
     assert_eq!(status, reqwest::StatusCode::NOT_FOUND);
 }
+
+/// Publishes `model` made of two large layers (weights and an adapter of 9 MiB each, bytes
+/// that do not repeat) and a config, so that a pull downloads both layers at once.
+async fn publish_two_large_layers(world: &World, model: &str) -> (Manifest, Snapshot) {
+    use corral::store::manifest::ADAPTER;
+    let name = name_on(&world.registry.host(), model);
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let mut large = || {
+        let bytes: Vec<u8> = (0..9 << 20)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed.to_le_bytes()[0]
+            })
+            .collect();
+        let (digest, size) = world.source.write_blob(&bytes[..], None).expect("a large blob");
+        (digest, size)
+    };
+    let (weights, weights_size) = large();
+    let (adapter, adapter_size) = large();
+    let (config, config_size) = world.source.write_blob(&b"{\"model_format\":\"gguf\"}"[..], None).expect("config");
+    let layer = |media_type: &str, digest, size| Layer { media_type: media_type.into(), digest, size, from: None };
+    let manifest = Manifest::new(
+        layer(CONFIG_MEDIA_TYPE, config, config_size),
+        vec![layer(MODEL, weights, weights_size), layer(ADAPTER, adapter, adapter_size)],
+    )
+    .expect("a manifest");
+    world.source.write_manifest(&name, &manifest).expect("write the manifest");
+    let client = client(&[world.registry.host()], |_| {});
+    within("push", client.push(&world.source, &name, |_| {})).await.expect("push");
+    (manifest, snapshot(&world.source, &name))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_layers_download_at_once_and_report_progress_one_after_the_other() {
+    let world = World::new();
+    let (manifest, published) = publish_two_large_layers(&world, "test/two:v1").await;
+    let (weights, adapter) = (manifest.layers()[0].digest, manifest.layers()[1].digest);
+    let proxy = Proxy::start(world.registry.addr());
+    let gate = Gate::new();
+    let (held, digest) = (gate.clone(), weights.to_string());
+    // Every request for the weights waits: the adapter's only start if layers run at once.
+    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Hold(held.clone()) } else { Action::Pass });
+    let store = world.store("dest");
+    let name = name_on(&proxy.host(), "test/two:v1");
+    let client = client(&[proxy.host()], |c| c.part_size = 1 << 20);
+    let (sender, _events) = mpsc::unbounded_channel();
+    let pull = spawn_pull(&client, &store, &name, 1, &sender);
+    within("the weights' request", gate.arrivals(1)).await;
+    within("the adapter's requests while the weights wait", async {
+        while blob_ranges(&proxy.seen(), &adapter).is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    gate.open();
+    let (result, events) = within("pull", pull).await.expect("the pull task");
+    result.expect("pull");
+    assert_eq!(snapshot(&store, &name), published);
+    // One blob after the other, each complete: the progress a sequential pull shows.
+    assert_pull_progress(&events, &manifest);
+    for layer in manifest.blobs() {
+        let mine: Vec<u64> =
+            events.iter().filter(|e| e.digest == Some(layer.digest)).filter_map(|e| e.completed).collect();
+        assert!(mine.windows(2).all(|w| w[0] <= w[1]), "progress of {} goes back: {mine:?}", layer.digest);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layer_that_fails_fails_the_pull_and_takes_back_the_others() {
+    let world = World::new();
+    let (manifest, _) = publish_two_large_layers(&world, "test/two:v1").await;
+    let (weights, adapter) = (manifest.layers()[0].digest, manifest.layers()[1].digest);
+    let proxy = Proxy::start(world.registry.addr());
+    // The adapter's first parts wait until the weights are in place; its later parts come
+    // corrupt.
+    let (gate, released) = (Gate::new(), std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)));
+    let (held, later, digest) = (gate.clone(), std::sync::Arc::clone(&released), adapter.to_string());
+    proxy.rule(move |seen| match seen.is_blob_get(&digest) {
+        true if later.load(std::sync::atomic::Ordering::SeqCst) => Action::Corrupt(1000),
+        true => Action::Hold(held.clone()),
+        false => Action::Pass,
+    });
+    let store = world.store("dest");
+    let name = name_on(&proxy.host(), "test/two:v1");
+    let client = client(&[proxy.host()], |c| c.part_size = 1 << 20);
+
+    let pull = {
+        let (client, store, name) = (client.clone(), store.clone(), name.clone());
+        tokio::spawn(async move { client.pull(&store, &name, |_| {}).await })
+    };
+    within("the weights in place", async {
+        while !store.has_blob(&weights) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    released.store(true, std::sync::atomic::Ordering::SeqCst);
+    gate.open();
+    let error = within("pull", pull).await.expect("the pull task").expect_err("a corrupt layer");
+    assert!(matches!(&error, RegistryError::DigestMismatch { digest, .. } if *digest == adapter), "{error:?}");
+    // The weights arrived whole beside the adapter and were put in place: the failed pull
+    // takes them back, and the corrupt adapter's data is gone.
+    assert_nothing_written(&store, &name, &manifest, false);
+}

@@ -20,16 +20,36 @@ use tokio::sync::watch;
 
 use super::partial::Partial;
 use super::protocol::Remote;
-use super::{BlobStatus, Inner, RegistryError, WRITE_CHUNK, blocking};
+use super::{BlobStatus, Inner, RegistryError, blocking};
 use crate::store::Store;
 use crate::store::digest::Digest;
 use crate::store::manifest::Layer;
+use crate::store::stream::Batch;
 
 /// How often a running download records its progress on disk.
 const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(1);
 
 type InflightKey = (PathBuf, Digest);
-pub(super) type Inflight = HashMap<InflightKey, Arc<watch::Sender<BlobStatus>>>;
+/// A download's state for its waiters, and a channel whose sender goes when the download
+/// task ends (its files settled: put in place, kept for a resume, or removed).
+type Tracked = (Arc<watch::Sender<BlobStatus>>, watch::Receiver<()>);
+pub(super) type Inflight = HashMap<InflightKey, Tracked>;
+
+/// A pull's hold on a download: its state, and a way to wait until it ended.
+pub(super) struct Joined {
+    pub(super) status: watch::Receiver<BlobStatus>,
+    pub(super) settled: watch::Receiver<()>,
+}
+
+impl Joined {
+    /// Stops waiting on the download (which stops when nobody else waits on it) and waits,
+    /// at most `bound`, until its task has ended.
+    pub(super) async fn leave(self, bound: Duration) {
+        let Self { status, mut settled } = self;
+        drop(status);
+        let _ = tokio::time::timeout(bound, async { while settled.changed().await.is_ok() {} }).await;
+    }
+}
 
 impl Inner {
     fn lock_inflight(&self) -> std::sync::MutexGuard<'_, Inflight> {
@@ -37,23 +57,20 @@ impl Inner {
     }
 
     /// Waits on the download of `layer` into `store`, starting it unless one is in flight.
-    pub(super) fn join_download(
-        self: &Arc<Self>,
-        remote: &Arc<Remote>,
-        store: &Store,
-        layer: &Layer,
-    ) -> watch::Receiver<BlobStatus> {
+    pub(super) fn join_download(self: &Arc<Self>, remote: &Arc<Remote>, store: &Store, layer: &Layer) -> Joined {
         let key = (store.root().to_owned(), layer.digest);
         let mut inflight = self.lock_inflight();
-        if let Some(sender) = inflight.get(&key) {
-            return sender.subscribe();
+        if let Some((sender, settled)) = inflight.get(&key) {
+            return Joined { status: sender.subscribe(), settled: settled.clone() };
         }
         let (sender, receiver) =
             watch::channel(BlobStatus { total: layer.size, started: false, completed: 0, done: None });
         let sender = Arc::new(sender);
-        inflight.insert(key.clone(), Arc::clone(&sender));
+        let (ended, settled) = watch::channel(());
+        inflight.insert(key.clone(), (Arc::clone(&sender), settled.clone()));
         drop(inflight);
         let task = Download {
+            _ended: ended,
             inner: Arc::clone(self),
             key,
             sender,
@@ -62,12 +79,14 @@ impl Inner {
             layer: layer.clone(),
         };
         tokio::spawn(task.run());
-        receiver
+        Joined { status: receiver, settled }
     }
 }
 
 /// One blob download, run in its own task for every pull that waits on it.
 struct Download {
+    /// Dropped with the task, when its files are settled.
+    _ended: watch::Sender<()>,
     inner: Arc<Inner>,
     key: InflightKey,
     sender: Arc<watch::Sender<BlobStatus>>,
@@ -98,7 +117,7 @@ impl Download {
     }
 
     fn forget_locked(&self, inflight: &mut Inflight) {
-        if inflight.get(&self.key).is_some_and(|s| Arc::ptr_eq(s, &self.sender)) {
+        if inflight.get(&self.key).is_some_and(|(s, _)| Arc::ptr_eq(s, &self.sender)) {
             inflight.remove(&self.key);
         }
     }
@@ -291,7 +310,8 @@ async fn fetch_range(
         }
     }
     let mut received = 0u64;
-    let mut buffer = Vec::with_capacity(WRITE_CHUNK);
+    let mut batch = Batch::default();
+    let mut flight = None;
     let truncated = |received: u64, detail: String| RegistryError::Truncated {
         registry: remote.registry.clone(),
         what: what.clone(),
@@ -310,14 +330,15 @@ async fn fetch_range(
                 return Err(bad_range(format!("asked for {expected} bytes ({first}-{last}), got more")));
             }
             received += len;
-            buffer.extend_from_slice(data);
+            batch.push(data.clone());
         }
-        if !buffer.is_empty() && (ended || buffer.len() >= WRITE_CHUNK) {
-            let data = std::mem::replace(&mut buffer, Vec::with_capacity(WRITE_CHUNK));
-            let (written, offset, target) = (data.len() as u64, *at, Arc::clone(partial));
-            let completed = blocking(move || target.write_at(offset, &data)).await?;
-            *at += written;
-            partial.report(sender, completed);
+        if !batch.is_empty() && (ended || batch.is_full()) {
+            // One batch is written (and hashed) while the next one arrives.
+            land(&mut flight, partial, sender, at).await?;
+            flight = Some(Flight::start(partial, *at, std::mem::take(&mut batch)));
+        }
+        if ended {
+            land(&mut flight, partial, sender, at).await?;
         }
         match chunk {
             Ok(Some(_)) => {}
@@ -326,6 +347,50 @@ async fn fetch_range(
             Err(e) => return Err(truncated(received, body_error(&e, remote.config().read_timeout))),
         }
     }
+}
+
+/// A batch being written to a partial download on one blocking thread and hashed on another.
+struct Flight {
+    len: u64,
+    writing: tokio::task::JoinHandle<Result<u64, RegistryError>>,
+    hashing: tokio::task::JoinHandle<Result<(), RegistryError>>,
+}
+
+impl Flight {
+    fn start(partial: &Arc<Partial>, offset: u64, batch: Batch) -> Self {
+        let len = batch.len() as u64;
+        let (target, shared) = (Arc::clone(partial), batch.clone());
+        let hashing = tokio::task::spawn_blocking(move || target.hash_at(offset, &shared));
+        let target = Arc::clone(partial);
+        let writing = tokio::task::spawn_blocking(move || target.write_at(offset, &batch));
+        Self { len, writing, hashing }
+    }
+}
+
+/// Waits for the batch in flight, if any; `*at` moves past it once it is written.
+async fn land(
+    flight: &mut Option<Flight>,
+    partial: &Arc<Partial>,
+    sender: &watch::Sender<BlobStatus>,
+    at: &mut u64,
+) -> Result<(), RegistryError> {
+    let Some(Flight { len, writing, hashing }) = flight.take() else { return Ok(()) };
+    let failed = || RegistryError::io("a file operation failed", std::io::Error::other("a blocking task failed"));
+    let (written, hashed) = tokio::join!(writing, hashing);
+    let written = written.map_err(|_| failed()).and_then(|r| r);
+    let hashed = hashed.map_err(|_| failed()).and_then(|r| r);
+    let completed = match written {
+        Ok(completed) => completed,
+        Err(e) => {
+            // The batch may have been hashed without being written.
+            partial.distrust_hash();
+            return Err(e);
+        }
+    };
+    hashed?;
+    *at += len;
+    partial.report(sender, completed);
+    Ok(())
 }
 
 /// Why a body stopped: a stall, or the root cause (`end of file before message length

@@ -10,15 +10,18 @@
 //!    model that shares a blob cannot remove it while the pull runs.
 //! 3. Each blob not already in the store is downloaded in ranged parts (`Range: bytes=a-b`,
 //!    [`RegistryConfig::part_size`] each, [`RegistryConfig::max_parts`] at a time), its size
-//!    taken from the manifest. Every answer is checked: `206` with exactly the asked
-//!    `Content-Range`, or `200` only when the whole blob was asked for. The data goes into
-//!    `blobs/sha256-<hex>-partial` at each part's offset.
+//!    taken from the manifest; up to three large blobs (8 MiB or more) of a model at once. Every answer is checked:
+//!    `206` with exactly the asked `Content-Range`, or `200` only when the whole blob was
+//!    asked for. The data goes into `blobs/sha256-<hex>-partial` at each part's offset, in
+//!    batches of the buffers it arrived in, hashed beside the write (see `partial.rs`).
 //! 4. The whole blob's SHA-256 is checked before it is renamed to `blobs/sha256-<hex>`; data
-//!    that hashes to anything else is deleted and the pull fails naming the digest.
+//!    that hashes to anything else is deleted and the pull fails naming the digest. A pull
+//!    that fails takes back the blobs it put in place for the model.
 //! 5. The manifest is written last ([`Store::write_manifest_bytes`]).
 //!
 //! Progress is reported as Ollama's `/api/pull` stream reports it: `pulling manifest`, then
-//! `pulling <12 hex digits>` with `digest`, `total` and `completed` for each blob, then
+//! `pulling <12 hex digits>` with `digest`, `total` and `completed` for each blob (one blob
+//! after the other, in the manifest's order, though they download together), then
 //! `verifying sha256 digest`, `writing manifest` and `success`.
 //!
 //! # Resuming
@@ -60,6 +63,7 @@ mod partial;
 mod protocol;
 mod push;
 
+use std::collections::BTreeSet;
 use std::io;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -67,6 +71,7 @@ use std::time::Duration;
 use reqwest::header::CONTENT_TYPE;
 use reqwest::{Client, StatusCode};
 use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
 
 pub use self::auth::parse_bearer_challenge;
 use self::download::Inflight;
@@ -75,12 +80,17 @@ pub use self::error::RegistryError;
 use self::error::chain;
 use super::digest::Digest;
 use super::limits;
-use super::manifest::{MANIFEST_MEDIA_TYPE, Manifest};
+use super::manifest::{Layer, MANIFEST_MEDIA_TYPE, Manifest};
 use super::name::ModelName;
 use super::{Store, StoreError};
 
 /// Downloaded data is written, and uploaded data read, in pieces of about this size.
 const WRITE_CHUNK: usize = 1 << 20;
+/// How many large layers of a model a pull downloads at once.
+const LAYERS_AT_ONCE: usize = 3;
+/// Layers from this size on download beside others; smaller ones (a config, a template)
+/// take longer to ask for than to fetch, and go one after the other.
+const CONCURRENT_LAYER: u64 = 8 << 20;
 /// How often progress is reported while bytes flow.
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -247,39 +257,69 @@ impl Registry {
             model: remote.model.clone(),
             reason: e.to_string(),
         })?;
-        let pin = store.pin(manifest.blobs().map(|l| l.digest));
-        for layer in manifest.blobs() {
-            if store.has_blob(&layer.digest) {
-                progress(Progress::blob("pulling", layer.digest, layer.size, layer.size));
-                continue;
-            }
-            let mut status = self.inner.join_download(&remote, store, layer);
-            loop {
-                let now = status.borrow_and_update().clone();
-                if now.started || now.done.is_some() {
-                    progress(Progress::blob("pulling", layer.digest, now.total, now.completed));
-                }
-                if let Some(done) = now.done {
-                    done?;
-                    break;
-                }
-                if status.changed().await.is_err() {
-                    return Err(RegistryError::Interrupted { digest: layer.digest });
-                }
-            }
-        }
+        let layers: Vec<Layer> = manifest.blobs().cloned().collect();
+        let mut taken = TakeBack {
+            pin: Some(store.pin(layers.iter().map(|l| l.digest))),
+            new: layers.iter().filter(|l| !store.has_blob(&l.digest)).map(|l| l.digest).collect(),
+            store: store.clone(),
+        };
+        self.fetch_layers(&remote, store, &layers, &mut progress).await?;
         // Every new blob was checked against its digest before it was put in place.
         progress(Progress::step("verifying sha256 digest"));
         progress(Progress::step("writing manifest"));
-        let (store, name) = (store.clone(), name.clone());
+        let (store, name, pin) = (store.clone(), name.clone(), taken.pin.take());
         let digest = blocking(move || {
             let digest = store.write_manifest_bytes(&name, &bytes, &manifest)?;
             drop(pin);
             Ok(digest)
         })
         .await?;
+        taken.new.clear();
         progress(Progress::step("success"));
         Ok(digest)
+    }
+
+    /// Downloads the layers a store lacks, large ones [`LAYERS_AT_ONCE`] at a time, reporting
+    /// each layer's progress in turn (one after the other, as a sequential pull would). On
+    /// failure, the other downloads are left (they stop unless another pull waits on them)
+    /// and their end is waited for, so that what they put in place can be taken back.
+    async fn fetch_layers(
+        &self,
+        remote: &Arc<protocol::Remote>,
+        store: &Store,
+        layers: &[Layer],
+        progress: &mut (impl FnMut(Progress) + Send),
+    ) -> Result<(), RegistryError> {
+        let mut joined: Vec<Option<download::Joined>> = Vec::with_capacity(layers.len());
+        let mut result = Ok(());
+        for (i, layer) in layers.iter().enumerate() {
+            // The next layers start while this one runs, as long as they all are large.
+            let mut ahead = i + 1;
+            if layer.size >= CONCURRENT_LAYER {
+                while ahead < layers.len() && ahead < i + LAYERS_AT_ONCE && layers[ahead].size >= CONCURRENT_LAYER {
+                    ahead += 1;
+                }
+            }
+            while joined.len() < ahead {
+                let next = &layers[joined.len()];
+                let started = (!store.has_blob(&next.digest)).then(|| self.inner.join_download(remote, store, next));
+                joined.push(started);
+            }
+            let Some(download) = joined[i].as_mut() else {
+                progress(Progress::blob("pulling", layer.digest, layer.size, layer.size));
+                continue;
+            };
+            result = follow(&mut download.status, layer, progress).await;
+            joined[i] = None;
+            if result.is_err() {
+                break;
+            }
+        }
+        if result.is_err() {
+            let bound = self.inner.config.read_timeout;
+            futures_util::future::join_all(joined.into_iter().flatten().map(|j| j.leave(bound))).await;
+        }
+        result
     }
 
     /// Pushes `name` from `store` to its registry (see the module documentation), reporting
@@ -315,6 +355,45 @@ impl Registry {
         remote.expect(&what, response, &[StatusCode::CREATED, StatusCode::OK]).await?;
         progress(Progress::step("success"));
         Ok(Digest::of(&bytes))
+    }
+}
+
+/// The blobs a pull brings, pinned while it runs and taken back (unless something else
+/// uses them) if it fails or is given up before its manifest is written. A pull given up
+/// does not wait for its downloads to end: a blob one of them puts in place after this is
+/// left to garbage collection.
+struct TakeBack {
+    pin: Option<super::Pin>,
+    new: BTreeSet<Digest>,
+    store: Store,
+}
+
+impl Drop for TakeBack {
+    fn drop(&mut self) {
+        drop(self.pin.take());
+        if !self.new.is_empty() {
+            self.store.remove_unreferenced(std::mem::take(&mut self.new));
+        }
+    }
+}
+
+/// Reports one download's progress until it ends; its result.
+async fn follow(
+    status: &mut watch::Receiver<BlobStatus>,
+    layer: &Layer,
+    progress: &mut (impl FnMut(Progress) + Send),
+) -> Result<(), RegistryError> {
+    loop {
+        let now = status.borrow_and_update().clone();
+        if now.started || now.done.is_some() {
+            progress(Progress::blob("pulling", layer.digest, now.total, now.completed));
+        }
+        if let Some(done) = now.done {
+            return done;
+        }
+        if status.changed().await.is_err() {
+            return Err(RegistryError::Interrupted { digest: layer.digest });
+        }
     }
 }
 

@@ -14,9 +14,14 @@
 //! ([`crate::store::gc`]) once they are older than its grace age; a running download pins its
 //! blob, so a collection never touches its files. A link planted in place of either file is
 //! refused.
+//!
+//! The blob is hashed as its data arrives: a batch written where the hash has got to is
+//! hashed from memory, beside its write. Data that arrived ahead of that point (a later part,
+//! or what an earlier download left) is read back once the hash reaches it, while it is
+//! still in the page cache; with one part at a time, nothing is read back.
 
 use std::fs::File;
-use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
+use std::io::{self, Read, Write};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -29,10 +34,11 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::error::is_disk_full;
-use super::{BlobStatus, PROGRESS_INTERVAL, RegistryError, WRITE_CHUNK};
+use super::{BlobStatus, PROGRESS_INTERVAL, RegistryError};
 use crate::store::beneath::{self, Dir};
-use crate::store::digest::Digest;
+use crate::store::digest::{Digest, Hasher};
 use crate::store::manifest::Layer;
+use crate::store::stream::{BATCH, Batch, Writeback};
 use crate::store::{Pin, Store, StoreError};
 
 /// Byte ranges `[start, end)`, sorted, disjoint and not touching.
@@ -63,6 +69,11 @@ impl Ranges {
             out.insert(s.min(size), e.min(size));
         }
         out
+    }
+
+    /// The end of the range that holds `at`, or `at` when none does.
+    fn end_from(&self, at: u64) -> u64 {
+        self.0.iter().find(|&&(s, e)| s <= at && at < e).map_or(at, |&(_, e)| e)
     }
 
     fn covered(&self) -> u64 {
@@ -110,6 +121,9 @@ pub(super) struct Partial {
     data_path: PathBuf,
     file: File,
     done: Mutex<Ranges>,
+    /// The hash of the data file's first bytes, as far as it has got.
+    hashed: Mutex<Frontier>,
+    writeback: Mutex<Writeback>,
     dirty: AtomicBool,
     reported: Mutex<Option<Instant>>,
     /// Serializes the record's writes with the end of the download, and is set at the end
@@ -117,6 +131,19 @@ pub(super) struct Partial {
     finished: Mutex<bool>,
     /// Keeps garbage collection away from the partial files while the download runs.
     _pin: Pin,
+}
+
+/// The hash of a blob's first `at` bytes.
+#[derive(Default)]
+struct Frontier {
+    hasher: Hasher,
+    at: u64,
+}
+
+impl std::fmt::Debug for Frontier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Frontier").field("at", &self.at).finish_non_exhaustive()
+    }
 }
 
 /// The most a partial download's record may weigh; real ones are a few hundred bytes.
@@ -166,8 +193,10 @@ impl Partial {
             data_name,
             record_name,
             data_path,
+            writeback: Mutex::new(Writeback::new(&file)),
             file,
             done: Mutex::new(done),
+            hashed: Mutex::default(),
             dirty: AtomicBool::new(false),
             reported: Mutex::default(),
             finished: Mutex::new(false),
@@ -230,15 +259,63 @@ impl Partial {
         lock(&self.done).missing(self.size)
     }
 
-    /// Writes data at `offset` and records it. Returns how much of the blob is now in place.
-    pub(super) fn write_at(&self, offset: u64, data: &[u8]) -> Result<u64, RegistryError> {
-        self.file
-            .write_all_at(data, offset)
-            .map_err(|e| Self::write_error(&self.data_path, &self.what, self.size, e))?;
+    /// Writes `batch` at `offset` and records it. Returns how much of the blob is now in place.
+    pub(super) fn write_at(&self, offset: u64, batch: &Batch) -> Result<u64, RegistryError> {
+        batch.write_at(&self.file, offset).map_err(|e| Self::write_error(&self.data_path, &self.what, self.size, e))?;
+        lock(&self.writeback).wrote(batch.len());
         let mut done = lock(&self.done);
-        done.insert(offset, offset + data.len() as u64);
+        done.insert(offset, offset + batch.len() as u64);
         self.dirty.store(true, Ordering::SeqCst);
         Ok(done.covered())
+    }
+
+    /// Hashes `batch`, which is (being) written at `offset`, if the hash has got there,
+    /// first reading back what was written before it; then reads back what is written
+    /// after it. Does nothing while another thread moves the hash on: what is left is hashed
+    /// later, at the latest by [`Partial::commit`].
+    pub(super) fn hash_at(&self, offset: u64, batch: &Batch) -> Result<(), RegistryError> {
+        let Ok(mut hashed) = self.hashed.try_lock() else { return Ok(()) };
+        if hashed.at < offset {
+            let written = lock(&self.done).end_from(hashed.at);
+            if written < offset {
+                return Ok(());
+            }
+            self.read_back(&mut hashed, offset)?;
+        }
+        if hashed.at == offset {
+            batch.hash_into(&mut hashed.hasher);
+            hashed.at += batch.len() as u64;
+            let written = lock(&self.done).end_from(hashed.at);
+            self.read_back(&mut hashed, written)?;
+        }
+        Ok(())
+    }
+
+    /// Forgets the hash: a write failed after its batch was hashed, so the file may not hold
+    /// what was hashed. [`Partial::commit`] hashes the file from its start.
+    pub(super) fn distrust_hash(&self) {
+        *lock(&self.hashed) = Frontier::default();
+    }
+
+    /// Moves the hash on to `end` with the data file's bytes.
+    fn read_back(&self, hashed: &mut Frontier, end: u64) -> Result<(), RegistryError> {
+        let mut buffer = vec![0u8; BATCH];
+        while hashed.at < end {
+            let want = usize::try_from(end - hashed.at).unwrap_or(BATCH).min(BATCH);
+            let n = self
+                .file
+                .read_at(&mut buffer[..want], hashed.at)
+                .map_err(|e| RegistryError::io(format!("cannot read {}", self.data_path.display()), e))?;
+            if n == 0 {
+                return Err(RegistryError::io(
+                    format!("cannot read {}", self.data_path.display()),
+                    io::Error::from(io::ErrorKind::UnexpectedEof),
+                ));
+            }
+            hashed.hasher.update(&buffer[..n]);
+            hashed.at += n as u64;
+        }
+        Ok(())
     }
 
     /// Tells the waiting pulls how far the download is, at most every `PROGRESS_INTERVAL`.
@@ -287,12 +364,15 @@ impl Partial {
                 detail: format!("{}: only {completed} of {} bytes arrived", self.what, self.size),
             });
         }
-        let read_error = |e| RegistryError::io(format!("cannot read {}", self.data_path.display()), e);
-        self.file.sync_all().map_err(|e| Self::write_error(&self.data_path, &self.what, self.size, e))?;
-        // Read back through the file this download wrote, not by its name.
-        let mut reader = &self.file;
-        reader.seek(SeekFrom::Start(0)).map_err(read_error)?;
-        let (actual, _) = Digest::of_reader(BufReader::with_capacity(WRITE_CHUNK, reader)).map_err(read_error)?;
+        let sync_error = |e| Self::write_error(&self.data_path, &self.what, self.size, e);
+        lock(&self.writeback).finish().map_err(sync_error)?;
+        self.file.sync_all().map_err(sync_error)?;
+        // What the hash has not reached yet is read back through the file this download
+        // wrote, not by its name.
+        let mut hashed = lock(&self.hashed);
+        self.read_back(&mut hashed, self.size)?;
+        let (actual, _) = std::mem::take(&mut hashed.hasher).finish();
+        drop(hashed);
         if actual != self.digest {
             return Err(RegistryError::DigestMismatch { registry: self.registry.clone(), digest: self.digest, actual });
         }

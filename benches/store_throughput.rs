@@ -1,0 +1,430 @@
+//! Store throughput: corrald moving a model's weights against the plainest way to move the
+//! same bytes, side by side in one run, on synthetic GGUFs of growing size (256 MiB and
+//! 1 GiB by default).
+//!
+//! Everything lives in one temporary directory (`CORRAL_BENCH_DIR`, else the system's), so
+//! the store, the floors' copies and the registry's storage share one file system.
+//!
+//! | operation | corral | floor |
+//! |---|---|---|
+//! | upload | `curl -T` to `POST /api/blobs/<digest>` | `cp` + `sync FILE` (fsync) |
+//! | create | `HEAD` + `POST /api/blobs` + `POST /api/create` with `files` (what `corralctl create` sends once it has the digest) | `cp` + `sync FILE` |
+//! | pull | `POST /api/pull` from a local `docker-registry` into an empty store | `curl -o FILE` of the blob from the same registry |
+//! | push | `POST /api/push` to a new repository of that registry | `curl` `POST /blobs/uploads/`, then one monolithic `PUT ?digest=` of the blob |
+//!
+//! Clients are `curl` on both sides, rounds alternate the sides, and the table shows medians;
+//! ratio = floor time / corral time (1.0: as fast as the floor). corrald's peak RSS during
+//! each operation is its `VmHWM` after a reset (`/proc/PID/clear_refs` 5) before it.
+//!
+//! `CORRAL_BENCH_SIZES_MIB` sets the sizes (default `256,1024`), `CORRAL_BENCH_ROUNDS` the
+//! rounds (default 3), `CORRAL_BENCH_CORRALD` another corrald binary to measure.
+//!
+//! Run with `cargo bench --bench store_throughput` (needs `curl` and `docker-registry`).
+
+#![allow(clippy::print_stdout, reason = "a benchmark reports on stdout")]
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use corral::demo_model::{LlamaShape, Weights};
+use corral::store::digest::{Digest, Hasher};
+
+const REGISTRY: &str = "/usr/bin/docker-registry";
+
+/// A child process killed and reaped on drop.
+struct Process(Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// `path` as a quoted TOML string.
+fn toml_string(path: &Path) -> String {
+    toml::Value::String(path.to_str().expect("a UTF-8 temporary path").to_owned()).to_string()
+}
+
+/// Runs `curl` with `args` (failing on an HTTP error); its stdout.
+fn curl(args: &[&str]) -> String {
+    let out = Command::new("curl")
+        .args(["-sS", "--fail-with-body", "-H", "Expect:"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run curl");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "curl {args:?}: {}{stdout}", String::from_utf8_lossy(&out.stderr));
+    stdout
+}
+
+/// Posts JSON to corrald and checks that the (NDJSON) answer ends in success.
+fn post_json(base: &str, path: &str, body: &serde_json::Value) {
+    let out = curl(&[
+        "-X",
+        "POST",
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        &body.to_string(),
+        &format!("{base}{path}"),
+    ]);
+    let last = out.lines().last().unwrap_or_default();
+    assert!(last.contains("\"success\"") && !out.contains("\"error\""), "{path}: {out}");
+}
+
+/// Posts JSON to corrald that answers a plain 200 (`/api/copy`).
+fn post_ok(base: &str, path: &str, body: &serde_json::Value) {
+    curl(&["-X", "POST", "-H", "Content-Type: application/json", "-d", &body.to_string(), &format!("{base}{path}")]);
+}
+
+/// Uploads `file` to corrald as blob `url` (`POST /api/blobs/<digest>`), as a stream.
+fn upload(file: &str, url: &str) {
+    curl(&["-X", "POST", "-T", file, "-H", "Content-Type: application/octet-stream", url]);
+}
+
+/// Deletes `model` from corrald's store if it is there.
+fn delete_model(base: &str, model: &str) {
+    let body = serde_json::json!({"model": model}).to_string();
+    let _ = Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-X", "DELETE", "-d", &body, &format!("{base}/api/delete")])
+        .status();
+}
+
+/// Waits until `url` answers 200.
+fn wait_for(url: &str, process: &mut Process) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        assert!(process.0.try_wait().expect("wait").is_none(), "the server for {url} exited");
+        let ok = Command::new("curl")
+            .args(["-sf", "-o", "/dev/null", url])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{url} did not answer");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A `docker-registry serve` on loopback, its storage in `dir`.
+fn start_registry(dir: &Path) -> (Process, String) {
+    let port = free_port();
+    let config = dir.join("registry.yml");
+    fs::write(
+        &config,
+        format!(
+            "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\n\
+             storage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\n  \
+             maintenance:\n    uploadpurging:\n      enabled: false\n\
+             http:\n  addr: 127.0.0.1:{port}\n",
+            dir.join("registry").display()
+        ),
+    )
+    .expect("registry config");
+    let child = Command::new(REGISTRY)
+        .arg("serve")
+        .arg(&config)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start docker-registry");
+    let mut process = Process(child);
+    let host = format!("127.0.0.1:{port}");
+    wait_for(&format!("http://{host}/v2/"), &mut process);
+    (process, host)
+}
+
+/// corrald on loopback with a store in `dir/models`, speaking plain HTTP to `registry`.
+fn start_corrald(dir: &Path, registry: &str) -> (Process, String) {
+    let corrald = std::env::var_os("CORRAL_BENCH_CORRALD")
+        .map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_corrald")), PathBuf::from);
+    let port = free_port();
+    let config = dir.join("corral.toml");
+    fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = {}\ninsecure_registries = [\"{registry}\"]\n",
+            toml_string(&dir.join("models")),
+        ),
+    )
+    .expect("config");
+    let mut daemon = Command::new(corrald);
+    daemon.arg("--config").arg(&config).args(["--log-target", "stderr"]);
+    daemon.env("STATE_DIRECTORY", dir.join("state")).env("RUNTIME_DIRECTORY", dir.join("run"));
+    daemon.env("RUST_LOG", "error").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
+    let mut process = Process(daemon.spawn().expect("start corrald"));
+    let base = format!("http://127.0.0.1:{port}");
+    wait_for(&format!("{base}/api/version"), &mut process);
+    (process, base)
+}
+
+/// The smallest random-weight llama of at least `bytes` of tensors.
+fn shape_of(bytes: u64) -> LlamaShape {
+    let mut shape = LlamaShape {
+        name: "corral-bench-llama",
+        n_layer: 1,
+        n_embd: 1024,
+        n_ff: 4096,
+        n_head: 8,
+        n_head_kv: 4,
+        context: 4096,
+        weights: Weights::RandomBits,
+    };
+    while shape.tensor_bytes() < bytes {
+        shape.n_layer += 1;
+    }
+    shape
+}
+
+/// Resets corrald's peak RSS, so that the next reading is the peak of what follows.
+fn reset_peak(pid: u32) {
+    fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("reset the peak RSS (needs root or the same user)");
+}
+
+/// corrald's peak RSS since the last reset, MiB.
+fn peak_mib(pid: u32) -> f64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).expect("read status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmHWM");
+    #[allow(clippy::cast_precision_loss, reason = "a figure for people")]
+    let mib = kib as f64 / 1024.0;
+    mib
+}
+
+fn timed(work: impl FnOnce()) -> f64 {
+    let start = Instant::now();
+    work();
+    start.elapsed().as_secs_f64()
+}
+
+fn median(mut samples: Vec<f64>) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+/// One row of the table.
+struct Row {
+    size_mib: u64,
+    operation: &'static str,
+    floor: Vec<f64>,
+    corral: Vec<f64>,
+    peak_mib: f64,
+}
+
+impl Row {
+    fn new(size_mib: u64, operation: &'static str) -> Self {
+        Self { size_mib, operation, floor: Vec::new(), corral: Vec::new(), peak_mib: 0.0 }
+    }
+
+    /// One round: the floor, then corral (whose peak RSS is kept).
+    fn round(&mut self, pid: u32, floor: impl FnOnce(), corral: impl FnOnce()) {
+        self.floor.push(timed(floor));
+        reset_peak(pid);
+        self.corral.push(timed(corral));
+        self.peak_mib = self.peak_mib.max(peak_mib(pid));
+    }
+
+    fn print(&self) {
+        let (floor, corral) = (median(self.floor.clone()), median(self.corral.clone()));
+        println!(
+            "| {} MiB | {} | {floor:.2} s | {corral:.2} s | {:.2} | {:.1} MiB |",
+            self.size_mib,
+            self.operation,
+            floor / corral,
+            self.peak_mib
+        );
+    }
+}
+
+/// `cp` + `sync FILE` (an fsync of the copy), the copy removed afterwards.
+fn cp_fsync(source: &Path, target: &Path) {
+    let status = Command::new("sh")
+        .arg("-c")
+        .arg("cp \"$1\" \"$2\" && sync \"$2\"")
+        .args(["sh", source.to_str().expect("path"), target.to_str().expect("path")])
+        .status()
+        .expect("run cp");
+    assert!(status.success(), "cp + sync failed");
+}
+
+fn remove(path: &Path) {
+    let _ = fs::remove_file(path);
+}
+
+#[allow(clippy::too_many_lines, reason = "one linear script of a benchmark")]
+fn main() {
+    let rounds: usize = std::env::var("CORRAL_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    let sizes: Vec<u64> = std::env::var("CORRAL_BENCH_SIZES_MIB")
+        .unwrap_or_else(|_| "256,1024".to_owned())
+        .split(',')
+        .map(|s| s.trim().parse().expect("a size in MiB"))
+        .collect();
+    let dir = match std::env::var_os("CORRAL_BENCH_DIR") {
+        Some(parent) => tempfile::tempdir_in(parent),
+        None => tempfile::tempdir(),
+    }
+    .expect("tempdir");
+    let dir = dir.path();
+    let sha_ni = fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.split_whitespace().any(|w| w == "sha_ni"));
+
+    // The hasher alone, on data in memory.
+    let data: Vec<u8> = (0..256u32 << 20).map(|i| i.wrapping_mul(2_654_435_761).to_le_bytes()[2]).collect();
+    let mut hasher = Hasher::default();
+    let hash_s = timed(|| {
+        hasher.update(&data);
+    });
+    drop((hasher, data));
+    println!(
+        "SHA-256 (the store's hasher) on 256 MiB in memory: {:.0} MB/s; CPU sha_ni: {sha_ni}",
+        268.435_456 / hash_s
+    );
+
+    let (mut registry, host) = start_registry(dir);
+    let (mut daemon, base) = start_corrald(dir, &host);
+    let pid = daemon.0.id();
+    let blobs = dir.join("models/blobs");
+
+    let mut rows = Vec::new();
+    for &size_mib in &sizes {
+        let gguf = dir.join(format!("bench-{size_mib}.gguf"));
+        corral::demo_model::write_llama(&gguf, &shape_of(size_mib << 20)).expect("write the model");
+        // On disk before anything is measured: its write-back must not compete with the first rounds.
+        fs::File::open(&gguf).and_then(|f| f.sync_all()).expect("sync the model");
+        let (digest, bytes) = Digest::of_reader(fs::File::open(&gguf).expect("open")).expect("hash the model");
+        let blob_url = format!("{base}/api/blobs/{digest}");
+        let in_store = blobs.join(digest.file_name());
+        let copy = dir.join("floor.copy");
+        let gguf_text = gguf.to_str().expect("path").to_owned();
+        println!("model {size_mib} MiB: {bytes} bytes, {digest}");
+
+        // Upload: the blob alone, removed from the store between rounds.
+        let mut row = Row::new(size_mib, "upload (`POST /api/blobs`)");
+        for _ in 0..rounds {
+            remove(&in_store);
+            row.round(pid, || cp_fsync(&gguf, &copy), || upload(&gguf_text, &blob_url));
+            remove(&copy);
+            assert!(in_store.is_file(), "the upload is in the store");
+        }
+        row.print();
+        rows.push(row);
+
+        // Create: what `corralctl create` sends once it has the file's digest.
+        let client_hash = timed(|| {
+            Digest::of_reader(fs::File::open(&gguf).expect("open")).expect("hash");
+        });
+        let model = format!("{host}/bench/m{size_mib}:latest");
+        let mut row = Row::new(size_mib, "create (`HEAD` + `POST /api/blobs` + `/api/create`)");
+        for _ in 0..rounds {
+            remove(&in_store);
+            row.round(
+                pid,
+                || cp_fsync(&gguf, &copy),
+                || {
+                    let head = Command::new("curl")
+                        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-I", &blob_url])
+                        .output()
+                        .expect("curl");
+                    assert_eq!(String::from_utf8_lossy(&head.stdout), "404");
+                    upload(&gguf_text, &blob_url);
+                    let files = serde_json::json!({"bench.gguf": digest.to_string()});
+                    post_json(&base, "/api/create", &serde_json::json!({"model": model, "files": files}));
+                },
+            );
+            remove(&copy);
+        }
+        row.print();
+        rows.push(row);
+
+        // Push: the model under a new repository each round (a registry answers HEAD per
+        // repository), against POST + one monolithic PUT of the blob to another new one.
+        let mut row = Row::new(size_mib, "push (`/api/push`)");
+        for round in 0..rounds {
+            let target = format!("{host}/bench/push{size_mib}-{round}:latest");
+            post_ok(&base, "/api/copy", &serde_json::json!({"source": model, "destination": target}));
+            row.round(
+                pid,
+                || {
+                    let headers = curl(&[
+                        "-i",
+                        "-X",
+                        "POST",
+                        &format!("http://{host}/v2/bench/floor{size_mib}-{round}/blobs/uploads/"),
+                    ]);
+                    let location = headers
+                        .lines()
+                        .find_map(|l| l.strip_prefix("Location: ").or_else(|| l.strip_prefix("location: ")))
+                        .expect("a Location")
+                        .trim();
+                    let separator = if location.contains('?') { '&' } else { '?' };
+                    curl(&[
+                        "-X",
+                        "PUT",
+                        "-T",
+                        &gguf_text,
+                        "-H",
+                        "Content-Type: application/octet-stream",
+                        &format!("{location}{separator}digest={digest}"),
+                    ]);
+                },
+                || post_json(&base, "/api/push", &serde_json::json!({"model": target})),
+            );
+        }
+        row.print();
+        rows.push(row);
+
+        // Pull: into a store without the blob (every model using it deleted first).
+        let source = format!("{host}/bench/push{size_mib}-0:latest");
+        let mut row = Row::new(size_mib, "pull (`/api/pull`)");
+        for round in 0..rounds {
+            delete_model(&base, &model);
+            for r in 0..rounds {
+                delete_model(&base, &format!("{host}/bench/push{size_mib}-{r}:latest"));
+            }
+            assert!(!in_store.exists(), "round {round}: the blob is gone before the pull");
+            let url = format!("http://{host}/v2/bench/push{size_mib}-0/blobs/{digest}");
+            row.round(
+                pid,
+                || {
+                    curl(&["-o", copy.to_str().expect("path"), &url]);
+                },
+                || post_json(&base, "/api/pull", &serde_json::json!({"model": source})),
+            );
+            remove(&copy);
+            assert!(in_store.is_file(), "the pull put the blob in place");
+        }
+        row.print();
+        rows.push(row);
+        // Back to the state the next size starts from: the model created again from the blob.
+        post_ok(&base, "/api/copy", &serde_json::json!({"source": source, "destination": model}));
+        remove(&gguf);
+        println!(
+            "client-side digest of the {size_mib} MiB file (corralctl's pass before it uploads): {client_hash:.2} s"
+        );
+    }
+
+    println!();
+    println!("store throughput, {rounds} rounds alternating (medians); ratio = floor / corral");
+    println!();
+    println!("| size | operation | floor | corral | ratio | corrald peak RSS |");
+    println!("|---|---|---|---|---|---|");
+    for row in &rows {
+        row.print();
+    }
+    assert!(daemon.0.try_wait().expect("wait").is_none(), "corrald exited");
+    assert!(registry.0.try_wait().expect("wait").is_none(), "the registry exited");
+}

@@ -1,0 +1,295 @@
+//! Blob data on its way into the store, moved once: gathered in large batches of the
+//! buffers it arrived in (no copy), written with vectored writes while another thread hashes
+//! the same bytes, and sent to disk as it goes ([`Writeback`]), so that the one sync before
+//! the blob is named waits only for the tail.
+
+use std::fs::File;
+use std::io::{self, IoSlice, Read};
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+
+use super::digest::{Digest, Hasher};
+use crate::sync::lock;
+
+/// How much data is gathered before it is written and hashed: few system calls and
+/// thread hops, and a bounded amount in memory per transfer (two batches: one being
+/// written, one being gathered).
+pub const BATCH: usize = 1 << 20;
+
+/// How much is written between two starts of the disk writes ([`Writeback`]).
+const WRITEBACK_STEP: u64 = 32 << 20;
+
+/// The most buffers one vectored write is given (Linux refuses more than 1024).
+const MAX_SLICES: usize = 512;
+
+/// Chunks of data in hand, in order, written and hashed together.
+#[derive(Debug, Default, Clone)]
+pub struct Batch {
+    chunks: Vec<Bytes>,
+    len: usize,
+}
+
+impl Batch {
+    /// Adds a chunk (shared, not copied).
+    pub fn push(&mut self, chunk: Bytes) {
+        self.len += chunk.len();
+        if !chunk.is_empty() {
+            self.chunks.push(chunk);
+        }
+    }
+
+    /// The bytes in hand.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are none.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether it is time to write it.
+    #[must_use]
+    pub fn is_full(&self) -> bool {
+        self.len >= BATCH
+    }
+
+    /// Adds the batch's bytes to `hasher`.
+    pub fn hash_into(&self, hasher: &mut Hasher) {
+        for chunk in &self.chunks {
+            hasher.update(chunk);
+        }
+    }
+
+    /// Writes the batch at `offset` of `file` with as few `pwritev` calls as it takes.
+    pub fn write_at(&self, file: &File, mut offset: u64) -> io::Result<()> {
+        for group in self.chunks.chunks(MAX_SLICES) {
+            let mut slices: Vec<IoSlice<'_>> = group.iter().map(|c| IoSlice::new(c)).collect();
+            let mut slices = &mut slices[..];
+            while !slices.is_empty() {
+                let n = rustix::io::pwritev(file, slices, offset)?;
+                if n == 0 {
+                    return Err(io::Error::from(io::ErrorKind::WriteZero));
+                }
+                offset += n as u64;
+                IoSlice::advance_slices(&mut slices, n);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Starts the disk writes of a file's dirty pages in the background every
+/// [`WRITEBACK_STEP`] bytes written, so that writing to disk overlaps receiving instead of
+/// all waiting for the final sync. Durability still comes from that final sync: this only
+/// makes it short. A thread is started on the first step (small files never start one).
+#[derive(Debug)]
+pub struct Writeback {
+    /// The same open file (a duplicate descriptor).
+    file: Option<File>,
+    since: u64,
+    kick: Option<SyncSender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// An error a background sync saw: the file's one description reports a write-back
+    /// error to one sync only, so it is kept here for [`Writeback::finish`].
+    error: Arc<Mutex<Option<io::Error>>>,
+}
+
+impl Writeback {
+    /// For writes to `file`.
+    #[must_use]
+    pub fn new(file: &File) -> Self {
+        Self { file: file.try_clone().ok(), since: 0, kick: None, thread: None, error: Arc::default() }
+    }
+
+    /// Counts `n` bytes written; starts a background sync each step.
+    pub fn wrote(&mut self, n: usize) {
+        self.since += n as u64;
+        if self.since < WRITEBACK_STEP {
+            return;
+        }
+        self.since = 0;
+        if self.kick.is_none() {
+            let Some(file) = self.file.take() else { return };
+            let (kick, kicked) = std::sync::mpsc::sync_channel::<()>(1);
+            let error = Arc::clone(&self.error);
+            let spawned = std::thread::Builder::new().name("corral-writeback".into()).spawn(move || {
+                while kicked.recv().is_ok() {
+                    if let Err(e) = file.sync_data() {
+                        lock(&error).get_or_insert(e);
+                        return;
+                    }
+                }
+            });
+            match spawned {
+                Ok(thread) => (self.kick, self.thread) = (Some(kick), Some(thread)),
+                // No thread: the final sync does all the writing, as without this.
+                Err(_) => return,
+            }
+        }
+        if let Some(kick) = &self.kick {
+            // A sync still running (or one asked for) will take these pages too.
+            if let Err(TrySendError::Disconnected(())) = kick.try_send(()) {
+                self.kick = None;
+            }
+        }
+    }
+
+    /// Waits for the background sync in progress, if any; the error one saw.
+    pub fn finish(&mut self) -> io::Result<()> {
+        self.kick = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        lock(&self.error).take().map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for Writeback {
+    fn drop(&mut self) {
+        // The thread ends after the sync it is running, if any; nobody waits for it.
+        self.kick = None;
+    }
+}
+
+/// Reads `reader` to its end in batches given to `write`, in order, each hashed on a
+/// second thread while it is written. Returns the digest and length.
+pub fn copy_hashed(
+    mut reader: impl Read,
+    mut write: impl FnMut(&Batch) -> io::Result<()>,
+) -> io::Result<(Digest, u64)> {
+    let mut hasher = Hasher::default();
+    loop {
+        let mut buffer = vec![0u8; BATCH];
+        let mut filled = 0;
+        while filled < BATCH {
+            match reader.read(&mut buffer[filled..]) {
+                Ok(0) => break,
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        buffer.truncate(filled);
+        let mut batch = Batch::default();
+        batch.push(Bytes::from(buffer));
+        if filled < BATCH {
+            // The last (or only) batch: not worth a thread.
+            batch.hash_into(&mut hasher);
+            if filled > 0 {
+                write(&batch)?;
+            }
+            return Ok(hasher.finish());
+        }
+        std::thread::scope(|scope| {
+            let hashing = scope.spawn(|| batch.hash_into(&mut hasher));
+            let written = write(&batch);
+            hashing.join().map_err(|_| io::Error::other("the hashing thread panicked"))?;
+            written
+        })?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+
+    use bytes::Bytes;
+
+    use super::{BATCH, Batch, Writeback, copy_hashed};
+    use crate::store::digest::{Digest, Hasher};
+
+    /// A reader of `left` bytes, each a function of its position, that notes how much any
+    /// one read asks for.
+    struct Endless {
+        at: u64,
+        left: u64,
+        largest_ask: usize,
+    }
+
+    impl Read for Endless {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            self.largest_ask = self.largest_ask.max(buf.len());
+            let n = buf.len().min(usize::try_from(self.left).unwrap_or(usize::MAX)).min(100_000);
+            for (i, b) in buf[..n].iter_mut().enumerate() {
+                *b = ((self.at + i as u64).wrapping_mul(31) >> 3 & 0xff) as u8;
+            }
+            self.left -= n as u64;
+            self.at += n as u64;
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn batches_write_every_chunk_in_order_and_hash_the_same_bytes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = std::fs::File::create(dir.path().join("f")).expect("file");
+        // More chunks than one vectored write takes.
+        let chunks: Vec<Vec<u8>> = (0..1300u32).map(|i| i.to_le_bytes().repeat(1 + i as usize % 7)).collect();
+        let mut batch = Batch::default();
+        for chunk in &chunks {
+            batch.push(Bytes::from(chunk.clone()));
+        }
+        batch.push(Bytes::new());
+        let all: Vec<u8> = chunks.concat();
+        assert_eq!(batch.len(), all.len());
+        batch.write_at(&file, 10).expect("write");
+        let written = std::fs::read(dir.path().join("f")).expect("read");
+        assert_eq!(&written[10..], &all[..]);
+        let mut hasher = Hasher::default();
+        batch.hash_into(&mut hasher);
+        assert_eq!(hasher.finish(), (Digest::of(&all), all.len() as u64));
+    }
+
+    /// An upload gathers chunks until its batch is full, then hands it on: what it holds
+    /// is at most one batch and one chunk, however long the body.
+    #[test]
+    fn a_batch_is_full_at_its_bound() {
+        let chunk = Bytes::from(vec![7u8; 300_000]);
+        let mut batch = Batch::default();
+        let mut largest = 0;
+        for _ in 0..1000 {
+            batch.push(chunk.clone());
+            if batch.is_full() {
+                largest = largest.max(batch.len());
+                batch = Batch::default();
+            }
+        }
+        assert!(largest >= BATCH && largest < BATCH + chunk.len(), "{largest}");
+    }
+
+    /// A large stream is copied batch by batch: no read asks for more than one batch (the
+    /// memory a copy holds), and the digest is the data's.
+    #[test]
+    fn a_copy_streams_in_bounded_batches() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("copy");
+        let file = std::fs::File::create(&path).expect("file");
+        let len = 40 * BATCH as u64 + 12_345;
+        let mut reader = Endless { at: 0, left: len, largest_ask: 0 };
+        let mut writeback = Writeback::new(&file);
+        let (mut offset, mut largest) = (0, 0);
+        let (digest, copied) = copy_hashed(&mut reader, |batch| {
+            largest = largest.max(batch.len());
+            batch.write_at(&file, offset)?;
+            offset += batch.len() as u64;
+            writeback.wrote(batch.len());
+            Ok(())
+        })
+        .expect("copy");
+        writeback.finish().expect("writeback");
+        assert!(largest <= BATCH, "a batch of {largest} bytes");
+        assert_eq!(copied, len);
+        assert!(reader.largest_ask <= BATCH, "a read asked for {} bytes", reader.largest_ask);
+        let data = std::fs::read(&path).expect("read");
+        assert_eq!(digest, Digest::of(&data));
+        let mut again = Endless { at: 0, left: len, largest_ask: 0 };
+        let mut expected = Vec::new();
+        again.read_to_end(&mut expected).expect("read");
+        assert_eq!(data, expected);
+    }
+}
