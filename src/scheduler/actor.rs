@@ -8,7 +8,7 @@
 //! [`types`](super::types) and [`handle`](super::handle).
 //!
 //! Over 800 lines for a reason: one state and the handlers that change it, which read best together.
-//! What RPC workers coming and going do to it is in [`workers`].
+//! What RPC workers coming and going do to it is in its `workers` module.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;

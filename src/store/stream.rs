@@ -84,7 +84,7 @@ impl Batch {
 }
 
 /// Starts the disk writes of a file's dirty pages in the background every
-/// [`WRITEBACK_STEP`] bytes written, so that writing to disk overlaps receiving instead of
+/// `WRITEBACK_STEP` bytes written, so that writing to disk overlaps receiving instead of
 /// all waiting for the final sync. Durability still comes from that final sync: this only
 /// makes it short. A thread is started on the first step (small files never start one).
 #[derive(Debug)]
