@@ -466,19 +466,24 @@ pub fn is_request_chatter(message: &str) -> bool {
 }
 
 /// Optional timestamp, then the level letter and one space.
-static PREFIX: LazyLock<Regex> = LazyLock::new(|| regex(r"^(?:\d+\.\d{2}\.\d{3}\.\d{3} )?([IWED]) "));
+static PREFIX: LazyLock<Regex> = LazyLock::new(|| regex(r"^(?:[0-9]+\.[0-9]{2}\.[0-9]{3}\.[0-9]{3} )?([IWED]) "));
 /// `GGML_ABORT`'s `path/file.cpp:123: message`.
-static ABORT: LazyLock<Regex> = LazyLock::new(|| regex(r"^\S+\.(?:c|cc|cpp|cu|cuh|h|hpp|m|mm):\d+: "));
-static OFFLOAD: LazyLock<Regex> = LazyLock::new(|| regex(r"^\w+: +offloaded (\d+)/(\d+) layers to GPU\s*$"));
+static ABORT: LazyLock<Regex> = LazyLock::new(|| regex(r"^\S+\.(?:c|cc|cpp|cu|cuh|h|hpp|m|mm):[0-9]+: "));
+static OFFLOAD: LazyLock<Regex> =
+    LazyLock::new(|| regex(r"^[0-9A-Za-z_]+: +offloaded ([0-9]+)/([0-9]+) layers to GPU\s*$"));
 static BUFFER: LazyLock<Regex> = LazyLock::new(|| {
-    regex(r"^(\w+): +(\S+) +(model|output|KV|compute|RS) buffer size = +([0-9]+(?:\.[0-9]+)?) MiB\s*$")
+    regex(r"^([0-9A-Za-z_]+): +(\S+) +(model|output|KV|compute|RS) buffer size = +([0-9]+(?:\.[0-9]+)?) MiB\s*$")
 });
-static MODEL_LOADED: LazyLock<Regex> = LazyLock::new(|| regex(r"^(?:srv +)?\w+: model loaded\s*$"));
-static LISTENING: LazyLock<Regex> = LazyLock::new(|| regex(r"^(?:srv +)?\w+: listening on (\S+)\s*$"));
+static MODEL_LOADED: LazyLock<Regex> = LazyLock::new(|| regex(r"^(?:srv +)?[0-9A-Za-z_]+: model loaded\s*$"));
+static LISTENING: LazyLock<Regex> = LazyLock::new(|| regex(r"^(?:srv +)?[0-9A-Za-z_]+: listening on (\S+)\s*$"));
 static SLOTS_IDLE: LazyLock<Regex> = LazyLock::new(|| regex(r"^(?:srv +)?update_slots: all slots are idle\s*$"));
 /// ANSI CSI sequences (colours).
 static ANSI: LazyLock<Regex> = LazyLock::new(|| regex(r"\x1b\[[0-9;]*[A-Za-z]"));
 
+/// A built-in pattern. They spell digits and word characters in ASCII (`[0-9]`,
+/// `[0-9A-Za-z_]`): llama.cpp's names and numbers are ASCII, and Unicode's `\w` and `\d`
+/// compile into automata (and per-thread caches) megabytes larger, which the daemon would
+/// keep for the rest of its life after the first load.
 fn regex(pattern: &str) -> Regex {
     Regex::new(pattern).unwrap_or_else(|e| panic!("bad built-in regex {pattern:?}: {e}"))
 }
