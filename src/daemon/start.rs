@@ -198,12 +198,7 @@ pub(super) async fn start_scheduler(
             },
         ),
     };
-    let gpus: Vec<GpuView> = inventory
-        .gpus
-        .iter()
-        .enumerate()
-        .map(|(index, g)| GpuView { index, name: g.name.clone(), worker: g.endpoint.clone(), usable: g.free_bytes })
-        .collect();
+    let gpus = GpuView::all(inventory);
     let limits = limits(config, gpus.len());
     let max_loaded = limits.max_loaded;
     let online = inventory.online().count();
@@ -221,7 +216,7 @@ pub(super) async fn start_scheduler(
     let scheduler = if config.workers.is_empty() {
         scheduler
     } else {
-        let (nudge, nudges) = tokio::sync::mpsc::unbounded_channel();
+        let (nudge, nudges) = workers::nudges();
         let scheduler = scheduler.with_workers(&fleet, nudge);
         let monitor = Monitor {
             fleet,

@@ -780,12 +780,12 @@ fn fleet(down: Option<&str>) -> crate::workers::Fleet {
 
 /// A scheduler with 100 MiB of host memory and the worker of [`fleet`], up; and where it
 /// asks for early checks.
-fn scheduler_with_worker() -> (Fake, Handle, tokio::sync::mpsc::UnboundedReceiver<Vec<String>>) {
+fn scheduler_with_worker() -> (Fake, Handle, crate::workers::Nudges) {
     let fake = Fake::default();
     let gpus = vec![GpuView { index: 0, name: "w".into(), worker: Some("10.0.0.2:1".into()), usable: 1000 * MIB }];
     let (scheduler, handle) =
         Scheduler::new(Arc::new(fake.clone()), gpus, 100 * MIB, limits(), Footprints::in_memory());
-    let (nudge, nudges) = tokio::sync::mpsc::unbounded_channel();
+    let (nudge, nudges) = crate::workers::nudges();
     tokio::spawn(scheduler.with_workers(&fleet(None), nudge).run());
     (fake, handle, nudges)
 }

@@ -69,6 +69,20 @@ pub struct GpuView {
     pub usable: u64,
 }
 
+impl GpuView {
+    /// Every device of `inventory` (offline ones too: the scheduler leaves those out when
+    /// it plans), by its inventory index.
+    #[must_use]
+    pub fn all(inventory: &crate::gpu::Inventory) -> Vec<Self> {
+        inventory
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(index, g)| Self { index, name: g.name.clone(), worker: g.endpoint.clone(), usable: g.free_bytes })
+            .collect()
+    }
+}
+
 /// A loaded (or loading) runner as the scheduler plans with it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunnerView {

@@ -29,6 +29,20 @@ pub struct WorkerStatus {
     pub checks: u64,
 }
 
+impl WorkerStatus {
+    /// "worker NAME (ADDRESS)", for messages.
+    #[must_use]
+    pub fn label(&self) -> String {
+        format!("worker {} ({})", self.name, self.address)
+    }
+
+    /// "worker NAME (ADDRESS) is down: WHY", for messages.
+    #[must_use]
+    pub fn down_message(&self) -> String {
+        format!("{} is down: {}", self.label(), self.last_error)
+    }
+}
+
 /// What one check found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
@@ -66,8 +80,6 @@ pub struct Fleet {
     pub workers: Vec<WorkerStatus>,
     /// Each worker's indices in `inventory.gpus`.
     slots: Vec<Vec<usize>>,
-    /// Whether each worker was checked at least once.
-    checked: Vec<bool>,
 }
 
 impl Fleet {
@@ -90,7 +102,6 @@ impl Fleet {
                 })
                 .collect(),
             slots: vec![Vec::new(); workers.len()],
-            checked: vec![false; workers.len()],
         }
     }
 
@@ -115,9 +126,9 @@ impl Fleet {
     /// held by runners never change meaning).  Up without a listing while down keeps it
     /// down: its devices are not known.
     pub fn apply(&mut self, index: usize, outcome: Outcome, now: SystemTime) -> Option<Change> {
-        let first = !std::mem::replace(self.checked.get_mut(index)?, true);
-        let was_up = self.workers.get(index)?.up;
-        self.workers[index].checks += 1;
+        let status = self.workers.get_mut(index)?;
+        let (first, was_up) = (status.checks == 0, status.up);
+        status.checks += 1;
         let change = match outcome {
             Outcome::Up { rtt, devices: Some(devices) } => {
                 self.place(index, devices);

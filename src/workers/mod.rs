@@ -15,7 +15,7 @@ mod monitor;
 
 pub use check::{CheckSettings, check};
 pub use fleet::{Change, Fleet, Outcome, WorkerStatus};
-pub use monitor::{Monitor, Nudges, first_round, log_change};
+pub use monitor::{Monitor, Nudge, Nudges, first_round, log_change, nudges};
 
 /// The views' copy of the fleet: the inventory (with the up workers' devices) and each
 /// worker's health, as the monitor last published them.

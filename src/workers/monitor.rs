@@ -13,7 +13,17 @@ use crate::config::WorkerConfig;
 use crate::scheduler::handle::Handle;
 
 /// Where the scheduler asks for workers (by address) to be checked now.
-pub type Nudges = mpsc::UnboundedReceiver<Vec<String>>;
+pub type Nudges = mpsc::Receiver<Vec<String>>;
+
+/// The scheduler's side of [`Nudges`].
+pub type Nudge = mpsc::Sender<Vec<String>>;
+
+/// The channel of early checks: a few at most wait (each names the workers of one dead
+/// runner); a scheduler that finds it full plans on as if it had not asked.
+#[must_use]
+pub fn nudges() -> (Nudge, Nudges) {
+    mpsc::channel(16)
+}
 
 /// Checks every worker once, listing their devices, and logs what it found: the fleet
 /// the daemon starts with.
@@ -36,9 +46,8 @@ pub fn log_change(status: &WorkerStatus, change: Change) {
             corral_worker = status.name.as_str(),
             corral_worker_address = status.address.as_str(),
             corral_worker_devices = status.devices.len(),
-            "worker {} ({}) is up with {}",
-            status.name,
-            status.address,
+            "{} is up with {}",
+            status.label(),
             crate::units::count(status.devices.len(), "device", "devices")
         ),
         Change::Down => tracing::warn!(
@@ -46,10 +55,8 @@ pub fn log_change(status: &WorkerStatus, change: Change) {
             corral_worker = status.name.as_str(),
             corral_worker_address = status.address.as_str(),
             corral_reason = status.last_error.as_str(),
-            "worker {} ({}) is down: {}; its devices are left out until it is back",
-            status.name,
-            status.address,
-            status.last_error
+            "{}; its devices are left out until it is back",
+            status.down_message()
         ),
     }
 }

@@ -4,10 +4,12 @@
 //! out while corrald starts.  A load shows where its memory is in every view.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use corral::dbus::proxy::{ManagerProxy, ModelProxy};
 use zbus::proxy::CacheProperties;
 
+use crate::support::container::{poll_until, poll_until_async};
 use crate::support::corrald::free_port;
 use crate::support::dbus::BusDaemon;
 use crate::support::http;
@@ -162,15 +164,11 @@ async fn fleet_now(manager: &ManagerProxy<'_>) -> (Vec<(String, String)>, Vec<St
 
 /// Polls the fleet until `want` holds, for at most 30 s (checks run every second).
 async fn wait_fleet(manager: &ManagerProxy<'_>, what: &str, want: impl Fn(&[(String, String)], &[String]) -> bool) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
+    poll_until_async(Duration::from_secs(30), what, || async {
         let (workers, devices) = fleet_now(manager).await;
-        if want(&workers, &devices) {
-            return;
-        }
-        assert!(std::time::Instant::now() < deadline, "{what}: workers {workers:?}, devices {devices:?}");
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+        if want(&workers, &devices) { Ok(()) } else { Err(format!("workers {workers:?}, devices {devices:?}")) }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -203,11 +201,10 @@ async fn a_worker_joins_when_it_comes_up_leaves_when_it_dies_and_comes_back() {
     // It dies: the runner that used it is gone, the worker is down, its device left out.
     server.kill();
     wait_fleet(&manager, "the worker leaves", |w, d| w[0].1 == "down" && d.is_empty()).await;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !get(&daemon, "/api/ps").json()["models"].as_array().is_some_and(Vec::is_empty) {
-        assert!(std::time::Instant::now() < deadline, "the runner is reaped");
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    poll_until(Duration::from_secs(30), "the runner to be reaped", || {
+        let ps = get(&daemon, "/api/ps").json();
+        if ps["models"].as_array().is_some_and(Vec::is_empty) { Ok(()) } else { Err(ps.to_string()) }
+    });
     let log = daemon.corrald.stderr();
     let events = |event: &str| log.lines().filter(|l| l.contains(&format!("corral_event=\"{event}\""))).count();
     assert_eq!((events("worker-up"), events("worker-down")), (1, 2), "down at start, up, down: {log}");

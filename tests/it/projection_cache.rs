@@ -4,7 +4,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::support::corrald::{on_demo_store_with, write_config};
 use crate::support::http::{connect, request};
@@ -26,15 +26,10 @@ fn runs(count: &Path) -> usize {
 /// Unloads `chat` and waits until `/api/ps` is empty.
 fn unload(port: u16) {
     assert_eq!(post(port, "/api/generate", r#"{"model":"chat","keep_alive":0}"#).0, 200);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
+    crate::support::container::poll_until(Duration::from_secs(60), "chat to be unloaded", || {
         let ps = crate::support::http::tcp(([127, 0, 0, 1], port).into(), "GET", "/api/ps").json();
-        if ps["models"].as_array().is_some_and(Vec::is_empty) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "chat was not unloaded: {ps}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        if ps["models"].as_array().is_some_and(Vec::is_empty) { Ok(()) } else { Err(ps.to_string()) }
+    });
 }
 
 #[test]

@@ -10,12 +10,12 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use super::{Scheduler, Stop};
 use crate::scheduler::policy::{GpuView, Placement, RunnerId};
 use crate::scheduler::types::UnloadReason;
-use crate::workers::{Fleet, WorkerStatus};
+use crate::workers::{Fleet, Nudge, WorkerStatus};
 
 /// How many ended runners' fates are remembered for requests that ask late.
 const REMEMBERED: usize = 64;
@@ -30,7 +30,7 @@ pub(crate) struct FleetState {
     /// Each worker's health, as the monitor last said.
     workers: Vec<WorkerStatus>,
     /// Where to ask the monitor for an early check; none without workers.
-    nudges: Option<mpsc::UnboundedSender<Vec<String>>>,
+    nudges: Option<Nudge>,
     /// Requests waiting for a runner's fate.
     waiting: Vec<(RunnerId, oneshot::Sender<Option<String>>)>,
     /// The latest ended runners: why, and the workers they used.
@@ -41,7 +41,7 @@ impl Scheduler {
     /// Plans with the workers of `fleet` (its devices already among the GPUs given to
     /// [`Scheduler::new`], by the same indices), and asks `nudges` for early checks.
     #[must_use]
-    pub fn with_workers(mut self, fleet: &Fleet, nudges: mpsc::UnboundedSender<Vec<String>>) -> Self {
+    pub fn with_workers(mut self, fleet: &Fleet, nudges: Nudge) -> Self {
         self.fleet.offline.clone_from(&fleet.inventory.offline);
         self.fleet.workers.clone_from(&fleet.workers);
         self.fleet.nudges = Some(nudges);
@@ -65,25 +65,14 @@ impl Scheduler {
 
     /// The down workers, each with why, for messages.
     pub(super) fn down_workers(&self) -> Vec<String> {
-        self.fleet
-            .workers
-            .iter()
-            .filter(|w| !w.up)
-            .map(|w| format!("worker {} ({}): {}", w.name, w.address, w.last_error))
-            .collect()
+        self.fleet.workers.iter().filter(|w| !w.up).map(|w| format!("{}: {}", w.label(), w.last_error)).collect()
     }
 
     /// The monitor's news: new device figures and slots, workers up or down (`checked`:
     /// the workers it has just checked, no longer suspect).
     pub(super) fn fleet_changed(&mut self, fleet: Fleet, checked: &[String]) {
         self.backend.devices_changed(&fleet.inventory.gpus);
-        self.gpus = fleet
-            .inventory
-            .gpus
-            .iter()
-            .enumerate()
-            .map(|(index, g)| GpuView { index, name: g.name.clone(), worker: g.endpoint.clone(), usable: g.free_bytes })
-            .collect();
+        self.gpus = GpuView::all(&fleet.inventory);
         self.fleet.offline = fleet.inventory.offline;
         self.fleet.workers = fleet.workers;
         for address in checked {
@@ -111,11 +100,7 @@ impl Scheduler {
     /// The first down worker among those `placement` uses, as a message.
     fn down_worker_of(&self, placement: &Placement) -> Option<String> {
         let used = self.workers_of(placement);
-        self.fleet
-            .workers
-            .iter()
-            .find(|w| !w.up && used.contains(&w.address))
-            .map(|w| format!("worker {} ({}) is down: {}", w.name, w.address, w.last_error))
+        self.fleet.workers.iter().find(|w| !w.up && used.contains(&w.address)).map(WorkerStatus::down_message)
     }
 
     /// The workers (addresses) whose devices `placement` uses.
@@ -137,7 +122,8 @@ impl Scheduler {
             return;
         }
         let Some(nudges) = &self.fleet.nudges else { return };
-        if nudges.send(workers.clone()).is_ok() {
+        // Full or gone: no check is coming, so nothing is held back for one.
+        if nudges.try_send(workers.clone()).is_ok() {
             self.fleet.suspect.extend(workers);
         }
     }
@@ -182,7 +168,7 @@ impl Scheduler {
                 .workers
                 .iter()
                 .filter(|w| !w.up && workers.contains(&w.address))
-                .map(|w| format!("worker {} ({}) is down: {}", w.name, w.address, w.last_error))
+                .map(WorkerStatus::down_message)
                 .collect();
             let fate = if down.is_empty() || down.iter().any(|d| d == why) {
                 why.clone()

@@ -107,6 +107,23 @@ pub fn poll_until<T>(timeout: Duration, what: &str, mut probe: impl FnMut() -> R
     }
 }
 
+/// [`poll_until`] for a probe that awaits (D-Bus calls in an async test).
+pub async fn poll_until_async<T, F>(timeout: Duration, what: &str, mut probe: impl FnMut() -> F) -> T
+where
+    F: Future<Output = Result<T, String>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        match probe().await {
+            Ok(value) => return value,
+            Err(last) if Instant::now() >= deadline => {
+                panic!("timed out after {timeout:?} waiting for {what}; last seen: {last}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
 /// A command line for messages.
 pub fn show(cmd: &Command) -> String {
     let mut s = cmd.get_program().to_string_lossy().into_owned();
