@@ -95,6 +95,7 @@ fn main() {
         log_sink: LogSink::Tracing,
         cgroups: None,
         stop_grace: Duration::from_secs(2),
+        worker_link_timeout: Duration::from_secs(3),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
     let mut direct_samples = Vec::with_capacity(rounds);

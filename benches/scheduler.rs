@@ -708,6 +708,7 @@ fn with_fake(fake: &Path, dir: &Path, requests: usize) -> Setup {
         log_sink: LogSink::Tracing,
         cgroups: None,
         stop_grace: Duration::from_secs(10),
+        worker_link_timeout: Duration::from_secs(3),
     };
     let models: Vec<ModelRequest> = (0..5)
         .map(|i| {

@@ -48,7 +48,8 @@ pub struct WorkerHealthConfig {
     /// How often each worker is checked.
     #[serde(deserialize_with = "positive_duration")]
     pub interval: Duration,
-    /// How long one check's connection may take.
+    /// How long one check's connection may take, and how long a runner's connection to
+    /// a worker may go unanswered.
     #[serde(deserialize_with = "positive_duration")]
     pub timeout: Duration,
 }

@@ -187,6 +187,7 @@ pub(super) async fn start_scheduler(
             log_sink,
             cgroups,
             stop_grace: Duration::from_secs(10),
+            worker_link_timeout: config.worker_health.timeout,
         },
         load_timeout: config.scheduler.load_timeout,
         devices: Arc::new(std::sync::RwLock::new(SupervisorBackend::device_ids(&inventory.gpus))),

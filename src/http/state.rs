@@ -148,6 +148,7 @@ pub(crate) fn absent_backend() -> Arc<dyn crate::scheduler::backend::Backend> {
             log_sink: LogSink::Tracing,
             cgroups: None,
             stop_grace: Duration::from_secs(1),
+            worker_link_timeout: Duration::from_secs(3),
         },
         load_timeout: Duration::from_secs(5),
         devices: Arc::default(),

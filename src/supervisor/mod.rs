@@ -7,7 +7,8 @@
 //! - [`child_log`]: a child's output, read and parsed on its own thread, in batches
 //!   once the child is ready;
 //! - [`cgroup`]: each child in its own cgroup under the service's delegated subtree;
-//! - [`upstream`]: HTTP to a child over its private UNIX socket.
+//! - [`upstream`]: HTTP to a child over its private UNIX socket;
+//! - [`worker_links`]: a child's connections to its RPC workers, made to notice one cut off.
 
 pub mod cgroup;
 pub mod child_log;
@@ -15,3 +16,4 @@ pub mod command;
 pub mod logparse;
 pub mod runner;
 pub mod upstream;
+pub mod worker_links;

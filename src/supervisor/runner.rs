@@ -26,6 +26,7 @@ use super::child_log::{ChildLog, Milestone};
 use super::command::{self, Invocation, LoadOptions, ModelFiles, Placement, PlannedDevice};
 use super::logparse::{ErrorClass, LoadReport};
 use super::upstream;
+use super::worker_links;
 use crate::systemd::JournalWriter;
 
 /// Where a child's output goes besides the parser.
@@ -52,6 +53,9 @@ pub struct SupervisorConfig {
     pub cgroups: Option<CgroupTree>,
     /// How long a child may take to exit after SIGTERM before it is killed.
     pub stop_grace: Duration,
+    /// How long a child's connection to an RPC worker may go unanswered before the
+    /// kernel drops it (`[worker_health] timeout`; see [`super::worker_links`]).
+    pub worker_link_timeout: Duration,
 }
 
 /// What to load.
@@ -443,6 +447,9 @@ async fn load_once(config: &SupervisorConfig, spec: &RunnerSpec, placement: &Pla
     };
     match outcome {
         Ok(report) => {
+            if !placement.rpc_servers.is_empty() {
+                watch_worker_links(pid, &spec.model, config.worker_link_timeout);
+            }
             runner.report = report;
             runner.load_time = started.elapsed();
             Ok(runner)
@@ -460,6 +467,20 @@ async fn load_once(config: &SupervisorConfig, spec: &RunnerSpec, placement: &Pla
             let exit = runner.stop().await;
             Err(LoadError::Exited(exit))
         }
+    }
+}
+
+/// Makes a ready runner's worker connections fail when a worker stops answering; without
+/// it (the kernel or a system call filter refuses) a worker cut off while the runner waits
+/// for its answer is noticed only when the runner next sends to it.
+fn watch_worker_links(pid: Pid, model: &str, timeout: Duration) {
+    match worker_links::arm(Path::new("/proc"), pid, timeout) {
+        Ok(armed) => tracing::debug!(corral_model = %model, armed, "keepalive set on the runner's worker connections"),
+        Err(e) => tracing::warn!(
+            corral_model = %model,
+            error = %e,
+            "{model}: cannot set keepalive on the runner's worker connections: a worker cut off while it computes may go unnoticed"
+        ),
     }
 }
 

@@ -70,6 +70,7 @@ impl Fake {
             log_sink: LogSink::Tracing,
             cgroups: None,
             stop_grace: Duration::from_secs(10),
+            worker_link_timeout: Duration::from_secs(3),
         };
         Self { dir, model, projector: None, config, reap: Vec::new() }
     }

@@ -55,6 +55,7 @@ impl World {
                 log_sink: LogSink::Tracing,
                 cgroups: None,
                 stop_grace: Duration::from_secs(10),
+                worker_link_timeout: Duration::from_secs(3),
             },
             load_timeout: Duration::from_secs(30),
             devices: Arc::default(),

@@ -27,6 +27,7 @@ fn config(runtime_dir: &Path) -> SupervisorConfig {
         log_sink: LogSink::Tracing,
         cgroups: None,
         stop_grace: Duration::from_secs(10),
+        worker_link_timeout: Duration::from_secs(3),
     }
 }
 

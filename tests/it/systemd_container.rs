@@ -246,6 +246,38 @@ fn a_preloaded_model_runs_in_its_own_cgroup_and_logs_to_the_journal() {
     assert!(String::from_utf8_lossy(&left.stdout).trim().is_empty(), "no llama-server is left");
 }
 
+/// A runner on an RPC worker, under the unit's system call filter and sandbox: corrald
+/// takes a duplicate of the runner's connection to the worker (`pidfd_getfd`, which the
+/// unit allows beyond `@system-service`) and sets keepalive on it, so that a worker cut
+/// off while the runner waits for its answer is noticed.
+#[test]
+fn a_runner_on_a_worker_gets_keepalive_on_its_connection_under_the_unit() {
+    let ct = Container::boot("keepalive");
+    install_with_preloads(&ct, &["chat"]);
+    let share = ct.share_dir();
+    std::fs::copy(crate::support::llama::bin_dir().join("rpc-server"), share.join("rpc-server")).expect("stage");
+    let mut config = std::fs::read_to_string(share.join("corral.toml")).expect("config");
+    config.push_str("[[workers]]\nname = \"w0\"\naddress = \"127.0.0.1:50052\"\nmemory = \"1GiB\"\n");
+    std::fs::write(share.join("corral.toml"), config).expect("config");
+    ct.run(&["install", "-m", "0644", "/srv/host/corral.toml", "/etc/corral/corral.toml"]);
+    ct.run(&["systemd-run", "--unit=rpc-worker", "/srv/host/rpc-server", "-H", "127.0.0.1", "-p", "50052"]);
+    wait_active_state(&ct, "rpc-worker.service", "active");
+
+    ct.run(&["systemctl", "start", "corrald.service"]);
+    poll_until(SETTLE, "corrald to report the loaded model", || {
+        let status = ct.unit_property("corrald.service", "StatusText");
+        if status.ends_with("1 model loaded") { Ok(()) } else { Err(status) }
+    });
+    let offload = wait_event(&ct, "offload");
+    assert!(offload.contains("RPC0"), "the model is on the worker: {offload}");
+    // The runner's one connection to the worker, with its keepalive timer running.
+    let sockets = ct.run(&["ss", "-tnoH", "state", "established", "dst", "127.0.0.1:50052"]);
+    assert_eq!(sockets.lines().count(), 1, "{sockets}");
+    assert!(sockets.contains("timer:(keepalive,"), "{sockets}");
+    let entries = ct.journal("corrald.service");
+    assert!(!summary(&entries).contains("cannot set keepalive"), "{}", summary(&entries));
+}
+
 /// `[server] exit_on_idle` under real systemd: corrald exits cleanly when idle, the socket
 /// stays, and the next connection starts a new instance that answers it.
 #[test]

@@ -23,6 +23,7 @@
 use std::fmt::Write as _;
 use std::net::SocketAddrV4;
 use std::path::PathBuf;
+use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -363,6 +364,60 @@ fn a_worker_killed_mid_stream_ends_the_answer_and_is_used_again_when_back() {
 fn a_worker_cut_off_mid_stream_ends_the_answer_and_is_used_again_when_back() {
     let mut rig = Rig::new(&[true, true]);
     rig.fault_mid_stream(|worker| worker.link.set_worker_side(false), |worker| worker.link.set_worker_side(true));
+}
+
+/// The quiet case of a cut: the worker's kernel has acknowledged everything the runner
+/// sent and the runner waits for the answer (the worker is stopped while it computes),
+/// when its link goes down.  Nothing of the runner's is unacknowledged, so only the
+/// keepalive corrald sets on the runner's connection notices.
+#[test]
+fn a_worker_cut_off_while_the_runner_awaits_its_answer_ends_the_answer_and_is_used_again() {
+    use nix::sys::signal::{Signal, kill};
+    let signal = |worker: &mut Worker, signal| {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(worker.server().pid()).expect("pid"));
+        kill(pid, signal).expect("signal the worker");
+    };
+    let mut rig = Rig::new(&[true, true]);
+    let head = rig.head.name().to_owned();
+    rig.fault_mid_stream(
+        |worker| {
+            signal(worker, Signal::SIGSTOP);
+            let stopped = Instant::now();
+            let remote = rpc_table_address(worker.endpoint());
+            // Within a second of the worker's stop the runner has sent all it can (a token
+            // takes milliseconds) and waits for the worker's answer.
+            poll_until(Duration::from_secs(10), "the runner to wait with its data acknowledged", || {
+                if stopped.elapsed() < Duration::from_secs(1) {
+                    return Err("the worker was just stopped".to_owned());
+                }
+                let mut cat = Command::new("ip");
+                cat.args(["netns", "exec", &head, "cat", "/proc/net/tcp"]);
+                let text = output_within(&mut cat, Duration::from_secs(10))?;
+                let text = String::from_utf8_lossy(&text.stdout);
+                let queues: Vec<&str> = text
+                    .lines()
+                    .filter(|l| l.split_whitespace().nth(2) == Some(remote.as_str()))
+                    .filter_map(|l| l.split_whitespace().nth(4))
+                    .collect();
+                if !queues.is_empty() && queues.iter().all(|q| q.starts_with("00000000:")) {
+                    Ok(())
+                } else {
+                    Err(format!("send queues {queues:?}"))
+                }
+            });
+            worker.link.set_worker_side(false);
+        },
+        |worker| {
+            worker.link.set_worker_side(true);
+            signal(worker, Signal::SIGCONT);
+        },
+    );
+}
+
+/// `address` as `/proc/net/tcp` writes it: the IPv4 address as this machine stores the
+/// 32-bit value, and the port, in hex.
+fn rpc_table_address(address: SocketAddrV4) -> String {
+    format!("{:08X}:{:04X}", u32::from_ne_bytes(address.ip().octets()), address.port())
 }
 
 #[test]

@@ -49,6 +49,7 @@ pub fn backend(dir: &Path) -> SupervisorBackend {
             log_sink: LogSink::Tracing,
             cgroups: None,
             stop_grace: Duration::from_secs(10),
+            worker_link_timeout: Duration::from_secs(3),
         },
         load_timeout: Duration::from_secs(60),
         devices: Arc::default(),
