@@ -78,6 +78,11 @@ impl Runners {
         !self.by_id.values().any(|r| r.serves(name))
     }
 
+    /// Whether the views show a runner loading the model `name`.
+    pub(super) fn loading(&self, name: &str) -> bool {
+        self.by_id.values().any(|r| r.state == "loading" && r.serves(name))
+    }
+
     /// The newest runner serving `name`.
     fn of(&self, name: &str) -> Option<&Runner> {
         self.by_id.values().rev().find(|r| r.serves(name))

@@ -290,7 +290,14 @@ pub(super) async fn load(
     let short = request.name.clone();
     let path = model_path(&short);
     // The model stays loaded for its keep-alive once this lease is dropped.
-    let runner = shared.context.scheduler.acquire(request).await?.runner();
+    let runner = match shared.context.scheduler.acquire(request).await {
+        Ok(lease) => lease.runner(),
+        Err(e) => {
+            // A failed load is over when the reply goes: the views no longer show it loading.
+            shared.settled(|runners| !runners.loading(&short)).await;
+            return Err(e.into());
+        }
+    };
     shared.settled(|runners| runners.loaded(runner, &short)).await;
     Ok(path)
 }

@@ -5,10 +5,16 @@
 //! is unacknowledged, so the kernel never gives up, and neither retransmissions nor
 //! errors show.  Once the runner is ready, corrald takes a duplicate of each of its TCP
 //! sockets (`pidfd_getfd`, allowed on its own child) and sets keepalive probes every
-//! second and `TCP_USER_TIMEOUT` to the workers' check timeout on the shared socket.  A
-//! worker that stops answering them (or stops acknowledging data) then fails the
-//! runner's next read or write with `ETIMEDOUT`; llama.cpp aborts on it, and the runner's
-//! end is handled like a worker killed.
+//! second on the shared socket, as many as the workers' check timeout has seconds.  A
+//! worker that answers none of them fails the runner's wait with `ETIMEDOUT`; llama.cpp
+//! aborts on it, and the runner's end is handled like a worker killed.  Data the worker
+//! does not acknowledge is the health check's to notice (retransmissions).
+//!
+//! The connections also close with a reset (`SO_LINGER` of zero) rather than a FIN the
+//! kernel would go on sending after the runner is gone: on a dead link neither arrives,
+//! and rpc-server, which serves one client at a time and sets no keepalive, waits for
+//! that client forever.  With no orphaned socket left on the runner's port, the health
+//! check can end the worker's side once the link is back (see `workers::check`).
 //!
 //! A runner's only TCP sockets are its worker connections: it serves HTTP on a UNIX
 //! socket.
@@ -27,7 +33,7 @@ const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// The most descriptors of a runner looked at (llama-server holds a few dozen).
 const MAX_FDS: usize = 4096;
 
-/// Sets keepalive and a user timeout of `timeout` on each TCP connection of the process
+/// Sets keepalive that gives up after `timeout` on each TCP connection of the process
 /// `pid`, whose descriptors are listed in `proc`'s `PID/fd`; returns how many it set.
 pub fn arm(proc: &Path, pid: Pid, timeout: Duration) -> std::io::Result<usize> {
     let process = rustix::process::Pid::from_raw(pid.as_raw())
@@ -58,15 +64,17 @@ fn is_tcp_connection(socket: impl AsFd) -> bool {
         && rustix::net::getpeername(socket).is_ok()
 }
 
-/// Keepalive probes after [`PROBE_EVERY`] of silence, and the connection dropped when no
-/// probe or data is acknowledged for `timeout`.
+/// Keepalive probes after [`PROBE_EVERY`] of silence and then every [`PROBE_EVERY`], the
+/// connection dropped after `timeout` of them unanswered (one at least); closed with a
+/// reset.
 fn set_liveness(socket: impl AsFd, timeout: Duration) -> std::io::Result<()> {
     let socket = socket.as_fd();
-    let timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX).max(1);
+    let probes = u32::try_from(timeout.as_millis().div_ceil(PROBE_EVERY.as_millis())).unwrap_or(u32::MAX).max(1);
     sockopt::set_socket_keepalive(socket, true)?;
     sockopt::set_tcp_keepidle(socket, PROBE_EVERY)?;
     sockopt::set_tcp_keepintvl(socket, PROBE_EVERY)?;
-    sockopt::set_tcp_user_timeout(socket, timeout_ms)?;
+    sockopt::set_tcp_keepcnt(socket, probes)?;
+    sockopt::set_socket_linger(socket, Some(Duration::ZERO))?;
     Ok(())
 }
 
@@ -80,7 +88,7 @@ mod tests {
     /// The settings land on the other process's socket: read back through a second
     /// duplicate, and the connection still carries data.
     #[test]
-    fn a_childs_tcp_connections_get_keepalive_and_a_user_timeout() {
+    fn a_childs_tcp_connections_get_keepalive() {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let address = listener.local_addr().expect("address");
         // A child that holds one connection (and a UNIX socket pair, which is left alone)
@@ -108,7 +116,8 @@ mod tests {
             sockopt::socket_keepalive(&theirs),
             sockopt::tcp_keepidle(&theirs),
             sockopt::tcp_keepintvl(&theirs),
-            sockopt::tcp_user_timeout(&theirs),
+            sockopt::tcp_keepcnt(&theirs),
+            sockopt::socket_linger(&theirs),
         );
         let mut theirs = TcpStream::from(theirs);
         theirs.write_all(b"ping").expect("write");
@@ -120,8 +129,8 @@ mod tests {
         assert_eq!(armed.expect("armed"), 1, "the one TCP connection, not the UNIX socket");
         assert_eq!(
             settings,
-            (Ok(true), Ok(PROBE_EVERY), Ok(PROBE_EVERY), Ok(2500)),
-            "keepalive every second, user timeout as asked"
+            (Ok(true), Ok(PROBE_EVERY), Ok(PROBE_EVERY), Ok(3), Ok(Some(Duration::ZERO))),
+            "keepalive every second, three probes for 2.5 s, closed with a reset"
         );
         assert_eq!(&got, b"ping");
     }

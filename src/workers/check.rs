@@ -8,6 +8,13 @@
 //! from the runner's own connection instead, in `/proc/net/tcp`: a connection whose
 //! data goes unacknowledged through [`STALLED_AFTER`] retransmission timeouts (about
 //! 1.4 s on a LAN) is a worker cut off.
+//!
+//! A worker cut off from a runner that then died may still hold that runner's connection
+//! open: the runner's goodbye was lost on the dead link, and rpc-server, which sets no
+//! keepalive, waits on its one client forever.  Before such a worker is listed again, the
+//! check reconnects from each local end the runner had ([`reset_left_open`]): the
+//! worker's TCP answers a SYN on an open connection with an ACK (RFC 5961), which this
+//! side's kernel rejects with a reset that ends the old connection.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -22,6 +29,34 @@ pub const STALLED_AFTER: u32 = 3;
 
 /// The most of `/proc/net/tcp` read (about 150 bytes a socket).
 const MAX_TCP_TABLE: u64 = 64 << 20;
+
+/// How long a reset from a runner's old port waits: the worker's ACK and this side's reset
+/// take a round trip; the SYN is sent again after a second.
+const RESET_WAIT: Duration = Duration::from_millis(500);
+
+/// A TCP connection from this host to a worker, by its two ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Connection {
+    /// This host's end.
+    pub local: SocketAddr,
+    /// The worker's end.
+    pub remote: SocketAddr,
+}
+
+/// What a check found.
+#[derive(Debug)]
+pub struct Checked {
+    /// The worker's state.
+    pub outcome: Outcome,
+    /// The established connections of this host to the worker (a runner's).
+    pub held: Vec<Connection>,
+}
+
+impl From<Outcome> for Checked {
+    fn from(outcome: Outcome) -> Self {
+        Self { outcome, held: Vec::new() }
+    }
+}
 
 /// How a check is made.
 #[derive(Debug, Clone)]
@@ -39,27 +74,35 @@ pub struct CheckSettings {
     pub reserve: u64,
 }
 
-/// Checks `worker`: a connection within the timeout, and its devices when `list`.
+/// Checks `worker`: a connection within the timeout, and its devices when `list`;
+/// `left_open` are connections a runner had to it, reset before a listing when no runner
+/// holds the worker any more.
 ///
 /// Connecting is all an rpc-server busy with a runner can answer (it serves one client
 /// at a time; the kernel still accepts into its backlog), so an up worker is only
 /// connected to; its devices are listed when it comes up.
-pub async fn check(worker: &WorkerConfig, settings: &CheckSettings, list: bool) -> Outcome {
+pub async fn check(worker: &WorkerConfig, settings: &CheckSettings, list: bool, left_open: &[Connection]) -> Checked {
     let address = match resolve(worker, settings.timeout).await {
         Ok(address) => address,
-        Err(why) => return Outcome::Down(why),
+        Err(why) => return Outcome::Down(why).into(),
     };
-    if !list {
-        match held(&settings.tcp_table, address) {
-            Held::Stalled(timeouts) => {
-                return Outcome::Down(format!(
-                    "a runner's connection to {address} got no answer through {timeouts} retransmission timeouts"
-                ));
-            }
-            Held::Healthy => return Outcome::Busy,
-            Held::Free => {}
+    let (state, held) = connections(&settings.tcp_table, address);
+    let outcome = match state {
+        Held::Stalled(timeouts) if !list => Outcome::Down(format!(
+            "a runner's connection to {address} got no answer through {timeouts} retransmission timeouts"
+        )),
+        Held::Healthy if !list => Outcome::Busy,
+        Held::Free if list && !left_open.is_empty() => {
+            reset_left_open(left_open).await;
+            connect(worker, settings, address, list).await
         }
-    }
+        _ => connect(worker, settings, address, list).await,
+    };
+    Checked { outcome, held }
+}
+
+/// The connection, and the listing when `list`.
+async fn connect(worker: &WorkerConfig, settings: &CheckSettings, address: SocketAddr, list: bool) -> Outcome {
     let started = Instant::now();
     match tokio::time::timeout(settings.timeout, tokio::net::TcpStream::connect(address)).await {
         Err(_) => {
@@ -105,28 +148,52 @@ enum Held {
 
 /// Reads `table` (`/proc/net/tcp`) for established connections to `address`; an
 /// unreadable table counts as none.
-fn held(table: &std::path::Path, address: SocketAddr) -> Held {
+fn connections(table: &std::path::Path, address: SocketAddr) -> (Held, Vec<Connection>) {
     use std::io::Read as _;
     let mut text = String::new();
     let read = std::fs::File::open(table).and_then(|f| f.take(MAX_TCP_TABLE).read_to_string(&mut text));
     if read.is_err() {
-        return Held::Free;
+        return (Held::Free, Vec::new());
     }
     held_in(&text, address)
+}
+
+/// Reconnects from the local end of each of `left_open` (their ports are free once the
+/// runner is gone: its sockets close with a reset), waiting [`RESET_WAIT`] for each: a
+/// worker that still has the connection answers the SYN with an ACK for it, which this
+/// side's kernel answers with the reset that ends it; one that does not accepts a
+/// connection, closed at once.  A port in use again is left alone.
+async fn reset_left_open(left_open: &[Connection]) {
+    let resets = left_open.iter().map(|c| async move {
+        let socket = match c.local {
+            SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+            SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+        };
+        let Ok(socket) = socket else { return };
+        if socket.set_reuseaddr(true).is_err() || socket.bind(c.local).is_err() {
+            return;
+        }
+        let _ = tokio::time::timeout(RESET_WAIT, socket.connect(c.remote)).await;
+    });
+    futures_util::future::join_all(resets).await;
 }
 
 /// [`held`] on the table's text.  Each line: `sl local rem st tx:rx tr:when retrnsmt …`,
 /// addresses as `HEXIP:HEXPORT` (the IP the kernel's 32-bit value in this machine's byte
 /// order), state `01` established, `retrnsmt` the retransmission timeouts in a row (hex).
 /// Written by hand: the procfs crate does not expose the retransmission count.
-fn held_in(text: &str, address: SocketAddr) -> Held {
-    let SocketAddr::V4(address) = address else { return Held::Free };
+fn held_in(text: &str, address: SocketAddr) -> (Held, Vec<Connection>) {
+    let SocketAddr::V4(address) = address else { return (Held::Free, Vec::new()) };
     let mut held = Held::Free;
+    let mut connections = Vec::new();
     for line in text.lines().skip(1) {
         let fields: Vec<&str> = line.split_whitespace().take(7).collect();
-        let [_, _, remote, state, _, _, retransmits] = fields[..] else { continue };
+        let [_, local, remote, state, _, _, retransmits] = fields[..] else { continue };
         if state != "01" || parse_v4(remote) != Some(address) {
             continue;
+        }
+        if let Some(local) = parse_v4(local) {
+            connections.push(Connection { local: local.into(), remote: address.into() });
         }
         let timeouts = u32::from_str_radix(retransmits, 16).unwrap_or(0);
         held = match held {
@@ -135,7 +202,7 @@ fn held_in(text: &str, address: SocketAddr) -> Held {
             _ => Held::Healthy,
         };
     }
-    held
+    (held, connections)
 }
 
 /// `0100007F:C35A` as 127.0.0.1:50010.
@@ -215,17 +282,21 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let address = listener.local_addr().expect("address").to_string();
 
-        let Outcome::Up { devices: Some(devices), .. } = check(&worker(&address, false), &settings, true).await else {
+        let Outcome::Up { devices: Some(devices), .. } =
+            check(&worker(&address, false), &settings, true, &[]).await.outcome
+        else {
             panic!("up with devices");
         };
         assert_eq!(devices.len(), 1);
         assert_eq!((devices[0].total_bytes, devices[0].free_bytes), (90 * MIB, 80 * MIB), "the reserve is off");
         assert_eq!(devices[0].endpoint.as_deref(), Some(address.as_str()));
-        let connected = check(&worker(&address, false), &settings, false).await;
+        let connected = check(&worker(&address, false), &settings, false, &[]).await.outcome;
         assert!(matches!(connected, Outcome::Up { devices: None, .. }), "{connected:?}");
 
         drop(listener);
-        let Outcome::Down(why) = check(&worker(&address, false), &settings, false).await else { panic!("down") };
+        let Outcome::Down(why) = check(&worker(&address, false), &settings, false, &[]).await.outcome else {
+            panic!("down")
+        };
         assert!(why.starts_with(&format!("cannot connect to {address}")), "{why}");
     }
 
@@ -237,10 +308,14 @@ mod tests {
             .expect("write");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let address = listener.local_addr().expect("address").to_string();
-        let Outcome::Down(why) = check(&worker(&address, false), &settings, true).await else { panic!("down") };
+        let Outcome::Down(why) = check(&worker(&address, false), &settings, true, &[]).await.outcome else {
+            panic!("down")
+        };
         assert!(why.contains("does not list its devices") && why.contains("Failed to connect to x"), "{why}");
         settings.llama_server = dir.path().join("missing");
-        let Outcome::Down(why) = check(&worker(&address, false), &settings, true).await else { panic!("down") };
+        let Outcome::Down(why) = check(&worker(&address, false), &settings, true, &[]).await.outcome else {
+            panic!("down")
+        };
         assert!(why.contains("cannot run"), "{why}");
     }
 
@@ -262,17 +337,21 @@ mod tests {
         let header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode";
         let worker: std::net::SocketAddr = "10.0.0.2:50052".parse().expect("address");
         let table = |lines: &[String]| format!("{header}\n{}\n", lines.join("\n"));
-        assert_eq!(held_in(&table(&[]), worker), Held::Free);
+        assert_eq!(held_in(&table(&[]), worker).0, Held::Free);
         // Another worker's, a closing one and a listening one do not count.
         let others =
             [line("10.0.0.3:50052", "01", 9), line("10.0.0.2:50052", "06", 9), line("10.0.0.2:50052", "0A", 0)];
-        assert_eq!(held_in(&table(&others), worker), Held::Free);
-        assert_eq!(held_in(&table(&[line("10.0.0.2:50052", "01", 0)]), worker), Held::Healthy);
-        assert_eq!(held_in(&table(&[line("10.0.0.2:50052", "01", 2)]), worker), Held::Healthy, "a lost packet or two");
-        assert_eq!(held_in(&table(&[line("10.0.0.2:50052", "01", 3)]), worker), Held::Stalled(3));
+        assert_eq!(held_in(&table(&others), worker).0, Held::Free);
+        assert_eq!(held_in(&table(&[line("10.0.0.2:50052", "01", 0)]), worker).0, Held::Healthy);
+        assert_eq!(
+            held_in(&table(&[line("10.0.0.2:50052", "01", 2)]), worker).0,
+            Held::Healthy,
+            "a lost packet or two"
+        );
+        assert_eq!(held_in(&table(&[line("10.0.0.2:50052", "01", 3)]), worker).0, Held::Stalled(3));
         let both = [line("10.0.0.2:50052", "01", 0), line("10.0.0.2:50052", "01", 17)];
-        assert_eq!(held_in(&table(&both), worker), Held::Stalled(17), "hex, and the worst connection decides");
-        assert_eq!(held_in("garbage\n1: x y 01 z w 3\n\n", worker), Held::Free, "malformed lines are skipped");
+        assert_eq!(held_in(&table(&both), worker).0, Held::Stalled(17), "hex, and the worst connection decides");
+        assert_eq!(held_in("garbage\n1: x y 01 z w 3\n\n", worker).0, Held::Free, "malformed lines are skipped");
     }
 
     #[test]
@@ -296,9 +375,10 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let port = listener.local_addr().expect("address").port();
         // localhost resolves (from /etc/hosts) to loopback: allowed.
-        let local = check(&worker(&format!("localhost:{port}"), false), &settings, false).await;
+        let local = check(&worker(&format!("localhost:{port}"), false), &settings, false, &[]).await.outcome;
         assert!(matches!(local, Outcome::Up { .. }), "{local:?}");
-        let Outcome::Down(why) = check(&worker("no-such-host.invalid:1", false), &settings, false).await else {
+        let Outcome::Down(why) = check(&worker("no-such-host.invalid:1", false), &settings, false, &[]).await.outcome
+        else {
             panic!("down")
         };
         assert!(why.contains("no-such-host.invalid"), "{why}");

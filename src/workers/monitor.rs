@@ -7,8 +7,8 @@ use std::time::{Duration, SystemTime};
 use futures_util::future::join_all;
 use tokio::sync::{mpsc, watch};
 
-use super::check::{CheckSettings, check};
-use super::fleet::{Change, Fleet, WorkerStatus};
+use super::check::{CheckSettings, Connection, check};
+use super::fleet::{Change, Fleet, Outcome, WorkerStatus};
 use crate::config::WorkerConfig;
 use crate::scheduler::handle::Handle;
 
@@ -28,10 +28,10 @@ pub fn nudges() -> (Nudge, Nudges) {
 /// Checks every worker once, listing their devices, and logs what it found: the fleet
 /// the daemon starts with.
 pub async fn first_round(mut fleet: Fleet, workers: &[WorkerConfig], settings: &CheckSettings) -> Fleet {
-    let outcomes = join_all(workers.iter().map(|w| check(w, settings, true))).await;
+    let checked = join_all(workers.iter().map(|w| check(w, settings, true, &[]))).await;
     let now = SystemTime::now();
-    for (index, outcome) in outcomes.into_iter().enumerate() {
-        if let Some(change) = fleet.apply(index, outcome, now) {
+    for (index, checked) in checked.into_iter().enumerate() {
+        if let Some(change) = fleet.apply(index, checked.outcome, now) {
             log_change(&fleet.workers[index], change);
         }
     }
@@ -79,11 +79,35 @@ pub struct Monitor {
     pub nudges: Nudges,
 }
 
+/// The connections its runners last had to each worker (by index), until the worker is
+/// listed again: reset before that listing, should the worker still hold one open.
+#[derive(Debug, Default)]
+struct LeftOpen(Vec<Vec<Connection>>);
+
+impl LeftOpen {
+    fn of(&self, index: usize) -> &[Connection] {
+        self.0.get(index).map_or(&[], Vec::as_slice)
+    }
+
+    /// Remembers the connections a check saw; forgets them once the worker is listed.
+    fn record(&mut self, index: usize, held: Vec<Connection>, outcome: &Outcome) {
+        if self.0.len() <= index {
+            self.0.resize_with(index + 1, Vec::new);
+        }
+        if !held.is_empty() {
+            self.0[index] = held;
+        } else if matches!(outcome, Outcome::Up { devices: Some(_), .. }) {
+            self.0[index].clear();
+        }
+    }
+}
+
 impl Monitor {
     /// Runs until the scheduler is gone.
     pub async fn run(mut self) {
         let mut nudges = Some(self.nudges);
         let all: Vec<usize> = (0..self.workers.len()).collect();
+        let mut left_open = LeftOpen::default();
         let mut tick = tokio::time::interval(self.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await; // The first tick is now: the first round was at start.
@@ -98,13 +122,17 @@ impl Monitor {
                     (addresses.iter().filter_map(|a| self.fleet.position(a)).collect(), true)
                 }
             };
-            let outcomes =
-                join_all(which.iter().map(|&i| check(&self.workers[i], &self.settings, self.fleet.needs_listing(i))))
-                    .await;
+            let checked = join_all(
+                which
+                    .iter()
+                    .map(|&i| check(&self.workers[i], &self.settings, self.fleet.needs_listing(i), left_open.of(i))),
+            )
+            .await;
             let now = SystemTime::now();
             let mut changed = false;
-            for (&index, outcome) in which.iter().zip(outcomes) {
-                if let Some(change) = self.fleet.apply(index, outcome, now) {
+            for (&index, checked) in which.iter().zip(checked) {
+                left_open.record(index, checked.held, &checked.outcome);
+                if let Some(change) = self.fleet.apply(index, checked.outcome, now) {
                     log_change(&self.fleet.workers[index], change);
                     changed = true;
                 }

@@ -360,6 +360,9 @@ fn a_worker_killed_mid_stream_ends_the_answer_and_is_used_again_when_back() {
     );
 }
 
+/// A link down under a streaming answer.  The runner is killed while the worker waits for
+/// data that never came; its goodbye is lost on the dead link, so once the link is back
+/// the worker serves again only because the check resets that connection first.
 #[test]
 fn a_worker_cut_off_mid_stream_ends_the_answer_and_is_used_again_when_back() {
     let mut rig = Rig::new(&[true, true]);
