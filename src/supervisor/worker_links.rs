@@ -4,17 +4,18 @@
 //! waits for a worker's answer on a link that went down waits forever: nothing of its own
 //! is unacknowledged, so the kernel never gives up, and neither retransmissions nor
 //! errors show.  Once the runner is ready, corrald takes a duplicate of each of its TCP
-//! sockets (`pidfd_getfd`, allowed on its own child) and sets keepalive probes every
-//! second on the shared socket, as many as the workers' check timeout has seconds.  A
-//! worker that answers none of them fails the runner's wait with `ETIMEDOUT`; llama.cpp
-//! aborts on it, and the runner's end is handled like a worker killed.  Data the worker
-//! does not acknowledge is the health check's to notice (retransmissions).
+//! sockets (`pidfd_getfd`, allowed on its own child) and sets, on the shared socket,
+//! keepalive probes every second and `TCP_USER_TIMEOUT` to the workers' check timeout: a
+//! worker that answers no probe, or acknowledges no data, for that long fails the
+//! runner's next read or write with `ETIMEDOUT`; llama.cpp aborts on it, and the runner's
+//! end is handled like a worker killed.
 //!
-//! The connections also close with a reset (`SO_LINGER` of zero) rather than a FIN the
-//! kernel would go on sending after the runner is gone: on a dead link neither arrives,
-//! and rpc-server, which serves one client at a time and sets no keepalive, waits for
-//! that client forever.  With no orphaned socket left on the runner's port, the health
-//! check can end the worker's side once the link is back (see `workers::check`).
+//! On a dead link the runner's goodbye never arrives, and rpc-server, which serves one
+//! client at a time and sets no keepalive, waits for that client forever.  The health
+//! check ends the worker's side once the link is back, from the runner's own port (see
+//! `workers::check`); so that the port is free by then, the connections close with a
+//! reset (`SO_LINGER` of zero) instead of a FIN the kernel would go on sending after the
+//! runner is gone.
 //!
 //! A runner's only TCP sockets are its worker connections: it serves HTTP on a UNIX
 //! socket.
@@ -33,7 +34,7 @@ const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// The most descriptors of a runner looked at (llama-server holds a few dozen).
 const MAX_FDS: usize = 4096;
 
-/// Sets keepalive that gives up after `timeout` on each TCP connection of the process
+/// Sets keepalive and a user timeout of `timeout` on each TCP connection of the process
 /// `pid`, whose descriptors are listed in `proc`'s `PID/fd`; returns how many it set.
 pub fn arm(proc: &Path, pid: Pid, timeout: Duration) -> std::io::Result<usize> {
     let process = rustix::process::Pid::from_raw(pid.as_raw())
@@ -65,15 +66,15 @@ fn is_tcp_connection(socket: impl AsFd) -> bool {
 }
 
 /// Keepalive probes after [`PROBE_EVERY`] of silence and then every [`PROBE_EVERY`], the
-/// connection dropped after `timeout` of them unanswered (one at least); closed with a
+/// connection dropped when no probe or data is acknowledged for `timeout`; closed with a
 /// reset.
 fn set_liveness(socket: impl AsFd, timeout: Duration) -> std::io::Result<()> {
     let socket = socket.as_fd();
-    let probes = u32::try_from(timeout.as_millis().div_ceil(PROBE_EVERY.as_millis())).unwrap_or(u32::MAX).max(1);
+    let timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX).max(1);
     sockopt::set_socket_keepalive(socket, true)?;
     sockopt::set_tcp_keepidle(socket, PROBE_EVERY)?;
     sockopt::set_tcp_keepintvl(socket, PROBE_EVERY)?;
-    sockopt::set_tcp_keepcnt(socket, probes)?;
+    sockopt::set_tcp_user_timeout(socket, timeout_ms)?;
     sockopt::set_socket_linger(socket, Some(Duration::ZERO))?;
     Ok(())
 }
@@ -88,7 +89,7 @@ mod tests {
     /// The settings land on the other process's socket: read back through a second
     /// duplicate, and the connection still carries data.
     #[test]
-    fn a_childs_tcp_connections_get_keepalive() {
+    fn a_childs_tcp_connections_get_keepalive_a_user_timeout_and_a_closing_reset() {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let address = listener.local_addr().expect("address");
         // A child that holds one connection (and a UNIX socket pair, which is left alone)
@@ -116,7 +117,7 @@ mod tests {
             sockopt::socket_keepalive(&theirs),
             sockopt::tcp_keepidle(&theirs),
             sockopt::tcp_keepintvl(&theirs),
-            sockopt::tcp_keepcnt(&theirs),
+            sockopt::tcp_user_timeout(&theirs),
             sockopt::socket_linger(&theirs),
         );
         let mut theirs = TcpStream::from(theirs);
@@ -129,8 +130,8 @@ mod tests {
         assert_eq!(armed.expect("armed"), 1, "the one TCP connection, not the UNIX socket");
         assert_eq!(
             settings,
-            (Ok(true), Ok(PROBE_EVERY), Ok(PROBE_EVERY), Ok(3), Ok(Some(Duration::ZERO))),
-            "keepalive every second, three probes for 2.5 s, closed with a reset"
+            (Ok(true), Ok(PROBE_EVERY), Ok(PROBE_EVERY), Ok(2500), Ok(Some(Duration::ZERO))),
+            "keepalive every second, the user timeout as asked, closed with a reset"
         );
         assert_eq!(&got, b"ping");
     }

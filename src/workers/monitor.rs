@@ -155,3 +155,35 @@ async fn recv(nudges: &mut Option<Nudges>) -> Option<Vec<String>> {
         None => std::future::pending().await,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{Connection, LeftOpen, Outcome};
+
+    fn connection(local: &str) -> Connection {
+        Connection { local: local.parse().expect("local"), remote: "10.0.0.2:50052".parse().expect("remote") }
+    }
+
+    #[test]
+    fn a_runners_connections_are_kept_until_the_worker_is_listed_again() {
+        let mut left = LeftOpen::default();
+        assert!(left.of(3).is_empty(), "nothing for a worker never seen held");
+        let held = vec![connection("10.0.0.1:40000"), connection("10.0.0.1:40001")];
+        left.record(1, held.clone(), &Outcome::Busy);
+        assert_eq!(left.of(1), held.as_slice());
+        assert!(left.of(0).is_empty());
+        // Down, then reachable but not listed: still to be reset.
+        left.record(1, Vec::new(), &Outcome::Down("cut off".into()));
+        left.record(1, Vec::new(), &Outcome::Up { rtt: Duration::from_millis(1), devices: None });
+        assert_eq!(left.of(1), held.as_slice());
+        // A newer runner's connections replace them.
+        let newer = vec![connection("10.0.0.1:41000")];
+        left.record(1, newer.clone(), &Outcome::Busy);
+        assert_eq!(left.of(1), newer.as_slice());
+        // Listed again: the worker serves, nothing is left to reset.
+        left.record(1, Vec::new(), &Outcome::Up { rtt: Duration::from_millis(1), devices: Some(Vec::new()) });
+        assert!(left.of(1).is_empty());
+    }
+}
