@@ -80,6 +80,9 @@ struct Entry {
     /// What more there is to say about it (the worker that went down).
     unload_detail: Option<String>,
     unload_waiters: Vec<oneshot::Sender<Result<(), ScheduleError>>>,
+    /// The task loading it, until it is ready: aborted (the child killed with it) when a
+    /// worker it loads onto goes down.
+    load_task: Option<tokio::task::AbortHandle>,
 }
 
 impl Entry {
@@ -485,6 +488,7 @@ impl Scheduler {
                 unload_reason: None,
                 unload_detail: None,
                 unload_waiters: Vec::new(),
+                load_task: None,
             },
         );
         let name = self.runners[&id].request.name.clone();
@@ -525,10 +529,13 @@ impl Scheduler {
         }
         let backend = Arc::clone(&self.backend);
         let events = self.events_tx.clone();
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             let result = backend.start(start).await;
             let _ = events.send(Event::Started { runner: id, result });
         });
+        if let Some(entry) = self.runners.get_mut(&id) {
+            entry.load_task = Some(task.abort_handle());
+        }
     }
 
     fn on_event(&mut self, event: Event) {
@@ -599,8 +606,31 @@ impl Scheduler {
         }
     }
 
+    /// A load that failed (or was called off): its entry goes, its waiters get the reason.
+    fn load_failed(&mut self, id: RunnerId, waiters: Vec<Reply>, failure: LoadFailure) {
+        let Some(entry) = self.runners.remove(&id) else { return };
+        let LoadFailure { class, reason } = failure;
+        self.counters.load_failures += 1;
+        tracing::warn!(corral_event = "load_failed", corral_model = %entry.request.name, runner = id, corral_class = class.as_str(), "{} failed to load ({}): {reason}", entry.request.name, class.as_str());
+        self.record_failure(&entry.request.key, reason.clone());
+        self.suspect(&entry.placement);
+        self.notify(Notice::LoadFailed { runner: id, name: entry.request.name.clone(), reason: reason.clone() });
+        for waiter in waiters {
+            let _ = waiter.send(Err(ScheduleError::LoadFailed {
+                model: entry.request.name.clone(),
+                class,
+                reason: reason.clone(),
+            }));
+        }
+        // Asked to unload while it loaded: with the load failed, nothing is left.
+        for waiter in entry.unload_waiters {
+            let _ = waiter.send(Ok(()));
+        }
+    }
+
     fn started(&mut self, id: RunnerId, result: Result<Box<dyn LiveRunner>, LoadFailure>) {
         let Some(entry) = self.runners.get_mut(&id) else { return };
+        entry.load_task = None;
         let waiters = match std::mem::replace(&mut entry.phase, Phase::Loading { waiters: Vec::new() }) {
             Phase::Loading { waiters } => waiters,
             other => {
@@ -609,29 +639,7 @@ impl Scheduler {
             }
         };
         match result {
-            Err(LoadFailure { class, reason }) => {
-                self.counters.load_failures += 1;
-                let entry = self.runners.remove(&id).expect("looked up above");
-                tracing::warn!(corral_event = "load_failed", corral_model = %entry.request.name, runner = id, corral_class = class.as_str(), "{} failed to load ({}): {reason}", entry.request.name, class.as_str());
-                self.record_failure(&entry.request.key, reason.clone());
-                self.suspect(&entry.placement);
-                self.notify(Notice::LoadFailed {
-                    runner: id,
-                    name: entry.request.name.clone(),
-                    reason: reason.clone(),
-                });
-                for waiter in waiters {
-                    let _ = waiter.send(Err(ScheduleError::LoadFailed {
-                        model: entry.request.name.clone(),
-                        class,
-                        reason: reason.clone(),
-                    }));
-                }
-                // Asked to unload while it loaded: with the load failed, nothing is left.
-                for waiter in entry.unload_waiters {
-                    let _ = waiter.send(Ok(()));
-                }
-            }
+            Err(failure) => self.load_failed(id, waiters, failure),
             Ok(mut live) => {
                 self.counters.load_millis += u64::try_from(entry.idle_since.elapsed().as_millis()).unwrap_or(u64::MAX);
                 self.failures.remove(&entry.request.key);

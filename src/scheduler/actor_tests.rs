@@ -817,6 +817,31 @@ async fn a_worker_that_goes_down_has_its_runners_killed_and_is_named_to_their_re
     assert_eq!(handle.loaded().await.expect("loaded")[0].placement, super::policy::Placement::Gpu(0));
 }
 
+/// A load under way onto a worker that goes down is called off then, not when llama.cpp
+/// gives up connecting: its request fails naming the worker, and nothing stays loaded.
+#[tokio::test(start_paused = true)]
+async fn a_load_onto_a_worker_that_goes_down_is_called_off_at_once_naming_it() {
+    let (fake, handle, _nudges) = scheduler_with_worker();
+    let asking = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.acquire(model("m", 500)).await.map(|lease| lease.runner()) }
+    });
+    // The fake takes 100 ms to load: the worker goes down 10 ms in.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(handle.loaded().await.expect("loaded").len(), 1, "the load is under way");
+    handle.fleet_changed(fleet(Some("no route to host")), vec!["10.0.0.2:1".into()]).await.expect("sent");
+    let err = asking.await.expect("joined").expect_err("called off");
+    assert!(err.to_string().contains("worker w (10.0.0.2:1) is down: no route to host"), "{err}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!fake.lines().iter().any(|l| l.starts_with("start")), "the load never finished: {:?}", fake.lines());
+    assert!(handle.loaded().await.expect("loaded").is_empty());
+
+    // Back: loaded there.
+    handle.fleet_changed(fleet(None), vec!["10.0.0.2:1".into()]).await.expect("sent");
+    drop(handle.acquire(model("m", 500)).await.expect("on the worker again"));
+    assert_eq!(handle.loaded().await.expect("loaded")[0].placement, super::policy::Placement::Gpu(0));
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_crash_on_a_worker_has_it_checked_before_it_is_planned_with_again() {
     let (fake, handle, mut nudges) = scheduler_with_worker();

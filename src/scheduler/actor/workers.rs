@@ -12,7 +12,8 @@ use std::collections::{BTreeSet, VecDeque};
 
 use tokio::sync::oneshot;
 
-use super::{Scheduler, Stop};
+use super::{Phase, Scheduler, Stop};
+use crate::scheduler::failure::{FailureClass, LoadFailure};
 use crate::scheduler::policy::{GpuView, Placement, RunnerId};
 use crate::scheduler::types::UnloadReason;
 use crate::workers::{Fleet, Nudge, WorkerStatus};
@@ -87,6 +88,14 @@ impl Scheduler {
             .collect();
         for (id, why) in doomed {
             if let Some(entry) = self.runners.get_mut(&id) {
+                if let (Phase::Loading { waiters }, Some(task)) = (&mut entry.phase, entry.load_task.take()) {
+                    // A load onto a worker that is gone would wait for llama.cpp to give up
+                    // connecting (minutes): called off now, its child killed with its task.
+                    task.abort();
+                    let waiters = std::mem::take(waiters);
+                    self.load_failed(id, waiters, LoadFailure::new(FailureClass::Crashed, why));
+                    continue;
+                }
                 tracing::warn!(corral_event = "unload", corral_model = %entry.main(), runner = id, "stopping {} at once: {why}", entry.served());
                 entry.unload_detail = Some(why);
                 entry.draining = true;
