@@ -369,6 +369,39 @@ fn a_worker_cut_off_mid_stream_ends_the_answer_and_is_used_again_when_back() {
     rig.fault_mid_stream(|worker| worker.link.set_worker_side(false), |worker| worker.link.set_worker_side(true));
 }
 
+/// A load onto a worker that went silent a moment before (no check has noticed yet):
+/// llama-server's connection attempts go unanswered, and it would go on trying until the
+/// head's neighbour entry for the worker fails (tens of seconds; minutes behind a router).
+/// The load is called off when the check finds the worker down: the request fails naming
+/// it, and no runner is left.
+#[test]
+fn a_load_onto_a_worker_gone_silent_a_moment_before_fails_fast_naming_it() {
+    // The check's interval and timeout (1 s + 3 s), with room, and below the neighbour
+    // entry's 15 s at the least.
+    const CALLED_OFF_WITHIN: Duration = Duration::from_secs(14);
+    let mut rig = Rig::new(&[true, true]);
+    rig.start_corrald();
+    let ups = rig.events("worker-up", 1);
+    rig.workers[1].link.set_worker_silent(true);
+    let asked = Instant::now();
+    let reply = rig.generate();
+    let took = asked.elapsed();
+    assert!(took < CALLED_OFF_WITHIN, "the load waited {took:?}:\n{}", rig.corrald().stderr());
+    // The model fits only across both workers: it cannot be loaded without this one.
+    assert_ne!(reply.status, 200, "{}", reply.body);
+    let (name, address) = (&rig.workers[1].name, rig.workers[1].endpoint().to_string());
+    assert!(reply.body.contains(name.as_str()) || reply.body.contains(&address), "{}", reply.body);
+    rig.wait_none_loaded("nothing to be loaded");
+    poll_until(Duration::from_secs(10), "the called-off runner to be gone", || {
+        let left = rig.processes_of_the_rig();
+        if left.is_empty() { Ok(()) } else { Err(format!("{left:?}")) }
+    });
+
+    rig.workers[1].link.set_worker_silent(false);
+    rig.wait_event("worker-up", 1, ups);
+    rig.load_split();
+}
+
 /// The quiet case of a cut: the worker's kernel has acknowledged everything the runner
 /// sent and the runner waits for the answer (the worker is stopped while it computes),
 /// when its link goes down.  Nothing of the runner's is unacknowledged, so only the

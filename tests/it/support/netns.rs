@@ -229,6 +229,16 @@ impl Link {
         tool("ip", &["-n", &self.worker_ns, "link", "set", &self.worker_dev, state]).unwrap_or_else(|e| panic!("{e}"));
     }
 
+    /// Takes the worker's address off its end (or puts it back): the link stays up, and what
+    /// the head sends it (over the neighbour entry it still holds) is dropped without a
+    /// reply, as a firewall that drops would: no reset, no unreachable, only silence.
+    pub fn set_worker_silent(&self, silent: bool) {
+        let op = if silent { "del" } else { "add" };
+        let address = format!("{}/30", self.worker);
+        tool("ip", &["-n", &self.worker_ns, "addr", op, &address, "dev", &self.worker_dev])
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
     /// Adds `delay` to every packet the head sends on this link (`tc qdisc replace … netem
     /// delay`), so each round trip to the worker takes that much longer; zero removes it.
     /// An error when the kernel has no netem (`CONFIG_NET_SCH_NETEM`).
