@@ -156,6 +156,14 @@ fn with_keep_alive(mut request: ModelRequest, keep_alive: KeepAlive) -> ModelReq
 }
 
 /// Lets the scheduler and its tasks run until nothing is ready (the clock is paused).
+/// Returns once a load is under way (the fake's take 100 ms of the paused clock, which
+/// does not move while this yields).
+async fn under_way(handle: &Handle) {
+    while handle.loaded().await.expect("loaded").is_empty() {
+        tokio::task::yield_now().await;
+    }
+}
+
 async fn settle() {
     tokio::time::sleep(Duration::from_millis(1)).await;
 }
@@ -741,7 +749,7 @@ async fn an_unload_during_a_load_that_fails_succeeds() {
     let load = handle.acquire(model("bad", 100));
     let unload = async {
         // The load is under way (the fake takes 100 ms) when the unload comes.
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        under_way(&handle).await;
         handle.unload_model("bad").await
     };
     let (load, unload) = tokio::join!(load, unload);
@@ -826,9 +834,8 @@ async fn a_load_onto_a_worker_that_goes_down_is_called_off_at_once_naming_it() {
         let handle = handle.clone();
         async move { handle.acquire(model("m", 500)).await.map(|lease| lease.runner()) }
     });
-    // The fake takes 100 ms to load: the worker goes down 10 ms in.
-    tokio::time::sleep(Duration::from_millis(10)).await;
-    assert_eq!(handle.loaded().await.expect("loaded").len(), 1, "the load is under way");
+    // The fake takes 100 ms to load: the worker goes down while it does.
+    under_way(&handle).await;
     handle.fleet_changed(fleet(Some("no route to host")), vec!["10.0.0.2:1".into()]).await.expect("sent");
     let err = asking.await.expect("joined").expect_err("called off");
     assert!(err.to_string().contains("worker w (10.0.0.2:1) is down: no route to host"), "{err}");

@@ -258,6 +258,10 @@ mod tests {
         assert_eq!(store.manifests_read(), 1, "no manifest read again");
     }
 
+    fn listed_names(store: &Store) -> Vec<String> {
+        store.list().expect("list").iter().map(|l| l.name.to_string()).collect()
+    }
+
     #[test]
     fn changes_through_the_store_show_at_once_and_only_they_are_read() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -265,12 +269,10 @@ mod tests {
         add_model(&store, "a", b"weights of a");
         assert_eq!(store.list().expect("list").len(), 1);
         add_model(&store, "b", b"weights of b");
-        let names: Vec<String> = store.list().expect("list").iter().map(|l| l.name.to_string()).collect();
-        assert_eq!(names, ["a:latest", "b:latest"]);
+        assert_eq!(listed_names(&store), ["a:latest", "b:latest"]);
         assert_eq!(store.manifests_read(), 2, "the unchanged manifest of a is not read again");
         store.delete(&name("a")).expect("delete");
-        let names: Vec<String> = store.list().expect("list").iter().map(|l| l.name.to_string()).collect();
-        assert_eq!(names, ["b:latest"]);
+        assert_eq!(listed_names(&store), ["b:latest"]);
         assert_eq!(store.manifests_read(), 2);
     }
 

@@ -34,6 +34,10 @@ const MAX_TCP_TABLE: u64 = 64 << 20;
 /// take a round trip; the SYN is sent again after a second.
 const RESET_WAIT: Duration = Duration::from_millis(500);
 
+/// The most connections to one worker remembered for a reset: a runner has one; other
+/// local programs' connections (any user may open some) must not make the check wait.
+const MAX_HELD: usize = 16;
+
 /// A TCP connection from this host to a worker, by its two ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Connection {
@@ -192,7 +196,7 @@ fn held_in(text: &str, address: SocketAddr) -> (Held, Vec<Connection>) {
         if state != "01" || parse_v4(remote) != Some(address) {
             continue;
         }
-        if let Some(local) = parse_v4(local) {
+        if let Some(local) = parse_v4(local).filter(|_| connections.len() < MAX_HELD) {
             connections.push(Connection { local: local.into(), remote: address.into() });
         }
         let timeouts = u32::from_str_radix(retransmits, 16).unwrap_or(0);
@@ -252,7 +256,7 @@ mod tests {
     use std::os::unix::fs::PermissionsExt as _;
     use std::time::Duration;
 
-    use super::{CheckSettings, Held, Outcome, check, held_in, pick};
+    use super::{CheckSettings, Held, MAX_HELD, Outcome, check, held_in, pick};
     use crate::config::WorkerConfig;
 
     const MIB: u64 = 1024 * 1024;
@@ -352,6 +356,17 @@ mod tests {
         let both = [line("10.0.0.2:50052", "01", 0), line("10.0.0.2:50052", "01", 17)];
         assert_eq!(held_in(&table(&both), worker).0, Held::Stalled(17), "hex, and the worst connection decides");
         assert_eq!(held_in("garbage\n1: x y 01 z w 3\n\n", worker).0, Held::Free, "malformed lines are skipped");
+    }
+
+    #[test]
+    fn the_connections_remembered_for_a_reset_are_bounded() {
+        let header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode";
+        let worker: std::net::SocketAddr = "10.0.0.2:50052".parse().expect("address");
+        let many: Vec<String> = (0..1000).map(|_| line("10.0.0.2:50052", "01", 0)).collect();
+        let (held, connections) = held_in(&format!("{header}\n{}\n", many.join("\n")), worker);
+        assert_eq!(held, Held::Healthy);
+        assert_eq!(connections.len(), MAX_HELD);
+        assert_eq!(connections[0].local, "10.0.0.1:40000".parse::<std::net::SocketAddr>().expect("address"));
     }
 
     #[test]

@@ -18,6 +18,7 @@ use corral::store::name::ModelName;
 use corral::store::registry::{Progress, Registry, RegistryConfig, RegistryError};
 use tokio::sync::mpsc;
 
+use crate::support::container::poll_until_async;
 use crate::support::registry::{Action, DockerRegistry, Gate, Proxy, Seen, SmallDisk};
 
 /// The most any one step may take, however loaded the machine.
@@ -360,14 +361,10 @@ async fn hold_the_third_part(world: &World) -> Held {
 async fn wait_for_the_first_two_parts(store: &Store, digest: &Digest) {
     let record = store.blobs_dir().join(format!("{}-partial.json", digest.file_name()));
     let recorded = serde_json::json!([[0, 2 * PART]]);
-    within("the record of what arrived", async {
-        loop {
-            let done = fs::read(&record).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
-            if done.is_some_and(|d| d["done"] == recorded) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+    poll_until_async(DEADLINE, "the record of what arrived", || {
+        let done = fs::read(&record).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+        let arrived = done.as_ref().is_some_and(|d| d["done"] == recorded);
+        async move { if arrived { Ok(()) } else { Err(format!("{done:?}")) } }
     })
     .await;
 }
@@ -791,10 +788,9 @@ async fn an_api_push_whose_client_goes_away_is_cancelled_before_its_manifest() {
     drop(response);
     // The held upload's connection closes: the push was dropped, and nothing of it can
     // run any more, whatever the gate does next.
-    within("the push is given up", async {
-        while proxy.abandoned() == 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+    poll_until_async(DEADLINE, "the push to be given up", || {
+        let abandoned = proxy.abandoned();
+        async move { if abandoned > 0 { Ok(()) } else { Err("no connection abandoned".to_owned()) } }
     })
     .await;
     gate.open();
@@ -856,10 +852,9 @@ async fn large_layers_download_at_once_and_report_progress_one_after_the_other()
     let (sender, _events) = mpsc::unbounded_channel();
     let pull = spawn_pull(&client, &store, &name, 1, &sender);
     within("the weights' request", gate.arrivals(1)).await;
-    within("the adapter's requests while the weights wait", async {
-        while blob_ranges(&proxy.seen(), &adapter).is_empty() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+    poll_until_async(DEADLINE, "the adapter's requests while the weights wait", || {
+        let asked = !blob_ranges(&proxy.seen(), &adapter).is_empty();
+        async move { if asked { Ok(()) } else { Err("no request for the adapter".to_owned()) } }
     })
     .await;
     gate.open();
@@ -898,10 +893,9 @@ async fn a_layer_that_fails_fails_the_pull_and_takes_back_the_others() {
         let (client, store, name) = (client.clone(), store.clone(), name.clone());
         tokio::spawn(async move { client.pull(&store, &name, |_| {}).await })
     };
-    within("the weights in place", async {
-        while !store.has_blob(&weights) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+    poll_until_async(DEADLINE, "the weights in place", || {
+        let placed = store.has_blob(&weights);
+        async move { if placed { Ok(()) } else { Err("not yet".to_owned()) } }
     })
     .await;
     released.store(true, std::sync::atomic::Ordering::SeqCst);

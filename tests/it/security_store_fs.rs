@@ -9,7 +9,7 @@
 use std::fs;
 use std::os::unix::fs::{MetadataExt, symlink};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use axum::http::StatusCode;
 use corral::store::digest::Digest;
@@ -19,6 +19,7 @@ use corral::store::registry::{Registry, RegistryConfig, RegistryError};
 use corral::store::{Store, StoreError};
 
 use crate::support::api::{call, demo_store, state};
+use crate::support::container::poll_until_async;
 use crate::support::corrald::{Corrald, write_config};
 use crate::support::llama;
 use crate::support::notify::NotifyListener;
@@ -295,14 +296,14 @@ async fn garbage_collection_spares_a_running_pull_and_takes_its_partials_once_it
     pull.abort();
     let _ = pull.await;
     assert_eq!(store.collect_garbage(Duration::from_secs(3600), SystemTime::now()).expect("gc").partials, 0);
-    let deadline = Instant::now() + DEADLINE;
+    // The stopped download records its progress, then lets go of its files.
     let mut partials = 0;
-    while partials < 2 {
-        // The stopped download records its progress, then lets go of its files.
+    poll_until_async(DEADLINE, "the partial files to be collected", || {
         partials += store.collect_garbage(Duration::ZERO, later).expect("gc").partials;
-        assert!(Instant::now() < deadline, "the partial files were not collected");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+        let collected = partials;
+        async move { if collected >= 2 { Ok(()) } else { Err(format!("{collected} collected")) } }
+    })
+    .await;
     let left: Vec<_> = fs::read_dir(store.blobs_dir()).expect("read").map(|e| e.expect("e").file_name()).collect();
     assert!(left.iter().all(|f| !f.to_string_lossy().contains("partial")), "{left:?}");
 

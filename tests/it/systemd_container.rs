@@ -211,6 +211,17 @@ pub(crate) fn install_with_preloads(ct: &Container, preload: &[&str]) {
     ct.run(&["install", "-D", "-m", "0644", "/srv/host/corral.toml", "/etc/corral/corral.toml"]);
 }
 
+/// Starts corrald.service and waits for its one preloaded model: the offload event's
+/// message.
+fn start_with_one_model(ct: &Container) -> String {
+    ct.run(&["systemctl", "start", "corrald.service"]);
+    poll_until(SETTLE, "corrald to report the loaded model", || {
+        let status = ct.unit_property("corrald.service", "StatusText");
+        if status.ends_with("1 model loaded") { Ok(()) } else { Err(status) }
+    });
+    wait_event(ct, "offload")
+}
+
 /// corrald under real systemd with a model to preload: the runner runs in its own cgroup
 /// beside the daemon's leaf, its lines and the offload event reach the journal, and
 /// stopping the service reaps it.
@@ -219,12 +230,7 @@ fn a_preloaded_model_runs_in_its_own_cgroup_and_logs_to_the_journal() {
     let ct = Container::boot("runner");
     install_with_preloads(&ct, &["chat"]);
 
-    ct.run(&["systemctl", "start", "corrald.service"]);
-    poll_until(SETTLE, "corrald to report the loaded model", || {
-        let status = ct.unit_property("corrald.service", "StatusText");
-        if status.ends_with("1 model loaded") { Ok(()) } else { Err(status) }
-    });
-    let offload = wait_event(&ct, "offload");
+    let offload = start_with_one_model(&ct);
     assert!(offload.contains("chat:latest"), "{offload}");
     let entries = ct.journal("corrald.service");
     let lines: Vec<&serde_json::Value> =
@@ -263,12 +269,7 @@ fn a_runner_on_a_worker_gets_keepalive_on_its_connection_under_the_unit() {
     ct.run(&["systemd-run", "--unit=rpc-worker", "/srv/host/rpc-server", "-H", "127.0.0.1", "-p", "50052"]);
     wait_active_state(&ct, "rpc-worker.service", "active");
 
-    ct.run(&["systemctl", "start", "corrald.service"]);
-    poll_until(SETTLE, "corrald to report the loaded model", || {
-        let status = ct.unit_property("corrald.service", "StatusText");
-        if status.ends_with("1 model loaded") { Ok(()) } else { Err(status) }
-    });
-    let offload = wait_event(&ct, "offload");
+    let offload = start_with_one_model(&ct);
     assert!(offload.contains("RPC0"), "the model is on the worker: {offload}");
     // The runner's one connection to the worker, with its keepalive timer running.
     let sockets = ct.run(&["ss", "-tnoH", "state", "established", "dst", "127.0.0.1:50052"]);
