@@ -14,10 +14,10 @@
 //! - corral's old crude estimate (`scheduler::policy::estimate`: weights + f16 KV + a
 //!   tenth of the weights, at least 256 MiB), shared over the devices by layers.
 //!
-//! It also times llama.cpp's projection: corrald's own runs of `llama-fit-params` for
-//! the load (from its debug log), one more uncached run with the same arguments, and a
-//! cached lookup, both through `scheduler::projections::CachedProjections` as corrald
-//! uses it.
+//! It also times llama.cpp's projection: corrald's own runs of `llama-fit-params` (its
+//! planning) and of llama-server's dry run (the exact plan) for the load, from its debug
+//! log; one more uncached dry run with the child's arguments, and a cached lookup, both
+//! through `scheduler::projections::CachedProjections` as corrald uses it.
 //!
 //! Run with `cargo bench --bench fit_accuracy` (after `scripts/setup-llama-server.sh`).
 //! It is a measurement: nothing is asserted about accuracy or time, only that the
@@ -38,14 +38,14 @@ use corral::demo_model::{LlamaShape, Weights};
 use corral::gguf::GgufValue;
 use corral::gguf::metadata::ModelInfo;
 use corral::gguf::reader::GgufFile;
-use corral::projection::{ProjectionCache, Projector};
-use corral::scheduler::backend::{ProjectedRow, Projections};
+use corral::projection::{DryRun, ProjectionCache, Projector};
+use corral::scheduler::backend::{ProjectedRow, Projecting, Projections};
 use corral::scheduler::projections::CachedProjections;
 use corral::store::Store;
 use corral::store::create::CreateSpec;
 use corral::store::modelfile::Modelfile;
 use corral::store::name::ModelName;
-use corral::supervisor::command::{INHERITED_VARIABLES, LoadOptions, ModelFiles, Placement};
+use corral::supervisor::command::{DevicePlan, INHERITED_VARIABLES, LoadOptions, ModelFiles, Placement, PlannedDevice};
 use corral::supervisor::logparse::{self, BufferKind, LogEvent};
 
 const MIB: u64 = 1 << 20;
@@ -478,10 +478,15 @@ fn buffers(log: &str, child: &[String]) -> BTreeMap<String, [u64; 3]> {
     devices
 }
 
-/// corrald's projections, as its projector logged them (`llama-fit-params projected in X`).
+/// corrald's projections, as its projectors logged them (`llama-fit-params projected in
+/// X`, `llama-server's dry run projected in X`).
 fn logged_projections(log: &str) -> Vec<Duration> {
     log.lines()
-        .filter_map(|line| line.split_once("llama-fit-params projected in ").map(|(_, rest)| rest))
+        .filter_map(|line| {
+            line.split_once("llama-fit-params projected in ")
+                .or_else(|| line.split_once("llama-server's dry run projected in "))
+                .map(|(_, rest)| rest)
+        })
         .filter_map(|rest| {
             let mut words = rest.split_whitespace();
             let value: f64 = words.next()?.parse().ok()?;
@@ -515,31 +520,51 @@ fn value_of<'a>(argv: &'a [String], flag: &str) -> Option<&'a str> {
     argv.iter().position(|a| a == flag).and_then(|i| argv.get(i + 1)).map(String::as_str)
 }
 
-/// (uncached, cached) time of a projection through corrald's cache, with `args`, and
-/// what it projects on each device.
+/// (uncached, cached) time of the exact plan's projection (llama-server's dry run)
+/// through corrald's cache, with the child's `argv`, and what it projects on each device.
 fn time_projection(
     runtime: &tokio::runtime::Runtime,
-    program: &Path,
-    args: &[OsString],
+    bin: &Path,
+    argv: &[String],
 ) -> (Duration, Duration, Vec<ProjectedRow>) {
+    let args = projection_args(argv);
     let env: Vec<(OsString, OsString)> =
         std::env::vars_os().filter(|(k, _)| INHERITED_VARIABLES.iter().any(|allowed| k == allowed)).collect();
     let model = PathBuf::from(&args[args.iter().position(|a| a == "-m").expect("-m") + 1]);
     let files = ModelFiles { model, projector: None, adapters: Vec::new() };
+    let sockets = tempfile::tempdir().expect("socket directory");
     let projections = CachedProjections::new(
-        Projector { program: program.to_owned(), timeout: Duration::from_secs(60) },
+        Projector { program: bin.join("llama-fit-params"), timeout: Duration::from_secs(60) },
+        DryRun {
+            llama_server: bin.join("llama-server"),
+            socket_dir: sockets.path().to_owned(),
+            timeout: Duration::from_secs(60),
+        },
         ProjectionCache::in_memory(),
     );
-    let (options, placement) = (LoadOptions::default(), Placement::default());
+    // Each worker has one device: RPCi is the i-th of `--rpc`, its buffer `RPC0[address]`.
+    let workers: Vec<&str> = value_of(argv, "--rpc").map(|r| r.split(',').collect()).unwrap_or_default();
+    let devices = value_of(argv, "--device")
+        .map(|d| d.split(',').map(str::to_owned).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|name| {
+            let worker = name.strip_prefix("RPC").and_then(|i| i.parse::<usize>().ok()).and_then(|i| workers.get(i));
+            let buffer = worker.map_or_else(|| name.clone(), |w| format!("RPC0[{w}]"));
+            PlannedDevice { name, buffer, share: 1 }
+        })
+        .collect();
+    let placement = Placement { plan: Some(DevicePlan { devices, layers: None }), ..Placement::default() };
+    let options = LoadOptions::default();
     runtime.block_on(async {
         let mut times = Vec::new();
         let mut rows = Vec::new();
         for _ in 0..2 {
             let start = Instant::now();
             rows = projections
-                .project(&files, &options, &placement, args.to_vec(), env.clone())
+                .project(&files, &options, &placement, args.clone(), env.clone(), Projecting::Exact { runner: 1 })
                 .await
-                .expect("llama-fit-params projects the load");
+                .expect("llama-server's dry run projects the load");
             times.push(start.elapsed());
         }
         (times[0], times[1], rows)
@@ -557,7 +582,7 @@ struct Row {
     crude: u64,
     /// llama.cpp's buffers there: weights, KV cache and outputs, compute.
     buffers: [u64; 3],
-    /// The projection's compute there (`llama-fit-params`, mid-MiB as corrald takes it).
+    /// The projection's compute there (llama-server's dry run, as corrald takes it).
     projected_compute: u64,
 }
 
@@ -626,8 +651,7 @@ fn main() {
             let allocated = buffers(&log, &argv);
             // An rpc-server serves one client at a time: the projection waits for the child to go.
             drop(corrald);
-            let (uncached, cached, projected) =
-                time_projection(&runtime, &bin.join("llama-fit-params"), &projection_args(&argv));
+            let (uncached, cached, projected) = time_projection(&runtime, &bin, &argv);
             timings.push(Timing { model: model.name, placement, corrald: logged_projections(&log), uncached, cached });
             let compute = |device: &str| projected.iter().find(|r| r.name == device).map_or(0, |r| r.compute);
             // llama.cpp's device names, in the order of the plan's `--device`.
@@ -738,7 +762,8 @@ fn main() {
     }
     println!();
     println!(
-        "projection time: corrald's own runs of llama-fit-params (its log), then one more uncached and a cached lookup"
+        "projection time: corrald's own runs (its log: llama-fit-params for planning, llama-server's dry run for \
+         the plan), then one more uncached dry run and a cached lookup"
     );
     println!("| model | placement | corrald's projections | uncached | cached |");
     println!("| --- | --- | --- | --- | --- |");

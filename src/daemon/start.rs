@@ -14,7 +14,7 @@ use crate::dbus;
 use crate::gpu;
 use crate::http::{self, listeners};
 use crate::paths::Paths;
-use crate::projection::{ProjectionCache, Projector};
+use crate::projection::{DryRun, ProjectionCache, Projector};
 use crate::scheduler::actor::Scheduler;
 use crate::scheduler::backend::Projections;
 use crate::scheduler::backend::SupervisorBackend;
@@ -195,7 +195,12 @@ pub(super) async fn start_scheduler(
         projections: Projector::from_config(&config.runner, std::env::var_os("PATH").as_deref()).ok().map(
             |projector| {
                 let cache = ProjectionCache::load(paths.state.join("projections.json"));
-                Arc::new(CachedProjections::new(projector, cache)) as Arc<dyn Projections>
+                let dry_run = DryRun {
+                    llama_server: config.runner.llama_server.clone(),
+                    socket_dir: paths.runtime.clone(),
+                    timeout: config.runner.projection_timeout,
+                };
+                Arc::new(CachedProjections::new(projector, dry_run, cache)) as Arc<dyn Projections>
             },
         ),
     };

@@ -17,7 +17,7 @@ use crate::state_file::PendingWrite;
 pub const MAX_ENTRIES: usize = 1024;
 
 /// The file's format; a file of another version is ignored (the cache fills again).
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 /// What the warnings call this file's data.
 const WHAT: &str = "cached memory projections";
@@ -181,7 +181,7 @@ mod tests {
         let path = dir.path().join("projections.json");
         let mut cache = ProjectionCache::load(path.clone());
         cache.record(key(1), projection(10)).expect("a write").write();
-        let text = std::fs::read_to_string(&path).expect("read").replace("\"version\": 1", "\"version\": 2");
+        let text = std::fs::read_to_string(&path).expect("read").replace("\"version\": 2", "\"version\": 1");
         std::fs::write(&path, text).expect("write");
         assert!(ProjectionCache::load(path).is_empty());
     }

@@ -39,6 +39,9 @@ pub struct ProjectionKey {
     pub gpu_layers: Option<u32>,
     /// The split between the devices (`-ts`), empty for llama.cpp's default.
     pub tensor_split: Vec<u32>,
+    /// Projected by llama-server's own dry run with the child's arguments (an exact
+    /// plan's), rather than by llama-fit-params (the scheduler's planning).
+    pub dry_run: bool,
 }
 
 /// A key for tests: the weights `sha256("weights")` with context `context` on a worker
@@ -59,6 +62,7 @@ pub(crate) fn key(context: u32) -> ProjectionKey {
         devices: vec!["rpc:127.0.0.1:50052#0".into(), "cuda:GPU-1234".into()],
         gpu_layers: Some(99),
         tensor_split: vec![1, 1],
+        dry_run: false,
     }
 }
 
@@ -88,6 +92,7 @@ mod tests {
             ProjectionKey { devices: vec!["rpc:127.0.0.1:50052#0".into()], ..k.clone() },
             ProjectionKey { gpu_layers: None, ..k.clone() },
             ProjectionKey { tensor_split: vec![3, 1], ..k.clone() },
+            ProjectionKey { dry_run: true, ..k.clone() },
         ];
         assert_eq!(variants.iter().collect::<BTreeSet<_>>().len(), variants.len());
         assert!(serde_json::from_str::<ProjectionKey>(&json.replace("\"embedding\"", "\"embed\"")).is_err());

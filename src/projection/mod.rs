@@ -9,12 +9,14 @@
 //! installed, failed, too slow), the scheduler falls back to its estimate.
 
 mod cache;
+mod dry_run;
 mod key;
 mod parse;
 mod projector;
 
 pub use crate::state_file::PendingWrite;
 pub use cache::{MAX_ENTRIES, ProjectionCache};
+pub use dry_run::{DryRun, MAX_DRY_RUN_OUTPUT, Reader as DryRunReader};
 pub use key::ProjectionKey;
 pub use parse::{
     DeviceUsage, MAX_LINE, MAX_MIB, MAX_NAME, MAX_OUTPUT, MAX_ROWS, ParseError, Projection, RESOLUTION, Usage,

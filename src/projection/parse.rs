@@ -288,7 +288,7 @@ impl Projection {
     }
 }
 
-fn check_name(line: usize, name: &str) -> Result<(), ParseError> {
+pub(super) fn check_name(line: usize, name: &str) -> Result<(), ParseError> {
     // llama.cpp's device names: letters, digits and a little punctuation (`RPC[host:port]`
     // in some versions).
     let allowed = |c: char| c.is_ascii_alphanumeric() || "_-.:[]/#@".contains(c);
@@ -309,7 +309,7 @@ fn check_usage(line: usize, usage: &Usage) -> Result<(), ParseError> {
 }
 
 /// A figure in whole MiB as bytes.
-fn mib(line: usize, field: &'static str, text: &str) -> Result<u64, ParseError> {
+pub(super) fn mib(line: usize, field: &'static str, text: &str) -> Result<u64, ParseError> {
     if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
         return Err(ParseError::BadNumber { line, field, text: text.to_owned() });
     }

@@ -37,7 +37,7 @@ pub struct Projector {
 pub enum ProjectionError {
     /// The program does not exist.
     #[error(
-        "llama-fit-params {} does not exist; install it beside llama-server or name it in [runner] llama_fit_params",
+        "{} does not exist: install llama.cpp's llama-server and llama-fit-params, or name them in [runner] llama_server or [runner] llama_fit_params",
         .program.display()
     )]
     NotFound {
@@ -45,7 +45,7 @@ pub enum ProjectionError {
         program: PathBuf,
     },
     /// The program exists but could not be started.
-    #[error("cannot run llama-fit-params {}: {source}", .program.display())]
+    #[error("cannot run {}: {source}", .program.display())]
     CannotRun {
         /// The program.
         program: PathBuf,
@@ -53,7 +53,7 @@ pub enum ProjectionError {
         source: std::io::Error,
     },
     /// It did not finish within the timeout, and was killed.
-    #[error("llama-fit-params {} did not finish within {} and was killed ([runner] projection_timeout)", .program.display(), human(*.after))]
+    #[error("{} did not finish within {} and was killed ([runner] projection_timeout)", .program.display(), human(*.after))]
     TimedOut {
         /// The program.
         program: PathBuf,
@@ -62,7 +62,7 @@ pub enum ProjectionError {
     },
     /// It exited unsuccessfully.
     #[error(
-        "llama-fit-params {} failed ({status}): {}",
+        "{} failed ({status}): {}",
         .program.display(),
         .message.as_deref().unwrap_or("it printed no error line")
     )]
@@ -77,7 +77,7 @@ pub enum ProjectionError {
         message: Option<String>,
     },
     /// It succeeded but printed something that is not a projection.
-    #[error("llama-fit-params {} printed no projection: {source}", .program.display())]
+    #[error("{} printed no projection: {source}", .program.display())]
     Unreadable {
         /// The program.
         program: PathBuf,
@@ -131,7 +131,7 @@ impl Projector {
             // alive, so its id cannot have been reused.
             kill_group(pid);
             let _ = child.start_kill();
-            let _ = tokio::time::timeout(REAP_TIMEOUT, child.wait()).await;
+            let _ = reap(&mut child).await;
             return Err(ProjectionError::TimedOut { program: program(), after: self.timeout });
         };
         let status = status.map_err(|source| ProjectionError::CannotRun { program: program(), source })?;
@@ -163,7 +163,7 @@ impl Projector {
 /// classified, the last one (after an uncaught exception, `what(): …` rather than
 /// `terminate called …`; llama.cpp's own error lines may be lost in an abort, since its
 /// log is written by a thread of its own).
-fn failure_message(report: &LoadReport) -> Option<String> {
+pub(super) fn failure_message(report: &LoadReport) -> Option<String> {
     let message = match report.failure_class() {
         Some(ErrorClass::Other) => report.errors().last().map(|line| line.message.as_str()),
         _ => report.failure_message(),
@@ -171,9 +171,15 @@ fn failure_message(report: &LoadReport) -> Option<String> {
     message.map(|m| m.trim().to_owned())
 }
 
+/// Waits at most [`REAP_TIMEOUT`] for a killed projection to be reaped; `None` when it
+/// was not (it is then left to the runtime).
+pub(super) async fn reap(child: &mut tokio::process::Child) -> Option<ExitStatus> {
+    tokio::time::timeout(REAP_TIMEOUT, child.wait()).await.ok().and_then(Result::ok)
+}
+
 /// SIGKILL to the projection's process group (a crashing llama.cpp may have started a
 /// debugger to print its backtrace).
-fn kill_group(pid: Option<u32>) {
+pub(super) fn kill_group(pid: Option<u32>) {
     if let Some(pid) = pid.and_then(|pid| i32::try_from(pid).ok()) {
         // ESRCH: the group is gone already.
         let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);

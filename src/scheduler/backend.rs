@@ -96,10 +96,23 @@ pub struct Projected {
     pub per_device: u64,
 }
 
-/// llama.cpp's own memory projection of a load (`llama-fit-params`).
+/// Which projection is asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Projecting {
+    /// The scheduler's, of a whole model on one device: `llama-fit-params`.
+    Planning,
+    /// The plan the child of runner `runner` will follow: llama-server's own `--fit` dry
+    /// run with the child's arguments, which reserves its compute as the child will.
+    Exact {
+        /// The runner's id (names the dry run's socket).
+        runner: u64,
+    },
+}
+
+/// llama.cpp's own memory projection of a load.
 pub trait Projections: std::fmt::Debug + Send + Sync + 'static {
-    /// What a load with these `llama-fit-params` arguments and environment takes on
-    /// each device (the host as [`HOST`]).
+    /// What a load with these model-shaping arguments and environment takes on each
+    /// device (the host as [`HOST`]).
     fn project(
         &self,
         files: &ModelFiles,
@@ -107,6 +120,7 @@ pub trait Projections: std::fmt::Debug + Send + Sync + 'static {
         placement: &command::Placement,
         args: Vec<OsString>,
         env: Vec<(OsString, OsString)>,
+        projecting: Projecting,
     ) -> BoxFuture<'static, Result<Vec<ProjectedRow>, String>>;
 }
 
@@ -221,7 +235,7 @@ impl Backend for SupervisorBackend {
         let offloads = !devices.is_empty();
         let (args, env) = command::projection(files, options, &placement, &self.config.inherited_env);
         let device = placement.plan.as_ref().and_then(|p| p.devices.first()).map(|d| d.name.clone());
-        let projected = projections.project(files, options, &placement, args, env);
+        let projected = projections.project(files, options, &placement, args, env, Projecting::Planning);
         Box::pin(async move {
             let rows = projected.await?;
             let row = |name: &str| rows.iter().find(|r| r.name == name).map_or((0, 0), |r| (r.total, r.compute));
@@ -322,7 +336,7 @@ async fn exact_plan(
 ) -> Result<Option<Vec<(String, u64)>>, Unfit> {
     let project = |spec: &RunnerSpec| {
         let (args, env) = command::projection(&spec.files, &spec.options, &spec.placement, &config.inherited_env);
-        projections.project(&spec.files, &spec.options, &spec.placement, args, env)
+        projections.project(&spec.files, &spec.options, &spec.placement, args, env, Projecting::Exact { runner: spec.id })
     };
     let mut rows = match project(spec).await {
         Ok(rows) => rows,

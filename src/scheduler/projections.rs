@@ -1,30 +1,32 @@
 //! llama.cpp's own projection of a load's memory, for the backend: the cache key made of
 //! the same values the child's command line is, the cached answer, or a run of
-//! `llama-fit-params`.
+//! `llama-fit-params` (planning) or of llama-server's own dry run (an exact plan).
 
 use std::ffi::OsString;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use super::backend::{BoxFuture, ProjectedRow, Projections};
-use crate::projection::{Projection, ProjectionCache, ProjectionKey, Projector};
+use super::backend::{BoxFuture, ProjectedRow, Projecting, Projections};
+use crate::projection::{DryRun, Projection, ProjectionCache, ProjectionKey, Projector};
 use crate::store::digest::Digest;
 use crate::supervisor::command::{self, FlashAttention, LoadOptions, ModelFiles};
 use crate::supervisor::runner::HOST;
 use crate::sync::lock;
 
-/// [`Projections`] through a [`Projector`], remembered in a [`ProjectionCache`].
+/// [`Projections`] through a [`Projector`] (planning) and a [`DryRun`] (exact plans),
+/// remembered in a [`ProjectionCache`].
 #[derive(Debug)]
 pub struct CachedProjections {
     projector: Projector,
+    dry_run: DryRun,
     cache: Arc<Mutex<ProjectionCache>>,
 }
 
 impl CachedProjections {
-    /// Projections made by `projector`, remembered in `cache`.
+    /// Projections made by `projector` and `dry_run`, remembered in `cache`.
     #[must_use]
-    pub fn new(projector: Projector, cache: ProjectionCache) -> Self {
-        Self { projector, cache: Arc::new(Mutex::new(cache)) }
+    pub fn new(projector: Projector, dry_run: DryRun, cache: ProjectionCache) -> Self {
+        Self { projector, dry_run, cache: Arc::new(Mutex::new(cache)) }
     }
 }
 
@@ -36,36 +38,49 @@ impl Projections for CachedProjections {
         placement: &command::Placement,
         args: Vec<OsString>,
         env: Vec<(OsString, OsString)>,
+        projecting: Projecting,
     ) -> BoxFuture<'static, Result<Vec<ProjectedRow>, String>> {
-        let key = key(files, options, placement);
+        let dry_run = matches!(projecting, Projecting::Exact { .. });
+        let key = key(files, options, placement, dry_run);
         let cached = key.as_ref().and_then(|key| lock(&self.cache).get(key).cloned());
         let projector = self.projector.clone();
+        let server = self.dry_run.clone();
+        let buffers: Vec<(String, String)> = placement
+            .plan
+            .iter()
+            .flat_map(|p| &p.devices)
+            .map(|d| (d.name.clone(), d.buffer.clone()))
+            .collect();
         let cache = Arc::clone(&self.cache);
         Box::pin(async move {
             if let Some(projection) = cached {
-                return Ok(rows(&projection));
+                return Ok(rows(&projection, dry_run));
             }
-            let projection = projector.project(&args, &env).await.map_err(|e| e.to_string())?;
+            let projection = match projecting {
+                Projecting::Planning => projector.project(&args, &env).await,
+                Projecting::Exact { runner } => server.project(&args, &env, runner, &buffers).await,
+            }
+            .map_err(|e| e.to_string())?;
             if let Some(key) = key {
                 if let Some(write) = lock(&cache).record(key, projection.clone()) {
                     tokio::task::spawn_blocking(move || write.write());
                 }
             }
-            Ok(rows(&projection))
+            Ok(rows(&projection, dry_run))
         })
     }
 }
 
-/// Each device's bytes, the host's as [`HOST`]. llama-fit-params prints whole MiB,
-/// rounded down, three figures a device: half a MiB is added to each device's total (the
-/// expected loss of the sum is 1.5 MiB, but the compute figure of a split's last device is
-/// projected high by several MiB, which this partly offsets; measured on the rig,
-/// docs/benchmarks.md).
-fn rows(projection: &Projection) -> Vec<ProjectedRow> {
+/// Each device's bytes, the host's as [`HOST`]. llama.cpp prints model and context in
+/// whole MiB, rounded down: half a MiB is added to each device's total (their expected
+/// loss, measured on the rig, docs/benchmarks.md).  llama-fit-params prints the compute
+/// alike, which gets half a MiB too; a dry run's compute is exact (`dry_run`).
+fn rows(projection: &Projection, dry_run: bool) -> Vec<ProjectedRow> {
+    let rounding = if dry_run { 0 } else { 1 << 19 };
     let row = |name: &str, usage: crate::projection::Usage| ProjectedRow {
         name: name.to_owned(),
         total: usage.total().saturating_add(1 << 19),
-        compute: usage.compute.saturating_add(1 << 19),
+        compute: usage.compute.saturating_add(rounding),
     };
     let mut rows: Vec<ProjectedRow> = projection.devices().iter().map(|d| row(&d.name, d.usage)).collect();
     rows.push(row(HOST, projection.host()));
@@ -74,7 +89,7 @@ fn rows(projection: &Projection) -> Vec<ProjectedRow> {
 
 /// The cache key of a load: the blobs by digest (the store names its files after them)
 /// and what of the options and placement shapes memory. `None` for files outside the store.
-fn key(files: &ModelFiles, options: &LoadOptions, placement: &command::Placement) -> Option<ProjectionKey> {
+fn key(files: &ModelFiles, options: &LoadOptions, placement: &command::Placement, dry_run: bool) -> Option<ProjectionKey> {
     let plan = placement.plan.as_ref();
     let mut devices: Vec<String> =
         placement.devices.iter().map(|d| format!("{}:{}", d.backend.as_str(), d.id)).collect();
@@ -102,6 +117,7 @@ fn key(files: &ModelFiles, options: &LoadOptions, placement: &command::Placement
         tensor_split: plan
             .map(|p| p.devices.iter().map(|d| u32::try_from(d.share).unwrap_or(u32::MAX)).collect())
             .unwrap_or_default(),
+        dry_run,
     })
 }
 
@@ -136,7 +152,7 @@ mod tests {
         let placement =
             Placement { rpc_servers: vec!["a:1".into(), "b:1".into()], plan: Some(plan), ..Placement::default() };
         let options = LoadOptions::default();
-        let k = key(&files, &options, &placement).expect("a key");
+        let k = key(&files, &options, &placement, false).expect("a key");
         assert_eq!(k.model, digest);
         assert_eq!(k.gpu_layers, Some(7));
         assert_eq!(k.tensor_split, [3, 1]);
@@ -144,6 +160,8 @@ mod tests {
         // Another split is another key.
         let mut other = placement.clone();
         other.plan.as_mut().expect("plan").devices[0].share = 1;
-        assert_ne!(key(&files, &options, &other), Some(k));
+        assert_ne!(key(&files, &options, &other, false), Some(k.clone()));
+        // The dry run's projection is another's than llama-fit-params'.
+        assert_ne!(key(&files, &options, &placement, true), Some(k));
     }
 }

@@ -18,10 +18,10 @@ use crate::support::http;
 use crate::support::llama::RpcServer;
 use crate::support::notify::NotifyListener;
 
-/// How far the plan may be from what llama.cpp allocated on a device: the projection is
-/// exact to the MiB but for the compute buffer of the device holding the output layer in a
-/// split, which llama-fit-params reserves for a whole micro-batch of outputs (about 4 MiB
-/// on the rig model; docs/benchmarks.md).
+/// How far the plan may be from what llama.cpp allocated on a device: the plan is
+/// llama-server's own dry run, whose compute is exact and whose model and context are
+/// whole MiB rounded down (half a MiB is added back), so a device of the rig is within
+/// 2.5 % and a host row of a few MiB within 5 % (docs/benchmarks.md).
 const TOLERANCE: f64 = 0.05;
 
 struct Rig {
@@ -172,11 +172,10 @@ fn a_model_too_big_for_the_devices_runs_partly_on_the_cpu_or_is_refused_naming_e
     let on_devices = devices.iter().filter(|(d, (_, actual))| *d != "Host" && *actual > 0).count();
     assert!(on_devices >= 1, "some layers on the workers: {devices:?}");
     assert!(devices["Host"].1 > 100 << 20, "most weights in host memory: {devices:?}");
-    // The plan errs only on the safe side: llama-fit-params reserves the output layer's
-    // device a compute buffer for a whole micro-batch of outputs (docs/benchmarks.md).
+    // Every device, the small ones of a partial offload and the host included, as planned.
+    eprintln!("planned and actual: {devices:?}");
     for (device, (planned, actual)) in &devices {
-        let planned = planned.unwrap_or_else(|| panic!("{device} has no plan: {devices:?}"));
-        assert!(planned >= actual - actual / 20, "{device} planned below what it took: {devices:?}");
+        assert_close(device, *planned, *actual);
     }
     corrald.signal(nix::sys::signal::Signal::SIGTERM);
     corrald.wait_exit(Duration::from_secs(30));

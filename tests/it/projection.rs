@@ -253,6 +253,7 @@ fn a_cached_projection_survives_a_reload_from_disk() {
         devices: Vec::new(),
         gpu_layers: Some(0),
         tensor_split: Vec::new(),
+        dry_run: false,
     };
     let state = tempfile::tempdir().expect("state directory");
     let path = state.path().join("projections.json");
