@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use corral::config::RunnerConfig;
-use corral::projection::{ParseError, Projection, ProjectionCache, ProjectionError, ProjectionKey, Projector};
+use corral::projection::{DryRun, ParseError, Projection, ProjectionCache, ProjectionError, ProjectionKey, Projector};
 use corral::store::digest::Digest;
 use corral::supervisor::logparse::ErrorClass;
 
@@ -291,4 +291,97 @@ fn check_config_warns_when_the_projector_is_missing_and_passes_anyway() {
     assert!(stderr.starts_with("corrald: warning: [runner] llama_fit_params: "), "{stderr}");
     assert!(stderr.contains(&format!("{} does not exist", missing.display())), "{stderr}");
     assert!(stderr.contains("planned with corral's estimate"), "{stderr}");
+}
+
+/// llama-server's dry run (an exact plan's projection) through `program`, its socket in `dir`.
+fn dry_run(program: PathBuf, dir: &Path, timeout: Duration) -> DryRun {
+    DryRun { llama_server: program, socket_dir: dir.to_owned(), timeout }
+}
+
+/// The memory table a dry run prints, at `-lv 5`, for one device and the host.
+const TABLE: &str = "\
+echo '0.00.037.479 I sched_reserve: RPC0[127.0.0.1:1] compute buffer size =    16.01 MiB' >&2
+echo '0.00.038.276 I common_memory_breakdown_print: | memory breakdown [MiB] | total free self model context compute unaccounted |' >&2
+echo '0.00.038.298 I common_memory_breakdown_print: |   - RPC0 (127.0.0.1:1) | 24105 = 24105 + (  35 =    15 +       4 +      16) +         -35 |' >&2
+echo '0.00.038.298 I common_memory_breakdown_print: |   - Host               |                   143 =    98 +      26 +      19                |' >&2
+";
+
+#[test]
+fn a_dry_run_is_stopped_once_its_table_is_read_before_it_loads_the_weights() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pids = dir.path().join("pids");
+    // After its table llama-server would read the weights: here it hangs, with a child.
+    let body = format!("{TABLE}sleep 600 &\necho $$ $! > {}\nwait\n", pids.display());
+    let program = script(dir.path(), "llama-server", &body);
+    let started = Instant::now();
+    let buffers = [("RPC0".to_owned(), "RPC0[127.0.0.1:1]".to_owned())];
+    let p = block_on(dry_run(program, dir.path(), TIMEOUT).project(&[], &[], 7, &buffers)).expect("a projection");
+    assert!(started.elapsed() < Duration::from_secs(20), "stopped at the table, not at the timeout");
+    assert_eq!(names(&p), ["RPC0"]);
+    let rpc0 = p.device("RPC0").expect("a row");
+    assert_eq!((rpc0.model, rpc0.context, rpc0.compute), (15 * MIB, 4 * MIB, 16 * MIB + 10_486));
+    assert_eq!(p.host().model, 98 * MIB);
+    let pids = std::fs::read_to_string(&pids).expect("the script wrote its pids");
+    for pid in pids.split_whitespace() {
+        assert!(wait_dead(pid), "process {pid} outlived its projection");
+    }
+}
+
+#[test]
+fn a_dry_run_gets_the_child_s_arguments_with_its_own_and_a_socket_it_does_not_keep() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let seen = dir.path().join("seen");
+    let body = format!("for a in \"$@\"; do echo \"arg:$a\"; done > {}\n{TABLE}", seen.display());
+    let program = script(dir.path(), "llama-server", &body);
+    let sockets = dir.path().join("run");
+    std::fs::create_dir(&sockets).expect("mkdir");
+    // A socket left by an earlier dry run of the same runner is removed first.
+    std::fs::write(sockets.join("projection-7.sock"), "").expect("a stale socket");
+    let args = [OsString::from("-m"), OsString::from("a b.gguf"), OsString::from("--fit"), OsString::from("off")];
+    block_on(dry_run(program, &sockets, TIMEOUT).project(&args, &[], 7, &[])).expect("a projection");
+    let seen = std::fs::read_to_string(&seen).expect("the script ran");
+    let socket = sockets.join("projection-7.sock");
+    let expected = format!(
+        "arg:-m\narg:a b.gguf\narg:--fit\narg:off\narg:--fit\narg:on\narg:-lv\narg:5\narg:--offline\narg:--no-webui\narg:--host\narg:{}\n",
+        socket.display()
+    );
+    assert_eq!(seen, expected);
+    assert!(!socket.exists(), "the dry run's socket is gone");
+}
+
+#[test]
+fn a_dry_run_that_fails_times_out_or_prints_no_table_is_a_typed_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let failing = script(
+        dir.path(),
+        "failing",
+        "echo '0.00.002.000 E llama_model_load: error loading model: tensor data is not within the file bounds' >&2\nexit 1\n",
+    );
+    let err = block_on(dry_run(failing, dir.path(), TIMEOUT).project(&[], &[], 1, &[])).expect_err("failed");
+    let ProjectionError::Failed { class, message, .. } = &err else { panic!("{err:?}") };
+    assert_eq!(*class, Some(ErrorClass::BadModelFile));
+    assert!(message.as_deref().is_some_and(|m| m.contains("not within the file bounds")), "{err}");
+
+    let silent = script(dir.path(), "silent", "echo '0.00.001.000 I main: nothing to see' >&2\n");
+    let err = block_on(dry_run(silent, dir.path(), TIMEOUT).project(&[], &[], 1, &[])).expect_err("no table");
+    assert!(matches!(&err, ProjectionError::Unreadable { source: ParseError::NoHost, .. }), "{err:?}");
+
+    let bad = script(
+        dir.path(),
+        "bad",
+        "echo 'I common_memory_breakdown_print: |   - RPC0 (a) | 1 = 1 + ( 1 = 1 + x + 0 ) + 0 |' >&2\nsleep 600\n",
+    );
+    let started = Instant::now();
+    let err = block_on(dry_run(bad, dir.path(), TIMEOUT).project(&[], &[], 1, &[])).expect_err("a bad row");
+    assert!(started.elapsed() < Duration::from_secs(20), "a bad row ends the run at once");
+    assert!(matches!(&err, ProjectionError::Unreadable { source: ParseError::BadNumber { .. }, .. }), "{err:?}");
+
+    let slow = script(dir.path(), "slow", "sleep 600\n");
+    let err = block_on(dry_run(slow.clone(), dir.path(), Duration::from_millis(300)).project(&[], &[], 1, &[]))
+        .expect_err("too slow");
+    assert!(matches!(&err, ProjectionError::TimedOut { program, .. } if *program == slow), "{err:?}");
+
+    let missing = dir.path().join("missing");
+    let err = block_on(dry_run(missing.clone(), dir.path(), TIMEOUT).project(&[], &[], 1, &[])).expect_err("none");
+    assert!(matches!(&err, ProjectionError::NotFound { program } if *program == missing), "{err:?}");
 }

@@ -11,6 +11,9 @@
 //!   gets a compute projection above the real buffer (31 MiB against 27.04), because the
 //!   tool reserves the graph for a whole micro-batch of outputs (512) where llama-server
 //!   reserves for one output per slot (4).
+//! * llama-server's own `--fit` dry run (corral's projection of an exact plan) reserves
+//!   the graph as the load does: its compute buffer lines are the load's to the hundredth
+//!   of a MiB on every device, the output layer's included.
 //! * llama.cpp names a device's buffers by the worker's own device and its endpoint:
 //!   `RPC0[127.0.0.1:PORT]` for both workers (each has one device, its `RPC0`), while the
 //!   client calls the devices `RPC0` and `RPC1`.
@@ -119,6 +122,56 @@ fn report_of(lines: &[String]) -> LoadReport {
 /// The buffer name llama.cpp gives a worker's (only) device.
 fn rpc_buffer(worker: &RpcServer) -> String {
     format!("RPC0[{}]", worker.endpoint())
+}
+
+#[test]
+fn llama_server_s_dry_run_projects_each_device_as_the_load_allocates_it() {
+    let (_dir, model) = rig_model();
+    let (a, b) = (RpcServer::start_free(), RpcServer::start_free());
+    let rpc = rpc_arg(&[&a, &b]);
+    // A partial offload whose second device holds one block and the output layer, with 4
+    // slots: where llama-fit-params' compute is furthest off.
+    let args = [
+        "--rpc", &rpc, "--device", "RPC0,RPC1", "-ngl", "4", "-ts", "2,2", "--fit", "off", "-c", "2048", "-np", "4",
+    ];
+    let sockets = tempfile::tempdir().expect("socket directory");
+    let dry_run = corral::projection::DryRun {
+        llama_server: llama::bin_dir().join("llama-server"),
+        socket_dir: sockets.path().to_owned(),
+        timeout: FIT_TIMEOUT,
+    };
+    let buffers = [("RPC0".to_owned(), rpc_buffer(&a)), ("RPC1".to_owned(), rpc_buffer(&b))];
+    let mut full_args = vec![std::ffi::OsString::from("-m"), model.clone().into_os_string()];
+    full_args.extend(args.iter().map(std::ffi::OsString::from));
+    let started = Instant::now();
+    let dry = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(dry_run.project(&full_args, &[], 1, &buffers))
+        .expect("the dry run projects the load");
+    eprintln!("the dry run took {:?}: {dry:?}", started.elapsed());
+    assert_eq!(std::fs::read_dir(sockets.path()).expect("read").count(), 0, "its socket is removed");
+    let fit = fit_print(&model, &args);
+
+    let server = LlamaServer::start(&model, &args);
+    let report = report_of(&server.stderr_lines());
+    let actual = [
+        ("RPC0", Actual::of(&report, |name| name == rpc_buffer(&a))),
+        ("RPC1", Actual::of(&report, |name| name == rpc_buffer(&b))),
+        ("Host", Actual::of(&report, corral::supervisor::logparse::is_host_buffer)),
+    ];
+    for (device, actual) in actual {
+        let projected = if device == "Host" { dry.host() } else { dry.device(device).expect("a row") };
+        eprintln!("{device}: dry run {projected:?}, llama-server {actual:?}");
+        assert_eq!(projected.compute, actual.compute, "{device}: the compute is the load's own");
+        assert_eq!(projected.model, actual.model / MIB * MIB, "{device}: the model in whole MiB, rounded down");
+        assert_eq!(projected.context, actual.context / MIB * MIB, "{device}: the context in whole MiB, rounded down");
+    }
+    // llama-fit-params, for comparison, is more than 4 MiB high on the output layer's device.
+    let on_b = actual[1].1.compute;
+    let fit_b = projection(&fit, "RPC1").compute * MIB;
+    assert!(fit_b > on_b + 4 * MIB, "llama-fit-params: {fit_b} bytes of compute on RPC1, llama-server {on_b}");
 }
 
 /// A row of the accuracy table, printed for `docs/benchmarks.md`.
