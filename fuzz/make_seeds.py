@@ -133,6 +133,28 @@ SEED = {
         "repeated": "Available devices:\n  RPC0: a:1 (1 MiB, 1 MiB free)\n  RPC0: a:1 (1 MiB, 1 MiB free)\n",
         "no-header": "  RPC0: a:1 (1 MiB, 1 MiB free)\n",
     },
+    "dry_run_output": {
+        # Real llama-server b11434 lines (-lv 5) of a dry run: the rig's partial offload over two workers.
+        "rig-partial": (
+            "0.00.037.479 I sched_reserve: RPC0[a:1] compute buffer size =    16.01 MiB\n"
+            "0.00.037.480 I sched_reserve:        CPU compute buffer size =    19.02 MiB\n"
+            "0.00.038.276 I common_memory_breakdown_print: | memory breakdown [MiB]     | total    free    self   model"
+            "   context   compute    unaccounted |\n"
+            "0.00.038.298 I common_memory_breakdown_print: |   - RPC0 (a:1) | 24105 = 24105 + (  35 =    15 +       4 +"
+            "      16) +         -35 |\n"
+            "0.00.038.298 I common_memory_breakdown_print: |   - RPC1 (b:1) | 24105 = 24105 + (  16 =     8 +       2 +"
+            "       6) +         -16 |\n"
+            "0.00.038.298 I common_memory_breakdown_print: |   - Host       |                   143 =    98 +      26 +"
+            "      19                |\n"),
+        "cuda": ("I sched_reserve:      CUDA0 compute buffer size =   898.03 MiB\n"
+                 "I common_memory_breakdown_print: |   - CUDA0 (H200) | 143000 = 120000 + (19187 = 17904 + 384 + 898)"
+                 " + 3945 |\n"
+                 "I common_memory_breakdown_print: |   - Host | 58271 = 58259 + 0 + 12 |\n"),
+        "huge": "I common_memory_breakdown_print: |   - CUDA0 (x) | 1 = 1 + ( 1 = 99999999999999999999 + 0 + 0 ) + 0 |\n",
+        "no-host": "I common_memory_breakdown_print: |   - CUDA0 (x) | 1 = 1 + ( 1 = 1 + 0 + 0 ) + 0 |\n",
+        "dup": ("I common_memory_breakdown_print: | - RPC0 (a) | 1 = 1 + ( 1 = 1 + 0 + 0 ) + 0 |\n"
+                "I common_memory_breakdown_print: | - RPC0 (a) | 1 = 1 + ( 1 = 1 + 0 + 0 ) + 0 |\n"),
+    },
     "fit_projection": {
         # Real llama-fit-params b11434 output: the CPU alone, two rpc-servers.
         "cpu": "Host 0 1 3 \n",
