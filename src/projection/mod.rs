@@ -1,6 +1,7 @@
 //! Projection before the first load: llama.cpp's own answer to "how much memory will
-//! this load take, on which device", asked of `llama-fit-params --fit-print on` with the
-//! arguments the child will get, and cached in the state directory by a typed key.
+//! this load take, on which device", asked of `llama-fit-params --fit-print on` to plan
+//! (projector), and of llama-server's own `--fit` dry run with the child's exact arguments
+//! for the plan it will follow (dry run), and cached in the state directory by a typed key.
 //!
 //! llama-fit-params does the trial load that `--fit` does (metadata and graph
 //! reservation, no weights read) and prints model, context and compute MiB per device and

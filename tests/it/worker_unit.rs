@@ -8,6 +8,7 @@
 //! without a warning, and its man page documents every setting of the launcher.
 
 use corral::demo_model::{LlamaShape, Weights, write_llama};
+use corral::supervisor::logparse::ErrorClass;
 
 use crate::support::container::{Container, poll_until, repo_root};
 use crate::support::journald::field;
@@ -322,7 +323,7 @@ fn the_worker_man_page_renders_and_documents_every_setting() {
         .collect();
     settings.sort_unstable();
     settings.dedup();
-    assert_eq!(settings.len(), 5, "{settings:?}");
+    assert_eq!(settings.len(), 6, "{settings:?}");
     for setting in settings {
         assert!(text.contains(&format!(".B {setting}\n")), "corral-rpc@.service(8) documents {setting}");
     }
@@ -410,4 +411,60 @@ fn the_worker_keeps_the_tensors_it_was_sent_in_its_cache_for_the_next_load() {
     // The second load finds them there: nothing is sent or saved again, and it computes.
     load_on_the_worker(&ct, &worker, "test-head-2");
     assert_eq!(saved(&ct, &worker), first, "the second load must come from the cache");
+}
+
+#[test]
+fn a_worker_under_memory_max_fails_an_allocation_beyond_it_instead_of_being_killed() {
+    let ct = Container::boot("worker-memory");
+    install_worker(&ct);
+    let worker = unit("127.0.0.1:50052");
+    // 48 MiB: rpc-server itself takes a few, the model's weights about 70.
+    drop_in(&ct, &worker, "[Service]\nMemoryMax=48M\n");
+    ct.run(&["systemctl", "start", &worker]);
+    wait_active_state(&ct, &worker, "active");
+    wait_message(&ct, &worker, &format!("rpc-server's data limit is the unit's memory limit, {} bytes", 48 << 20));
+    write_llama(&ct.share_dir().join("cached.gguf"), &CACHED_LLAMA).expect("write the model");
+    wait_serving(&ct, None, "127.0.0.1:50052");
+
+    let head = "test-head.service";
+    ct.run(&[
+        "systemd-run",
+        &format!("--unit={head}"),
+        "/usr/local/bin/llama-server",
+        "-m",
+        "/srv/host/cached.gguf",
+        "--rpc",
+        "127.0.0.1:50052",
+        "--device",
+        "RPC0",
+        "-ngl",
+        "99",
+        "--fit",
+        "off",
+        "-c",
+        "512",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8080",
+    ]);
+    wait_active_state(&ct, head, "failed");
+    // The load fails out of memory, naming the worker's buffer, as corrald classifies it.
+    let mut report = corral::supervisor::logparse::LoadReport::new();
+    let lines = messages(&ct, head);
+    for line in &lines {
+        let _ = report.feed(line);
+    }
+    let all = lines.join("\n");
+    assert_eq!(report.failure_class(), Some(ErrorClass::OutOfMemory), "{all}");
+    let message = report.failure_message().expect("a failure line");
+    assert!(message.contains("allocate RPC0[127.0.0.1:50052] buffer"), "{message}");
+    // The worker says why, and lives on: not killed, not restarted, and serving.
+    wait_message(&ct, &worker, "failed to allocate buffer");
+    assert_eq!(ct.unit_property(&worker, "ActiveState"), "active");
+    assert_eq!(ct.unit_property(&worker, "NRestarts"), "0");
+    let cgroup = ct.unit_property(&worker, "ControlGroup");
+    let events = ct.run(&["cat", &format!("/sys/fs/cgroup{cgroup}/memory.events")]);
+    assert!(events.lines().any(|l| l == "oom_kill 0"), "no OOM kill: {events}");
+    wait_serving(&ct, None, "127.0.0.1:50052");
 }
