@@ -218,7 +218,8 @@ impl Reader {
     pub fn projection(&self, buffers: &[(String, String)]) -> Result<Projection, ParseError> {
         let host = self.host.ok_or(ParseError::NoHost)?;
         let compute_lines = |matches: &dyn Fn(&str) -> bool| -> Option<u64> {
-            let mut lines = self.report.buffers().filter(|(key, _)| key.kind == BufferKind::Compute && matches(&key.buffer));
+            let mut lines =
+                self.report.buffers().filter(|(key, _)| key.kind == BufferKind::Compute && matches(&key.buffer));
             let first = lines.next()?;
             Some(lines.fold(first.1, |sum, (_, bytes)| sum.saturating_add(bytes)))
         };
@@ -234,7 +235,10 @@ impl Reader {
             .map(|d| {
                 let buffer = buffers.iter().find(|(name, _)| *name == d.name).map(|(_, buffer)| buffer.as_str());
                 let exact = buffer.and_then(|buffer| compute_lines(&|b| b == buffer));
-                DeviceUsage { name: d.name.clone(), usage: Usage { compute: refine(d.usage.compute, exact), ..d.usage } }
+                DeviceUsage {
+                    name: d.name.clone(),
+                    usage: Usage { compute: refine(d.usage.compute, exact), ..d.usage },
+                }
             })
             .collect();
         let host = Usage { compute: refine(host.compute, compute_lines(&is_host_buffer)), ..host };
@@ -305,7 +309,8 @@ mod tests {
     fn a_compute_line_that_disagrees_with_the_table_or_is_missing_leaves_the_table_s_figure() {
         let (reader, _) = read(RIG_PARTIAL).expect("read");
         // Device names mapped to the wrong buffers: 6.01 is not 16 MiB, 16.01 not 6.
-        let swapped = vec![("RPC0".into(), "RPC0[127.0.0.1:50072]".into()), ("RPC1".into(), "RPC0[127.0.0.1:50071]".into())];
+        let swapped =
+            vec![("RPC0".into(), "RPC0[127.0.0.1:50072]".into()), ("RPC1".into(), "RPC0[127.0.0.1:50071]".into())];
         let projection = reader.projection(&swapped).expect("a projection");
         assert_eq!(projection.device("RPC0").map(|u| u.compute), Some(16 * MIB));
         assert_eq!(projection.device("RPC1").map(|u| u.compute), Some(6 * MIB));
@@ -325,7 +330,8 @@ mod tests {
 
     #[test]
     fn output_without_a_table_is_incomplete_and_projects_nothing() {
-        let (reader, complete) = read("0.00.010.000 E llama_model_load: error loading model: bad magic\n").expect("read");
+        let (reader, complete) =
+            read("0.00.010.000 E llama_model_load: error loading model: bad magic\n").expect("read");
         assert!(!complete);
         assert_eq!(reader.projection(&[]), Err(ParseError::NoHost));
         assert!(reader.report().failure_message().is_some_and(|m| m.contains("bad magic")));
@@ -337,13 +343,22 @@ mod tests {
         let device = |figures: &str| row("- RPC0 (a:1)", figures);
         for (line, expected) in [
             (device("1 = 1 + ( 1 = 1 + 0 + 0 )"), ParseError::Fields { line: 1, fields: 6 }),
-            (device("1 = 1 + ( 1 = x + 0 + 0 ) + 0"), ParseError::BadNumber { line: 1, field: "model", text: "x".into() }),
-            (device("1 = 1 + ( 1 = -1 + 0 + 0 ) + 0"), ParseError::BadNumber { line: 1, field: "model", text: "-1".into() }),
+            (
+                device("1 = 1 + ( 1 = x + 0 + 0 ) + 0"),
+                ParseError::BadNumber { line: 1, field: "model", text: "x".into() },
+            ),
+            (
+                device("1 = 1 + ( 1 = -1 + 0 + 0 ) + 0"),
+                ParseError::BadNumber { line: 1, field: "model", text: "-1".into() },
+            ),
             (
                 device("1 = 1 + ( 1 = 1 + 99999999999999 + 0 ) + 0"),
                 ParseError::TooLarge { line: 1, field: "context", text: "99999999999999".into() },
             ),
-            (row("- RPC<0> (a:1)", "1 = 1 + ( 1 = 1 + 0 + 0 ) + 0"), ParseError::BadName { line: 1, name: "RPC<0>".into() }),
+            (
+                row("- RPC<0> (a:1)", "1 = 1 + ( 1 = 1 + 0 + 0 ) + 0"),
+                ParseError::BadName { line: 1, name: "RPC<0>".into() },
+            ),
             (row("- Host", "1 = 1 + 0"), ParseError::Fields { line: 1, fields: 3 }),
         ] {
             assert_eq!(read(&line).map(|(_, complete)| complete), Err(expected), "{line}");

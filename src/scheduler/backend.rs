@@ -336,7 +336,14 @@ async fn exact_plan(
 ) -> Result<Option<Vec<(String, u64)>>, Unfit> {
     let project = |spec: &RunnerSpec| {
         let (args, env) = command::projection(&spec.files, &spec.options, &spec.placement, &config.inherited_env);
-        projections.project(&spec.files, &spec.options, &spec.placement, args, env, Projecting::Exact { runner: spec.id })
+        projections.project(
+            &spec.files,
+            &spec.options,
+            &spec.placement,
+            args,
+            env,
+            Projecting::Exact { runner: spec.id },
+        )
     };
     let mut rows = match project(spec).await {
         Ok(rows) => rows,

@@ -45,12 +45,8 @@ impl Projections for CachedProjections {
         let cached = key.as_ref().and_then(|key| lock(&self.cache).get(key).cloned());
         let projector = self.projector.clone();
         let server = self.dry_run.clone();
-        let buffers: Vec<(String, String)> = placement
-            .plan
-            .iter()
-            .flat_map(|p| &p.devices)
-            .map(|d| (d.name.clone(), d.buffer.clone()))
-            .collect();
+        let buffers: Vec<(String, String)> =
+            placement.plan.iter().flat_map(|p| &p.devices).map(|d| (d.name.clone(), d.buffer.clone())).collect();
         let cache = Arc::clone(&self.cache);
         Box::pin(async move {
             if let Some(projection) = cached {
@@ -89,7 +85,12 @@ fn rows(projection: &Projection, dry_run: bool) -> Vec<ProjectedRow> {
 
 /// The cache key of a load: the blobs by digest (the store names its files after them)
 /// and what of the options and placement shapes memory. `None` for files outside the store.
-fn key(files: &ModelFiles, options: &LoadOptions, placement: &command::Placement, dry_run: bool) -> Option<ProjectionKey> {
+fn key(
+    files: &ModelFiles,
+    options: &LoadOptions,
+    placement: &command::Placement,
+    dry_run: bool,
+) -> Option<ProjectionKey> {
     let plan = placement.plan.as_ref();
     let mut devices: Vec<String> =
         placement.devices.iter().map(|d| format!("{}:{}", d.backend.as_str(), d.id)).collect();

@@ -131,9 +131,8 @@ fn llama_server_s_dry_run_projects_each_device_as_the_load_allocates_it() {
     let rpc = rpc_arg(&[&a, &b]);
     // A partial offload whose second device holds one block and the output layer, with 4
     // slots: where llama-fit-params' compute is furthest off.
-    let args = [
-        "--rpc", &rpc, "--device", "RPC0,RPC1", "-ngl", "4", "-ts", "2,2", "--fit", "off", "-c", "2048", "-np", "4",
-    ];
+    let args =
+        ["--rpc", &rpc, "--device", "RPC0,RPC1", "-ngl", "4", "-ts", "2,2", "--fit", "off", "-c", "2048", "-np", "4"];
     let sockets = tempfile::tempdir().expect("socket directory");
     let dry_run = corral::projection::DryRun {
         llama_server: llama::bin_dir().join("llama-server"),

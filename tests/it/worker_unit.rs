@@ -4,8 +4,10 @@
 //! model's second load reads its big weights from there); it refuses the wildcard address
 //! unless a drop-in allows it; its exposure score; and its IP filter, between network
 //! namespaces the test makes inside the container: the head that `IPAddressAllow=` names
-//! can list the worker's devices, another host cannot connect.  The unit file verifies
-//! without a warning, and its man page documents every setting of the launcher.
+//! can list the worker's devices, another host cannot connect.  Under a `MemoryMax=` the
+//! worker's allocation beyond it fails (a load out of memory naming its buffer) instead of
+//! the OOM killer killing it.  The unit file verifies without a warning, and its man page
+//! documents every setting of the launcher.
 
 use corral::demo_model::{LlamaShape, Weights, write_llama};
 use corral::supervisor::logparse::ErrorClass;
@@ -415,7 +417,7 @@ fn the_worker_keeps_the_tensors_it_was_sent_in_its_cache_for_the_next_load() {
 
 #[test]
 fn a_worker_under_memory_max_fails_an_allocation_beyond_it_instead_of_being_killed() {
-    let ct = Container::boot("worker-memory");
+    let ct = Container::boot_with_memory_controller("worker-memory");
     install_worker(&ct);
     let worker = unit("127.0.0.1:50052");
     // 48 MiB: rpc-server itself takes a few, the model's weights about 70.
@@ -463,8 +465,15 @@ fn a_worker_under_memory_max_fails_an_allocation_beyond_it_instead_of_being_kill
     wait_message(&ct, &worker, "failed to allocate buffer");
     assert_eq!(ct.unit_property(&worker, "ActiveState"), "active");
     assert_eq!(ct.unit_property(&worker, "NRestarts"), "0");
+    // The OOM kills in the unit's cgroup: cgroup2's memory.events, or v1's memory.oom_control.
     let cgroup = ct.unit_property(&worker, "ControlGroup");
-    let events = ct.run(&["cat", &format!("/sys/fs/cgroup{cgroup}/memory.events")]);
+    let events = ct.run(&[
+        "sh",
+        "-c",
+        "cat /sys/fs/cgroup$1/memory.events 2>/dev/null || cat /sys/fs/cgroup/memory$1/memory.oom_control",
+        "sh",
+        &cgroup,
+    ]);
     assert!(events.lines().any(|l| l == "oom_kill 0"), "no OOM kill: {events}");
     wait_serving(&ct, None, "127.0.0.1:50052");
 }

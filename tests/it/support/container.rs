@@ -176,6 +176,24 @@ impl Container {
     /// Boots a new container for the test called `label` and waits until systemd reports the
     /// system running (or degraded, which is printed as a warning).  Panics when it does not boot.
     pub fn boot(label: &str) -> Self {
+        Self::boot_in(label, "unified")
+    }
+
+    /// Boots a container whose systemd can limit memory (`MemoryMax=`): with cgroup2 inside
+    /// where this host's cgroup2 has the memory controller, else with cgroup v1 hierarchies
+    /// (a hybrid host, whose memory controller is a v1 hierarchy).
+    pub fn boot_with_memory_controller(label: &str) -> Self {
+        let unified = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+            "/sys/fs/cgroup/cgroup.controllers"
+        } else {
+            "/sys/fs/cgroup/unified/cgroup.controllers"
+        };
+        let controllers = std::fs::read_to_string(unified).unwrap_or_default();
+        Self::boot_in(label, if controllers.split_whitespace().any(|c| c == "memory") { "unified" } else { "legacy" })
+    }
+
+    /// Boots a container with cgroups in `mode` (`unified` or `legacy`, the script's `CGMODE`).
+    fn boot_in(label: &str, mode: &str) -> Self {
         static SEQ: AtomicU32 = AtomicU32::new(0);
         let label: String = label
             .chars()
@@ -194,6 +212,7 @@ impl Container {
             ct.script()
                 .arg("up")
                 .env("SHARE", &ct.share)
+                .env("CGMODE", mode)
                 .env("BOOT_TIMEOUT", BOOT_TIMEOUT.as_secs().to_string())
                 .env("WATCH_PID", std::process::id().to_string()),
             BOOT_TIMEOUT + Duration::from_secs(30),
