@@ -527,10 +527,10 @@ fn time_projection(
     bin: &Path,
     argv: &[String],
 ) -> (Duration, Duration, Vec<ProjectedRow>) {
-    let args = projection_args(argv);
+    let model_args = projection_args(argv);
     let env: Vec<(OsString, OsString)> =
         std::env::vars_os().filter(|(k, _)| INHERITED_VARIABLES.iter().any(|allowed| k == allowed)).collect();
-    let model = PathBuf::from(&args[args.iter().position(|a| a == "-m").expect("-m") + 1]);
+    let model = PathBuf::from(&model_args[model_args.iter().position(|a| a == "-m").expect("-m") + 1]);
     let files = ModelFiles { model, projector: None, adapters: Vec::new() };
     let sockets = tempfile::tempdir().expect("socket directory");
     let projections = CachedProjections::new(
@@ -562,7 +562,7 @@ fn time_projection(
         for _ in 0..2 {
             let start = Instant::now();
             rows = projections
-                .project(&files, &options, &placement, args.clone(), env.clone(), Projecting::Exact { runner: 1 })
+                .project(&files, &options, &placement, model_args.clone(), env.clone(), Projecting::Exact { runner: 1 })
                 .await
                 .expect("llama-server's dry run projects the load");
             times.push(start.elapsed());

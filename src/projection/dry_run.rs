@@ -287,7 +287,12 @@ mod tests {
         Ok((reader, false))
     }
 
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "test figures of a few MiB")]
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss,
+        reason = "test figures of a few MiB"
+    )]
     fn mib(figure: f64) -> u64 {
         (figure * MIB as f64).round() as u64
     }
@@ -372,9 +377,10 @@ mod tests {
 
     #[test]
     fn more_devices_than_llama_cpp_can_have_are_refused() {
-        let rows: String = (0..super::MAX_ROWS)
-            .map(|i| format!("I common_memory_breakdown_print: | - RPC{i} (a:{i}) | 1 = 1 + ( 1 = 1 + 0 + 0 ) + 0 |\n"))
+        let rows: Vec<String> = (0..super::MAX_ROWS)
+            .map(|i| format!("I common_memory_breakdown_print: | - RPC{i} (a:{i}) | 1 = 1 + ( 1 = 1 + 0 + 0 ) + 0 |"))
             .collect();
+        let rows = rows.join("\n");
         assert_eq!(read(&rows).map(|(_, c)| c), Err(ParseError::TooManyRows));
     }
 }
