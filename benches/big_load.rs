@@ -1,6 +1,6 @@
 //! Big model load: corrald loading a 1 GiB model (request to ready) against llama-server's
 //! own start with the same arguments, with the page cache warm and cold, and what the
-//! projection step (`llama-fit-params`) costs on a first load.
+//! projection step (`llama-fit-params`, then llama-server's own dry run) costs on a first load.
 //!
 //! - The model: a random-weight llama of about 1 GiB (`CORRAL_BENCH_LAYERS`, default 10
 //!   layers of 2048 wide, feed-forward 6144, F16), written once into the benchmark's
@@ -13,9 +13,9 @@
 //! - **cold**: `sync` and `echo 3 > /proc/sys/vm/drop_caches` (root) before each load, so the
 //!   weights come from the disk; **warm**: the file stays cached.
 //! - **projection**: the first load of a fresh corrald (no projection cached) against the
-//!   warm loads after it, and `llama-fit-params` run alone on the same arguments; then a
-//!   corrald restarted on the same state directory (the projection read from
-//!   `projections.json`).
+//!   warm loads after it, and `llama-fit-params` and llama-server's dry run each run alone
+//!   on the same arguments; then a corrald restarted on the same state directory (the
+//!   projections read from `projections.json`).
 //!
 //! `CORRAL_BENCH_ROUNDS` (default 5) rounds of each, alternating sides. Target: corral's
 //! load within 5 ms of direct, plus the projection on a first load only. Run with
@@ -185,6 +185,20 @@ fn main() {
         assert!(out.status.success(), "llama-fit-params {fit_args:?}: {}", String::from_utf8_lossy(&out.stderr));
         projection_alone.push(ms(start.elapsed()));
     }
+    // llama-server's own dry run alone (the exact plan's projection), the same arguments.
+    let sockets = tempfile::tempdir().expect("socket directory");
+    let dry_run = corral::projection::DryRun {
+        llama_server: llama_server.clone(),
+        socket_dir: sockets.path().to_owned(),
+        timeout: Duration::from_secs(60),
+    };
+    let dry_args: Vec<std::ffi::OsString> = fit_args.iter().map(std::ffi::OsString::from).collect();
+    let mut dry_run_alone = Vec::new();
+    for round in 0..rounds {
+        let start = Instant::now();
+        runtime.block_on(dry_run.project(&dry_args, &[], round as u64, &[])).expect("llama-server's dry run");
+        dry_run_alone.push(ms(start.elapsed()));
+    }
 
     let mut warm_corral = Vec::new();
     let mut warm_direct = Vec::new();
@@ -249,7 +263,7 @@ fn main() {
         println!("| cold | not measured: cannot write /proc/sys/vm/drop_caches (not root?) | | | |");
     }
     println!();
-    println!("| projection (llama-fit-params) | time |");
+    println!("| projection (llama-fit-params to plan, llama-server's dry run for the plan) | time |");
     println!("| --- | --- |");
     println!("| first load of a fresh corrald (projection made), warm cache | {first:.1} ms |");
     println!("| warm loads after it (projection cached in memory), median | {:.1} ms |", median(&warm_corral));
@@ -258,5 +272,6 @@ fn main() {
         first - median(&warm_corral)
     );
     println!("| llama-fit-params alone, same arguments, median | {} |", cell(&projection_alone));
+    println!("| llama-server's dry run alone, same arguments, median | {} |", cell(&dry_run_alone));
     println!("| first load after a restart (projection from projections.json) | {after_restart:.1} ms |");
 }

@@ -62,6 +62,20 @@ pub(super) fn start_gc(config: &Config, store: &Store) {
     }
 }
 
+/// Removes, off the async threads and after `READY=1`, the temporary files an older
+/// version may have left below the top of the store (a walk of every model's directory,
+/// which would make start grow with the store).
+pub(super) fn sweep_nested_temporaries(config: &Config, store: &Store) {
+    if !config.store.read_only {
+        let store = store.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = store.remove_nested_temporaries() {
+                tracing::warn!(error = %e, "cannot look for temporary files below the store's manifests: {e}");
+            }
+        });
+    }
+}
+
 /// Raises the soft limit on open files to the hard one: every connection, upload and
 /// runner socket is a file, and the soft limit is often 1024 (systemd's default, kept
 /// low for programs that still use `select`; corrald uses epoll).

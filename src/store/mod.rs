@@ -50,14 +50,14 @@ use std::sync::{Arc, Mutex};
 
 use crate::sync::lock;
 
-use self::beneath::Dir;
+use self::beneath::{Dir, Kind};
 use self::digest::Digest;
 pub use self::error::StoreError;
 use self::error::{fs_err, io_err, vanished};
 pub use self::list::Listed;
 use self::name::ModelName;
 pub use self::temp::TempFile;
-use self::temp::{TEMP_PREFIX, remove_temporaries};
+use self::temp::{MAX_TEMP_DEPTH, TEMP_PREFIX, remove_temporaries};
 
 /// The model store. Cheap to clone; clones share the set of pinned blobs.
 #[derive(Debug, Clone)]
@@ -114,9 +114,30 @@ impl Store {
         let store = Self::at(root)?;
         for name in ["blobs", "manifests"] {
             let dir = store.dir.create_dir(name).map_err(fs_err("create", name.to_owned()))?;
-            remove_temporaries(&dir, 0)?;
+            // Every write's temporary file is made here, at the top: only these are looked
+            // at now (a directory per model below would make start grow with the store).
+            remove_temporaries(&dir, MAX_TEMP_DEPTH)?;
         }
         Ok(store)
+    }
+
+    /// Removes temporary files below the top of `manifests/` (to a depth of 8), which an
+    /// older version's interrupted write may have left beside a manifest; no write makes
+    /// them now, so this may run while the store is in use (corrald runs it after
+    /// `READY=1`).
+    pub fn remove_nested_temporaries(&self) -> Result<(), StoreError> {
+        let manifests = self.dir.dir("manifests").map_err(fs_err("open", "manifests".to_owned()))?;
+        for entry in manifests.entries().map_err(fs_err("read", "manifests".to_owned()))? {
+            if entry.kind == Kind::Dir {
+                match manifests.dir(&entry.name) {
+                    Ok(sub) => remove_temporaries(&sub, 1)?,
+                    Err(e) => {
+                        tracing::warn!(path = manifests.rel(&entry.name), error = %e, "cannot look for temporary files");
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Opens an existing store without writing to it (an Ollama models directory used as

@@ -142,15 +142,19 @@ impl Store {
     }
 }
 
-/// Removes temporary files (`.tmp-*`) below `dir`: what a crash left mid-write. Links are
-/// left alone, and never descended into.
+/// How deep below `blobs/` and `manifests/` temporary files are looked for.
+pub(super) const MAX_TEMP_DEPTH: usize = 8;
+
+/// Removes temporary files (`.tmp-*`) in `dir`, and below it while `depth` is under
+/// [`MAX_TEMP_DEPTH`]: what a crash left mid-write. Links are left alone, and never
+/// descended into.
 pub(super) fn remove_temporaries(dir: &Dir, depth: usize) -> Result<(), StoreError> {
     let entries = dir.entries().map_err(fs_err("read", dir.path().to_owned()))?;
     for entry in entries {
         if entry.name.starts_with(TEMP_PREFIX) && entry.kind == Kind::File {
             tracing::info!(path = dir.rel(&entry.name), "removing a temporary file left by an interrupted write");
             let _ = dir.remove_file(&entry.name);
-        } else if entry.kind == Kind::Dir && depth < 8 {
+        } else if entry.kind == Kind::Dir && depth < MAX_TEMP_DEPTH {
             match dir.dir(&entry.name) {
                 Ok(sub) => remove_temporaries(&sub, depth + 1)?,
                 Err(e) => tracing::warn!(path = dir.rel(&entry.name), error = %e, "cannot look for temporary files"),

@@ -39,6 +39,9 @@ fn open_creates_the_layout_and_removes_crash_debris() {
     let partial = dir.path().join(format!("blobs/{}-partial", Digest::of(b"x").file_name()));
     fs::write(&partial, b"resumable").expect("partial");
     let store = Store::open(dir.path()).expect("reopen");
+    assert!(!debris[0].exists(), "temporary files at the top are removed at once");
+    assert!(debris[1].exists(), "those below a model's directory are left for later");
+    store.remove_nested_temporaries().expect("the later sweep");
     assert!(debris.iter().all(|p| !p.exists()), "temporary files are removed");
     assert!(partial.exists(), "partial downloads are kept for resuming");
     assert_eq!(store.list().expect("list").len(), 1);

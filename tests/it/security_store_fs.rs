@@ -19,7 +19,7 @@ use corral::store::registry::{Registry, RegistryConfig, RegistryError};
 use corral::store::{Store, StoreError};
 
 use crate::support::api::{call, demo_store, state};
-use crate::support::container::poll_until_async;
+use crate::support::container::{poll_until, poll_until_async};
 use crate::support::corrald::{Corrald, write_config};
 use crate::support::llama;
 use crate::support::notify::NotifyListener;
@@ -389,4 +389,34 @@ fn corrald_collects_garbage_at_start_and_logs_it() {
     for layer in chat.blobs() {
         assert!(blobs.join(layer.digest.file_name()).is_file(), "a model's blob was collected");
     }
+}
+
+#[test]
+fn corrald_removes_interrupted_writes_at_the_top_before_ready_and_below_it_after() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = demo_store(dir.path());
+    let top = store.blobs_dir().join(".tmp-interrupted");
+    let nested = dir.path().join("models/manifests/registry.ollama.ai/library/chat/.tmp-older");
+    drop(store);
+    fs::write(&top, b"half").expect("debris");
+    fs::write(&nested, b"half").expect("debris");
+    let config = write_config(
+        dir.path(),
+        "corral.toml",
+        &format!(
+            "[server]\nlisten = [\"127.0.0.1:{}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
+             [gpu]\nfixed = true\nhost_memory = \"4GiB\"\n",
+            crate::support::corrald::free_port(),
+            dir.path().join("models").display(),
+            llama::bin_dir().join("llama-server").display(),
+        ),
+    );
+    let notify = NotifyListener::start();
+    let corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    notify.wait_for("READY", "1", DEADLINE);
+    assert!(!top.exists(), "a write's temporary file is gone by READY=1");
+    poll_until(DEADLINE, "the temporary file below a model's directory to go", || {
+        if nested.exists() { Err(corrald.stderr()) } else { Ok(()) }
+    });
+    corrald.wait_stderr("removing a temporary file left by an interrupted write", DEADLINE);
 }
