@@ -21,7 +21,7 @@
 //! hundredth of a MiB.  Once the host's row is read the projection is complete, and the
 //! process (about to read the weights) is killed.
 
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
@@ -29,7 +29,7 @@ use std::time::Duration;
 use tokio::io::AsyncReadExt;
 
 use super::parse::{DeviceUsage, MAX_ROWS, ParseError, Projection, RESOLUTION, Usage, check_name, mib};
-use super::projector::{ProjectionError, failure_message, kill_group, reap};
+use super::projector::{ProjectionError, failure_message, kill_group, reap, spawn};
 use crate::durations::human;
 use crate::supervisor::logparse::{BufferKind, LineSplitter, LoadReport, is_host_buffer};
 
@@ -71,22 +71,9 @@ impl DryRun {
         let socket = self.socket_dir.join(format!("projection-{id}.sock"));
         // A socket left by a killed dry run would make the bind fail.
         let _ = std::fs::remove_file(&socket);
-        let mut child = tokio::process::Command::new(&self.llama_server)
-            .args(args)
-            .args(["--fit", "on", "-lv", "5", "--offline", "--no-webui", "--host"])
-            .arg(&socket)
-            .env_clear()
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|source| match source.kind() {
-                std::io::ErrorKind::NotFound => ProjectionError::NotFound { program: program() },
-                _ => ProjectionError::CannotRun { program: program(), source },
-            })?;
+        let own = ["--fit", "on", "-lv", "5", "--offline", "--no-webui", "--host"].map(OsStr::new);
+        let extra: Vec<&OsStr> = own.into_iter().chain([socket.as_os_str()]).collect();
+        let mut child = spawn(&self.llama_server, args, &extra, env, Stdio::null())?;
         let pid = child.id();
         let started = std::time::Instant::now();
         let mut reader = Reader::default();

@@ -106,21 +106,8 @@ impl Projector {
         env: &[(OsString, OsString)],
     ) -> Result<Projection, ProjectionError> {
         let program = || self.program.clone();
-        let mut child = tokio::process::Command::new(&self.program)
-            .args(args)
-            .args(["--fit-print", "on"])
-            .env_clear()
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|source| match source.kind() {
-                std::io::ErrorKind::NotFound => ProjectionError::NotFound { program: program() },
-                _ => ProjectionError::CannotRun { program: program(), source },
-            })?;
+        let mut child =
+            spawn(&self.program, args, &[OsStr::new("--fit-print"), OsStr::new("on")], env, Stdio::piped())?;
         let pid = child.id();
         let stdout = child.stdout.take();
         let stderr = child.stderr.take();
@@ -157,6 +144,33 @@ impl Projector {
         );
         Ok(projection)
     }
+}
+
+/// Starts a projection's program with `args` then `extra`, exactly the environment `env`,
+/// stdin closed, stderr piped (stdout as `stdout` says), in a process group of its own,
+/// and killed when dropped.
+pub(super) fn spawn(
+    program: &Path,
+    args: &[OsString],
+    extra: &[&OsStr],
+    env: &[(OsString, OsString)],
+    stdout: Stdio,
+) -> Result<tokio::process::Child, ProjectionError> {
+    tokio::process::Command::new(program)
+        .args(args)
+        .args(extra)
+        .env_clear()
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|source| match source.kind() {
+            std::io::ErrorKind::NotFound => ProjectionError::NotFound { program: program.to_owned() },
+            _ => ProjectionError::CannotRun { program: program.to_owned(), source },
+        })
 }
 
 /// The error line that says most: the first of the most telling class, or when none is

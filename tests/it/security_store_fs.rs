@@ -358,6 +358,25 @@ async fn concurrent_api_copies_deletes_and_listings_answer_no_false_500() {
     }
 }
 
+/// corrald on the store in `dir` (`[store]` keys `store_extra` added), once it is ready.
+fn ready_on_store(dir: &Path, store_extra: &str) -> Corrald {
+    let config = write_config(
+        dir,
+        "corral.toml",
+        &format!(
+            "[server]\nlisten = [\"127.0.0.1:{}\"]\n[store]\npath = \"{}\"\n{store_extra}[runner]\n\
+             llama_server = \"{}\"\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n",
+            crate::support::corrald::free_port(),
+            dir.join("models").display(),
+            llama::bin_dir().join("llama-server").display(),
+        ),
+    );
+    let notify = NotifyListener::start();
+    let corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    notify.wait_for("READY", "1", DEADLINE);
+    corrald
+}
+
 #[test]
 fn corrald_collects_garbage_at_start_and_logs_it() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -368,20 +387,7 @@ fn corrald_collects_garbage_at_start_and_logs_it() {
     fs::write(&partial, b"half").expect("partial");
     let (chat, _, _) = store.manifest(&name("chat")).expect("chat");
     drop(store);
-    let config = write_config(
-        dir.path(),
-        "corral.toml",
-        &format!(
-            "[server]\nlisten = [\"127.0.0.1:{}\"]\n[store]\npath = \"{}\"\ngc_grace = \"0s\"\n[runner]\n\
-             llama_server = \"{}\"\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n",
-            crate::support::corrald::free_port(),
-            dir.path().join("models").display(),
-            llama::bin_dir().join("llama-server").display(),
-        ),
-    );
-    let notify = NotifyListener::start();
-    let corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
-    notify.wait_for("READY", "1", DEADLINE);
+    let corrald = ready_on_store(dir.path(), "gc_grace = \"0s\"\n");
     corrald.wait_stderr("garbage collection removed 1 unused blobs, 1 stale partial downloads", DEADLINE);
     assert!(corrald.stderr().contains("corral_event=\"gc\""), "{}", corrald.stderr());
     let blobs = dir.path().join("models/blobs");
@@ -400,20 +406,7 @@ fn corrald_removes_interrupted_writes_at_the_top_before_ready_and_below_it_after
     drop(store);
     fs::write(&top, b"half").expect("debris");
     fs::write(&nested, b"half").expect("debris");
-    let config = write_config(
-        dir.path(),
-        "corral.toml",
-        &format!(
-            "[server]\nlisten = [\"127.0.0.1:{}\"]\n[store]\npath = \"{}\"\n[runner]\nllama_server = \"{}\"\n\
-             [gpu]\nfixed = true\nhost_memory = \"4GiB\"\n",
-            crate::support::corrald::free_port(),
-            dir.path().join("models").display(),
-            llama::bin_dir().join("llama-server").display(),
-        ),
-    );
-    let notify = NotifyListener::start();
-    let corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
-    notify.wait_for("READY", "1", DEADLINE);
+    let corrald = ready_on_store(dir.path(), "");
     assert!(!top.exists(), "a write's temporary file is gone by READY=1");
     poll_until(DEADLINE, "the temporary file below a model's directory to go", || {
         if nested.exists() { Err(corrald.stderr()) } else { Ok(()) }

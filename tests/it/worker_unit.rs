@@ -344,11 +344,9 @@ const CACHED_LLAMA: LlamaShape = LlamaShape {
     weights: Weights::RandomBits,
 };
 
-/// Loads the staged model with every layer on the worker (llama-server as the transient
-/// unit `unit`), waits until it is ready and has it compute two tokens; then stops it
-/// and waits until the worker saw the connection close.
-fn load_on_the_worker(ct: &Container, worker: &str, unit: &str) {
-    let closed = messages(ct, worker).iter().filter(|m| m.as_str() == "Client connection closed").count();
+/// Starts llama-server as the transient unit `unit` on the staged model, every layer on
+/// the worker at 127.0.0.1:50052, serving on 127.0.0.1:8080.
+fn start_head(ct: &Container, unit: &str) {
     ct.run(&[
         "systemd-run",
         &format!("--unit={unit}"),
@@ -366,6 +364,14 @@ fn load_on_the_worker(ct: &Container, worker: &str, unit: &str) {
         "--port",
         "8080",
     ]);
+}
+
+/// Loads the staged model with every layer on the worker (llama-server as the transient
+/// unit `unit`), waits until it is ready and has it compute two tokens; then stops it
+/// and waits until the worker saw the connection close.
+fn load_on_the_worker(ct: &Container, worker: &str, unit: &str) {
+    let closed = messages(ct, worker).iter().filter(|m| m.as_str() == "Client connection closed").count();
+    start_head(ct, unit);
     poll_until(SETTLE, "llama-server to load the model on the worker", || {
         match curl(ct, &[], "http://127.0.0.1:8080/health") {
             Ok((200, _)) => Ok(()),
@@ -429,27 +435,7 @@ fn a_worker_under_memory_max_fails_an_allocation_beyond_it_instead_of_being_kill
     wait_serving(&ct, None, "127.0.0.1:50052");
 
     let head = "test-head.service";
-    ct.run(&[
-        "systemd-run",
-        &format!("--unit={head}"),
-        "/usr/local/bin/llama-server",
-        "-m",
-        "/srv/host/cached.gguf",
-        "--rpc",
-        "127.0.0.1:50052",
-        "--device",
-        "RPC0",
-        "-ngl",
-        "99",
-        "--fit",
-        "off",
-        "-c",
-        "512",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "8080",
-    ]);
+    start_head(&ct, head);
     wait_active_state(&ct, head, "failed");
     // The load fails out of memory, naming the worker's buffer, as corrald classifies it.
     let mut report = corral::supervisor::logparse::LoadReport::new();
