@@ -231,12 +231,6 @@ impl Reader {
         let host = Usage { compute: refine(host.compute, compute_lines(&is_host_buffer)), ..host };
         Projection::new(devices, host)
     }
-
-    /// The error lines read, for a failed run.
-    #[must_use]
-    pub fn report(&self) -> &LoadReport {
-        &self.report
-    }
 }
 
 #[cfg(test)]
@@ -326,7 +320,7 @@ mod tests {
             read("0.00.010.000 E llama_model_load: error loading model: bad magic\n").expect("read");
         assert!(!complete);
         assert_eq!(reader.projection(&[]), Err(ParseError::NoHost));
-        assert!(reader.report().failure_message().is_some_and(|m| m.contains("bad magic")));
+        assert!(reader.report.failure_message().is_some_and(|m| m.contains("bad magic")));
     }
 
     #[test]

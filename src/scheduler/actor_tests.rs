@@ -155,7 +155,6 @@ fn with_keep_alive(mut request: ModelRequest, keep_alive: KeepAlive) -> ModelReq
     request
 }
 
-/// Lets the scheduler and its tasks run until nothing is ready (the clock is paused).
 /// Returns once a load is under way (the fake's take 100 ms of the paused clock, which
 /// does not move while this yields).
 async fn under_way(handle: &Handle) {
@@ -164,6 +163,7 @@ async fn under_way(handle: &Handle) {
     }
 }
 
+/// Lets the scheduler and its tasks run until nothing is ready (the clock is paused).
 async fn settle() {
     tokio::time::sleep(Duration::from_millis(1)).await;
 }

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use super::backend::{BoxFuture, ProjectedRow, Projecting, Projections};
-use crate::projection::{DryRun, Projection, ProjectionCache, ProjectionKey, Projector};
+use crate::projection::{DryRun, Projection, ProjectionCache, ProjectionError, ProjectionKey, Projector};
 use crate::store::digest::Digest;
 use crate::supervisor::command::{self, FlashAttention, LoadOptions, ModelFiles};
 use crate::supervisor::runner::HOST;
@@ -42,21 +42,29 @@ impl Projections for CachedProjections {
     ) -> BoxFuture<'static, Result<Vec<ProjectedRow>, String>> {
         let dry_run = matches!(projecting, Projecting::Exact { .. });
         let key = key(files, options, placement, dry_run);
-        let cached = key.as_ref().and_then(|key| lock(&self.cache).get(key).cloned());
-        let projector = self.projector.clone();
-        let server = self.dry_run.clone();
-        let buffers: Vec<(String, String)> =
-            placement.plan.iter().flat_map(|p| &p.devices).map(|d| (d.name.clone(), d.buffer.clone())).collect();
+        if let Some(projection) = key.as_ref().and_then(|key| lock(&self.cache).get(key).cloned()) {
+            return Box::pin(async move { Ok(rows(&projection, dry_run)) });
+        }
+        let run: BoxFuture<'static, Result<Projection, ProjectionError>> = match projecting {
+            Projecting::Planning => {
+                let projector = self.projector.clone();
+                Box::pin(async move { projector.project(&args, &env).await })
+            }
+            Projecting::Exact { runner } => {
+                let dry_run = self.dry_run.clone();
+                // Each planned device with the name of its buffers, for its compute line.
+                let buffers: Vec<(String, String)> = placement
+                    .plan
+                    .iter()
+                    .flat_map(|p| &p.devices)
+                    .map(|d| (d.name.clone(), d.buffer.clone()))
+                    .collect();
+                Box::pin(async move { dry_run.project(&args, &env, runner, &buffers).await })
+            }
+        };
         let cache = Arc::clone(&self.cache);
         Box::pin(async move {
-            if let Some(projection) = cached {
-                return Ok(rows(&projection, dry_run));
-            }
-            let projection = match projecting {
-                Projecting::Planning => projector.project(&args, &env).await,
-                Projecting::Exact { runner } => server.project(&args, &env, runner, &buffers).await,
-            }
-            .map_err(|e| e.to_string())?;
+            let projection = run.await.map_err(|e| e.to_string())?;
             if let Some(key) = key {
                 if let Some(write) = lock(&cache).record(key, projection.clone()) {
                     tokio::task::spawn_blocking(move || write.write());

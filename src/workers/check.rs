@@ -182,7 +182,7 @@ async fn reset_left_open(left_open: &[Connection]) {
     futures_util::future::join_all(resets).await;
 }
 
-/// [`held`] on the table's text.  Each line: `sl local rem st tx:rx tr:when retrnsmt …`,
+/// [`connections`] on the table's text.  Each line: `sl local rem st tx:rx tr:when retrnsmt …`,
 /// addresses as `HEXIP:HEXPORT` (the IP the kernel's 32-bit value in this machine's byte
 /// order), state `01` established, `retrnsmt` the retransmission timeouts in a row (hex).
 /// Written by hand: the procfs crate does not expose the retransmission count.
