@@ -14,7 +14,9 @@
 //!   `GET /api/version`;
 //! - D-Bus `Manager.ListModels`, `ObjectManager.GetManagedObjects` (every model object with
 //!   all its properties: the object tree) and `Introspect` of the models' node (the child
-//!   list a tree walker reads first); floor: `Peer.Ping` to corrald.
+//!   list a tree walker reads first); floor: `Peer.Ping` to corrald, and for the object
+//!   tree, whose reply is over a megabyte at 1 000 models, a reply of as many bytes (one
+//!   string) from another connection on the same bus.
 //!
 //! Targets: a listing of 1 000 models within 5 ms; start growing by at most 1 ms per 100
 //! models. Run with `cargo bench --bench many_models`.
@@ -34,6 +36,17 @@ use hyper::body::Bytes;
 const BUS_NAME: &str = "org.corral.Corral1";
 const ROOT: &str = "/org/corral/Corral1";
 const MODELS: &str = "/org/corral/Corral1/models";
+
+/// Replies with a string as long as the object tree's reply: the floor of moving that many
+/// bytes over the bus.
+struct Floor(String);
+
+#[zbus::interface(name = "org.corral.BenchFloor")]
+impl Floor {
+    fn reply(&self) -> String {
+        self.0.clone()
+    }
+}
 
 /// A private session bus, killed on drop.
 struct Bus {
@@ -135,10 +148,11 @@ fn main() {
     println!();
     println!(
         "| models | start, D-Bus | start, no bus | first /api/tags | /api/tags | /api/ps | /api/show | \
-         ListModels | GetManagedObjects (first) | GetManagedObjects | Introspect models | floor HTTP | floor D-Bus |"
+         ListModels | GetManagedObjects (first) | GetManagedObjects | its bytes | floor: as many bytes | \
+         Introspect models | floor HTTP | floor D-Bus |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
-    println!("| 0 | {} | {} | | | | | | | | | | |", cell(&empty_bus), cell(&empty_off));
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| 0 | {} | {} | | | | | | | | | | | | |", cell(&empty_bus), cell(&empty_off));
     let mut have = 1;
     let mut growth = Vec::new();
     for &size in &sizes {
@@ -210,16 +224,43 @@ fn main() {
                 .filter(|path| path.as_str().starts_with(concat!("/org/corral/Corral1/models", "/")))
                 .count();
             assert_eq!(models, size, "an object per model");
-            let tree = time!(rounds.min(10), drop(tree_once().await));
+            let tree_bytes = reply.data().len();
+            let tree = time!(rounds, drop(tree_once().await));
+            // The floor of so large a reply: as many bytes, as one string, from another
+            // connection on the same bus (what the bus daemon and the two ends cost to move them).
+            let floor_connection = zbus::connection::Builder::address(bus.address.as_str())
+                .expect("address")
+                .serve_at("/floor", Floor("x".repeat(tree_bytes)))
+                .expect("serve")
+                .build()
+                .await
+                .expect("connect to the bus");
+            let floor_name = floor_connection.unique_name().expect("a unique name").to_owned();
+            let floor_reply = || {
+                connection.call_method(Some(floor_name.as_ref()), "/floor", Some("org.corral.BenchFloor"), "Reply", &())
+            };
+            let floor_tree = time!(rounds, drop(floor_reply().await.expect("the floor's reply")));
             let introspect_once = || call(MODELS, "org.freedesktop.DBus.Introspectable", "Introspect");
             let xml: String = introspect_once().await.body().deserialize().expect("xml");
             assert_eq!(xml.matches("<node name=").count(), size, "a node per model");
             let introspect = time!(rounds, drop(introspect_once().await));
+            let tree = (tree, tree_bytes, floor_tree);
             (first_tags, tags, ps, show, list, first_tree, tree, introspect, floor_http, floor_bus)
         });
-        let (first_tags, tags, ps, show, list, first_tree, tree, introspect, floor_http, floor_bus) = row;
+        let (
+            first_tags,
+            tags,
+            ps,
+            show,
+            list,
+            first_tree,
+            (tree, tree_bytes, floor_tree),
+            introspect,
+            floor_http,
+            floor_bus,
+        ) = row;
         println!(
-            "| {size} | {} | {} | {first_tags:.3} | {} | {} | {} | {} | {first_tree:.3} | {} | {} | {} | {} |",
+            "| {size} | {} | {} | {first_tags:.3} | {} | {} | {} | {} | {first_tree:.3} | {} | {tree_bytes} | {} | {} | {} | {} |",
             cell(&start_bus),
             cell(&start_off),
             cell(&tags),
@@ -227,6 +268,7 @@ fn main() {
             cell(&show),
             cell(&list),
             cell(&tree),
+            cell(&floor_tree),
             cell(&introspect),
             cell(&floor_http),
             cell(&floor_bus),

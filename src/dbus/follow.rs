@@ -238,10 +238,11 @@ impl Follower {
         });
         let entry = lock(&self.shared.models).get(name).cloned();
         if let Some(data) = entry {
-            let before = lock(&data).clone();
+            let before = Arc::clone(&lock(&data));
             let after = {
-                let mut d = lock(&data);
-                edit(&mut d);
+                let mut guard = lock(&data);
+                let d = Arc::make_mut(&mut guard);
+                edit(d);
                 d.state = match &newest {
                     Some((state, ..)) => state,
                     None if !d.last_error.is_empty() => "failed",
@@ -255,7 +256,7 @@ impl Follower {
                 } else {
                     (d.pid, d.gpu_layers, d.total_layers, d.vram_bytes, d.ram_bytes) = (0, 0, 0, 0, 0);
                 }
-                d.clone()
+                Arc::clone(&guard)
             };
             emit_model_changes(&self.connection, name, &before, &after).await;
         }
@@ -363,16 +364,17 @@ impl Follower {
             let short = name.to_string();
             let existing = lock(&self.shared.models).get(&short).cloned();
             if let Some(data) = existing {
-                let before = lock(&data).clone();
+                let before = Arc::clone(&lock(&data));
                 let after = {
-                    let mut d = lock(&data);
+                    let mut guard = lock(&data);
+                    let d = Arc::make_mut(&mut guard);
                     (d.digest, d.size, d.details, d.facts) = (digest, size, details, facts);
-                    d.clone()
+                    Arc::clone(&guard)
                 };
                 emit_model_changes(&self.connection, &short, &before, &after).await;
                 continue;
             }
-            let data = Arc::new(Mutex::new(ModelData {
+            let data = Arc::new(Mutex::new(Arc::new(ModelData {
                 name: name.full(),
                 short_name: short.clone(),
                 digest,
@@ -381,7 +383,7 @@ impl Follower {
                 facts,
                 state: "stopped",
                 ..ModelData::default()
-            }));
+            })));
             lock(&self.shared.models).insert(short.clone(), Arc::clone(&data));
             let object = Model { shared: Arc::clone(&self.shared), data };
             if let Err(e) = self.connection.object_server().at(model_path(&short), object).await {

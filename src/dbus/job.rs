@@ -27,6 +27,15 @@ const PROGRESS_INTERVAL: Duration = Duration::from_millis(200);
 pub(super) struct Jobs {
     next: u64,
     finished: VecDeque<OwnedObjectPath>,
+    /// Every job object served, with its data (for the object tree).
+    shown: Vec<(OwnedObjectPath, Arc<Mutex<JobData>>)>,
+}
+
+impl Jobs {
+    /// The job objects served, with their data now.
+    pub fn shown(&self) -> Vec<(OwnedObjectPath, JobData)> {
+        self.shown.iter().map(|(path, data)| (path.clone(), lock(data).clone())).collect()
+    }
 }
 
 /// What a job does.
@@ -57,14 +66,14 @@ impl Work {
 }
 
 #[derive(Debug, Clone, Default)]
-struct JobData {
-    kind: &'static str,
-    model: String,
-    state: &'static str,
-    status: String,
-    total: u64,
-    completed: u64,
-    error: String,
+pub(super) struct JobData {
+    pub kind: &'static str,
+    pub model: String,
+    pub state: &'static str,
+    pub status: String,
+    pub total: u64,
+    pub completed: u64,
+    pub error: String,
     /// The last state of each step that ended since the last report: reports are
     /// throttled, but a client still sees every step and how far it got.
     ended_steps: Vec<(String, u64, u64)>,
@@ -159,7 +168,11 @@ pub(super) async fn start(
     }));
     let cancel = CancellationToken::new();
     let job = Job { data: Arc::clone(&data), cancel: cancel.clone(), cancellable: work.cancellable() };
-    connection.object_server().at(&path, job).await?;
+    lock(&shared.jobs).shown.push((path.clone(), Arc::clone(&data)));
+    if let Err(e) = connection.object_server().at(&path, job).await {
+        lock(&shared.jobs).shown.retain(|(shown, _)| *shown != path);
+        return Err(e.into());
+    }
     shared.jobs_running.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     tokio::spawn(run(Arc::clone(shared), connection.clone(), path.clone(), data, cancel, work));
     Ok(path)
@@ -271,7 +284,9 @@ async fn retire(shared: &Shared, connection: &Connection, path: OwnedObjectPath)
         let mut jobs = lock(&shared.jobs);
         jobs.finished.push_back(path);
         let excess = jobs.finished.len().saturating_sub(KEEP_FINISHED);
-        jobs.finished.drain(..excess).collect()
+        let expired: Vec<OwnedObjectPath> = jobs.finished.drain(..excess).collect();
+        jobs.shown.retain(|(shown, _)| !expired.contains(shown));
+        expired
     };
     for old in expired {
         let _ = connection.object_server().remove::<Job, _>(&old).await;

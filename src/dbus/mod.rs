@@ -2,7 +2,7 @@
 //! store, like the HTTP API.
 //!
 //! - `manager`: `org.corral.Corral1.Manager` at `/org/corral/Corral1`, beside
-//!   `org.freedesktop.DBus.ObjectManager`;
+//!   `org.freedesktop.DBus.ObjectManager` (`object_tree`);
 //! - `model`: one `org.corral.Corral1.Model` object per stored model;
 //! - `job`: `org.corral.Corral1.Job` objects for pull, push, create, copy and delete;
 //! - `follow`: the task that keeps those objects in step with the scheduler's notices
@@ -19,6 +19,7 @@ mod follow;
 mod job;
 mod manager;
 mod model;
+mod object_tree;
 mod options;
 pub mod proxy;
 
@@ -118,7 +119,7 @@ pub async fn serve(bus: BusKind, context: Context) -> Result<Service, zbus::Erro
     };
     let shared = Arc::new(Shared::new(context));
     let connection = builder
-        .serve_at(ROOT_PATH, zbus::fdo::ObjectManager)?
+        .serve_at(ROOT_PATH, object_tree::ObjectTree { shared: Arc::clone(&shared) })?
         .serve_at(ROOT_PATH, manager::Manager::new(Arc::clone(&shared)))?
         .build()
         .await?;
@@ -135,7 +136,7 @@ struct Shared {
     /// The names of the models with a runner, in order.
     loaded: Mutex<Vec<String>>,
     /// The model objects by the model's short name, with their data.
-    models: Mutex<BTreeMap<String, Arc<Mutex<model::ModelData>>>>,
+    models: Mutex<BTreeMap<String, model::Shown>>,
     /// Job numbers, and the finished jobs still shown.
     jobs: Mutex<job::Jobs>,
     /// Jobs not finished yet.

@@ -13,6 +13,7 @@ use zbus::zvariant::OwnedValue;
 
 use super::error::Error;
 use super::{Shared, lock, manager};
+use crate::scheduler::types::LoadedModel;
 use crate::store::Store;
 use crate::store::name::ModelName;
 
@@ -49,6 +50,15 @@ pub(super) struct Facts {
     pub modified_at: u64,
 }
 
+impl ModelData {
+    /// Whether the views show a runner for it (loading, ready or unloading): a model
+    /// without one has nothing to ask the scheduler about, which keeps an object tree walk
+    /// (every property of every model) from asking it once per stored model.
+    pub fn has_runner(&self) -> bool {
+        !matches!(self.state, "stopped" | "failed")
+    }
+}
+
 impl Facts {
     /// The facts of the stored model `name` (whose manifest was written at `modified`); a
     /// model whose details cannot be read shows empty ones (its weights may be missing).
@@ -75,21 +85,18 @@ impl Facts {
     }
 }
 
+/// A model's data as shown now: replaced whole on each change, so that a reader (the
+/// object tree) takes the current one without copying it.
+pub(super) type Shown = Arc<Mutex<Arc<ModelData>>>;
+
 pub(super) struct Model {
     pub shared: Arc<Shared>,
-    pub data: Arc<Mutex<ModelData>>,
+    pub data: Shown,
 }
 
 impl Model {
     fn get<T>(&self, read: impl FnOnce(&ModelData) -> T) -> T {
         read(&lock(&self.data))
-    }
-
-    /// The model's name if the views show a runner for it (loading, ready or unloading):
-    /// a model without one has nothing to ask the scheduler about, which keeps an object
-    /// tree walk (every property of every model) from asking it once per stored model.
-    fn with_runner(&self) -> Option<String> {
-        self.get(|d| (!matches!(d.state, "stopped" | "failed")).then(|| d.short_name.clone()))
     }
 }
 
@@ -206,17 +213,7 @@ impl Model {
     /// Read from the scheduler on each get: it changes with every request.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn expires_at(&self) -> zbus::fdo::Result<u64> {
-        let Some(name) = self.with_runner() else { return Ok(0) };
-        let loaded =
-            self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
-        let now = tokio::time::Instant::now();
-        let at = loaded
-            .iter()
-            .filter(|m| m.names.contains(&name))
-            .filter_map(|m| m.expires_at)
-            .min()
-            .map_or(0, |at| epoch_micros(SystemTime::now() + at.saturating_duration_since(now)));
-        Ok(at)
+        Ok(self.live().await?.expires_at)
     }
 
     #[zbus(property(emits_changed_signal = "false"))]
@@ -226,34 +223,74 @@ impl Model {
 
     #[zbus(property(emits_changed_signal = "false"))]
     async fn active_requests(&self) -> zbus::fdo::Result<u32> {
-        let Some(name) = self.with_runner() else { return Ok(0) };
-        let loaded =
-            self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
-        Ok(loaded.iter().filter(|m| m.names.contains(&name)).map(|m| m.leases).sum())
+        Ok(self.live().await?.active_requests)
     }
 
     /// Where its runner's memory is, read from the scheduler on each get.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn devices(&self) -> zbus::fdo::Result<Vec<(String, String, u64)>> {
-        let Some(name) = self.with_runner() else { return Ok(Vec::new()) };
-        let loaded =
-            self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
-        let Some(runner) = loaded.iter().find(|m| m.names.contains(&name)) else { return Ok(Vec::new()) };
-        Ok(crate::gpu::model_devices(&self.shared.context.fleet.inventory(), &runner.placement, runner.footprint)
-            .into_iter()
-            .map(|(kind, device, bytes)| (device, kind.to_owned(), bytes))
-            .collect())
+        Ok(self.live().await?.devices)
     }
 
     /// Its runner's memory on each device by llama.cpp's name: planned before the load
     /// (0 when there was no plan for that device) and what llama.cpp allocated there.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn memory(&self) -> zbus::fdo::Result<Vec<(String, u64, u64)>> {
-        let Some(name) = self.with_runner() else { return Ok(Vec::new()) };
-        let loaded =
-            self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
-        let Some(runner) = loaded.iter().find(|m| m.names.contains(&name)) else { return Ok(Vec::new()) };
-        Ok(runner.devices.iter().map(|d| (d.device.clone(), d.planned.unwrap_or(0), d.actual)).collect())
+        Ok(self.live().await?.memory)
+    }
+}
+
+impl Model {
+    /// The properties read from the scheduler, for this model alone.
+    async fn live(&self) -> zbus::fdo::Result<Live> {
+        let data = Arc::clone(&lock(&self.data));
+        let loaded = if data.has_runner() { loaded(&self.shared).await? } else { Vec::new() };
+        Ok(Live::of(&self.shared, &loaded, &data))
+    }
+}
+
+/// What the scheduler knows now, asked once: `ExpiresAt`, `ActiveRequests`, `Devices` and
+/// `Memory` of each model come from it.
+pub(super) async fn loaded(shared: &Shared) -> zbus::fdo::Result<Vec<LoadedModel>> {
+    shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))
+}
+
+/// A model's properties that change with every request, so are read when asked.
+#[derive(Debug, Default)]
+pub(super) struct Live {
+    pub expires_at: u64,
+    pub tokens_per_second: f64,
+    pub active_requests: u32,
+    pub devices: Vec<(String, String, u64)>,
+    pub memory: Vec<(String, u64, u64)>,
+}
+
+impl Live {
+    /// `data`'s live properties from `loaded` (the scheduler's runners).
+    pub fn of(shared: &Shared, loaded: &[LoadedModel], data: &ModelData) -> Self {
+        let name = &data.short_name;
+        let tokens_per_second = shared.context.tokens.speed(name);
+        // A model without a runner has nothing to ask the scheduler about.
+        if !data.has_runner() {
+            return Self { tokens_per_second, ..Self::default() };
+        }
+        let serving = || loaded.iter().filter(|m| m.names.contains(name));
+        let now = tokio::time::Instant::now();
+        let expires_at = serving()
+            .filter_map(|m| m.expires_at)
+            .min()
+            .map_or(0, |at| epoch_micros(SystemTime::now() + at.saturating_duration_since(now)));
+        let active_requests = serving().map(|m| m.leases).sum();
+        let (devices, memory) = serving().next().map_or_else(Default::default, |runner| {
+            let devices =
+                crate::gpu::model_devices(&shared.context.fleet.inventory(), &runner.placement, runner.footprint)
+                    .into_iter()
+                    .map(|(kind, device, bytes)| (device, kind.to_owned(), bytes))
+                    .collect();
+            let memory = runner.devices.iter().map(|d| (d.device.clone(), d.planned.unwrap_or(0), d.actual)).collect();
+            (devices, memory)
+        });
+        Self { expires_at, tokens_per_second, active_requests, devices, memory }
     }
 }
 

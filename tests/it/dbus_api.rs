@@ -311,3 +311,72 @@ async fn failed_loads_a_full_queue_and_a_read_only_store_are_named() {
     }
     assert_eq!(manager.list_models().await.expect("ListModels"), before);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_object_tree_shows_every_object_with_what_get_all_gives() {
+    let daemon = BusDaemon::start("");
+    let connection = daemon.connect().await;
+    let manager = uncached_manager(&connection).await;
+    let mut finished = manager.receive_job_finished().await.expect("subscribe");
+    // A ready model (its runner's fields and memory), stopped ones, and a finished job.
+    within("Load", manager.load("chat", keep_alive("10m"))).await.expect("Load");
+    let job = manager.copy("chat", "chat-copy").await.expect("Copy");
+    let signal = within("JobFinished", finished.next()).await.expect("a signal");
+    assert!(signal.args().expect("args").success);
+    let copy = manager.get_model("chat-copy").await.expect("GetModel");
+    let objects = zbus::fdo::ObjectManagerProxy::builder(&connection)
+        .destination("org.corral.Corral1")
+        .and_then(|b| b.path("/org/corral/Corral1"))
+        .expect("proxy")
+        .build()
+        .await
+        .expect("proxy");
+    // The follower shows the copy once the store's change reaches it.
+    let tree = crate::support::container::poll_until_async(WAIT, "the copy in the object tree", || async {
+        let tree = objects.get_managed_objects().await.map_err(|e| e.to_string())?;
+        if tree.contains_key(&copy) { Ok(tree) } else { Err(format!("{:?}", tree.keys())) }
+    })
+    .await;
+    let mut paths: Vec<String> = tree.keys().map(ToString::to_string).collect();
+    paths.sort();
+    let mut expected: Vec<String> = manager
+        .list_models()
+        .await
+        .expect("ListModels")
+        .into_iter()
+        .map(|(_, path, ..)| path.to_string())
+        .chain([job.to_string()])
+        .collect();
+    expected.sort();
+    assert_eq!(paths, expected);
+
+    for (path, interfaces) in &tree {
+        let properties = PropertiesProxy::builder(&connection)
+            .destination("org.corral.Corral1")
+            .and_then(|b| b.path(path.clone()))
+            .expect("proxy")
+            .build()
+            .await
+            .expect("proxy");
+        assert_eq!(interfaces.len(), 1, "{path}: {:?}", interfaces.keys());
+        for (interface, shown) in interfaces {
+            let mut all = properties.get_all(interface.as_ref()).await.expect("GetAll");
+            let mut shown = shown.clone();
+            // The expiry is the scheduler's deadline turned into wall-clock time at each
+            // read: the two reads may differ by the moment between them.
+            if let (Some(a), Some(b)) = (all.remove("ExpiresAt"), shown.remove("ExpiresAt")) {
+                let (a, b) = (u64::try_from(a).expect("t"), u64::try_from(b).expect("t"));
+                assert!(a.abs_diff(b) < 1_000_000, "{path} ExpiresAt {a} against {b}");
+            }
+            assert_eq!(shown, all, "{path} {interface}");
+        }
+    }
+    // The live fields were read, not left empty: the ready model shows its runner.
+    let chat = &tree[&manager.get_model("chat").await.expect("GetModel")]["org.corral.Corral1.Model"];
+    assert_eq!(String::try_from(chat["State"].try_clone().expect("clone")).expect("s"), "ready");
+    assert!(u64::try_from(&chat["ExpiresAt"]).expect("t") > 0);
+    let memory = <Vec<(String, u64, u64)>>::try_from(chat["Memory"].try_clone().expect("clone")).expect("a(stt)");
+    assert!(memory.iter().any(|(_, _, actual)| *actual > 0), "{memory:?}");
+    let job_props = &tree[&job]["org.corral.Corral1.Job"];
+    assert_eq!(String::try_from(job_props["State"].try_clone().expect("clone")).expect("s"), "succeeded");
+}
