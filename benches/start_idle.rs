@@ -10,6 +10,9 @@
 //!   a model was loaded and unloaded (`keep_alive: 0`, then `/api/ps` empty), and after
 //!   `CORRAL_BENCH_CYCLES` (default 10) more loads and unloads.
 //!
+//! - where the memory is: resident and anonymous KiB by mapping (`/proc/PID/smaps`) at
+//!   `READY=1` and after the first load and unload.
+//!
 //! Targets: exec → READY ≤ 5 ms; idle RSS ≤ 8 MiB at READY and < 10 MiB after a load and
 //! unload. Run with `cargo bench --bench start_idle`.
 
@@ -55,6 +58,43 @@ fn row(name: &str, m: Memory) {
         common::kib_to_mib(m.hwm),
         m.threads
     );
+}
+
+/// Where `pid`'s resident memory is: KiB resident and KiB anonymous per mapped file (or
+/// `[heap]`, `[stack]`, `anonymous`), the largest first, from `/proc/PID/smaps`.
+fn mappings(pid: u32) -> Vec<(String, u64, u64)> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).expect("smaps");
+    let mut by_name: std::collections::BTreeMap<String, (u64, u64)> = std::collections::BTreeMap::new();
+    let mut current = String::new();
+    for line in smaps.lines() {
+        let mut fields = line.split_whitespace();
+        let first = fields.next().unwrap_or_default();
+        if first.contains('-') && !first.ends_with(':') {
+            current = fields.nth(4).map_or_else(|| "anonymous".to_owned(), str::to_owned);
+            continue;
+        }
+        let kib = fields.next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        let entry = by_name.entry(current.clone()).or_default();
+        match first {
+            "Rss:" => entry.0 += kib,
+            "Anonymous:" => entry.1 += kib,
+            _ => {}
+        }
+    }
+    let mut by_name: Vec<(String, u64, u64)> =
+        by_name.into_iter().map(|(name, (rss, anon))| (name, rss, anon)).collect();
+    by_name.sort_by_key(|entry| std::cmp::Reverse(entry.1));
+    by_name
+}
+
+/// The eight largest of `mappings`, by file name.
+fn describe(mappings: Vec<(String, u64, u64)>) -> String {
+    let top: Vec<String> = mappings
+        .into_iter()
+        .take(8)
+        .map(|(name, rss, anon)| format!("{} {rss} ({anon} anonymous)", name.rsplit('/').next().unwrap_or_default()))
+        .collect();
+    top.join(", ")
 }
 
 /// Loads `tiny` (one token) and unloads it; returns once `/api/ps` is empty.
@@ -132,18 +172,21 @@ fn main() {
     let daemon = Corrald::start(dir.path(), &defaults, &[]);
     let pid = daemon.pid();
     let ready = memory(pid);
+    let ready_mappings = mappings(pid);
     std::thread::sleep(Duration::from_secs(1));
     let settled = memory(pid);
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     runtime.block_on(load_and_unload(port));
     std::thread::sleep(Duration::from_secs(1));
     let once = memory(pid);
+    let once_mappings = mappings(pid);
     for _ in 0..cycles {
         runtime.block_on(load_and_unload(port));
     }
     std::thread::sleep(Duration::from_secs(1));
     let many = memory(pid);
     daemon.stop();
+
     let rss: Vec<f64> = at_ready.iter().map(Memory::rss_mib).collect();
     println!();
     println!(
@@ -159,4 +202,7 @@ fn main() {
     row("after a load and unload, 1 s idle", once);
     row(&format!("after {} loads and unloads, 1 s idle", cycles + 1), many);
     println!("targets: <= 8 MiB at READY, < 10 MiB after a load and unload");
+    println!();
+    println!("resident at READY=1, KiB: {}", describe(ready_mappings));
+    println!("resident after a load and unload, KiB: {}", describe(once_mappings));
 }

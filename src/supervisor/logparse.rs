@@ -68,9 +68,8 @@
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::LazyLock;
 
-use regex::Regex;
+mod patterns;
 
 /// The default cap on one line, in bytes (without the newline).
 pub const DEFAULT_MAX_LINE: usize = 16 * 1024;
@@ -465,33 +464,10 @@ pub fn is_request_chatter(message: &str) -> bool {
     }
 }
 
-/// Optional timestamp, then the level letter and one space.
-static PREFIX: LazyLock<Regex> = LazyLock::new(|| regex(r"^(?:[0-9]+\.[0-9]{2}\.[0-9]{3}\.[0-9]{3} )?([IWED]) "));
-/// `GGML_ABORT`'s `path/file.cpp:123: message`.
-static ABORT: LazyLock<Regex> = LazyLock::new(|| regex(r"^\S+\.(?:c|cc|cpp|cu|cuh|h|hpp|m|mm):[0-9]+: "));
-static OFFLOAD: LazyLock<Regex> =
-    LazyLock::new(|| regex(r"^[0-9A-Za-z_]+: +offloaded ([0-9]+)/([0-9]+) layers to GPU\s*$"));
-static BUFFER: LazyLock<Regex> = LazyLock::new(|| {
-    regex(r"^([0-9A-Za-z_]+): +(\S+) +(model|output|KV|compute|RS) buffer size = +([0-9]+(?:\.[0-9]+)?) MiB\s*$")
-});
-static MODEL_LOADED: LazyLock<Regex> = LazyLock::new(|| regex(r"^(?:srv +)?[0-9A-Za-z_]+: model loaded\s*$"));
-static LISTENING: LazyLock<Regex> = LazyLock::new(|| regex(r"^(?:srv +)?[0-9A-Za-z_]+: listening on (\S+)\s*$"));
-static SLOTS_IDLE: LazyLock<Regex> = LazyLock::new(|| regex(r"^(?:srv +)?update_slots: all slots are idle\s*$"));
-/// ANSI CSI sequences (colours).
-static ANSI: LazyLock<Regex> = LazyLock::new(|| regex(r"\x1b\[[0-9;]*[A-Za-z]"));
-
-/// A built-in pattern. They spell digits and word characters in ASCII (`[0-9]`,
-/// `[0-9A-Za-z_]`): llama.cpp's names and numbers are ASCII, and Unicode's `\w` and `\d`
-/// compile into automata (and per-thread caches) megabytes larger, which the daemon would
-/// keep for the rest of its life after the first load.
-fn regex(pattern: &str) -> Regex {
-    Regex::new(pattern).unwrap_or_else(|e| panic!("bad built-in regex {pattern:?}: {e}"))
-}
-
 /// Parses one line (without its newline) of llama-server's stderr.
 #[must_use]
 pub fn parse_line(line: &str) -> ParsedLine<'_> {
-    let (level, message) = match ANSI.replace_all(line, "") {
+    let (level, message) = match patterns::strip_colours(line) {
         Cow::Borrowed(clean) => {
             let (level, message) = split_prefix(clean);
             (level, Cow::Borrowed(message))
@@ -506,9 +482,8 @@ pub fn parse_line(line: &str) -> ParsedLine<'_> {
 }
 
 fn split_prefix(line: &str) -> (Option<Level>, &str) {
-    if let Some(caps) = PREFIX.captures(line) {
-        let whole = caps.get(0).map_or(0, |m| m.end());
-        return (caps.get(1).and_then(|m| Level::from_letter(m.as_str())), &line[whole..]);
+    if let Some((letter, message)) = patterns::level_prefix(line) {
+        return (Level::from_letter(letter), message);
     }
     (unprefixed_level(line), line)
 }
@@ -521,7 +496,7 @@ fn unprefixed_level(line: &str) -> Option<Level> {
         || starts("error while")
         || starts("terminate called")
         || line.starts_with("  what():")
-        || ABORT.is_match(line)
+        || patterns::is_abort(line)
     {
         Some(Level::Error)
     } else {
@@ -533,31 +508,30 @@ fn event(level: Option<Level>, message: &str) -> Option<LogEvent> {
     if level == Some(Level::Error) {
         return Some(LogEvent::Error(ErrorClass::classify(message), message.to_owned()));
     }
-    // Each event's line holds a fixed phrase: a substring search rules most lines out
-    // before any regex runs (a runner logs a few lines per request at -lv 4).
-    if let Some(caps) = message.contains(" offloaded ").then(|| OFFLOAD.captures(message)).flatten() {
-        let gpu_layers = caps[1].parse().ok()?;
-        let total_layers = caps[2].parse().ok()?;
-        return Some(LogEvent::Offload { gpu_layers, total_layers });
+    if let Some((gpu_layers, total_layers)) = patterns::offload(message) {
+        return Some(LogEvent::Offload {
+            gpu_layers: gpu_layers.parse().ok()?,
+            total_layers: total_layers.parse().ok()?,
+        });
     }
-    if let Some(caps) = message.contains(" buffer size = ").then(|| BUFFER.captures(message)).flatten() {
+    if let Some(line) = patterns::buffer(message) {
         return Some(LogEvent::Buffer {
-            component: caps[1].to_owned(),
-            buffer: caps[2].to_owned(),
-            kind: BufferKind::from_word(&caps[3])?,
-            bytes: mib_to_bytes(&caps[4])?,
+            component: line.component.to_owned(),
+            buffer: line.name.to_owned(),
+            kind: BufferKind::from_word(line.kind)?,
+            bytes: mib_to_bytes(line.mib)?,
         });
     }
     if message.starts_with("common_fit_params: fitting params to free memory took") {
         return Some(LogEvent::FitFinished);
     }
-    if message.contains(": model loaded") && MODEL_LOADED.is_match(message) {
+    if patterns::model_loaded(message) {
         return Some(LogEvent::ModelLoaded);
     }
-    if let Some(caps) = message.contains(": listening on ").then(|| LISTENING.captures(message)).flatten() {
-        return Some(LogEvent::Listening { address: caps[1].to_owned() });
+    if let Some(address) = patterns::listening(message) {
+        return Some(LogEvent::Listening { address: address.to_owned() });
     }
-    if message.contains("all slots are idle") && SLOTS_IDLE.is_match(message) {
+    if patterns::slots_idle(message) {
         return Some(LogEvent::SlotsIdle);
     }
     None
