@@ -3,7 +3,10 @@
 //! 1 GiB by default).
 //!
 //! Everything lives in one temporary directory (`CORRAL_BENCH_DIR`, else the system's), so
-//! the store, the floors' copies and the registry's storage share one file system.
+//! the store, the floors' copies and the registry's storage share one file system; the
+//! floors write their copies into the store's `blobs/` directory, where corrald writes
+//! (ext4 places a file by its directory: the same 1 GiB write measured 1.05 to 3 s here
+//! depending on the directory).
 //!
 //! | operation | corral | floor |
 //! |---|---|---|
@@ -13,6 +16,7 @@
 //! | push | `POST /api/push` to a new repository of that registry | `curl` `POST /blobs/uploads/`, then one monolithic `PUT ?digest=` of the blob |
 //!
 //! Clients are `curl` on both sides, rounds alternate the sides, and the table shows medians;
+//! each side starts from the same state: what either side writes removed, then `sync`.
 //! ratio = floor time / corral time (1.0: as fast as the floor). corrald's peak RSS during
 //! each operation is its `VmHWM` after a reset (`/proc/PID/clear_refs` 5) before it.
 //!
@@ -231,9 +235,14 @@ impl Row {
         Self { size_mib, operation, floor: Vec::new(), corral: Vec::new(), peak_mib: 0.0 }
     }
 
-    /// One round: the floor, then corral (whose peak RSS is kept).
-    fn round(&mut self, pid: u32, floor: impl FnOnce(), corral: impl FnOnce()) {
+    /// One round: the floor, then corral (whose peak RSS is kept), each starting from
+    /// the same state: `results` (what either side writes) absent and everything on disk,
+    /// so that neither pays for the other's pages (their reclaim, or freeing a removed
+    /// file's blocks) or write-back.
+    fn round(&mut self, pid: u32, results: &[&Path], floor: impl FnOnce(), corral: impl FnOnce()) {
+        settle(results);
         self.floor.push(timed(floor));
+        settle(results);
         reset_peak(pid);
         self.corral.push(timed(corral));
         self.peak_mib = self.peak_mib.max(peak_mib(pid));
@@ -264,6 +273,14 @@ fn cp_fsync(source: &Path, target: &Path) {
 
 fn remove(path: &Path) {
     let _ = fs::remove_file(path);
+}
+
+/// Removes `paths`, then syncs every file system.
+fn settle(paths: &[&Path]) {
+    for path in paths {
+        remove(path);
+    }
+    assert!(Command::new("sync").status().expect("run sync").success(), "sync failed");
 }
 
 #[allow(clippy::too_many_lines, reason = "one linear script of a benchmark")]
@@ -308,16 +325,16 @@ fn main() {
         let (digest, bytes) = Digest::of_reader(fs::File::open(&gguf).expect("open")).expect("hash the model");
         let blob_url = format!("{base}/api/blobs/{digest}");
         let in_store = blobs.join(digest.file_name());
-        let copy = dir.join("floor.copy");
+        // Beside the blobs: the file system places a file by its directory, and the same
+        // write took from 1.05 to 3 s here depending on which directory it went to.
+        let copy = blobs.join("floor.copy");
         let gguf_text = gguf.to_str().expect("path").to_owned();
         println!("model {size_mib} MiB: {bytes} bytes, {digest}");
 
         // Upload: the blob alone, removed from the store between rounds.
         let mut row = Row::new(size_mib, "upload (`POST /api/blobs`)");
         for _ in 0..rounds {
-            remove(&in_store);
-            row.round(pid, || cp_fsync(&gguf, &copy), || upload(&gguf_text, &blob_url));
-            remove(&copy);
+            row.round(pid, &[&in_store, &copy], || cp_fsync(&gguf, &copy), || upload(&gguf_text, &blob_url));
             assert!(in_store.is_file(), "the upload is in the store");
         }
         row.print();
@@ -330,9 +347,9 @@ fn main() {
         let model = format!("{host}/bench/m{size_mib}:latest");
         let mut row = Row::new(size_mib, "create (`HEAD` + `POST /api/blobs` + `/api/create`)");
         for _ in 0..rounds {
-            remove(&in_store);
             row.round(
                 pid,
+                &[&in_store, &copy],
                 || cp_fsync(&gguf, &copy),
                 || {
                     let head = Command::new("curl")
@@ -345,8 +362,8 @@ fn main() {
                     post_json(&base, "/api/create", &serde_json::json!({"model": model, "files": files}));
                 },
             );
-            remove(&copy);
         }
+        remove(&copy);
         row.print();
         rows.push(row);
 
@@ -358,6 +375,7 @@ fn main() {
             post_ok(&base, "/api/copy", &serde_json::json!({"source": model, "destination": target}));
             row.round(
                 pid,
+                &[],
                 || {
                     let headers = curl(&[
                         "-i",
@@ -399,6 +417,7 @@ fn main() {
             let url = format!("http://{host}/v2/bench/push{size_mib}-0/blobs/{digest}");
             row.round(
                 pid,
+                &[&copy],
                 || {
                     curl(&["-o", copy.to_str().expect("path"), &url]);
                 },

@@ -28,11 +28,11 @@ use super::error::{self, ApiError, StoreWork, bad, opaque};
 use super::ollama_models::json_object;
 use super::state::AppState;
 use crate::store::create::{CreateSpec, Source};
-use crate::store::digest::{Digest, Hasher};
+use crate::store::digest::Digest;
 use crate::store::modelfile::Message;
 use crate::store::name::ModelName;
 use crate::store::registry::{Progress, Registry};
-use crate::store::stream::Batch;
+use crate::store::stream::Pipeline;
 use crate::store::{Store, StoreError, TempFile};
 
 /// The routes of this module whose bodies are JSON.
@@ -67,11 +67,11 @@ async fn head_blob(State(state): State<AppState>, Path(digest): Path<String>) ->
 /// `POST /api/blobs/<digest>` with the raw bytes: 201 when stored, 200 when the store
 /// already had it, 400 when the data does not hash to `digest` (and nothing is kept).
 ///
-/// The body is read here, on the async workers, in batches of the buffers it arrives in
-/// (not copied); each batch is written by one blocking thread while another hashes it, as
-/// the next one is read, so a client that stalls holds no thread (and its body fails after
-/// `[server] body_idle_timeout`, which drops the partial file). At most two batches are in
-/// memory per upload. At most `[server] max_uploads` run at once.
+/// The body is read here, on the async workers, each chunk hashed as it arrives and
+/// copied into a [`Pipeline`]'s batches, which a blocking thread writes up to
+/// [`DEPTH`](crate::store::stream::DEPTH) batches behind the reading. A client that stalls
+/// holds no thread (and its body fails after `[server] body_idle_timeout`, which drops
+/// the partial file). At most `[server] max_uploads` run at once.
 async fn post_blob(
     State(state): State<AppState>,
     Path(digest): Path<String>,
@@ -83,87 +83,35 @@ async fn post_blob(
         return Ok(StatusCode::OK);
     }
     let _permit = state.safety.upload_permit(BLOBS)?;
-    let mut upload = Upload::start(store).await?;
+    let opened = store.clone();
+    let file = blocking(move || opened.temp_blob_file()).await?;
+    let mut upload = Pipeline::start(file, |file: &mut TempFile, data: &[u8]| {
+        file.append(data).map_err(|source| {
+            std::io::Error::other(StoreError::Io { context: format!("cannot write {}", file.rel()), source })
+        })
+    });
     let mut data = body.into_data_stream();
-    let mut batch = Batch::default();
     while let Some(chunk) = data.next().await {
         // A failed body (the client went away, or sent nothing for too long) ends the
         // upload; dropping it removes the partial file.
         let chunk = chunk.map_err(|e| bad(format!("the upload failed: {e}"), BLOBS))?;
-        batch.push(chunk);
-        if batch.is_full() {
-            upload.write(std::mem::take(&mut batch)).await?;
+        if !upload.push(&chunk).await {
+            break;
         }
     }
-    upload.write(batch).await?;
-    upload.finish(digest).await?;
+    let (file, hasher) = upload.finish().await.map_err(|e| match e.downcast::<StoreError>() {
+        Ok(e) => upload_error(&e),
+        Err(_) => opaque(BLOBS),
+    })?;
+    blocking(move || {
+        let (actual, _) = hasher.finish();
+        if actual != digest {
+            return Err(StoreError::DigestMismatch { expected: digest, actual });
+        }
+        if store.has_blob(&actual) { Ok(()) } else { store.commit_blob(file, &actual) }
+    })
+    .await?;
     Ok(StatusCode::CREATED)
-}
-
-/// The writing and the hashing of the batch in flight, each on a blocking thread.
-type InFlight = (tokio::task::JoinHandle<Result<TempFile, StoreError>>, tokio::task::JoinHandle<Hasher>);
-
-/// An upload in progress: its temporary file (removed when dropped) and its hash so far,
-/// each moved to the blocking thread that works on the batch in flight, and back.
-struct Upload {
-    store: Store,
-    idle: Option<(TempFile, Hasher)>,
-    in_flight: Option<InFlight>,
-}
-
-impl Upload {
-    async fn start(store: Store) -> Result<Self, ApiError> {
-        let opened = store.clone();
-        let file = blocking(move || opened.temp_blob_file()).await?;
-        Ok(Self { store, idle: Some((file, Hasher::default())), in_flight: None })
-    }
-
-    /// The file and the hash, once the batch in flight is written and hashed.
-    async fn settle(&mut self) -> Result<(TempFile, Hasher), ApiError> {
-        match self.in_flight.take() {
-            Some((writing, hashing)) => {
-                let (written, hashed) = tokio::join!(writing, hashing);
-                let file = written.map_err(|_| opaque(BLOBS))?.map_err(|e| upload_error(&e))?;
-                Ok((file, hashed.map_err(|_| opaque(BLOBS))?))
-            }
-            None => self.idle.take().ok_or_else(|| opaque(BLOBS)),
-        }
-    }
-
-    /// Starts writing and hashing `batch` once the previous one is done.
-    async fn write(&mut self, batch: Batch) -> Result<(), ApiError> {
-        let (mut file, mut hasher) = self.settle().await?;
-        if batch.is_empty() {
-            self.idle = Some((file, hasher));
-            return Ok(());
-        }
-        let shared = batch.clone();
-        let hashing = tokio::task::spawn_blocking(move || {
-            shared.hash_into(&mut hasher);
-            hasher
-        });
-        let writing = tokio::task::spawn_blocking(move || {
-            file.write_batch(&batch)
-                .map_err(|source| StoreError::Io { context: format!("cannot write {}", file.rel()), source })?;
-            Ok(file)
-        });
-        self.in_flight = Some((writing, hashing));
-        Ok(())
-    }
-
-    /// Checks the digest and moves the blob into place.
-    async fn finish(mut self, expected: Digest) -> Result<(), ApiError> {
-        let (file, hasher) = self.settle().await?;
-        let store = self.store;
-        blocking(move || {
-            let (digest, _) = hasher.finish();
-            if digest != expected {
-                return Err(StoreError::DigestMismatch { expected, actual: digest });
-            }
-            if store.has_blob(&digest) { Ok(()) } else { store.commit_blob(file, &digest) }
-        })
-        .await
-    }
 }
 
 /// Runs store work on the blocking pool; its error as an upload's.

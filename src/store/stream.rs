@@ -156,6 +156,110 @@ impl Drop for Writeback {
     }
 }
 
+/// How many batches may wait for a [`Pipeline`]'s writing thread: how far receiving
+/// runs ahead of writing. A pipeline holds `DEPTH + 2` batch buffers.
+pub const DEPTH: usize = 4;
+
+/// Data arriving in order, hashed as each chunk arrives, copied into batches and written
+/// by a thread of its own up to [`DEPTH`] batches behind.
+///
+/// - The hash runs where the data arrived, right after it did: the chunk is still in that
+///   core's cache, which makes SHA-256 (the most work of a transfer) about 30 % faster
+///   here than hashing it later on another thread. Chunks are at most a few hundred KiB
+///   (hyper's read buffer): a fraction of a millisecond each.
+/// - The chunk is then copied into one of the pipeline's own batch buffers, which the
+///   writer hands back once written, and dropped at once, so the HTTP stack reads the next
+///   chunk into the same memory. Keeping the chunks until written instead (as [`Batch`]es)
+///   made every read land in freshly allocated pages: about 130 000 page faults (and
+///   zeroed pages) per GiB, a sixth of an upload's CPU time, against one copy.
+pub struct Pipeline<W> {
+    hasher: Hasher,
+    filling: Vec<u8>,
+    buffers: usize,
+    to_writer: Option<tokio::sync::mpsc::Sender<Vec<u8>>>,
+    written: tokio::sync::mpsc::UnboundedReceiver<Vec<u8>>,
+    writing: tokio::task::JoinHandle<io::Result<W>>,
+}
+
+impl<W: Send + 'static> Pipeline<W> {
+    /// Starts the writing thread: `write` gets `sink` and each batch in order. Dropping
+    /// the pipeline lets it finish the batches already handed on, then drop `sink`.
+    pub fn start(sink: W, mut write: impl FnMut(&mut W, &[u8]) -> io::Result<()> + Send + 'static) -> Self {
+        let (to_writer, mut writes) = tokio::sync::mpsc::channel::<Vec<u8>>(DEPTH);
+        let (give_back, written) = tokio::sync::mpsc::unbounded_channel();
+        let writing = tokio::task::spawn_blocking(move || {
+            let mut sink = sink;
+            while let Some(batch) = writes.blocking_recv() {
+                write(&mut sink, &batch)?;
+                // Gone only when the pipeline is: then the buffer is not needed.
+                let _ = give_back.send(batch);
+            }
+            Ok(sink)
+        });
+        Self {
+            hasher: Hasher::default(),
+            filling: Vec::with_capacity(BATCH),
+            buffers: 1,
+            to_writer: Some(to_writer),
+            written,
+            writing,
+        }
+    }
+
+    /// Hashes `chunk` and copies it into the batch; hands each full batch to the writing
+    /// thread, waiting while it is [`DEPTH`] batches behind. `false` once the writing
+    /// stopped (a failed write): [`Pipeline::finish`] tells why.
+    pub async fn push(&mut self, chunk: &[u8]) -> bool {
+        self.hasher.update(chunk);
+        let mut rest = chunk;
+        while !rest.is_empty() {
+            let (now, later) = rest.split_at(rest.len().min(BATCH - self.filling.len()));
+            self.filling.extend_from_slice(now);
+            rest = later;
+            if self.filling.len() == BATCH && !self.send().await {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Hands the batch being filled to the writing thread and takes an empty buffer: one
+    /// the writer gave back, a new one while there are fewer than `DEPTH + 2`, else the
+    /// next one given back.
+    async fn send(&mut self) -> bool {
+        let Some(to_writer) = &self.to_writer else { return false };
+        if to_writer.send(std::mem::take(&mut self.filling)).await.is_err() {
+            return false;
+        }
+        let next = match self.written.try_recv() {
+            Ok(buffer) => Some(buffer),
+            Err(_) if self.buffers < DEPTH + 2 => {
+                self.buffers += 1;
+                Some(Vec::with_capacity(BATCH))
+            }
+            Err(_) => self.written.recv().await,
+        };
+        let Some(mut next) = next else { return false };
+        next.clear();
+        self.filling = next;
+        true
+    }
+
+    /// Writes what is left and waits for the writing thread: the sink once every batch
+    /// is written, and the hash of everything pushed.
+    ///
+    /// # Errors
+    /// A write failed (or the thread panicked).
+    pub async fn finish(mut self) -> io::Result<(W, Hasher)> {
+        if !self.filling.is_empty() {
+            self.send().await;
+        }
+        self.to_writer = None;
+        let written = self.writing.await.map_err(|_| io::Error::other("a blob's writing thread panicked"))??;
+        Ok((written, self.hasher))
+    }
+}
+
 /// Reads `reader` to its end in batches given to `write`, in order, each hashed on a
 /// second thread while it is written. Returns the digest and length.
 pub fn copy_hashed(
@@ -200,7 +304,7 @@ mod tests {
 
     use bytes::Bytes;
 
-    use super::{BATCH, Batch, Writeback, copy_hashed};
+    use super::{BATCH, Batch, DEPTH, Pipeline, Writeback, copy_hashed};
     use crate::store::digest::{Digest, Hasher};
 
     /// A reader of `left` bytes, each a function of its position, that notes how much any
@@ -291,5 +395,47 @@ mod tests {
         let mut expected = Vec::new();
         again.read_to_end(&mut expected).expect("read");
         assert_eq!(data, expected);
+    }
+
+    /// Chunks of every size, across batch boundaries, come out written in order and
+    /// hashed as the data, with at most `DEPTH + 2` batch buffers made.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pipeline_writes_and_hashes_every_chunk_in_order_with_bounded_buffers() {
+        let data: Vec<u8> = (0..3 * BATCH + 12_345).map(|i| i.wrapping_mul(2_654_435_761).to_le_bytes()[1]).collect();
+        let mut pipeline =
+            Pipeline::start((Vec::new(), 0usize), |(out, batches): &mut (Vec<u8>, usize), batch: &[u8]| {
+                assert!(batch.len() <= BATCH, "a batch of {} bytes", batch.len());
+                out.extend_from_slice(batch);
+                *batches += 1;
+                Ok(())
+            });
+        let mut at = 0;
+        for size in [0, 1, 7, BATCH - 8, BATCH, 3, 400_000].into_iter().cycle() {
+            let end = (at + size).min(data.len());
+            assert!(pipeline.push(&data[at..end]).await);
+            at = end;
+            if at == data.len() {
+                break;
+            }
+        }
+        assert!(pipeline.buffers <= DEPTH + 2, "{} buffers", pipeline.buffers);
+        let ((written, batches), hasher) = pipeline.finish().await.expect("finish");
+        assert_eq!(written, data);
+        assert_eq!(batches, 4);
+        assert_eq!(hasher.finish(), (Digest::of(&data), data.len() as u64));
+    }
+
+    /// A write that fails stops the pipeline: pushing says so, and the error comes back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_write_stops_the_pipeline_and_is_reported() {
+        let mut pipeline = Pipeline::start((), |(), _: &[u8]| Err(std::io::Error::other("disk full")));
+        let chunk = vec![1u8; BATCH];
+        let mut pushed = 0;
+        while pipeline.push(&chunk).await {
+            pushed += 1;
+            assert!(pushed < 100, "the pipeline never noticed the failed write");
+        }
+        let Err(error) = pipeline.finish().await else { panic!("the write failed, finish did not say so") };
+        assert_eq!(error.to_string(), "disk full");
     }
 }

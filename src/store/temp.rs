@@ -26,7 +26,7 @@ pub struct TempFile {
     pub(super) file: File,
     temps: Arc<Mutex<HashSet<String>>>,
     placed: bool,
-    /// Where the next [`TempFile::write_batch`] goes.
+    /// Where the next [`TempFile::write_batch`] or [`TempFile::append`] goes.
     written: u64,
     /// Sends what [`TempFile::write_batch`] wrote to disk as it goes.
     writeback: Option<Writeback>,
@@ -51,6 +51,14 @@ impl TempFile {
         batch.write_at(&self.file, self.written)?;
         self.written += batch.len() as u64;
         self.writeback.get_or_insert_with(|| Writeback::new(&self.file)).wrote(batch.len());
+        Ok(())
+    }
+
+    /// Appends `data` as [`TempFile::write_batch`] does.
+    pub fn append(&mut self, data: &[u8]) -> io::Result<()> {
+        std::os::unix::fs::FileExt::write_all_at(&self.file, data, self.written)?;
+        self.written += data.len() as u64;
+        self.writeback.get_or_insert_with(|| Writeback::new(&self.file)).wrote(data.len());
         Ok(())
     }
 

@@ -349,18 +349,21 @@ async fn fetch_range(
     }
 }
 
-/// A batch being written to a partial download on one blocking thread and hashed on another.
+/// A batch being written to a partial download on a blocking thread, and hashed: where it
+/// arrived if the hash has got to it, else on another blocking thread.
 struct Flight {
     len: u64,
     writing: tokio::task::JoinHandle<Result<u64, RegistryError>>,
-    hashing: tokio::task::JoinHandle<Result<(), RegistryError>>,
+    hashing: Option<tokio::task::JoinHandle<Result<(), RegistryError>>>,
 }
 
 impl Flight {
     fn start(partial: &Arc<Partial>, offset: u64, batch: Batch) -> Self {
         let len = batch.len() as u64;
-        let (target, shared) = (Arc::clone(partial), batch.clone());
-        let hashing = tokio::task::spawn_blocking(move || target.hash_at(offset, &shared));
+        let hashing = (!partial.hash_here(offset, &batch)).then(|| {
+            let (target, shared) = (Arc::clone(partial), batch.clone());
+            tokio::task::spawn_blocking(move || target.hash_at(offset, &shared))
+        });
         let target = Arc::clone(partial);
         let writing = tokio::task::spawn_blocking(move || target.write_at(offset, &batch));
         Self { len, writing, hashing }
@@ -376,9 +379,14 @@ async fn land(
 ) -> Result<(), RegistryError> {
     let Some(Flight { len, writing, hashing }) = flight.take() else { return Ok(()) };
     let failed = || RegistryError::io("a file operation failed", std::io::Error::other("a blocking task failed"));
+    let hashing = async {
+        match hashing {
+            Some(hashing) => hashing.await.map_err(|_| failed()).and_then(|r| r),
+            None => Ok(()),
+        }
+    };
     let (written, hashed) = tokio::join!(writing, hashing);
     let written = written.map_err(|_| failed()).and_then(|r| r);
-    let hashed = hashed.map_err(|_| failed()).and_then(|r| r);
     let completed = match written {
         Ok(completed) => completed,
         Err(e) => {
