@@ -98,6 +98,13 @@ impl Model {
     fn get<T>(&self, read: impl FnOnce(&ModelData) -> T) -> T {
         read(&lock(&self.data))
     }
+
+    /// The properties read from the scheduler, for this model alone.
+    async fn live(&self) -> zbus::fdo::Result<Live> {
+        let data = Arc::clone(&lock(&self.data));
+        let loaded = if data.has_runner() { loaded(&self.shared).await? } else { Vec::new() };
+        Ok(Live::of(&self.shared, &loaded, &data))
+    }
 }
 
 #[interface(name = "org.corral.Corral1.Model")]
@@ -237,15 +244,6 @@ impl Model {
     #[zbus(property(emits_changed_signal = "false"))]
     async fn memory(&self) -> zbus::fdo::Result<Vec<(String, u64, u64)>> {
         Ok(self.live().await?.memory)
-    }
-}
-
-impl Model {
-    /// The properties read from the scheduler, for this model alone.
-    async fn live(&self) -> zbus::fdo::Result<Live> {
-        let data = Arc::clone(&lock(&self.data));
-        let loaded = if data.has_runner() { loaded(&self.shared).await? } else { Vec::new() };
-        Ok(Live::of(&self.shared, &loaded, &data))
     }
 }
 

@@ -157,7 +157,7 @@ impl Drop for Writeback {
 }
 
 /// How many batches may wait for a [`Pipeline`]'s writing thread: how far receiving
-/// runs ahead of writing. A pipeline holds `DEPTH + 2` batch buffers.
+/// runs ahead of writing. A pipeline holds at most `DEPTH + 2` batch buffers.
 pub const DEPTH: usize = 4;
 
 /// Data arriving in order, hashed as each chunk arrives, copied into batches and written
@@ -251,10 +251,12 @@ impl<W: Send + 'static> Pipeline<W> {
     /// # Errors
     /// A write failed (or the thread panicked).
     pub async fn finish(mut self) -> io::Result<(W, Hasher)> {
-        if !self.filling.is_empty() {
-            self.send().await;
+        if let Some(to_writer) = self.to_writer.take() {
+            if !self.filling.is_empty() {
+                // A failed send means a failed write, which the thread returns below.
+                let _ = to_writer.send(std::mem::take(&mut self.filling)).await;
+            }
         }
-        self.to_writer = None;
         let written = self.writing.await.map_err(|_| io::Error::other("a blob's writing thread panicked"))??;
         Ok((written, self.hasher))
     }
