@@ -311,7 +311,9 @@ fn a_dry_run_is_stopped_once_its_table_is_read_before_it_loads_the_weights() {
     let dir = tempfile::tempdir().expect("tempdir");
     let pids = dir.path().join("pids");
     // After its table llama-server would read the weights: here it hangs, with a child.
-    let body = format!("{TABLE}sleep 600 &\necho $$ $! > {}\nwait\n", pids.display());
+    // The pids are written before the table: the projection may stop the script as soon
+    // as the table is read.
+    let body = format!("sleep 600 &\necho $$ $! > {}\n{TABLE}wait\n", pids.display());
     let program = script(dir.path(), "llama-server", &body);
     let started = Instant::now();
     let buffers = [("RPC0".to_owned(), "RPC0[127.0.0.1:1]".to_owned())];
