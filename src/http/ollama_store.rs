@@ -68,11 +68,10 @@ async fn head_blob(State(state): State<AppState>, Path(digest): Path<String>) ->
 /// already had it, 400 when the data does not hash to `digest` (and nothing is kept).
 ///
 /// The body is read here, on the async workers, each chunk hashed as it arrives and
-/// copied into a [`Pipeline`]'s batches, which a blocking thread writes up to
+/// copied into a [`Pipeline`]'s batches, written on the blocking pool up to
 /// [`DEPTH`](crate::store::stream::DEPTH) batches behind the reading. A client that stalls
-/// holds no async worker, only its upload's idle writing thread, and its body fails after
-/// `[server] body_idle_timeout`, which drops the partial file. At most `[server]
-/// max_uploads` run at once.
+/// holds no thread, and its body fails after `[server] body_idle_timeout`, which drops the
+/// partial file. At most `[server] max_uploads` run at once.
 async fn post_blob(
     State(state): State<AppState>,
     Path(digest): Path<String>,

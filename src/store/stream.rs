@@ -156,12 +156,12 @@ impl Drop for Writeback {
     }
 }
 
-/// How many batches may wait for a [`Pipeline`]'s writing thread: how far receiving
+/// How many batches may wait for a [`Pipeline`]'s writer: how far receiving
 /// runs ahead of writing. A pipeline holds at most `DEPTH + 2` batch buffers.
 pub const DEPTH: usize = 4;
 
 /// Data arriving in order, hashed as each chunk arrives, copied into batches and written
-/// by a thread of its own up to [`DEPTH`] batches behind.
+/// on the blocking pool up to [`DEPTH`] batches behind.
 ///
 /// - The hash runs where the data arrived, right after it did: the chunk is still in that
 ///   core's cache, which makes SHA-256 (the most work of a transfer) about 30 % faster
@@ -182,15 +182,25 @@ pub struct Pipeline<W> {
 }
 
 impl<W: Send + 'static> Pipeline<W> {
-    /// Starts the writing thread: `write` gets `sink` and each batch in order. Dropping
-    /// the pipeline lets it finish the batches already handed on, then drop `sink`.
-    pub fn start(sink: W, mut write: impl FnMut(&mut W, &[u8]) -> io::Result<()> + Send + 'static) -> Self {
+    /// Starts the writer: `write` gets `sink` and each batch in order, on the blocking
+    /// pool, one batch at a time. Between batches the writer is a task that holds no
+    /// thread, so an upload whose client stalls holds none. Dropping the pipeline lets it
+    /// finish the batches already handed on, then drop `sink`.
+    pub fn start(sink: W, write: impl FnMut(&mut W, &[u8]) -> io::Result<()> + Send + 'static) -> Self {
         let (to_writer, mut writes) = tokio::sync::mpsc::channel::<Vec<u8>>(DEPTH);
         let (give_back, written) = tokio::sync::mpsc::unbounded_channel();
-        let writing = tokio::task::spawn_blocking(move || {
-            let mut sink = sink;
-            while let Some(batch) = writes.blocking_recv() {
-                write(&mut sink, &batch)?;
+        let writing = tokio::spawn(async move {
+            let (mut sink, mut write) = (sink, write);
+            while let Some(batch) = writes.recv().await {
+                // The sink and the function go to the blocking thread and come back.
+                let (back, again, batch, outcome) = tokio::task::spawn_blocking(move || {
+                    let outcome = write(&mut sink, &batch);
+                    (sink, write, batch, outcome)
+                })
+                .await
+                .map_err(|_| io::Error::other("a blob's writing thread panicked"))?;
+                (sink, write) = (back, again);
+                outcome?;
                 // Gone only when the pipeline is: then the buffer is not needed.
                 let _ = give_back.send(batch);
             }
@@ -206,8 +216,8 @@ impl<W: Send + 'static> Pipeline<W> {
         }
     }
 
-    /// Hashes `chunk` and copies it into the batch; hands each full batch to the writing
-    /// thread, waiting while it is [`DEPTH`] batches behind. `false` once the writing
+    /// Hashes `chunk` and copies it into the batch; hands each full batch to the writer,
+    /// waiting while it is [`DEPTH`] batches behind. `false` once the writing
     /// stopped (a failed write): [`Pipeline::finish`] tells why.
     pub async fn push(&mut self, chunk: &[u8]) -> bool {
         self.hasher.update(chunk);
@@ -223,7 +233,7 @@ impl<W: Send + 'static> Pipeline<W> {
         true
     }
 
-    /// Hands the batch being filled to the writing thread and takes an empty buffer: one
+    /// Hands the batch being filled to the writer and takes an empty buffer: one
     /// the writer gave back, a new one while there are fewer than `DEPTH + 2`, else the
     /// next one given back.
     async fn send(&mut self) -> bool {
@@ -245,7 +255,7 @@ impl<W: Send + 'static> Pipeline<W> {
         true
     }
 
-    /// Writes what is left and waits for the writing thread: the sink once every batch
+    /// Writes what is left and waits for the writer: the sink once every batch
     /// is written, and the hash of everything pushed.
     ///
     /// # Errors
@@ -257,7 +267,7 @@ impl<W: Send + 'static> Pipeline<W> {
                 let _ = to_writer.send(std::mem::take(&mut self.filling)).await;
             }
         }
-        let written = self.writing.await.map_err(|_| io::Error::other("a blob's writing thread panicked"))??;
+        let written = self.writing.await.map_err(|_| io::Error::other("a blob's writer panicked"))??;
         Ok((written, self.hasher))
     }
 }
