@@ -49,17 +49,21 @@ impl TempFile {
     /// starting its pages' way to disk as it goes.
     pub fn write_batch(&mut self, batch: &Batch) -> io::Result<()> {
         batch.write_at(&self.file, self.written)?;
-        self.written += batch.len() as u64;
-        self.writeback.get_or_insert_with(|| Writeback::new(&self.file)).wrote(batch.len());
+        self.wrote(batch.len());
         Ok(())
     }
 
     /// Appends `data` as [`TempFile::write_batch`] does.
     pub fn append(&mut self, data: &[u8]) -> io::Result<()> {
         std::os::unix::fs::FileExt::write_all_at(&self.file, data, self.written)?;
-        self.written += data.len() as u64;
-        self.writeback.get_or_insert_with(|| Writeback::new(&self.file)).wrote(data.len());
+        self.wrote(data.len());
         Ok(())
+    }
+
+    /// Moves past `n` bytes just written, and counts them for the write-back.
+    fn wrote(&mut self, n: usize) {
+        self.written += n as u64;
+        self.writeback.get_or_insert_with(|| Writeback::new(&self.file)).wrote(n);
     }
 
     /// Syncs the file: what is written is on disk.

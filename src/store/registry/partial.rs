@@ -140,6 +140,14 @@ struct Frontier {
     at: u64,
 }
 
+impl Frontier {
+    /// Hashes `batch`, the bytes at the frontier.
+    fn take(&mut self, batch: &Batch) {
+        batch.hash_into(&mut self.hasher);
+        self.at += batch.len() as u64;
+    }
+}
+
 impl std::fmt::Debug for Frontier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Frontier").field("at", &self.at).finish_non_exhaustive()
@@ -283,8 +291,7 @@ impl Partial {
             self.read_back(&mut hashed, offset)?;
         }
         if hashed.at == offset {
-            batch.hash_into(&mut hashed.hasher);
-            hashed.at += batch.len() as u64;
+            hashed.take(batch);
             let written = lock(&self.done).end_from(hashed.at);
             self.read_back(&mut hashed, written)?;
         }
@@ -301,8 +308,7 @@ impl Partial {
         if hashed.at != offset {
             return false;
         }
-        batch.hash_into(&mut hashed.hasher);
-        hashed.at += batch.len() as u64;
+        hashed.take(batch);
         true
     }
 
