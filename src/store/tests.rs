@@ -510,3 +510,66 @@ fn a_blob_claimed_by_a_client_gets_a_new_grace_before_garbage_collection() {
     assert_eq!(collected.blobs, 1, "{collected:?}");
     assert!(!store.claim_blob(&blob, later), "gone");
 }
+
+/// Whether `file` is open for direct I/O.
+fn is_direct(file: &fs::File) -> bool {
+    rustix::fs::fcntl_getfl(file).expect("flags").contains(rustix::fs::OFlags::DIRECT)
+}
+
+/// An aligned run of `len` bytes, each a function of its position from `seed`.
+fn aligned_data(len: usize, seed: usize) -> (Vec<u8>, std::ops::Range<usize>) {
+    let mut buffer = vec![0u8; len + super::stream::ALIGN];
+    let start = buffer.as_ptr().align_offset(super::stream::ALIGN);
+    for (i, byte) in buffer[start..start + len].iter_mut().enumerate() {
+        *byte = (i + seed).wrapping_mul(2_654_435_761).to_le_bytes()[1];
+    }
+    (buffer, start..start + len)
+}
+
+/// A blob file open for direct I/O takes aligned batches that way, and its tail (not a
+/// whole block) through the page cache; what is committed is exactly what was appended.
+#[test]
+fn a_direct_blob_file_takes_aligned_batches_directly_and_the_tail_through_the_cache() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    let mut temp = store.temp_blob_file().expect("temp");
+    assert!(temp.direct(), "the test's file system (that of the temporary directory) has direct I/O");
+    let (first, first_at) = aligned_data(super::stream::BATCH, 0);
+    let (second, second_at) = aligned_data(3 * super::stream::ALIGN, 7);
+    let (tail, tail_at) = aligned_data(1000, 9);
+    let mut expected = Vec::new();
+    for (buffer, at) in [(&first, first_at), (&second, second_at)] {
+        temp.append(&buffer[at.clone()]).expect("an aligned append");
+        expected.extend_from_slice(&buffer[at]);
+        assert!(is_direct(temp.as_file()), "aligned data goes on directly");
+    }
+    temp.append(&tail[tail_at.clone()]).expect("the tail");
+    expected.extend_from_slice(&tail[tail_at]);
+    assert!(!is_direct(temp.as_file()), "the tail goes through the page cache");
+    let digest = Digest::of(&expected);
+    store.commit_blob(temp, &digest).expect("commit");
+    assert_eq!(fs::read(store.blob_path(&digest)).expect("read the blob"), expected);
+}
+
+/// Data that is not aligned for direct I/O (where it sits in memory, or its length) turns
+/// direct I/O off for the rest of the file, and is written all the same.
+#[test]
+fn unaligned_data_in_a_direct_blob_file_is_written_through_the_cache() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    let (buffer, at) = aligned_data(2 * super::stream::ALIGN + 1, 3);
+    // Misplaced in memory (one byte past a block's start), or not whole blocks long.
+    for (from, split) in [(at.start + 1, at.start + 1), (at.start, at.start + 4095)] {
+        let mut temp = store.temp_blob_file().expect("temp");
+        assert!(temp.direct());
+        let mut expected = Vec::new();
+        for piece in [from..split, split..at.end] {
+            temp.append(&buffer[piece.clone()]).expect("append");
+            expected.extend_from_slice(&buffer[piece]);
+        }
+        assert!(!is_direct(temp.as_file()));
+        let digest = Digest::of(&expected);
+        store.commit_blob(temp, &digest).expect("commit");
+        assert_eq!(fs::read(store.blob_path(&digest)).expect("read the blob"), expected);
+    }
+}
