@@ -30,7 +30,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Client, Corrald, Process, env_or, free_port, median, ms, percentile, write_config};
+use common::{Client, Corrald, Process, cpu_ms, env_or, free_port, median, ms, percentile, write_config};
 use hyper::body::Bytes;
 
 const BUS_NAME: &str = "org.corral.Corral1";
@@ -50,7 +50,7 @@ impl Floor {
 
 /// A private session bus, killed on drop.
 struct Bus {
-    _process: Process,
+    process: Process,
     address: String,
 }
 
@@ -66,7 +66,7 @@ impl Bus {
             .expect("start dbus-daemon");
         let mut line = String::new();
         std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("bus address");
-        Self { _process: Process(child), address: line.trim().to_owned() }
+        Self { process: Process(child), address: line.trim().to_owned() }
     }
 }
 
@@ -148,11 +148,11 @@ fn main() {
     println!();
     println!(
         "| models | start, D-Bus | start, no bus | first /api/tags | /api/tags | /api/ps | /api/show | \
-         ListModels | GetManagedObjects (first) | GetManagedObjects | its bytes | floor: as many bytes | \
-         Introspect models | floor HTTP | floor D-Bus |"
+         ListModels | GetManagedObjects (first) | GetManagedObjects | its bytes | CPU per reply: corrald, bus daemon | \
+         floor: as many bytes | Introspect models | floor HTTP | floor D-Bus |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
-    println!("| 0 | {} | {} | | | | | | | | | | | | |", cell(&empty_bus), cell(&empty_off));
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| 0 | {} | {} | | | | | | | | | | | | | |", cell(&empty_bus), cell(&empty_off));
     let mut have = 1;
     let mut growth = Vec::new();
     for &size in &sizes {
@@ -225,7 +225,16 @@ fn main() {
                 .count();
             assert_eq!(models, size, "an object per model");
             let tree_bytes = reply.data().len();
+            // What each end spends on it: the bus daemon relays one message at a time, so its
+            // CPU time per reply is a floor of the call's time (it checks every value it relays).
+            let (corrald_before, bus_before) = (cpu_ms(daemon.pid()), cpu_ms(bus.process.pid()));
             let tree = time!(rounds, drop(tree_once().await));
+            #[allow(clippy::cast_precision_loss, reason = "a few rounds")]
+            let calls = (rounds + 1) as f64;
+            let tree_cpu = (
+                (cpu_ms(daemon.pid()) - corrald_before) / calls,
+                (cpu_ms(bus.process.pid()) - bus_before) / calls,
+            );
             // The floor of so large a reply: as many bytes, as one string, from another
             // connection on the same bus (what the bus daemon and the two ends cost to move them).
             let floor_connection = zbus::connection::Builder::address(bus.address.as_str())
@@ -244,7 +253,7 @@ fn main() {
             let xml: String = introspect_once().await.body().deserialize().expect("xml");
             assert_eq!(xml.matches("<node name=").count(), size, "a node per model");
             let introspect = time!(rounds, drop(introspect_once().await));
-            let tree = (tree, tree_bytes, floor_tree);
+            let tree = (tree, tree_bytes, floor_tree, tree_cpu);
             (first_tags, tags, ps, show, list, first_tree, tree, introspect, floor_http, floor_bus)
         });
         let (
@@ -254,13 +263,14 @@ fn main() {
             show,
             list,
             first_tree,
-            (tree, tree_bytes, floor_tree),
+            (tree, tree_bytes, floor_tree, (tree_corrald_cpu, tree_bus_cpu)),
             introspect,
             floor_http,
             floor_bus,
         ) = row;
         println!(
-            "| {size} | {} | {} | {first_tags:.3} | {} | {} | {} | {} | {first_tree:.3} | {} | {tree_bytes} | {} | {} | {} | {} |",
+            "| {size} | {} | {} | {first_tags:.3} | {} | {} | {} | {} | {first_tree:.3} | {} | {tree_bytes} | \
+             {tree_corrald_cpu:.1}, {tree_bus_cpu:.1} | {} | {} | {} | {} |",
             cell(&start_bus),
             cell(&start_off),
             cell(&tags),
@@ -273,17 +283,18 @@ fn main() {
             cell(&floor_http),
             cell(&floor_bus),
         );
-        growth.push((size, median(&start_bus), median(&start_off), median(&tags), median(&list)));
+        growth.push((size, median(&start_bus), median(&start_off), median(&tags), median(&list), median(&tree), tree_bus_cpu));
         daemon.stop();
     }
     println!();
     let (empty_bus, empty_off) = (median(&empty_bus), median(&empty_off));
-    for (size, bus, off, tags, list) in growth {
+    for (size, bus, off, tags, list, tree, tree_bus_cpu) in growth {
         #[allow(clippy::cast_precision_loss, reason = "a few thousand models")]
         let hundreds = size as f64 / 100.0;
         println!(
             "{size} models: start +{:.3} ms per 100 models with D-Bus, +{:.3} without (target <= 1); \
-             /api/tags {tags:.3} ms, ListModels {list:.3} ms (target <= 5 ms at 1 000)",
+             /api/tags {tags:.3} ms, ListModels {list:.3} ms (target <= 5 ms at 1 000); \
+             GetManagedObjects {tree:.3} ms, of which the bus daemon's own CPU {tree_bus_cpu:.1} ms",
             (bus - empty_bus) / hundreds,
             (off - empty_off) / hundreds,
         );

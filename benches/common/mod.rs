@@ -149,6 +149,19 @@ pub fn memory(pid: u32) -> Memory {
     Memory { rss: field("VmRSS:"), hwm: field("VmHWM:"), anon: field("RssAnon:"), threads: field("Threads:") }
 }
 
+/// The CPU time (user and system) `pid` has used so far, in ms. `/proc` counts it in
+/// `USER_HZ` ticks, 100 a second on Linux's common architectures: 10 ms resolution, so
+/// divide the difference over many calls.
+pub fn cpu_ms(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read stat");
+    // Fields after the command (which may hold spaces), from the state on: utime is the 12th.
+    let fields: Vec<&str> = stat.rsplit_once(')').expect("a stat line").1.split_whitespace().collect();
+    let ticks = |i: usize| fields[i].parse::<u64>().expect("ticks");
+    #[allow(clippy::cast_precision_loss, reason = "ticks are small")]
+    let ms = (ticks(11) + ticks(12)) as f64 * 10.0;
+    ms
+}
+
 /// The number of open file descriptors of `pid`.
 pub fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
