@@ -58,7 +58,7 @@ impl TempFile {
     /// Appends `data` as [`TempFile::write_batch`] does: with direct I/O while the file is
     /// open for it ([`TempFile::direct`]) and `data` is aligned for it, else through the
     /// page cache (and from then on: the tail of a file, or a device that wants larger
-    /// alignments). Either way the final [`TempFile::sync`] makes it durable.
+    /// alignments). Either way the final sync before the blob is named makes it durable.
     pub fn append(&mut self, data: &[u8]) -> io::Result<()> {
         if self.direct {
             let aligned = |n: u64| n % ALIGN as u64 == 0;
