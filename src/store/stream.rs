@@ -172,7 +172,7 @@ pub const DEPTH: usize = 4;
 ///   chunk into the same memory. Keeping the chunks until written instead (as [`Batch`]es)
 ///   made every read land in freshly allocated pages: about 130 000 page faults (and
 ///   zeroed pages) per GiB, a sixth of an upload's CPU time, against one copy.
-/// - The buffers are [`Aligned`] for direct I/O, so a writer can send them from memory
+/// - The buffers are aligned for direct I/O ([`ALIGN`]), so a writer can send them from memory
 ///   straight to disk ([`TempFile::direct`](super::TempFile::direct)).
 pub struct Pipeline<W> {
     hasher: Hasher,
@@ -281,7 +281,7 @@ pub const ALIGN: usize = 4096;
 /// A batch buffer whose data starts at an [`ALIGN`]ed address, so that it can be written
 /// with direct I/O. Found inside a plain vector one alignment larger (no unsafe allocation).
 #[derive(Default)]
-pub struct Aligned {
+struct Aligned {
     bytes: Vec<u8>,
     start: usize,
 }
@@ -294,9 +294,7 @@ impl Aligned {
         Self { bytes, start }
     }
 
-    /// The data.
-    #[must_use]
-    pub fn data(&self) -> &[u8] {
+    fn data(&self) -> &[u8] {
         &self.bytes[self.start..]
     }
 

@@ -4,6 +4,7 @@
 use std::collections::HashSet;
 use std::fs::{self, File};
 use std::io::{self, Write};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -64,7 +65,7 @@ impl TempFile {
             let aligned = |n: u64| n % ALIGN as u64 == 0;
             if aligned(data.as_ptr().addr() as u64) && aligned(data.len() as u64) && aligned(self.written) {
                 // Positional, so a write refused halfway is simply done again below.
-                match std::os::unix::fs::FileExt::write_all_at(&self.file, data, self.written) {
+                match self.file.write_all_at(data, self.written) {
                     Ok(()) => {
                         self.written += data.len() as u64;
                         return Ok(());
@@ -75,7 +76,7 @@ impl TempFile {
             }
             self.set_direct(false)?;
         }
-        std::os::unix::fs::FileExt::write_all_at(&self.file, data, self.written)?;
+        self.file.write_all_at(data, self.written)?;
         self.wrote(data.len());
         Ok(())
     }
