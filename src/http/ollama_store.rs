@@ -79,7 +79,9 @@ async fn post_blob(
 ) -> Result<StatusCode, ApiError> {
     let digest = parse_digest(&digest)?;
     let store = state.store;
-    if store.claim_blob(&digest, SystemTime::now()) {
+    // A file operation: on the blocking pool, as in `head_blob`, not on an async worker.
+    let claiming = store.clone();
+    if blocking(move || Ok(claiming.claim_blob(&digest, SystemTime::now()))).await? {
         return Ok(StatusCode::OK);
     }
     let _permit = state.safety.upload_permit(BLOBS)?;

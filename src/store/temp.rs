@@ -62,23 +62,32 @@ impl TempFile {
     /// alignments). Either way the final sync before the blob is named makes it durable.
     pub fn append(&mut self, data: &[u8]) -> io::Result<()> {
         if self.direct {
-            let aligned = |n: u64| n % ALIGN as u64 == 0;
-            if aligned(data.as_ptr().addr() as u64) && aligned(data.len() as u64) && aligned(self.written) {
-                // Positional, so a write refused halfway is simply done again below.
-                match self.file.write_all_at(data, self.written) {
-                    Ok(()) => {
-                        self.written += data.len() as u64;
-                        return Ok(());
-                    }
-                    Err(e) if e.raw_os_error() != Some(libc::EINVAL) => return Err(e),
-                    Err(_) => {}
-                }
+            if self.append_direct(data)? {
+                return Ok(());
             }
             self.set_direct(false)?;
         }
         self.file.write_all_at(data, self.written)?;
         self.wrote(data.len());
         Ok(())
+    }
+
+    /// Appends `data` with direct I/O if it is aligned for it: `false` if it is not, or if
+    /// the kernel refused it for its alignment (nothing then counts as written: the write
+    /// is positional, so writing it again at the same offset writes it all).
+    fn append_direct(&mut self, data: &[u8]) -> io::Result<bool> {
+        let aligned = |n: u64| n % ALIGN as u64 == 0;
+        if !(aligned(data.as_ptr().addr() as u64) && aligned(data.len() as u64) && aligned(self.written)) {
+            return Ok(false);
+        }
+        match self.file.write_all_at(data, self.written) {
+            Ok(()) => {
+                self.written += data.len() as u64;
+                Ok(true)
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     /// Opens the file for direct I/O, where its file system supports it (`true` if so):
