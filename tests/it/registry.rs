@@ -579,9 +579,40 @@ async fn server_errors_and_bad_answers_are_named() {
     assert!(matches!(error, RegistryError::BadRange { .. }), "{error:?}");
     assert!(error.to_string().contains("the server ignores Range"), "{error}");
 
+    // A blob's body longer than the range asked for (no Content-Length, more bytes than
+    // asked before the connection closes): refused once it passes the range, not stored.
+    let digest = model.digest.to_string();
+    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Overlong(10) } else { Action::Pass });
+    let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("too long");
+    assert!(matches!(error, RegistryError::BadRange { .. }), "{error:?}");
+    let message = error.to_string();
+    assert!(message.contains(&format!("blob {} of test/tiny:v1", model.digest)), "{message}");
+    assert!(message.ends_with(&format!("asked for {PART} bytes (0-{}), got more", PART - 1)), "{message}");
+
+    // A Content-Length that is not the range's length, one byte more or fewer than the
+    // bytes sent: refused before the body is read, whichever way it is wrong.
+    for delta in [1, -1] {
+        let digest = model.digest.to_string();
+        proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Misstate(delta) } else { Action::Pass });
+        let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("wrong length");
+        assert!(matches!(error, RegistryError::BadRange { .. }), "{delta}: {error:?}");
+        let claimed = PART.saturating_add_signed(delta);
+        assert!(
+            error.to_string().ends_with(&format!("asked for {PART} bytes (0-{}), got Content-Length {claimed}", PART - 1)),
+            "{delta}: {error}"
+        );
+    }
+
     // No manifest and no visible blob after all that.
     assert!(!store.manifest_path(&name).exists());
     assert!(!store.has_blob(&model.digest));
+
+    // And nothing lost: the same pull from a registry that answers well completes, the
+    // blob's bytes the published ones.
+    proxy.rule(|_| Action::Pass);
+    within("pull", client.pull(&store, &name, |_| {})).await.expect("a good pull after the bad answers");
+    assert_eq!(Digest::of_reader(fs::File::open(store.blob_path(&model.digest)).expect("blob")).expect("hash").0, model.digest);
+    assert!(store.manifest_path(&name).exists());
 }
 
 /// Progress events tagged with the pull they come from.

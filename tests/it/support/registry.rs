@@ -159,6 +159,12 @@ pub enum Action {
     Corrupt(usize),
     /// Passes it through without its `Range` header.
     DropRange,
+    /// Passes it through with this many bytes more after the body, sent without a
+    /// `Content-Length` (the body ends where the connection closes).
+    Overlong(usize),
+    /// Passes it through promising a `Content-Length` this many bytes more (or fewer) than
+    /// the body it sends.
+    Misstate(i64),
     /// Waits until the gate opens, then passes it through.
     Hold(Gate),
     /// Answers this instead.
@@ -376,9 +382,18 @@ async fn serve(state: Arc<ProxyState>, mut socket: TcpStream) {
     let is_head = request.method == "HEAD";
     let mut data = upstream.bytes().await.expect("the registry's answer").to_vec();
     let length = if is_head { promised.unwrap_or(0) } else { data.len() as u64 };
-    let _ = write!(head, "Content-Length: {length}\r\nConnection: close\r\n\r\n");
+    match action {
+        Action::Overlong(_) => head.push_str("Connection: close\r\n\r\n"),
+        Action::Misstate(delta) => {
+            let _ = write!(head, "Content-Length: {}\r\nConnection: close\r\n\r\n", length.saturating_add_signed(delta));
+        }
+        _ => {
+            let _ = write!(head, "Content-Length: {length}\r\nConnection: close\r\n\r\n");
+        }
+    }
     match action {
         Action::Cut(n) => data.truncate(usize::try_from(n).unwrap_or(usize::MAX)),
+        Action::Overlong(n) => data.resize(data.len() + n, b'x'),
         Action::Corrupt(at) => {
             if let Some(byte) = data.get_mut(at) {
                 *byte ^= 0xff;
