@@ -598,7 +598,9 @@ async fn server_errors_and_bad_answers_are_named() {
         assert!(matches!(error, RegistryError::BadRange { .. }), "{delta}: {error:?}");
         let claimed = PART.saturating_add_signed(delta);
         assert!(
-            error.to_string().ends_with(&format!("asked for {PART} bytes (0-{}), got Content-Length {claimed}", PART - 1)),
+            error
+                .to_string()
+                .ends_with(&format!("asked for {PART} bytes (0-{}), got Content-Length {claimed}", PART - 1)),
             "{delta}: {error}"
         );
     }
@@ -611,7 +613,10 @@ async fn server_errors_and_bad_answers_are_named() {
     // blob's bytes the published ones.
     proxy.rule(|_| Action::Pass);
     within("pull", client.pull(&store, &name, |_| {})).await.expect("a good pull after the bad answers");
-    assert_eq!(Digest::of_reader(fs::File::open(store.blob_path(&model.digest)).expect("blob")).expect("hash").0, model.digest);
+    assert_eq!(
+        Digest::of_reader(fs::File::open(store.blob_path(&model.digest)).expect("blob")).expect("hash").0,
+        model.digest
+    );
     assert!(store.manifest_path(&name).exists());
 }
 

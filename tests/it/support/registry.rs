@@ -382,15 +382,12 @@ async fn serve(state: Arc<ProxyState>, mut socket: TcpStream) {
     let is_head = request.method == "HEAD";
     let mut data = upstream.bytes().await.expect("the registry's answer").to_vec();
     let length = if is_head { promised.unwrap_or(0) } else { data.len() as u64 };
-    match action {
-        Action::Overlong(_) => head.push_str("Connection: close\r\n\r\n"),
-        Action::Misstate(delta) => {
-            let _ = write!(head, "Content-Length: {}\r\nConnection: close\r\n\r\n", length.saturating_add_signed(delta));
-        }
-        _ => {
-            let _ = write!(head, "Content-Length: {length}\r\nConnection: close\r\n\r\n");
-        }
-    }
+    let promise = match action {
+        Action::Overlong(_) => String::new(),
+        Action::Misstate(delta) => format!("Content-Length: {}\r\n", length.saturating_add_signed(delta)),
+        _ => format!("Content-Length: {length}\r\n"),
+    };
+    let _ = write!(head, "{promise}Connection: close\r\n\r\n");
     match action {
         Action::Cut(n) => data.truncate(usize::try_from(n).unwrap_or(usize::MAX)),
         Action::Overlong(n) => data.resize(data.len() + n, b'x'),
