@@ -9,9 +9,9 @@
 //! - **idle memory**: `VmRSS` at `READY=1` over the starts, the binary as the page cache
 //!   holds it and, over as many more starts, read from disk each time (its pages dropped
 //!   from the cache first, as after a boot); then `VmRSS` (and its anonymous part) at
-//!   `READY=1`, one second later, after
-//!   a model was loaded and unloaded (`keep_alive: 0`, then `/api/ps` empty), and after
-//!   `CORRAL_BENCH_CYCLES` (default 10) more loads and unloads.
+//!   `READY=1`, one second later, after a model was loaded and unloaded (`keep_alive: 0`,
+//!   then `/api/ps` empty), and after `CORRAL_BENCH_CYCLES` (default 10) more loads and
+//!   unloads.
 //!
 //! - where the memory is: resident and anonymous KiB by mapping (`/proc/PID/smaps`) at
 //!   `READY=1` and after the first load and unload.
