@@ -27,43 +27,41 @@ pub fn init(target: LogTarget, stderr_is_journal: bool) -> LogTarget {
         LogTarget::Journal => true,
         LogTarget::Stderr => false,
     };
-    if want_journal {
-        match tracing_journald::layer() {
-            Ok(layer) => {
-                let layer = layer.with_field_prefix(None).with_syslog_identifier(SYSLOG_IDENTIFIER.to_owned());
-                tracing_subscriber::registry().with(filter).with(layer).init();
-                warn_refused(refused);
-                return LogTarget::Journal;
-            }
-            Err(e) => {
-                init_stderr(filter);
-                warn_refused(refused);
-                tracing::warn!(error = %e, "the journal is not reachable; logging to stderr");
-                return LogTarget::Stderr;
-            }
+    // Warnings wait until a subscriber exists to take them.
+    let (used, unreachable) = match want_journal.then(tracing_journald::layer) {
+        Some(Ok(layer)) => {
+            let layer = layer.with_field_prefix(None).with_syslog_identifier(SYSLOG_IDENTIFIER.to_owned());
+            tracing_subscriber::registry().with(filter).with(layer).init();
+            (LogTarget::Journal, None)
         }
+        Some(Err(e)) => {
+            init_stderr(filter);
+            (LogTarget::Stderr, Some(e))
+        }
+        None => {
+            init_stderr(filter);
+            (LogTarget::Stderr, None)
+        }
+    };
+    if let Some(e) = unreachable {
+        tracing::warn!(error = %e, "the journal is not reachable; logging to stderr");
     }
-    init_stderr(filter);
-    warn_refused(refused);
-    LogTarget::Stderr
+    if let Some(why) = refused {
+        tracing::warn!("{why}");
+    }
+    used
 }
 
 /// The filter `RUST_LOG`'s value asks for, else `info`; with why the value was refused.
 fn log_filter(value: Option<&str>) -> (Targets, Option<String>) {
     let default = || Targets::new().with_default(LevelFilter::INFO);
-    match value.map(|v| (v, v.parse::<Targets>())) {
-        None => (default(), None),
-        Some((_, Ok(filter))) => (filter, None),
-        Some((value, Err(e))) => (
+    let Some(value) = value else { return (default(), None) };
+    match value.parse::<Targets>() {
+        Ok(filter) => (filter, None),
+        Err(e) => (
             default(),
             Some(format!("RUST_LOG={value:?} is not a level and target=level pairs ({e}); logging at info")),
         ),
-    }
-}
-
-fn warn_refused(refused: Option<String>) {
-    if let Some(why) = refused {
-        tracing::warn!("{why}");
     }
 }
 
