@@ -4,6 +4,7 @@
 //! with hundreds of stalled bodies.
 
 use std::collections::BTreeSet;
+use std::fmt::Write as _;
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -13,6 +14,7 @@ use std::time::{Duration, Instant};
 use axum::body::{Body, Bytes};
 use axum::http::{Request, StatusCode};
 use corral::config::ServerConfig;
+use corral::http::listeners::MAX_HEAD;
 use corral::http::{AppState, LocalNames, Safety, router};
 use corral::scheduler::actor::Scheduler;
 use corral::scheduler::footprints::Footprints;
@@ -345,6 +347,47 @@ fn half_sent_headers_and_silent_connections_are_closed_within_the_header_timeout
     assert!(reply[..n].starts_with(b"HTTP/1.1 200 OK"), "{}", String::from_utf8_lossy(&reply[..n]));
     // Kept alive, it is closed once it sends no next request within the timeout.
     closed_within(&mut client, bound).expect("an idle kept-alive connection is closed");
+}
+
+/// Sends `bytes` on a new connection (as much as the server takes) and reads until it
+/// closes: what it answered. A server that closes with part of a request unread resets the
+/// connection, which ends the read but keeps what had arrived before.
+fn send_and_read_answer(port: u16, bytes: &[u8]) -> String {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    stream.set_read_timeout(Some(WAIT)).expect("timeout");
+    let _ = stream.write_all(bytes);
+    let mut answer = Vec::new();
+    let mut buffer = [0u8; 8192];
+    while let Ok(n @ 1..) = stream.read(&mut buffer) {
+        answer.extend_from_slice(&buffer[..n]);
+    }
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[test]
+fn request_heads_over_their_bounds_are_answered_431_and_the_daemon_serves_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let notify = NotifyListener::start();
+    let (_corrald, port) = corrald(dir.path(), "", &notify);
+    let start = format!("GET /api/version HTTP/1.1\r\nHost: localhost:{port}\r\nConnection: close\r\n");
+    let filler = |len: usize| format!("{start}X-Filler: {}\r\n\r\n", "a".repeat(len));
+    let many = (0..100).fold(String::new(), |mut all, i| {
+        let _ = write!(all, "X-Header-{i}: v\r\n");
+        all
+    });
+    for (what, head) in [
+        ("a head one filler larger than MAX_HEAD", filler(MAX_HEAD)),
+        ("a head that never ends, twice MAX_HEAD long", format!("{start}X-Filler: {}", "a".repeat(2 * MAX_HEAD))),
+        ("103 headers (hyper's bound is 100)", format!("{start}{many}\r\n")),
+    ] {
+        let answer = send_and_read_answer(port, head.as_bytes());
+        assert!(answer.starts_with("HTTP/1.1 431 "), "{what}: {}", &answer[..answer.len().min(300)]);
+    }
+    // A head just within the bound is served, and so is the next client.
+    for head in [filler(MAX_HEAD - 1024), format!("{start}\r\n")] {
+        let answer = send_and_read_answer(port, head.as_bytes());
+        assert!(answer.starts_with("HTTP/1.1 200 OK"), "{}", &answer[..answer.len().min(300)]);
+    }
 }
 
 #[test]
