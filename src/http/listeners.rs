@@ -119,7 +119,7 @@ impl Listener {
 
 /// The largest request head (request line and headers) a client may send; a larger one
 /// is answered 431 and its connection closed. Without it, hyper's read buffer bounds the
-/// head (about 400 KiB by default, [`MAX_READ`] here).
+/// head (about 400 KiB by default; 1 MiB with the reads set here).
 pub const MAX_HEAD: usize = 64 << 10;
 
 /// The most a connection reads from its socket at once (hyper's read buffer). An upload's

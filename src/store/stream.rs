@@ -170,8 +170,8 @@ pub const PIPELINE_BATCH: usize = 4 << 20;
 ///
 /// - The hash runs where the data arrived, right after it did: the chunk is still in that
 ///   core's cache, which makes SHA-256 (the most work of a transfer) about 30 % faster
-///   here than hashing it later on another thread. Chunks are at most a few hundred KiB
-///   (hyper's read buffer): a fraction of a millisecond each.
+///   here than hashing it later on another thread. Chunks are at most 1 MiB (the
+///   connection's read buffer, `MAX_READ` in `http::listeners`): under a millisecond each.
 /// - The chunk is then copied into one of the pipeline's own batch buffers, which the
 ///   writer hands back once written, and dropped at once, so the HTTP stack reads the next
 ///   chunk into the same memory. Keeping the chunks until written instead (as [`Batch`]es)
