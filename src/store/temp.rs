@@ -61,8 +61,19 @@ impl TempFile {
     /// page cache (and from then on: the tail of a file, or a device that wants larger
     /// alignments). Either way the final sync before the blob is named makes it durable.
     pub fn append(&mut self, data: &[u8]) -> io::Result<()> {
+        self.append_with(data, FileExt::write_all_at)
+    }
+
+    /// [`TempFile::append`], with the direct write done by `direct_write` (file, data,
+    /// offset): tests make it refuse as a device with blocks over [`ALIGN`] would, which
+    /// no device here can be made to do.
+    pub(super) fn append_with(
+        &mut self,
+        data: &[u8],
+        direct_write: impl FnOnce(&File, &[u8], u64) -> io::Result<()>,
+    ) -> io::Result<()> {
         if self.direct {
-            if self.append_direct(data)? {
+            if self.append_direct(data, direct_write)? {
                 return Ok(());
             }
             self.set_direct(false)?;
@@ -75,12 +86,16 @@ impl TempFile {
     /// Appends `data` with direct I/O if it is aligned for it: `false` if it is not, or if
     /// the kernel refused it for its alignment (nothing then counts as written: the write
     /// is positional, so writing it again at the same offset writes it all).
-    fn append_direct(&mut self, data: &[u8]) -> io::Result<bool> {
+    fn append_direct(
+        &mut self,
+        data: &[u8],
+        direct_write: impl FnOnce(&File, &[u8], u64) -> io::Result<()>,
+    ) -> io::Result<bool> {
         let aligned = |n: u64| n % ALIGN as u64 == 0;
         if !(aligned(data.as_ptr().addr() as u64) && aligned(data.len() as u64) && aligned(self.written)) {
             return Ok(false);
         }
-        match self.file.write_all_at(data, self.written) {
+        match direct_write(&self.file, data, self.written) {
             Ok(()) => {
                 self.written += data.len() as u64;
                 Ok(true)

@@ -551,6 +551,41 @@ fn a_direct_blob_file_takes_aligned_batches_directly_and_the_tail_through_the_ca
     assert_eq!(fs::read(store.blob_path(&digest)).expect("read the blob"), expected);
 }
 
+/// A direct write the kernel refuses for its alignment (`EINVAL`, as on a device with
+/// blocks over 4 KiB) turns direct I/O off and writes the same bytes through the page
+/// cache, also after part of them went: what is committed is what was appended. Any other
+/// error of the direct write fails the append.
+#[test]
+fn a_direct_write_refused_for_its_alignment_is_written_through_the_cache() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    let mut temp = store.temp_blob_file().expect("temp");
+    assert!(temp.direct(), "the test's file system (that of the temporary directory) has direct I/O");
+    let (first, first_at) = aligned_data(2 * super::stream::ALIGN, 1);
+    let (second, second_at) = aligned_data(super::stream::ALIGN, 2);
+    temp.append_with(&first[first_at.clone()], |file, data, at| {
+        // Half of it lands before the refusal.
+        std::os::unix::fs::FileExt::write_all_at(file, &data[..super::stream::ALIGN], at)?;
+        Err(std::io::Error::from_raw_os_error(libc::EINVAL))
+    })
+    .expect("refused directly, written through the cache");
+    assert!(!is_direct(temp.as_file()), "direct I/O is off after the refusal");
+    temp.append(&second[second_at.clone()]).expect("the next append");
+    let mut expected = first[first_at].to_vec();
+    expected.extend_from_slice(&second[second_at]);
+    let digest = Digest::of(&expected);
+    store.commit_blob(temp, &digest).expect("commit");
+    assert_eq!(fs::read(store.blob_path(&digest)).expect("read the blob"), expected);
+
+    let mut temp = store.temp_blob_file().expect("temp");
+    assert!(temp.direct());
+    let (data, at) = aligned_data(super::stream::ALIGN, 3);
+    let error = temp
+        .append_with(&data[at], |_, _, _| Err(std::io::Error::from_raw_os_error(libc::ENOSPC)))
+        .expect_err("a full disk fails the append");
+    assert_eq!(error.raw_os_error(), Some(libc::ENOSPC));
+}
+
 /// Data that is not aligned for direct I/O (where it sits in memory, or its length) turns
 /// direct I/O off for the rest of the file, and is written all the same.
 #[test]
