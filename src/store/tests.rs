@@ -526,14 +526,20 @@ fn aligned_data(len: usize, seed: usize) -> (Vec<u8>, std::ops::Range<usize>) {
     (buffer, start..start + len)
 }
 
+/// A new blob file in `store`, open for direct I/O.
+fn direct_blob_file(store: &Store) -> super::TempFile {
+    let mut temp = store.temp_blob_file().expect("temp");
+    assert!(temp.direct(), "the test's file system (that of the temporary directory) has direct I/O");
+    temp
+}
+
 /// A blob file open for direct I/O takes aligned batches that way, and its tail (not a
 /// whole block) through the page cache; what is committed is exactly what was appended.
 #[test]
 fn a_direct_blob_file_takes_aligned_batches_directly_and_the_tail_through_the_cache() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(dir.path()).expect("open");
-    let mut temp = store.temp_blob_file().expect("temp");
-    assert!(temp.direct(), "the test's file system (that of the temporary directory) has direct I/O");
+    let mut temp = direct_blob_file(&store);
     let (first, first_at) = aligned_data(super::stream::BATCH, 0);
     let (second, second_at) = aligned_data(3 * super::stream::ALIGN, 7);
     let (tail, tail_at) = aligned_data(1000, 9);
@@ -559,8 +565,7 @@ fn a_direct_blob_file_takes_aligned_batches_directly_and_the_tail_through_the_ca
 fn a_direct_write_refused_for_its_alignment_is_written_through_the_cache() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(dir.path()).expect("open");
-    let mut temp = store.temp_blob_file().expect("temp");
-    assert!(temp.direct(), "the test's file system (that of the temporary directory) has direct I/O");
+    let mut temp = direct_blob_file(&store);
     let (first, first_at) = aligned_data(2 * super::stream::ALIGN, 1);
     let (second, second_at) = aligned_data(super::stream::ALIGN, 2);
     temp.append_with(&first[first_at.clone()], |file, data, at| {
@@ -577,8 +582,7 @@ fn a_direct_write_refused_for_its_alignment_is_written_through_the_cache() {
     store.commit_blob(temp, &digest).expect("commit");
     assert_eq!(fs::read(store.blob_path(&digest)).expect("read the blob"), expected);
 
-    let mut temp = store.temp_blob_file().expect("temp");
-    assert!(temp.direct());
+    let mut temp = direct_blob_file(&store);
     let (data, at) = aligned_data(super::stream::ALIGN, 3);
     let error = temp
         .append_with(&data[at], |_, _, _| Err(std::io::Error::from_raw_os_error(libc::ENOSPC)))
@@ -595,8 +599,7 @@ fn unaligned_data_in_a_direct_blob_file_is_written_through_the_cache() {
     let (buffer, at) = aligned_data(2 * super::stream::ALIGN + 1, 3);
     // Misplaced in memory (one byte past a block's start), or not whole blocks long.
     for (from, split) in [(at.start + 1, at.start + 1), (at.start, at.start + 4095)] {
-        let mut temp = store.temp_blob_file().expect("temp");
-        assert!(temp.direct());
+        let mut temp = direct_blob_file(&store);
         let mut expected = Vec::new();
         for piece in [from..split, split..at.end] {
             temp.append(&buffer[piece.clone()]).expect("append");
