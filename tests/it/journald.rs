@@ -33,7 +33,9 @@ fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
 fn wait_serving(sandbox: &mut JournalSandbox, addr: SocketAddr) -> String {
     poll_until(SETTLE, &format!("corrald to answer on {addr}"), || {
         if let Some(status) = sandbox.try_status() {
-            return Ok(Err(format!("corrald exited early ({status}): {}", sandbox.script_errors())));
+            // Logging to the journal, corrald says why it exited there, not on stderr.
+            let why = summary(&sandbox.entries());
+            return Ok(Err(format!("corrald exited early ({status}): {}; journal: {why}", sandbox.script_errors())));
         }
         match http_get(addr, "/api/version") {
             Ok((200, body)) => Ok(Ok(body)),

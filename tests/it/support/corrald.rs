@@ -15,9 +15,25 @@ pub const CORRALD: &str = env!("CARGO_BIN_EXE_corrald");
 /// `RUST_LOG` that shows each idle check (see [`Corrald::idle_checks`]).
 pub const IDLE_CHECKS: &str = "info,corral::daemon=debug";
 
-/// A loopback port that was free a moment ago.
+/// A loopback port that was free a moment ago, for a daemon the test starts to bind.
+///
+/// It is drawn from below the kernel's ephemeral range: a port that `bind(0)` hands
+/// out is one the kernel may give the next moment to any test's outgoing
+/// connection, and a daemon that then finds it taken exits (`EADDRINUSE`), which
+/// once failed CI. Below that range only listeners that name their port compete.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    use std::hash::{BuildHasher, Hasher};
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let low: u16 = range.split_whitespace().next().and_then(|p| p.parse().ok()).unwrap_or(32768);
+    let (first, count) = (low / 2, low - low / 2);
+    // A random start, so that tests running at once begin at different ports.
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    let start = hasher.finish();
+    (0..u64::from(count))
+        .map(|i| first + u16::try_from((start + i) % u64::from(count)).expect("under the range's size"))
+        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+        .expect("a free loopback port below the ephemeral range")
 }
 
 /// Writes `text` as a config file in `dir` and returns its path.

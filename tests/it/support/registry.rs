@@ -49,7 +49,7 @@ impl DockerRegistry {
 
     fn try_start() -> Result<Self, String> {
         let dir = tempfile::tempdir().expect("tempdir");
-        let addr = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port");
+        let addr = SocketAddr::from(([127, 0, 0, 1], crate::support::corrald::free_port()));
         let config = dir.path().join("config.yml");
         let storage = dir.path().join("storage");
         fs::write(
