@@ -19,8 +19,9 @@ pub const IDLE_CHECKS: &str = "info,corral::daemon=debug";
 ///
 /// It is drawn from below the kernel's ephemeral range: a port that `bind(0)` hands
 /// out is one the kernel may give the next moment to any test's outgoing
-/// connection, and a daemon that then finds it taken exits (`EADDRINUSE`), which
-/// once failed CI. Below that range only listeners that name their port compete.
+/// connection, and a daemon that then finds it taken exits (`EADDRINUSE`): the likely
+/// cause of a CI run in which a corrald exited at start. Below that range only
+/// listeners that name their port compete.
 pub fn free_port() -> u16 {
     use std::hash::{BuildHasher, Hasher};
     let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
@@ -29,7 +30,7 @@ pub fn free_port() -> u16 {
     // A random start, so that tests running at once begin at different ports.
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u32(std::process::id());
-    let start = hasher.finish();
+    let start = hasher.finish() % u64::from(count);
     (0..u64::from(count))
         .map(|i| first + u16::try_from((start + i) % u64::from(count)).expect("under the range's size"))
         .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
