@@ -82,11 +82,30 @@ fn main() -> ExitCode {
     match runtime.block_on(daemon::run(daemon)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(corral_event = "stop", error = format!("{e:#}"), "corrald failed: {e:#}");
-            notifier.status(&format!("failed: {e:#}"));
+            let why = describe(&e);
+            tracing::error!(corral_event = "stop", error = why, "corrald failed: {why}");
+            notifier.status(&format!("failed: {why}"));
             ExitCode::FAILURE
         }
     }
+}
+
+/// An error and its causes, each once: the core's errors often name their cause in their
+/// own message too (`cannot listen on ADDR: Address already in use`), and `{:#}` would
+/// then repeat it.
+fn describe(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let cause = cause.to_string();
+        if text.ends_with(&cause) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&cause);
+    }
+    text
 }
 
 /// Tokio's workers: one per CPU (Tokio's default), at most [`MAX_WORKERS`]. corrald moves
@@ -125,5 +144,27 @@ fn check_config(source: &ConfigSource, base: toml::Table) -> ExitCode {
             let _ = writeln!(std::io::stderr(), "corrald: invalid configuration: {e}");
             ExitCode::from(EX_CONFIG)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::describe;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot listen on 127.0.0.1:1: {source}")]
+    struct Bind {
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn each_cause_is_named_once() {
+        let in_use = || std::io::Error::from(std::io::ErrorKind::AddrInUse);
+        // The error names its source in its own message: the source is not repeated.
+        let e = anyhow::Error::new(Bind { source: in_use() }).context("serving");
+        assert_eq!(describe(&e), format!("serving: cannot listen on 127.0.0.1:1: {}", in_use()));
+        // A context that does not name its cause is followed by it.
+        let e = anyhow::Error::new(in_use()).context("cannot open the store");
+        assert_eq!(describe(&e), format!("cannot open the store: {}", in_use()));
     }
 }

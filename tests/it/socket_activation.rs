@@ -154,6 +154,9 @@ fn an_address_in_use_is_a_clear_error_and_nothing_stays_behind() {
     assert!(notify.messages().iter().all(|m| !m.contains_key("READY")), "never reported ready");
     let last = notify.messages().last().cloned().unwrap_or_default();
     assert!(last.get("STATUS").is_some_and(|s| s.contains("cannot listen")), "{last:?}");
+    // The cause is named once, not again as the error's source.
+    let status = last.get("STATUS").cloned().unwrap_or_default();
+    assert_eq!(status.matches("Address already in use").count(), 1, "{status}");
 }
 
 #[test]
