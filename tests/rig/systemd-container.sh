@@ -107,6 +107,12 @@ stage2() {
   mkdir -p "$layer/upper" "$layer/work"
   mount -t overlay ct-root -o "lowerdir=/,upperdir=$layer/upper,workdir=$layer/work" "$root"
 
+  # Corral's own files on this host are not the container's: a corrald run here as root
+  # (scripts/run.sh) keeps its store in /var/lib/corral, and the tests install and start
+  # corral as on a machine that never had it. Removed from the merged view only: overlayfs
+  # records whiteouts in the tmpfs layer, and the host's files stay as they are.
+  rm -rf "$root/var/lib/corral" "$root/var/cache/corral" "$root/var/cache/corral-rpc" "$root/etc/corral"
+
   # Local configuration, written to the tmpfs layer only.
   rm -f "$root/etc/machine-id"
   systemd-id128 new >"$root/etc/machine-id"
