@@ -9,9 +9,9 @@
 //!
 //! - exec → `READY=1` (median of `CORRAL_BENCH_STARTS`, default 7, starts), with D-Bus and
 //!   with `[dbus] bus = "off"`; the floor is the empty store;
-//! - `GET /api/tags` (the first after start, then the median of `CORRAL_BENCH_ROUNDS`,
-//!   default 30), `GET /api/ps` (one model loaded), `POST /api/show` of one model; floor:
-//!   `GET /api/version`;
+//! - `GET /api/tags` (the first after start, the median of `CORRAL_BENCH_ROUNDS`, default
+//!   30, then of `CORRAL_BENCH_PAUSED`, default 5, each after 1.2 s of quiet), `GET /api/ps`
+//!   (one model loaded), `POST /api/show` of one model; floor: `GET /api/version`;
 //! - D-Bus `Manager.ListModels`, `ObjectManager.GetManagedObjects` (every model object with
 //!   all its properties: the object tree) and `Introspect` of the models' node (the child
 //!   list a tree walker reads first); floor: `Peer.Ping` to corrald, and for the object
@@ -108,6 +108,7 @@ fn main() {
         .collect();
     let rounds: usize = env_or("CORRAL_BENCH_ROUNDS", 30);
     let starts: usize = env_or("CORRAL_BENCH_STARTS", 7);
+    let paused: usize = env_or("CORRAL_BENCH_PAUSED", 5);
     let llama_server = common::llama_bin_dir().join("llama-server");
     let dir = tempfile::tempdir().expect("tempdir");
     let root = dir.path().join("models");
@@ -147,12 +148,12 @@ fn main() {
     println!("times in ms: median (p99); floors: empty store for start, /api/version for HTTP, Peer.Ping for D-Bus");
     println!();
     println!(
-        "| models | start, D-Bus | start, no bus | first /api/tags | /api/tags | /api/ps | /api/show | \
+        "| models | start, D-Bus | start, no bus | first /api/tags | /api/tags | /api/tags after 1.2 s | /api/ps | /api/show | \
          ListModels | GetManagedObjects (first) | GetManagedObjects | its bytes | CPU per reply: corrald, bus daemon | \
          floor: as many bytes | Introspect models | floor HTTP | floor D-Bus |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
-    println!("| 0 | {} | {} | | | | | | | | | | | | | |", cell(&empty_bus), cell(&empty_off));
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| 0 | {} | {} | | | | | | | | | | | | | | |", cell(&empty_bus), cell(&empty_off));
     let mut have = 1;
     let mut growth = Vec::new();
     for &size in &sizes {
@@ -173,6 +174,15 @@ fn main() {
             let floor_http = time!(rounds, assert!(http.get("/api/version").await));
             // The body is read, not decoded: the benchmark's own JSON parsing is not corrald's cost.
             let tags = time!(rounds, assert!(http.get("/api/tags").await));
+            // After a pause longer than the second within which a store that is not watched
+            // trusts its listing without looking at its tree.
+            let mut paused_tags = Vec::with_capacity(paused);
+            for _ in 0..paused {
+                tokio::time::sleep(Duration::from_millis(1200)).await;
+                let start = Instant::now();
+                assert!(http.get("/api/tags").await);
+                paused_tags.push(ms(start.elapsed()));
+            }
             // One model loaded, for /api/ps.
             let load =
                 Bytes::from_static(br#"{"model":"m0000","prompt":"hi","stream":false,"options":{"num_predict":1}}"#);
@@ -252,11 +262,12 @@ fn main() {
             assert_eq!(xml.matches("<node name=").count(), size, "a node per model");
             let introspect = time!(rounds, drop(introspect_once().await));
             let tree = (tree, tree_bytes, floor_tree, tree_cpu);
-            (first_tags, tags, ps, show, list, first_tree, tree, introspect, floor_http, floor_bus)
+            (first_tags, tags, paused_tags, ps, show, list, first_tree, tree, introspect, floor_http, floor_bus)
         });
         let (
             first_tags,
             tags,
+            paused_tags,
             ps,
             show,
             list,
@@ -267,11 +278,12 @@ fn main() {
             floor_bus,
         ) = row;
         println!(
-            "| {size} | {} | {} | {first_tags:.3} | {} | {} | {} | {} | {first_tree:.3} | {} | {tree_bytes} | \
+            "| {size} | {} | {} | {first_tags:.3} | {} | {} | {} | {} | {} | {first_tree:.3} | {} | {tree_bytes} | \
              {tree_corrald_cpu:.1}, {tree_bus_cpu:.1} | {} | {} | {} | {} |",
             cell(&start_bus),
             cell(&start_off),
             cell(&tags),
+            cell(&paused_tags),
             cell(&ps),
             cell(&show),
             cell(&list),

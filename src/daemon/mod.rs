@@ -44,7 +44,7 @@ use idle::{IdleClock, Requests, count_requests, idle_exit_due};
 use llama_server::check_llama_server;
 use start::{
     app_state, limits, listen, log_start, open_store, preload, raise_open_files_limit, serve_dbus, start_gc,
-    start_scheduler, sweep_nested_temporaries, take_cgroup_tree,
+    start_scheduler, sweep_nested_temporaries, take_cgroup_tree, watch_store,
 };
 use supervise::{Vital, follower, tick, watchdog_ping};
 
@@ -115,6 +115,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     notifier.ready(&status);
     tracing::info!(corral_event = "ready", listeners = ?names, socket_activated, "corrald ready: {status}");
     sweep_nested_temporaries(&loaded.config, &store);
+    watch_store(&store);
 
     let mut watchdog_tick = watchdog.map(|interval| tokio::time::interval(interval / 2));
     let mut vital = Vital { scheduler: scheduler_task };

@@ -76,6 +76,25 @@ pub(super) fn sweep_nested_temporaries(config: &Config, store: &Store) {
     }
 }
 
+/// Has inotify report other programs' changes to the manifests (so that listings walk
+/// the tree only after a change) and, off the async threads and after `READY=1`, builds
+/// the listing's index, so that the first listing does not walk the tree either.
+pub(super) fn watch_store(store: &Store) {
+    match store.watch_manifests().and_then(|()| crate::store::follow_outside_changes(store)) {
+        Ok(()) => tracing::debug!("watching the manifests for other programs' changes"),
+        Err(e) => tracing::info!(
+            error = %e,
+            "not watching the manifests ({e}); other programs' changes show in listings within a second"
+        ),
+    }
+    let store = store.clone();
+    tokio::task::spawn_blocking(move || {
+        if let Err(e) = store.list_shared() {
+            tracing::warn!(error = %e, "cannot list the models: {e}");
+        }
+    });
+}
+
 /// Raises the soft limit on open files to the hard one: every connection, upload and
 /// runner socket is a file, and the soft limit is often 1024 (systemd's default, kept
 /// low for programs that still use `select`; corrald uses epoll).

@@ -131,6 +131,12 @@ pub(crate) struct Dir {
     rel: String,
 }
 
+impl std::os::fd::AsFd for Dir {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
 /// Checks that `name` is one component, so that no call below can walk anywhere else.
 fn component(name: &str) -> io::Result<&str> {
     if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0') {

@@ -55,6 +55,15 @@ pub(super) struct Index {
     entries: HashMap<ModelName, (FileId, Arc<Listed>)>,
     /// Manifests read (parsed, hashed, config read) so far: what tests check.
     reads: u64,
+    /// Walks of the tree so far: what tests check.
+    walks: u64,
+}
+
+impl Index {
+    /// Makes the next listing walk the tree (the entries stay, to spare the reads).
+    pub(super) fn forget(&mut self) {
+        self.built = None;
+    }
 }
 
 impl Store {
@@ -68,11 +77,15 @@ impl Store {
 
     /// [`Store::list`] without copying the entries: what the listings of a large store use.
     pub fn list_shared(&self) -> Result<Vec<Arc<Listed>>, StoreError> {
+        // What other programs changed counts as a change (when inotify reports it).
+        self.notice_outside_changes();
         let mut index = lock(&self.index);
         // The count is read before the walk: a change that lands during it makes the next
         // listing walk again.
         let count = *self.changes.borrow();
-        let current = index.built.is_some_and(|(at, when)| at == count && when.elapsed() < REVALIDATE_AFTER);
+        let watched = self.watching();
+        let current =
+            index.built.is_some_and(|(at, when)| at == count && (watched || when.elapsed() < REVALIDATE_AFTER));
         if !current {
             self.refresh(&mut index)?;
             index.built = Some((count, Instant::now()));
@@ -90,8 +103,15 @@ impl Store {
         lock(&self.index).reads
     }
 
+    /// How many times listings have walked the tree since the store was opened.
+    #[must_use]
+    pub fn tree_walks(&self) -> u64 {
+        lock(&self.index).walks
+    }
+
     /// Walks the tree: keeps the entries whose manifest file is unchanged, reads the others.
     fn refresh(&self, index: &mut Index) -> Result<(), StoreError> {
+        index.walks += 1;
         let mut seen: HashMap<ModelName, (FileId, Arc<Listed>)> = HashMap::with_capacity(index.entries.len());
         let mut reads = 0;
         self.walk_manifests(&mut |dir, parts, tag| {
@@ -149,8 +169,10 @@ impl Store {
     /// skipped, links are skipped with a warning, and a directory that vanishes on the
     /// way (a concurrent delete) is skipped; one that cannot be read is skipped with a
     /// warning. Only `manifests/` itself must be readable.
+    /// Each directory is watched (where the store watches) before its entries are read.
     fn walk_manifests(&self, visit: &mut dyn FnMut(&Dir, [&str; 3], &str)) -> Result<(), StoreError> {
-        fn subdirs(dir: &Dir) -> Vec<(String, Dir)> {
+        fn subdirs(store: &Store, dir: &Dir) -> Vec<(String, Dir)> {
+            store.watch_dir(dir);
             let entries = match dir.entries() {
                 Ok(entries) => entries,
                 Err(e) => {
@@ -183,9 +205,10 @@ impl Store {
         }
         let manifests = self.manifests()?;
         manifests.entries().map_err(fs_err("read", "manifests".to_owned()))?;
-        for (registry, registry_dir) in subdirs(&manifests) {
-            for (namespace, namespace_dir) in subdirs(&registry_dir) {
-                for (model, model_dir) in subdirs(&namespace_dir) {
+        for (registry, registry_dir) in subdirs(self, &manifests) {
+            for (namespace, namespace_dir) in subdirs(self, &registry_dir) {
+                for (model, model_dir) in subdirs(self, &namespace_dir) {
+                    self.watch_dir(&model_dir);
                     let entries = match model_dir.entries() {
                         Ok(entries) => entries,
                         Err(e) if vanished(&e) => continue,
@@ -211,6 +234,17 @@ impl Store {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+impl Store {
+    /// Makes the index look `by` older than it is.
+    pub(super) fn age_index(&self, by: std::time::Duration) {
+        let mut index = lock(&self.index);
+        if let Some((at, when)) = index.built {
+            index.built = Some((at, when.checked_sub(by).unwrap_or(when)));
+        }
     }
 }
 

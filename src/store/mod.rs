@@ -41,6 +41,7 @@ pub mod registry;
 pub mod show;
 pub mod stream;
 mod temp;
+mod watch;
 
 use std::collections::{HashMap, HashSet};
 use std::fs;
@@ -58,6 +59,7 @@ pub use self::list::Listed;
 use self::name::ModelName;
 pub use self::temp::TempFile;
 use self::temp::{MAX_TEMP_DEPTH, TEMP_PREFIX, remove_temporaries};
+pub use self::watch::follow_outside_changes;
 
 /// The model store. Cheap to clone; clones share the set of pinned blobs.
 #[derive(Debug, Clone)]
@@ -77,6 +79,8 @@ pub struct Store {
     details: Arc<Mutex<HashMap<ModelName, show::Cached>>>,
     /// The listing kept between calls (`list.rs`).
     index: Arc<Mutex<list::Index>>,
+    /// inotify on the manifest directories, once asked for and where it works (`watch.rs`).
+    watch: Arc<Mutex<Option<watch::Watch>>>,
 }
 
 /// Keeps blobs from being removed while an operation that will refer to them runs.
@@ -173,6 +177,7 @@ impl Store {
             changes: Arc::new(tokio::sync::watch::Sender::new(0)),
             details: Arc::default(),
             index: Arc::default(),
+            watch: Arc::default(),
         })
     }
 

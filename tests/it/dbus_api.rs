@@ -380,3 +380,44 @@ async fn the_object_tree_shows_every_object_with_what_get_all_gives() {
     let job_props = &tree[&job]["org.corral.Corral1.Job"];
     assert_eq!(String::try_from(job_props["State"].try_clone().expect("clone")).expect("s"), "succeeded");
 }
+
+/// Another program (Ollama on the same directory) adds and removes a model with plain
+/// file operations: the model's object comes and goes without any listing asked for
+/// (inotify reports the change), and `/api/tags` shows it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_another_program_writes_or_removes_comes_and_goes_on_the_bus() {
+    let daemon = BusDaemon::start("");
+    let connection = daemon.connect().await;
+    let objects = zbus::fdo::ObjectManagerProxy::builder(&connection)
+        .destination("org.corral.Corral1")
+        .and_then(|b| b.path("/org/corral/Corral1"))
+        .expect("proxy")
+        .build()
+        .await
+        .expect("proxy");
+    let path = ObjectPath::try_from("/org/corral/Corral1/models/outside_3alatest").expect("path");
+    let shown = |want: bool| {
+        let (objects, path) = (&objects, &path);
+        crate::support::container::poll_until_async(WAIT, "the object tree to follow the store", move || async move {
+            let tree = objects.get_managed_objects().await.map_err(|e| e.to_string())?;
+            let keys: Vec<String> = tree.keys().map(ToString::to_string).collect();
+            if keys.iter().any(|k| k == path.as_str()) == want { Ok(keys) } else { Err(format!("{keys:?}")) }
+        })
+    };
+    let library = daemon.path().join("models/manifests/registry.ollama.ai/library");
+    let before = shown(false).await;
+    assert!(before.iter().any(|k| k.ends_with("/chat_3alatest")), "{before:?}");
+
+    std::fs::create_dir(library.join("outside")).expect("mkdir");
+    std::fs::copy(library.join("chat/latest"), library.join("outside/latest")).expect("copy the manifest");
+    shown(true).await;
+    let outside = model(&connection, &path).await;
+    assert_eq!(outside.short_name().await.expect("ShortName"), "outside:latest");
+    let tags = crate::support::http::tcp(([127, 0, 0, 1], daemon.port).into(), "GET", "/api/tags");
+    assert!(tags.body.contains("\"outside:latest\""), "{}", tags.body);
+
+    std::fs::remove_dir_all(library.join("outside")).expect("rm");
+    shown(false).await;
+    let tags = crate::support::http::tcp(([127, 0, 0, 1], daemon.port).into(), "GET", "/api/tags");
+    assert!(!tags.body.contains("\"outside:latest\""), "{}", tags.body);
+}
