@@ -10,7 +10,8 @@
 //! - exec → `READY=1` (median of `CORRAL_BENCH_STARTS`, default 7, starts), with D-Bus and
 //!   with `[dbus] bus = "off"`; the floor is the empty store;
 //! - `GET /api/tags` (the first after start, the median of `CORRAL_BENCH_ROUNDS`, default
-//!   30, then of `CORRAL_BENCH_PAUSED`, default 5, each after 1.2 s of quiet), `GET /api/ps`
+//!   30, then of `CORRAL_BENCH_PAUSED`, default 5, each after 1.2 s of quiet, against
+//!   `GET /api/version` after as long), `GET /api/ps`
 //!   (one model loaded), `POST /api/show` of one model; floor: `GET /api/version`;
 //! - D-Bus `Manager.ListModels`, `ObjectManager.GetManagedObjects` (every model object with
 //!   all its properties: the object tree) and `Introspect` of the models' node (the child
@@ -148,12 +149,14 @@ fn main() {
     println!("times in ms: median (p99); floors: empty store for start, /api/version for HTTP, Peer.Ping for D-Bus");
     println!();
     println!(
-        "| models | start, D-Bus | start, no bus | first /api/tags | /api/tags | /api/tags after 1.2 s | /api/ps | /api/show | \
+        "| models | start, D-Bus | start, no bus | first /api/tags | /api/tags | /api/tags after 1.2 s | floor: /api/version after 1.2 s | /api/ps | /api/show | \
          ListModels | GetManagedObjects (first) | GetManagedObjects | its bytes | CPU per reply: corrald, bus daemon | \
          floor: as many bytes | Introspect models | floor HTTP | floor D-Bus |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
-    println!("| 0 | {} | {} | | | | | | | | | | | | | | |", cell(&empty_bus), cell(&empty_off));
+    println!(
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    );
+    println!("| 0 | {} | {} | | | | | | | | | | | | | | | |", cell(&empty_bus), cell(&empty_off));
     let mut have = 1;
     let mut growth = Vec::new();
     for &size in &sizes {
@@ -176,12 +179,15 @@ fn main() {
             let tags = time!(rounds, assert!(http.get("/api/tags").await));
             // After a pause longer than the second within which a store that is not watched
             // trusts its listing without looking at its tree.
-            let mut paused_tags = Vec::with_capacity(paused);
+            // Its floor: `/api/version` after the same quiet (waking a machine that idled).
+            let (mut paused_tags, mut paused_floor) = (Vec::with_capacity(paused), Vec::with_capacity(paused));
             for _ in 0..paused {
-                tokio::time::sleep(Duration::from_millis(1200)).await;
-                let start = Instant::now();
-                assert!(http.get("/api/tags").await);
-                paused_tags.push(ms(start.elapsed()));
+                for (path, samples) in [("/api/tags", &mut paused_tags), ("/api/version", &mut paused_floor)] {
+                    tokio::time::sleep(Duration::from_millis(1200)).await;
+                    let start = Instant::now();
+                    assert!(http.get(path).await);
+                    samples.push(ms(start.elapsed()));
+                }
             }
             // One model loaded, for /api/ps.
             let load =
@@ -262,12 +268,24 @@ fn main() {
             assert_eq!(xml.matches("<node name=").count(), size, "a node per model");
             let introspect = time!(rounds, drop(introspect_once().await));
             let tree = (tree, tree_bytes, floor_tree, tree_cpu);
-            (first_tags, tags, paused_tags, ps, show, list, first_tree, tree, introspect, floor_http, floor_bus)
+            (
+                first_tags,
+                tags,
+                (paused_tags, paused_floor),
+                ps,
+                show,
+                list,
+                first_tree,
+                tree,
+                introspect,
+                floor_http,
+                floor_bus,
+            )
         });
         let (
             first_tags,
             tags,
-            paused_tags,
+            (paused_tags, paused_floor),
             ps,
             show,
             list,
@@ -278,12 +296,13 @@ fn main() {
             floor_bus,
         ) = row;
         println!(
-            "| {size} | {} | {} | {first_tags:.3} | {} | {} | {} | {} | {} | {first_tree:.3} | {} | {tree_bytes} | \
+            "| {size} | {} | {} | {first_tags:.3} | {} | {} | {} | {} | {} | {} | {first_tree:.3} | {} | {tree_bytes} | \
              {tree_corrald_cpu:.1}, {tree_bus_cpu:.1} | {} | {} | {} | {} |",
             cell(&start_bus),
             cell(&start_off),
             cell(&tags),
             cell(&paused_tags),
+            cell(&paused_floor),
             cell(&ps),
             cell(&show),
             cell(&list),

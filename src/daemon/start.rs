@@ -140,6 +140,7 @@ pub(super) fn app_state(config: &Config, store: Store, scheduler: Handle, fleet:
         upstream: crate::supervisor::upstream::Pool::new(config.runner.stream_idle_timeout),
         templates: crate::prompt_template::Renderer::default(),
         fleet,
+        tags: Arc::default(),
     }
 }
 

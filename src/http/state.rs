@@ -34,6 +34,8 @@ pub struct AppState {
     pub templates: crate::prompt_template::Renderer,
     /// The devices, host memory and workers' health, for the per-device views.
     pub fleet: crate::workers::FleetView,
+    /// `/api/tags`' body, with the store index's generation it was made from.
+    pub tags: Arc<Mutex<Option<(u64, axum::body::Bytes)>>>,
 }
 
 /// Token counters since start, and each model's speed in its last answer.
@@ -101,6 +103,7 @@ impl AppState {
             upstream: crate::supervisor::upstream::Pool::default(),
             templates: crate::prompt_template::Renderer::default(),
             fleet: crate::workers::FleetView::default(),
+            tags: Arc::default(),
         }
     }
 }

@@ -77,23 +77,46 @@ impl Store {
 
     /// [`Store::list`] without copying the entries: what the listings of a large store use.
     pub fn list_shared(&self) -> Result<Vec<Arc<Listed>>, StoreError> {
+        Ok(self.list_generation()?.1)
+    }
+
+    /// [`Store::list_shared`] and the index's generation it was made from: the count of
+    /// walks of the tree, so that the same generation means the same listing (a view
+    /// can keep what it made of one).
+    pub fn list_generation(&self) -> Result<(u64, Vec<Arc<Listed>>), StoreError> {
         // What other programs changed counts as a change (when inotify reports it).
         self.notice_outside_changes();
         let mut index = lock(&self.index);
-        // The count is read before the walk: a change that lands during it makes the next
-        // listing walk again.
-        let count = *self.changes.borrow();
-        let watched = self.watching();
-        let current =
-            index.built.is_some_and(|(at, when)| at == count && (watched || when.elapsed() < REVALIDATE_AFTER));
-        if !current {
+        if !self.is_current(&index) {
+            // The count is read before the walk: a change that lands during it makes the
+            // next listing walk again.
+            let count = *self.changes.borrow();
             self.refresh(&mut index)?;
             index.built = Some((count, Instant::now()));
         }
+        let generation = index.walks;
         let mut listed: Vec<Arc<Listed>> = index.entries.values().map(|(_, l)| Arc::clone(l)).collect();
         drop(index);
         listed.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(listed)
+        Ok((generation, listed))
+    }
+
+    /// The index's generation when it is current and free, without touching the disk
+    /// (inotify's queue aside); `None` when a listing would walk the tree, or one is.
+    /// For the async threads: a view that kept what it made of this generation is done.
+    #[must_use]
+    pub fn current_generation(&self) -> Option<u64> {
+        self.notice_outside_changes();
+        let index = self.index.try_lock().ok()?;
+        self.is_current(&index).then_some(index.walks)
+    }
+
+    /// Whether `index` shows the tree as it is: built since the last change counted, and
+    /// watched by inotify or younger than [`REVALIDATE_AFTER`].
+    fn is_current(&self, index: &Index) -> bool {
+        let count = *self.changes.borrow();
+        let watched = self.watching();
+        index.built.is_some_and(|(at, when)| at == count && (watched || when.elapsed() < REVALIDATE_AFTER))
     }
 
     /// How many manifests the index has read since the store was opened (a listing that
