@@ -43,8 +43,8 @@ pub use refuse::refuse;
 use idle::{IdleClock, Requests, count_requests, idle_exit_due};
 use llama_server::check_llama_server;
 use start::{
-    app_state, limits, listen, log_start, open_store, preload, raise_open_files_limit, serve_dbus, start_gc,
-    start_scheduler, sweep_nested_temporaries, take_cgroup_tree, watch_store,
+    after_ready, app_state, limits, listen, log_start, open_store, preload, raise_open_files_limit, serve_dbus,
+    start_gc, start_scheduler, take_cgroup_tree,
 };
 use supervise::{Vital, follower, tick, watchdog_ping};
 
@@ -114,8 +114,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     // The sockets are listening and their accept loops are spawned: connections are served.
     notifier.ready(&status);
     tracing::info!(corral_event = "ready", listeners = ?names, socket_activated, "corrald ready: {status}");
-    sweep_nested_temporaries(&loaded.config, &store);
-    watch_store(&store);
+    after_ready(&loaded.config, &store);
 
     let mut watchdog_tick = watchdog.map(|interval| tokio::time::interval(interval / 2));
     let mut vital = Vital { scheduler: scheduler_task };

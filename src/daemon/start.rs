@@ -62,24 +62,13 @@ pub(super) fn start_gc(config: &Config, store: &Store) {
     }
 }
 
-/// Removes, off the async threads and after `READY=1`, the temporary files an older
-/// version may have left below the top of the store (a walk of every model's directory,
-/// which would make start grow with the store).
-pub(super) fn sweep_nested_temporaries(config: &Config, store: &Store) {
-    if !config.store.read_only {
-        let store = store.clone();
-        tokio::task::spawn_blocking(move || {
-            if let Err(e) = store.remove_nested_temporaries() {
-                tracing::warn!(error = %e, "cannot look for temporary files below the store's manifests: {e}");
-            }
-        });
-    }
-}
-
-/// Has inotify report other programs' changes to the manifests (so that listings walk
-/// the tree only after a change) and, off the async threads and after `READY=1`, builds
-/// the listing's index, so that the first listing does not walk the tree either.
-pub(super) fn watch_store(store: &Store) {
+/// After `READY=1`: has inotify report other programs' changes to the manifests (so that
+/// listings walk the tree only after a change), then, off the async threads and in one
+/// task (one thread, not two, each with its own malloc arena), removes the temporary
+/// files an older version may have left below the top of the store and builds the
+/// listing's index. Both walk every model's directory, which before `READY=1` would make
+/// start grow with the store; built here, the index spares the first listing its walk.
+pub(super) fn after_ready(config: &Config, store: &Store) {
     match store.watch_manifests().and_then(|()| crate::store::follow_outside_changes(store)) {
         Ok(()) => tracing::debug!("watching the manifests for other programs' changes"),
         Err(e) => tracing::info!(
@@ -87,8 +76,13 @@ pub(super) fn watch_store(store: &Store) {
             "not watching the manifests ({e}); other programs' changes show in listings within a second"
         ),
     }
-    let store = store.clone();
+    let (store, sweep) = (store.clone(), !config.store.read_only);
     tokio::task::spawn_blocking(move || {
+        if sweep {
+            if let Err(e) = store.remove_nested_temporaries() {
+                tracing::warn!(error = %e, "cannot look for temporary files below the store's manifests: {e}");
+            }
+        }
         if let Err(e) = store.list_shared() {
             tracing::warn!(error = %e, "cannot list the models: {e}");
         }
