@@ -116,8 +116,8 @@ impl Watch {
 impl Store {
     /// Has inotify report the changes below `manifests/` (see the module documentation);
     /// the next listing walks the tree once, watching every directory as it goes. An
-    /// error says why listings keep looking at the tree every
-    /// [`REVALIDATE_AFTER`](super::list::REVALIDATE_AFTER) instead.
+    /// error says why listings keep looking at the tree every second (`REVALIDATE_AFTER`)
+    /// instead.
     pub fn watch_manifests(&self) -> io::Result<()> {
         let watch = Watch::new(&self.dir)?;
         let mut index = lock(&self.index);
