@@ -272,19 +272,19 @@ impl Store {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::time::{Duration, Instant};
 
     use super::super::Store;
     use super::super::manifest::{self, Layer, Manifest};
     use super::super::name::ModelName;
 
-    fn name(s: &str) -> ModelName {
+    pub(in crate::store) fn name(s: &str) -> ModelName {
         ModelName::parse(s).expect("name")
     }
 
     /// A model whose config says it is a llama, written through the store.
-    fn add_model(store: &Store, model: &str, weights: &[u8]) -> Manifest {
+    pub(in crate::store) fn add_model(store: &Store, model: &str, weights: &[u8]) -> Manifest {
         let layer = |media_type: &str, data: &[u8]| {
             let (digest, size) = store.write_blob(data, None).expect("blob");
             Layer { media_type: media_type.into(), digest, size, from: None }
@@ -315,7 +315,7 @@ mod tests {
         assert_eq!(store.manifests_read(), 1, "no manifest read again");
     }
 
-    fn listed_names(store: &Store) -> Vec<String> {
+    pub(in crate::store) fn listed_names(store: &Store) -> Vec<String> {
         store.list().expect("list").iter().map(|l| l.name.to_string()).collect()
     }
 

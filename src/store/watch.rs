@@ -197,27 +197,7 @@ mod tests {
 
     use super::{Store, follow_outside_changes, is_remote};
     use crate::store::list::REVALIDATE_AFTER;
-    use crate::store::manifest::{self, Layer, Manifest};
-    use crate::store::name::ModelName;
-
-    fn name(s: &str) -> ModelName {
-        ModelName::parse(s).expect("name")
-    }
-
-    fn add_model(store: &Store, model: &str, weights: &[u8]) {
-        let layer = |media_type: &str, data: &[u8]| {
-            let (digest, size) = store.write_blob(data, None).expect("blob");
-            Layer { media_type: media_type.into(), digest, size, from: None }
-        };
-        let config = br#"{"model_format":"gguf","model_family":"llama","file_type":"F16"}"#;
-        let m = Manifest::new(layer(manifest::CONFIG_MEDIA_TYPE, config), vec![layer(manifest::MODEL, weights)])
-            .expect("weights");
-        store.write_manifest(&name(model), &m).expect("manifest");
-    }
-
-    fn names(store: &Store) -> Vec<String> {
-        store.list().expect("list").iter().map(|l| l.name.to_string()).collect()
-    }
+    use crate::store::list::tests::{add_model, listed_names as names, name};
 
     /// A store holding `a` and `b`, watched, its index built.
     fn watched_store(dir: &std::path::Path) -> Store {

@@ -53,6 +53,17 @@ async fn changes(connection: &zbus::Connection, path: &ObjectPath<'_>) -> Proper
 
 type PropertiesChangedStream = zbus::fdo::PropertiesChangedStream;
 
+/// corrald's object manager at the root.
+async fn object_manager(connection: &zbus::Connection) -> zbus::fdo::ObjectManagerProxy<'static> {
+    zbus::fdo::ObjectManagerProxy::builder(connection)
+        .destination("org.corral.Corral1")
+        .and_then(|b| b.path("/org/corral/Corral1"))
+        .expect("proxy")
+        .build()
+        .await
+        .expect("proxy")
+}
+
 /// The values property `name` takes in the next changes, until `last`.
 async fn values_until(stream: &mut PropertiesChangedStream, name: &str, last: &str) -> Vec<String> {
     let mut seen = Vec::new();
@@ -324,13 +335,7 @@ async fn the_object_tree_shows_every_object_with_what_get_all_gives() {
     let signal = within("JobFinished", finished.next()).await.expect("a signal");
     assert!(signal.args().expect("args").success);
     let copy = manager.get_model("chat-copy").await.expect("GetModel");
-    let objects = zbus::fdo::ObjectManagerProxy::builder(&connection)
-        .destination("org.corral.Corral1")
-        .and_then(|b| b.path("/org/corral/Corral1"))
-        .expect("proxy")
-        .build()
-        .await
-        .expect("proxy");
+    let objects = object_manager(&connection).await;
     // The follower shows the copy once the store's change reaches it.
     let tree = crate::support::container::poll_until_async(WAIT, "the copy in the object tree", || async {
         let tree = objects.get_managed_objects().await.map_err(|e| e.to_string())?;
@@ -388,13 +393,7 @@ async fn the_object_tree_shows_every_object_with_what_get_all_gives() {
 async fn a_model_another_program_writes_or_removes_comes_and_goes_on_the_bus() {
     let daemon = BusDaemon::start("");
     let connection = daemon.connect().await;
-    let objects = zbus::fdo::ObjectManagerProxy::builder(&connection)
-        .destination("org.corral.Corral1")
-        .and_then(|b| b.path("/org/corral/Corral1"))
-        .expect("proxy")
-        .build()
-        .await
-        .expect("proxy");
+    let objects = object_manager(&connection).await;
     let path = ObjectPath::try_from("/org/corral/Corral1/models/outside_3alatest").expect("path");
     let shown = |want: bool| {
         let (objects, path) = (&objects, &path);
