@@ -55,7 +55,8 @@ pub(super) struct Index {
     entries: HashMap<ModelName, (FileId, Arc<Listed>)>,
     /// Manifests read (parsed, hashed, config read) so far: what tests check.
     reads: u64,
-    /// Walks of the tree so far: what tests check.
+    /// Walks of the tree so far: the listing's generation (the same count, the same
+    /// listing; `/api/tags` keeps its body by it), and what tests check.
     walks: u64,
 }
 
