@@ -14,6 +14,9 @@ cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked --quiet
 # Licences, bans and sources of the dependency graph (offline: no advisory database).
+# cargo-deny reads the whole graph, every platform's crates included: fetched first, as a
+# fresh machine's build fetches only this platform's.
+cargo fetch --locked --quiet
 "$(scripts/setup-deny.sh)/cargo-deny" --frozen check licenses bans sources
 # The declared rust-version really builds (Debian's rustc of that release).
 scripts/check-msrv.sh

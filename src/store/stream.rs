@@ -283,41 +283,42 @@ impl<W: Send + 'static> Pipeline<W> {
 /// block device Linux has (logical blocks of 512 or 4096 bytes).
 pub const ALIGN: usize = 4096;
 
-/// A batch buffer whose data starts at an [`ALIGN`]ed address, so that it can be written
-/// with direct I/O. Found inside a plain vector one alignment larger (no unsafe allocation).
+/// A batch buffer of [`PIPELINE_BATCH`] bytes whose data starts at an [`ALIGN`]ed address,
+/// so that it can be written with direct I/O. Found inside a plain vector one alignment
+/// larger (no unsafe allocation).
 #[derive(Default)]
-struct Aligned {
+pub(super) struct Aligned {
     bytes: Vec<u8>,
     start: usize,
 }
 
 impl Aligned {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         let mut bytes: Vec<u8> = Vec::with_capacity(PIPELINE_BATCH + ALIGN);
         let start = bytes.as_ptr().align_offset(ALIGN).min(ALIGN);
         bytes.resize(start, 0);
         Self { bytes, start }
     }
 
-    fn data(&self) -> &[u8] {
+    pub(super) fn data(&self) -> &[u8] {
         &self.bytes[self.start..]
     }
 
-    fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.bytes.len() - self.start
     }
 
-    fn is_empty(&self) -> bool {
+    pub(super) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Appends `data`, which fits (the vector never grows, so its data never moves).
-    fn extend(&mut self, data: &[u8]) {
+    pub(super) fn extend(&mut self, data: &[u8]) {
         debug_assert!(self.len() + data.len() <= PIPELINE_BATCH);
         self.bytes.extend_from_slice(data);
     }
 
-    fn clear(&mut self) {
+    pub(super) fn clear(&mut self) {
         self.bytes.truncate(self.start);
     }
 }

@@ -398,6 +398,51 @@ async fn a_pull_given_up_stops_its_download_and_keeps_what_arrived() {
     assert_pull_progress(&events, &manifest);
 }
 
+/// A download runs one part at a time while the CPU keeps up with it, and more at once
+/// when the data arrives slower than it can be hashed: here the first part is held back, so
+/// the hash waits, and the next parts come at once. What they wrote ahead of the hash is
+/// read back for it once the first part arrives: the blob is whole and checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parts_come_at_once_while_the_hash_waits_for_data_and_the_blob_is_still_checked() {
+    let world = World::new();
+    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let model = manifest.model().clone();
+    assert!(model.size > 3 * PART, "the tiny model is {} bytes, too small to come in parts", model.size);
+    let proxy = Proxy::start(world.registry.addr());
+    let gate = Gate::new();
+    let (held, digest) = (gate.clone(), model.digest.to_string());
+    proxy.rule(move |seen| {
+        if seen.is_blob_get(&digest) && seen.byte_range() == Some((0, PART - 1)) {
+            Action::Hold(held.clone())
+        } else {
+            Action::Pass
+        }
+    });
+    let store = world.store("dest");
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let client = client(&[proxy.host()], |c| c.max_parts = 3);
+    let (sender, _events) = mpsc::unbounded_channel();
+    let pull = spawn_pull(&client, &store, &name, 1, &sender);
+    within("the first part's request", gate.arrivals(1)).await;
+
+    // Every part is asked for while the first is held.
+    let every_part = parts_from(0, model.size);
+    poll_until_async(DEADLINE, "the other parts asked for", || {
+        let asked = blob_ranges(&proxy.seen(), &model.digest);
+        let missing: Vec<_> = every_part.iter().filter(|p| !asked.contains(p)).copied().collect();
+        async move { if missing.is_empty() { Ok(()) } else { Err(format!("not asked yet: {missing:?}")) } }
+    })
+    .await;
+    gate.open();
+    let (result, events) = within("pull", pull).await.expect("the pull's task");
+    result.expect("pull");
+    let mut asked = blob_ranges(&proxy.seen(), &model.digest);
+    asked.sort_unstable();
+    assert_eq!(asked, every_part, "each part asked for once");
+    assert_eq!(snapshot(&store, &name), published);
+    assert_pull_progress(&events, &manifest);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_blob_is_refused_and_nothing_is_written() {
     let world = World::new();

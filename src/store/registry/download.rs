@@ -13,21 +13,30 @@ use std::sync::Arc;
 use crate::sync::lock;
 use std::time::Duration;
 
-use futures_util::{StreamExt, TryStreamExt, stream};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use reqwest::StatusCode;
 use reqwest::header::RANGE;
 use tokio::sync::watch;
 
+use super::landing::{Landing, Slot};
 use super::partial::Partial;
 use super::protocol::Remote;
 use super::{BlobStatus, Inner, RegistryError, blocking};
 use crate::store::Store;
 use crate::store::digest::Digest;
 use crate::store::manifest::Layer;
-use crate::store::stream::Batch;
 
 /// How often a running download records its progress on disk.
 const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How often a download looks whether more parts at once would help ([`wider`]).
+const WIDEN_EVERY: Duration = Duration::from_millis(250);
+
+/// Batch buffers a download has beyond one per part it runs at once: the writer's and the
+/// hash's, and one waiting for each. Each is
+/// [`PIPELINE_BATCH`](crate::store::stream::PIPELINE_BATCH): 20 MiB for one part at a time.
+const LANDING_BUFFERS: usize = 4;
 
 type InflightKey = (PathBuf, Digest);
 /// A download's state for its waiters, and a channel whose sender goes when the download
@@ -141,8 +150,9 @@ impl Download {
             status.started = true;
             status.completed = resumed;
         });
-        let mut work = Box::pin(fetch_blob(Arc::clone(&self.remote), Arc::clone(&partial), Arc::clone(&self.sender)));
-        let outcome = loop {
+        let landing = Landing::start(&partial, &self.sender, 1 + LANDING_BUFFERS);
+        let mut work = Box::pin(fetch_blob(&self.remote, &partial, &landing));
+        let fetched = loop {
             tokio::select! {
                 outcome = &mut work => break Some(outcome),
                 () = self.sender.closed() => {
@@ -153,6 +163,17 @@ impl Download {
             }
         };
         drop(work);
+        // Every batch handed on is written (and hashed) before the blob is checked or the
+        // download's progress recorded; a failed write is the reason the parts stopped.
+        let landed = landing.finish().await;
+        let outcome = match (fetched, landed) {
+            (None, _) => None,
+            (Some(_), Err(e)) | (Some(Err(e)), Ok(())) => Some(Err(e)),
+            (Some(Ok(())), Ok(())) => {
+                let checked = Arc::clone(&partial);
+                Some(blocking(move || checked.commit()).await)
+            }
+        };
         // Progress is kept for a resume, unless there is none (a data file the blob's size
         // and nothing in it is only in the way) or the data is wrong or holds space the disk lacks.
         let keep = match &outcome {
@@ -195,13 +216,17 @@ impl Drop for Download {
     }
 }
 
-/// Fetches the missing parts of a partial blob, then verifies it and puts it in place.
-async fn fetch_blob(
-    remote: Arc<Remote>,
-    partial: Arc<Partial>,
-    sender: Arc<watch::Sender<BlobStatus>>,
-) -> Result<(), RegistryError> {
+/// Fetches the missing parts of a partial blob into `landing`.
+///
+/// One part at a time to begin with, in order, so that every byte is hashed from memory
+/// right after it is written. More parts run at once (up to `max_parts`) only while the
+/// hash waits for data more than half the time: then the data arrives slower than it can
+/// be hashed (a registry far away, a connection with a cap), and parallel transfers help.
+/// Where the CPU is the limit instead (a registry close by), more parts would only add
+/// work: what they write ahead of the hash is read back later.
+async fn fetch_blob(remote: &Remote, partial: &Arc<Partial>, landing: &Landing) -> Result<(), RegistryError> {
     let config = remote.config();
+    let max_parts = config.max_parts.max(1);
     let mut parts = Vec::new();
     for (start, end) in partial.missing() {
         let mut at = start;
@@ -211,32 +236,61 @@ async fn fetch_blob(
             at = stop;
         }
     }
-    let fetches = stream::iter(parts).map(Ok).try_for_each_concurrent(config.max_parts.max(1), |(start, end)| {
-        fetch_part(&remote, &partial, &sender, start, end)
-    });
+    let fetches = async {
+        let mut parts = parts.into_iter();
+        let mut running = FuturesUnordered::new();
+        let mut width = 1;
+        let mut widen = tokio::time::interval(WIDEN_EVERY);
+        widen.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        widen.tick().await;
+        loop {
+            while running.len() < width {
+                let Some((start, end)) = parts.next() else { break };
+                running.push(fetch_part(remote, partial, landing, start, end));
+            }
+            if running.is_empty() {
+                return Ok(());
+            }
+            tokio::select! {
+                Some(outcome) = running.next() => outcome?,
+                _ = widen.tick() => {
+                    if wider(landing.take_idle_share(), width, max_parts) {
+                        width += 1;
+                        landing.widen();
+                        tracing::debug!(digest = %partial.digest, width, "downloading more parts at once");
+                    }
+                }
+            }
+        }
+    };
     let checkpoints = async {
         let mut ticker = tokio::time::interval(CHECKPOINT_INTERVAL);
         ticker.tick().await;
         loop {
             ticker.tick().await;
-            let partial = Arc::clone(&partial);
+            let partial = Arc::clone(partial);
             if let Err(e) = blocking(move || partial.checkpoint()).await {
                 return e;
             }
         }
     };
     tokio::select! {
-        outcome = fetches => outcome?,
-        error = checkpoints => return Err(error),
+        outcome = fetches => outcome,
+        error = checkpoints => Err(error),
     }
-    blocking(move || partial.commit()).await
+}
+
+/// Whether a download running `width` parts at once should run one more: while the hash
+/// waited for data more than half of the last [`WIDEN_EVERY`].
+fn wider(idle_share: f64, width: usize, max_parts: usize) -> bool {
+    idle_share > 0.5 && width < max_parts
 }
 
 /// Fetches `start..end` of a blob, retrying from the first missing byte when a transfer fails.
 async fn fetch_part(
     remote: &Remote,
-    partial: &Arc<Partial>,
-    sender: &watch::Sender<BlobStatus>,
+    partial: &Partial,
+    landing: &Landing,
     start: u64,
     end: u64,
 ) -> Result<(), RegistryError> {
@@ -244,7 +298,7 @@ async fn fetch_part(
     let mut at = start;
     let mut attempt = 1;
     loop {
-        match fetch_range(remote, partial, sender, &mut at, end).await {
+        match fetch_range(remote, partial, landing, &mut at, end).await {
             Ok(()) => return Ok(()),
             Err(e) if e.is_transient() && attempt < config.part_attempts => {
                 let delay = config.retry_delay.saturating_mul(1 << (attempt - 1).min(16));
@@ -257,12 +311,12 @@ async fn fetch_part(
     }
 }
 
-/// One ranged GET of `*at..end`, written to the partial file as it arrives; `*at` moves
-/// past every byte written.
+/// One ranged GET of `*at..end`, handed to the landing in batches as it arrives; `*at`
+/// moves past every byte handed on (each is written, or the download fails).
 async fn fetch_range(
     remote: &Remote,
-    partial: &Arc<Partial>,
-    sender: &watch::Sender<BlobStatus>,
+    partial: &Partial,
+    landing: &Landing,
     at: &mut u64,
     end: u64,
 ) -> Result<(), RegistryError> {
@@ -310,8 +364,7 @@ async fn fetch_range(
         }
     }
     let mut received = 0u64;
-    let mut batch = Batch::default();
-    let mut flight = None;
+    let mut slot: Option<Slot> = None;
     let truncated = |received: u64, detail: String| RegistryError::Truncated {
         registry: remote.registry.clone(),
         what: what.clone(),
@@ -321,24 +374,45 @@ async fn fetch_range(
         last,
         detail,
     };
+    let stopped =
+        || RegistryError::io("a file operation failed", std::io::Error::other("the download's writing stopped"));
     loop {
         let chunk = response.chunk().await;
-        let ended = !matches!(chunk, Ok(Some(_)));
         if let Ok(Some(data)) = &chunk {
             let len = data.len() as u64;
             if received + len > expected {
                 return Err(bad_range(format!("asked for {expected} bytes ({first}-{last}), got more")));
             }
             received += len;
-            batch.push(data.clone());
+            let mut rest = &data[..];
+            while !rest.is_empty() {
+                let filling = match &mut slot {
+                    Some(filling) => filling,
+                    None => slot.insert(landing.slot(*at).await),
+                };
+                let (now, later) = rest.split_at(rest.len().min(filling.room()));
+                filling.extend(now);
+                rest = later;
+                if filling.room() == 0 {
+                    let full = slot.take().expect("being filled");
+                    let len = full.len() as u64;
+                    if !landing.land(full) {
+                        return Err(stopped());
+                    }
+                    *at += len;
+                }
+            }
         }
-        if !batch.is_empty() && (ended || batch.is_full()) {
-            // One batch is written (and hashed) while the next one arrives.
-            land(&mut flight, partial, sender, at).await?;
-            flight = Some(Flight::start(partial, *at, std::mem::take(&mut batch)));
-        }
-        if ended {
-            land(&mut flight, partial, sender, at).await?;
+        if !matches!(chunk, Ok(Some(_))) {
+            // Whatever arrived is kept, also when the transfer broke off: a retry asks
+            // for the rest.
+            if let Some(last) = slot.take().filter(|s| !s.is_empty()) {
+                let len = last.len() as u64;
+                if !landing.land(last) {
+                    return Err(stopped());
+                }
+                *at += len;
+            }
         }
         match chunk {
             Ok(Some(_)) => {}
@@ -347,58 +421,6 @@ async fn fetch_range(
             Err(e) => return Err(truncated(received, body_error(&e, remote.config().read_timeout))),
         }
     }
-}
-
-/// A batch being written to a partial download on a blocking thread, and hashed: where it
-/// arrived if the hash has got to it, else on another blocking thread.
-struct Flight {
-    len: u64,
-    writing: tokio::task::JoinHandle<Result<u64, RegistryError>>,
-    hashing: Option<tokio::task::JoinHandle<Result<(), RegistryError>>>,
-}
-
-impl Flight {
-    fn start(partial: &Arc<Partial>, offset: u64, batch: Batch) -> Self {
-        let len = batch.len() as u64;
-        let hashing = (!partial.hash_here(offset, &batch)).then(|| {
-            let (target, shared) = (Arc::clone(partial), batch.clone());
-            tokio::task::spawn_blocking(move || target.hash_at(offset, &shared))
-        });
-        let target = Arc::clone(partial);
-        let writing = tokio::task::spawn_blocking(move || target.write_at(offset, &batch));
-        Self { len, writing, hashing }
-    }
-}
-
-/// Waits for the batch in flight, if any; `*at` moves past it once it is written.
-async fn land(
-    flight: &mut Option<Flight>,
-    partial: &Arc<Partial>,
-    sender: &watch::Sender<BlobStatus>,
-    at: &mut u64,
-) -> Result<(), RegistryError> {
-    let Some(Flight { len, writing, hashing }) = flight.take() else { return Ok(()) };
-    let failed = || RegistryError::io("a file operation failed", std::io::Error::other("a blocking task failed"));
-    let hashing = async {
-        match hashing {
-            Some(hashing) => hashing.await.map_err(|_| failed()).and_then(|r| r),
-            None => Ok(()),
-        }
-    };
-    let (written, hashed) = tokio::join!(writing, hashing);
-    let written = written.map_err(|_| failed()).and_then(|r| r);
-    let completed = match written {
-        Ok(completed) => completed,
-        Err(e) => {
-            // The batch may have been hashed without being written.
-            partial.distrust_hash();
-            return Err(e);
-        }
-    };
-    hashed?;
-    *at += len;
-    partial.report(sender, completed);
-    Ok(())
 }
 
 /// Why a body stopped: a stall, or the root cause (`end of file before message length
@@ -427,7 +449,17 @@ pub fn parse_content_range(value: &str) -> Option<(u64, u64, Option<u64>)> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_content_range;
+    use super::{parse_content_range, wider};
+
+    #[test]
+    fn more_parts_only_while_the_hash_mostly_waits_and_up_to_the_limit() {
+        assert!(wider(0.9, 1, 8));
+        assert!(wider(0.51, 7, 8));
+        assert!(!wider(0.5, 1, 8), "the hash busy half the time: the CPU is about the limit");
+        assert!(!wider(0.1, 1, 8));
+        assert!(!wider(1.0, 8, 8));
+        assert!(!wider(1.0, 1, 1));
+    }
 
     #[test]
     fn content_ranges_parse() {

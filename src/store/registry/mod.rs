@@ -9,11 +9,13 @@
 //! 2. Every blob the manifest names is pinned ([`Store::pin`]), so that deleting another
 //!    model that shares a blob cannot remove it while the pull runs.
 //! 3. Each blob not already in the store is downloaded in ranged parts (`Range: bytes=a-b`,
-//!    [`RegistryConfig::part_size`] each, [`RegistryConfig::max_parts`] at a time), its size
-//!    taken from the manifest; up to three large blobs (8 MiB or more) of a model at once. Every answer is checked:
-//!    `206` with exactly the asked `Content-Range`, or `200` only when the whole blob was
-//!    asked for. The data goes into `blobs/sha256-<hex>-partial` at each part's offset, in
-//!    batches of the buffers it arrived in, hashed beside the write (see `partial.rs`).
+//!    [`RegistryConfig::part_size`] each), its size taken from the manifest; up to three
+//!    large blobs (8 MiB or more) of a model at once. One part at a time while the CPU keeps
+//!    up with the data, up to [`RegistryConfig::max_parts`] at once while the hash waits for
+//!    it (`download.rs`). Every answer is checked: `206` with exactly the asked
+//!    `Content-Range`, or `200` only when the whole blob was asked for. The data goes into
+//!    `blobs/sha256-<hex>-partial` at each part's offset, in batches written on one thread
+//!    and hashed on another right after (`landing.rs`, `partial.rs`).
 //! 4. The whole blob's SHA-256 is checked before it is renamed to `blobs/sha256-<hex>`; data
 //!    that hashes to anything else is deleted and the pull fails naming the digest. A pull
 //!    that fails takes back the blobs it put in place for the model.
@@ -59,6 +61,7 @@
 mod auth;
 mod download;
 mod error;
+mod landing;
 mod partial;
 mod protocol;
 mod push;
@@ -108,7 +111,8 @@ pub struct RegistryConfig {
     pub request_timeout: Duration,
     /// Blobs are downloaded in ranged parts of at most this many bytes.
     pub part_size: u64,
-    /// How many parts of one blob are downloaded at once.
+    /// The most parts of one blob downloaded at once: one to begin with, more while the
+    /// data arrives slower than it is hashed.
     pub max_parts: usize,
     /// How many times a part is tried before the pull fails (1: no retry). A retry asks only
     /// for the bytes that did not arrive; what did is kept.

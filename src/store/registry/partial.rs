@@ -15,10 +15,15 @@
 //! blob, so a collection never touches its files. A link planted in place of either file is
 //! refused.
 //!
-//! The blob is hashed as its data arrives: a batch written where the hash has got to is
-//! hashed from memory, beside its write. Data that arrived ahead of that point (a later part,
-//! or what an earlier download left) is read back once the hash reaches it, while it is
-//! still in the page cache; with one part at a time, nothing is read back.
+//! The blob is hashed as its data arrives ([`super::landing`]): a batch written where the
+//! hash has got to is hashed from memory, right after its write. Data written ahead of that
+//! point (by a later part, or an earlier download) is read back once the hash reaches it;
+//! with one part at a time, nothing is read back.
+//!
+//! Whole blocks at block-aligned offsets are written with direct I/O (`O_DIRECT`, through a
+//! second descriptor of the same file, where the file system has it): from the batch's
+//! memory straight to the disk, no copy into the page cache and no write-back after it.
+//! The rest (a blob's last bytes, a part resumed mid-block) goes through the page cache.
 
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -38,7 +43,7 @@ use super::{BlobStatus, PROGRESS_INTERVAL, RegistryError};
 use crate::store::beneath::{self, Dir};
 use crate::store::digest::{Digest, Hasher};
 use crate::store::manifest::Layer;
-use crate::store::stream::{BATCH, Batch, Writeback};
+use crate::store::stream::{ALIGN, BATCH, Writeback};
 use crate::store::{Pin, Store, StoreError};
 
 /// Byte ranges `[start, end)`, sorted, disjoint and not touching.
@@ -120,6 +125,8 @@ pub(super) struct Partial {
     /// For messages.
     data_path: PathBuf,
     file: File,
+    /// The same file opened for direct I/O, where the file system allows it.
+    direct: Option<File>,
     done: Mutex<Ranges>,
     /// The hash of the data file's first bytes, as far as it has got.
     hashed: Mutex<Frontier>,
@@ -138,13 +145,17 @@ pub(super) struct Partial {
 struct Frontier {
     hasher: Hasher,
     at: u64,
+    /// What is written and will not come to [`Partial::hash_written`] (again): what an
+    /// earlier download left, and every batch that came. Only this is read back: a batch
+    /// written but still on its way to the hash is hashed from memory when it comes.
+    passed: Ranges,
 }
 
 impl Frontier {
-    /// Hashes `batch`, the bytes at the frontier.
-    fn take(&mut self, batch: &Batch) {
-        batch.hash_into(&mut self.hasher);
-        self.at += batch.len() as u64;
+    /// Hashes `data`, the bytes at the frontier.
+    fn take(&mut self, data: &[u8]) {
+        self.hasher.update(data);
+        self.at += data.len() as u64;
     }
 }
 
@@ -192,6 +203,8 @@ impl Partial {
             .map_err(fail)?;
             (file, Ranges::default())
         };
+        let direct = open_direct(&file);
+        let done_before = done.clone();
         Ok(Self {
             digest: layer.digest,
             size: layer.size,
@@ -203,8 +216,9 @@ impl Partial {
             data_path,
             writeback: Mutex::new(Writeback::new(&file)),
             file,
+            direct,
             done: Mutex::new(done),
-            hashed: Mutex::default(),
+            hashed: Mutex::new(Frontier { passed: done_before, ..Frontier::default() }),
             dirty: AtomicBool::new(false),
             reported: Mutex::default(),
             finished: Mutex::new(false),
@@ -267,55 +281,38 @@ impl Partial {
         lock(&self.done).missing(self.size)
     }
 
-    /// Writes `batch` at `offset` and records it. Returns how much of the blob is now in place.
-    pub(super) fn write_at(&self, offset: u64, batch: &Batch) -> Result<u64, RegistryError> {
-        batch.write_at(&self.file, offset).map_err(|e| Self::write_error(&self.data_path, &self.what, self.size, e))?;
-        lock(&self.writeback).wrote(batch.len());
+    /// Writes `data` at `offset` and records it: with direct I/O when it is whole blocks
+    /// at a block's start, from memory aligned for it. Returns how much of the blob is now
+    /// in place.
+    pub(super) fn write_at(&self, offset: u64, data: &[u8]) -> Result<u64, RegistryError> {
+        let whole_blocks =
+            offset % ALIGN as u64 == 0 && data.len() % ALIGN == 0 && data.as_ptr().align_offset(ALIGN) == 0;
+        let written = match &self.direct {
+            Some(direct) if whole_blocks => direct.write_all_at(data, offset),
+            _ => self.file.write_all_at(data, offset).inspect(|()| lock(&self.writeback).wrote(data.len())),
+        };
+        written.map_err(|e| Self::write_error(&self.data_path, &self.what, self.size, e))?;
         let mut done = lock(&self.done);
-        done.insert(offset, offset + batch.len() as u64);
+        done.insert(offset, offset + data.len() as u64);
         self.dirty.store(true, Ordering::SeqCst);
         Ok(done.covered())
     }
 
-    /// Hashes `batch`, which is (being) written at `offset`, if the hash has got there,
-    /// first reading back what was written before it; then reads back what is written
-    /// after it. Does nothing while another thread moves the hash on: what is left is hashed
-    /// later, at the latest by [`Partial::commit`].
-    pub(super) fn hash_at(&self, offset: u64, batch: &Batch) -> Result<(), RegistryError> {
-        let Ok(mut hashed) = self.hashed.try_lock() else { return Ok(()) };
-        if hashed.at < offset {
-            let written = lock(&self.done).end_from(hashed.at);
-            if written < offset {
-                return Ok(());
-            }
+    /// Moves the hash on past `data`, just written at `offset`: reads back what passed
+    /// before it if the hash has not got there yet, hashes `data` from memory if the hash
+    /// is then at `offset`, and reads back what passed after it. What cannot be hashed yet
+    /// (a gap not written yet) is hashed by a later call, at the latest by [`Partial::commit`].
+    pub(super) fn hash_written(&self, offset: u64, data: &[u8]) -> Result<(), RegistryError> {
+        let mut hashed = lock(&self.hashed);
+        hashed.passed.insert(offset, offset + data.len() as u64);
+        if hashed.at < offset && hashed.passed.end_from(hashed.at) >= offset {
             self.read_back(&mut hashed, offset)?;
         }
         if hashed.at == offset {
-            hashed.take(batch);
-            let written = lock(&self.done).end_from(hashed.at);
-            self.read_back(&mut hashed, written)?;
+            hashed.take(data);
         }
-        Ok(())
-    }
-
-    /// Hashes `batch`, about to be written at `offset`, here and now if the hash has got
-    /// exactly there (nothing to read back first): `true` if it did. Called where the
-    /// batch arrived, while its bytes are still in that core's cache (SHA-256 runs about
-    /// 30 % faster on them than on the same bytes later); [`Partial::hash_at`] handles
-    /// every other case on a blocking thread.
-    pub(super) fn hash_here(&self, offset: u64, batch: &Batch) -> bool {
-        let Ok(mut hashed) = self.hashed.try_lock() else { return false };
-        if hashed.at != offset {
-            return false;
-        }
-        hashed.take(batch);
-        true
-    }
-
-    /// Forgets the hash: a write failed after its batch was hashed, so the file may not hold
-    /// what was hashed. [`Partial::commit`] hashes the file from its start.
-    pub(super) fn distrust_hash(&self) {
-        *lock(&self.hashed) = Frontier::default();
+        let passed = hashed.passed.end_from(hashed.at);
+        self.read_back(&mut hashed, passed)
     }
 
     /// Moves the hash on to `end` with the data file's bytes.
@@ -422,6 +419,15 @@ impl Partial {
             }
         }
     }
+}
+
+/// `file` opened again for direct I/O, through `/proc/self/fd` (the same file, whatever its
+/// name is now), or `None` where the file system refuses direct I/O.
+fn open_direct(file: &File) -> Option<File> {
+    use rustix::fs::{Mode, OFlags};
+    use std::os::fd::AsRawFd;
+    let path = format!("/proc/self/fd/{}", file.as_raw_fd());
+    rustix::fs::open(path, OFlags::WRONLY | OFlags::DIRECT | OFlags::CLOEXEC, Mode::empty()).ok().map(File::from)
 }
 
 /// The store's refusal of `name` in `dir` (a link, or not a file), or `other` for any other error.
