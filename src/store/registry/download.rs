@@ -19,7 +19,7 @@ use reqwest::StatusCode;
 use reqwest::header::RANGE;
 use tokio::sync::watch;
 
-use super::landing::{Landing, Slot};
+use super::landing::{Filling, Landing};
 use super::partial::Partial;
 use super::protocol::Remote;
 use super::{BlobStatus, Inner, RegistryError, blocking};
@@ -364,7 +364,7 @@ async fn fetch_range(
         }
     }
     let mut received = 0u64;
-    let mut slot: Option<Slot> = None;
+    let mut filling = Filling::new(landing);
     let truncated = |received: u64, detail: String| RegistryError::Truncated {
         registry: remote.registry.clone(),
         what: what.clone(),
@@ -384,35 +384,13 @@ async fn fetch_range(
                 return Err(bad_range(format!("asked for {expected} bytes ({first}-{last}), got more")));
             }
             received += len;
-            let mut rest = &data[..];
-            while !rest.is_empty() {
-                let filling = match &mut slot {
-                    Some(filling) => filling,
-                    None => slot.insert(landing.slot(*at).await),
-                };
-                let (now, later) = rest.split_at(rest.len().min(filling.room()));
-                filling.extend(now);
-                rest = later;
-                if filling.room() == 0 {
-                    let full = slot.take().expect("being filled");
-                    let len = full.len() as u64;
-                    if !landing.land(full) {
-                        return Err(stopped());
-                    }
-                    *at += len;
-                }
+            if !filling.push(data, at).await {
+                return Err(stopped());
             }
         }
-        if !matches!(chunk, Ok(Some(_))) {
-            // Whatever arrived is kept, also when the transfer broke off: a retry asks
-            // for the rest.
-            if let Some(last) = slot.take().filter(|s| !s.is_empty()) {
-                let len = last.len() as u64;
-                if !landing.land(last) {
-                    return Err(stopped());
-                }
-                *at += len;
-            }
+        // Whatever arrived is kept, also when the transfer broke off: a retry asks for the rest.
+        if !matches!(chunk, Ok(Some(_))) && !filling.hand_on(at) {
+            return Err(stopped());
         }
         match chunk {
             Ok(Some(_)) => {}

@@ -27,7 +27,7 @@ use crate::store::stream::{ALIGN, Aligned, PIPELINE_BATCH};
 use crate::sync::lock;
 
 /// A buffer being filled for `offset`, or on its way through the stages.
-pub(super) struct Slot {
+struct Slot {
     offset: u64,
     buffer: Aligned,
     /// Counts the buffer as in use until it is back in the pool.
@@ -37,21 +37,63 @@ pub(super) struct Slot {
 impl Slot {
     /// How much more this batch takes: it ends on a block boundary of the file, so that
     /// every batch after a part's first is written with direct I/O.
-    pub(super) fn room(&self) -> usize {
+    fn room(&self) -> usize {
         room(self.offset, self.buffer.len())
     }
 
     /// Appends `data`, at most [`Slot::room`] bytes.
-    pub(super) fn extend(&mut self, data: &[u8]) {
+    fn extend(&mut self, data: &[u8]) {
         self.buffer.extend(data);
     }
 
-    pub(super) fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.buffer.len()
     }
 
-    pub(super) fn is_empty(&self) -> bool {
+    fn is_empty(&self) -> bool {
         self.buffer.is_empty()
+    }
+}
+
+/// A part's batch being filled.
+pub(super) struct Filling<'a> {
+    landing: &'a Landing,
+    slot: Option<Slot>,
+}
+
+impl<'a> Filling<'a> {
+    pub(super) fn new(landing: &'a Landing) -> Self {
+        Self { landing, slot: None }
+    }
+
+    /// Copies `data`, which belongs at `*at` plus what is being filled, into batches,
+    /// handing each full one on (`*at` moves past it); `false` once the writing stopped.
+    pub(super) async fn push(&mut self, mut data: &[u8], at: &mut u64) -> bool {
+        while !data.is_empty() {
+            let slot = match &mut self.slot {
+                Some(slot) => slot,
+                None => self.slot.insert(self.landing.slot(*at).await),
+            };
+            let (now, later) = data.split_at(data.len().min(slot.room()));
+            slot.extend(now);
+            data = later;
+            if slot.room() == 0 && !self.hand_on(at) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Hands on the batch being filled, if it holds anything (`*at` moves past it);
+    /// `false` if the writing stopped.
+    pub(super) fn hand_on(&mut self, at: &mut u64) -> bool {
+        let Some(slot) = self.slot.take().filter(|slot| !slot.is_empty()) else { return true };
+        let len = slot.len() as u64;
+        if !self.landing.land(slot) {
+            return false;
+        }
+        *at += len;
+        true
     }
 }
 
@@ -117,7 +159,7 @@ impl Landing {
     }
 
     /// An empty buffer for the data at `offset`, once one is free.
-    pub(super) async fn slot(&self, offset: u64) -> Slot {
+    async fn slot(&self, offset: u64) -> Slot {
         let permit = Arc::clone(&self.permits).acquire_owned().await.expect("the semaphore is never closed");
         // Not `Aligned::default()`: that one has no room and no alignment.
         let reused = lock(&self.pool).pop();
@@ -135,7 +177,7 @@ impl Landing {
 
     /// Hands a filled buffer to the writer; `false` once the writer or the hash stopped (a
     /// failed write or read): [`Landing::finish`] tells why.
-    pub(super) fn land(&self, slot: Slot) -> bool {
+    fn land(&self, slot: Slot) -> bool {
         self.to_writer.as_ref().is_some_and(|writer| writer.send(slot).is_ok())
     }
 

@@ -127,6 +127,8 @@ pub(super) struct Partial {
     file: File,
     /// The same file opened for direct I/O, where the file system allows it.
     direct: Option<File>,
+    /// Cleared when the device refuses a direct write's alignment (blocks over `ALIGN`).
+    direct_works: AtomicBool,
     done: Mutex<Ranges>,
     /// The hash of the data file's first bytes, as far as it has got.
     hashed: Mutex<Frontier>,
@@ -216,6 +218,7 @@ impl Partial {
             data_path,
             writeback: Mutex::new(Writeback::new(&file)),
             file,
+            direct_works: AtomicBool::new(direct.is_some()),
             direct,
             done: Mutex::new(done),
             hashed: Mutex::new(Frontier { passed: done_before, ..Frontier::default() }),
@@ -285,17 +288,36 @@ impl Partial {
     /// at a block's start, from memory aligned for it. Returns how much of the blob is now
     /// in place.
     pub(super) fn write_at(&self, offset: u64, data: &[u8]) -> Result<u64, RegistryError> {
-        let whole_blocks =
-            offset % ALIGN as u64 == 0 && data.len() % ALIGN == 0 && data.as_ptr().align_offset(ALIGN) == 0;
-        let written = match &self.direct {
-            Some(direct) if whole_blocks => direct.write_all_at(data, offset),
-            _ => self.file.write_all_at(data, offset).inspect(|()| lock(&self.writeback).wrote(data.len())),
-        };
-        written.map_err(|e| Self::write_error(&self.data_path, &self.what, self.size, e))?;
+        let fail = |e| Self::write_error(&self.data_path, &self.what, self.size, e);
+        if !self.write_direct(offset, data).map_err(fail)? {
+            self.file.write_all_at(data, offset).map_err(fail)?;
+            lock(&self.writeback).wrote(data.len());
+        }
         let mut done = lock(&self.done);
         done.insert(offset, offset + data.len() as u64);
         self.dirty.store(true, Ordering::SeqCst);
         Ok(done.covered())
+    }
+
+    /// Writes `data` at `offset` with direct I/O if it is whole blocks at a block's start,
+    /// from memory aligned for it: `false` if it is not, or if the device refused it for
+    /// its alignment (then every later write goes through the page cache; this one is
+    /// positional, so writing it again writes it all).
+    fn write_direct(&self, offset: u64, data: &[u8]) -> io::Result<bool> {
+        let Some(direct) = self.direct.as_ref().filter(|_| self.direct_works.load(Ordering::Relaxed)) else {
+            return Ok(false);
+        };
+        if offset % ALIGN as u64 != 0 || data.len() % ALIGN != 0 || data.as_ptr().align_offset(ALIGN) != 0 {
+            return Ok(false);
+        }
+        match direct.write_all_at(data, offset) {
+            Ok(()) => Ok(true),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                self.direct_works.store(false, Ordering::Relaxed);
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Moves the hash on past `data`, just written at `offset`: reads back what passed
