@@ -285,12 +285,19 @@ async fn garbage_collection_spares_a_running_pull_and_takes_its_partials_once_it
         tokio::spawn(async move { client.pull(&store, &name, |_| {}).await })
     };
     within("the third part's request", gate.arrivals(1)).await;
+    // The first two parts are written (their writes may still run when the third is asked for).
+    let partial = partial_path(&store, &weights);
+    poll_until_async(DEADLINE, "the first two parts written", || {
+        let len = fs::metadata(&partial).map_or(0, |m| m.len());
+        async move { if len == 2 * (64 << 10) { Ok(()) } else { Err(format!("{len} bytes")) } }
+    })
+    .await;
 
     // Everything counts as old: only what the pull holds protects its files.
     let later = SystemTime::now() + Duration::from_secs(86_400);
     let collected = store.collect_garbage(Duration::ZERO, later).expect("gc");
     assert_eq!(collected.files(), 0, "a running pull lost files: {collected:?}");
-    assert_eq!(fs::metadata(partial_path(&store, &weights)).expect("partial").len(), 2 * (64 << 10));
+    assert_eq!(fs::metadata(&partial).expect("partial").len(), 2 * (64 << 10));
 
     // The pull goes away: its partial files are stale, and go once old enough.
     pull.abort();
