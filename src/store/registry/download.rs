@@ -220,10 +220,11 @@ impl Drop for Download {
 ///
 /// One part at a time to begin with, in order, so that every byte is hashed from memory
 /// right after it is written. More parts run at once (up to `max_parts`) only while the
-/// hash waits for data more than half the time: then the data arrives slower than it can
-/// be hashed (a registry far away, a connection with a cap), and parallel transfers help.
-/// Where the CPU is the limit instead (a registry close by), more parts would only add
-/// work: what they write ahead of the hash is read back later.
+/// writer and the hash both wait for data more than half the time: then the data arrives
+/// slower than it can be stored (a registry far away, a connection with a cap), and
+/// parallel transfers help. Where the CPU or the disk is the limit instead (a registry
+/// close by), more parts would only add work: what they write ahead of the hash is read
+/// back later.
 async fn fetch_blob(remote: &Remote, partial: &Arc<Partial>, landing: &Landing) -> Result<(), RegistryError> {
     let config = remote.config();
     let max_parts = config.max_parts.max(1);
@@ -280,8 +281,8 @@ async fn fetch_blob(remote: &Remote, partial: &Arc<Partial>, landing: &Landing) 
     }
 }
 
-/// Whether a download running `width` parts at once should run one more: while the hash
-/// waited for data more than half of the last [`WIDEN_EVERY`].
+/// Whether a download running `width` parts at once should run one more: while its writer
+/// and its hash both waited for data more than half of the last [`WIDEN_EVERY`].
 fn wider(idle_share: f64, width: usize, max_parts: usize) -> bool {
     idle_share > 0.5 && width < max_parts
 }
@@ -433,7 +434,7 @@ mod tests {
     fn more_parts_only_while_the_hash_mostly_waits_and_up_to_the_limit() {
         assert!(wider(0.9, 1, 8));
         assert!(wider(0.51, 7, 8));
-        assert!(!wider(0.5, 1, 8), "the hash busy half the time: the CPU is about the limit");
+        assert!(!wider(0.5, 1, 8), "busy half the time: the CPU or the disk is about the limit");
         assert!(!wider(0.1, 1, 8));
         assert!(!wider(1.0, 8, 8));
         assert!(!wider(1.0, 1, 1));

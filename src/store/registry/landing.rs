@@ -5,15 +5,16 @@
 //! Three stages on their own threads, because on a pull every one of them is a large cost
 //! and they overlap: receiving (the copy out of the socket), writing (with direct I/O a
 //! wait on the disk, no CPU), hashing (SHA-256, the most CPU of all). With the hash beside
-//! the receiving, as before, a pull of 1 GiB from a local registry took 1.1–1.3 s here; in
-//! stages, about what `curl` takes to write the same blob to a file without hashing or
-//! syncing it. A batch is hashed after it is written, so the hash never covers data the
-//! file does not hold.
+//! the receiving, as before, a pull of 1 GiB from a local registry took 1.2–1.4 s here; in
+//! stages 0.8–1.05 s, against 0.66–0.72 s for `curl` writing the same blob to a file
+//! without hashing or syncing it (`docs/benchmarks.md`). A batch is hashed after it is
+//! written, so the hash never covers data the file does not hold.
 //!
 //! The buffers are few and reused (a semaphore counts them): memory stays bounded, and a
-//! reused buffer costs no page faults. The hash thread's waits tell the download whether
-//! its data arrives slower than it can be hashed ([`Landing::take_idle_share`]), which is
-//! when more parts at once help.
+//! reused buffer costs no page faults. The two threads' waits tell the download whether
+//! its data arrives slower than it can be written and hashed
+//! ([`Landing::take_idle_share`]), which is when more parts at once help: not when the
+//! CPU (the hash busy) or the disk (the writer busy) is the limit.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -111,10 +112,10 @@ pub(super) struct Landing {
     pool: Arc<Mutex<Vec<Aligned>>>,
     writer: tokio::task::JoinHandle<Result<(), RegistryError>>,
     hasher: tokio::task::JoinHandle<Result<(), RegistryError>>,
-    /// How long the hash thread waited for batches.
-    idle: Arc<IdleClock>,
-    /// When [`Landing::take_idle_share`] last looked, and the idle time then.
-    last_look: Mutex<(Instant, u64)>,
+    /// How long the writer and the hash thread waited for batches.
+    idle: [Arc<IdleClock>; 2],
+    /// When [`Landing::take_idle_share`] last looked, and each thread's idle time then.
+    last_look: Mutex<(Instant, [u64; 2])>,
 }
 
 impl Landing {
@@ -123,10 +124,10 @@ impl Landing {
         let (to_writer, mut to_write) = mpsc::unbounded_channel::<Slot>();
         let (to_hasher, mut to_hash) = mpsc::unbounded_channel::<Slot>();
         let pool: Arc<Mutex<Vec<Aligned>>> = Arc::default();
-        let idle = Arc::new(IdleClock::new());
-        let (target, sender) = (Arc::clone(partial), Arc::clone(sender));
+        let idle = [Arc::new(IdleClock::new()), Arc::new(IdleClock::new())];
+        let (target, sender, waited) = (Arc::clone(partial), Arc::clone(sender), Arc::clone(&idle[0]));
         let writer = tokio::task::spawn_blocking(move || {
-            while let Some(slot) = to_write.blocking_recv() {
+            while let Some(slot) = waited.around(|| to_write.blocking_recv()) {
                 let completed = target.write_at(slot.offset, slot.buffer.data())?;
                 target.report(&sender, completed);
                 if to_hasher.send(slot).is_err() {
@@ -135,17 +136,14 @@ impl Landing {
             }
             Ok(())
         });
-        let (target, returned, waited) = (Arc::clone(partial), Arc::clone(&pool), Arc::clone(&idle));
+        let (target, returned, waited) = (Arc::clone(partial), Arc::clone(&pool), Arc::clone(&idle[1]));
         let hasher = tokio::task::spawn_blocking(move || {
-            loop {
-                waited.start();
-                let next = to_hash.blocking_recv();
-                waited.stop();
-                let Some(Slot { offset, mut buffer, _permit }) = next else { return Ok(()) };
+            while let Some(Slot { offset, mut buffer, _permit }) = waited.around(|| to_hash.blocking_recv()) {
                 target.hash_written(offset, buffer.data())?;
                 buffer.clear();
                 lock(&returned).push(buffer);
             }
+            Ok(())
         });
         Self {
             to_writer: Some(to_writer),
@@ -154,7 +152,7 @@ impl Landing {
             writer,
             hasher,
             idle,
-            last_look: Mutex::new((Instant::now(), 0)),
+            last_look: Mutex::new((Instant::now(), [0, 0])),
         }
     }
 
@@ -181,15 +179,17 @@ impl Landing {
         self.to_writer.as_ref().is_some_and(|writer| writer.send(slot).is_ok())
     }
 
-    /// The share of the time since the last call that the hash thread waited for data.
+    /// The share of the time since the last call that both threads waited for data: the
+    /// smaller of the writer's and the hash thread's.
     pub(super) fn take_idle_share(&self) -> f64 {
-        let (now, idle) = (Instant::now(), self.idle.total());
+        let (now, idle) = (Instant::now(), [self.idle[0].total(), self.idle[1].total()]);
         let (then, idle_then) = std::mem::replace(&mut *lock(&self.last_look), (now, idle));
-        let elapsed = now.duration_since(then);
-        if elapsed.is_zero() {
+        let elapsed = now.duration_since(then).as_secs_f64();
+        if elapsed == 0.0 {
             return 0.0;
         }
-        Duration::from_nanos(idle.saturating_sub(idle_then)).as_secs_f64() / elapsed.as_secs_f64()
+        let share = |i: usize| Duration::from_nanos(idle[i].saturating_sub(idle_then[i])).as_secs_f64() / elapsed;
+        share(0).min(share(1))
     }
 
     /// Waits until every buffer handed on is written and hashed.
@@ -223,15 +223,13 @@ impl IdleClock {
         u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX - 1) + 1
     }
 
-    fn start(&self) {
+    /// Runs `wait`, counting its time.
+    fn around<T>(&self, wait: impl FnOnce() -> T) -> T {
         self.since.store(self.now(), Ordering::Relaxed);
-    }
-
-    fn stop(&self) {
+        let out = wait();
         let since = self.since.swap(0, Ordering::Relaxed);
-        if since > 0 {
-            self.ended.fetch_add(self.now().saturating_sub(since), Ordering::Relaxed);
-        }
+        self.ended.fetch_add(self.now().saturating_sub(since), Ordering::Relaxed);
+        out
     }
 
     /// Nanoseconds waited so far.
