@@ -82,6 +82,26 @@ fn add_models(root: &Path, template: &[u8], from: usize, to: usize) {
 
 /// Times `$call` (an expression that awaits) `$rounds` times after one untimed run; the
 /// samples in ms.
+/// What one size's calls measured: single times in ms, samples of ms, the object tree's
+/// reply size and the CPU ms each end spent per reply (corrald, the bus daemon).
+struct Calls {
+    first_tags: f64,
+    tags: Vec<f64>,
+    paused_tags: Vec<f64>,
+    paused_floor: Vec<f64>,
+    ps: Vec<f64>,
+    show: Vec<f64>,
+    list: Vec<f64>,
+    first_tree: f64,
+    tree: Vec<f64>,
+    tree_bytes: usize,
+    floor_tree: Vec<f64>,
+    tree_cpu: (f64, f64),
+    introspect: Vec<f64>,
+    floor_http: Vec<f64>,
+    floor_bus: Vec<f64>,
+}
+
 macro_rules! time {
     ($rounds:expr, $call:expr) => {{
         $call;
@@ -267,34 +287,41 @@ fn main() {
             let xml: String = introspect_once().await.body().deserialize().expect("xml");
             assert_eq!(xml.matches("<node name=").count(), size, "a node per model");
             let introspect = time!(rounds, drop(introspect_once().await));
-            let tree = (tree, tree_bytes, floor_tree, tree_cpu);
-            (
+            Calls {
                 first_tags,
                 tags,
-                (paused_tags, paused_floor),
+                paused_tags,
+                paused_floor,
                 ps,
                 show,
                 list,
                 first_tree,
                 tree,
+                tree_bytes,
+                floor_tree,
+                tree_cpu,
                 introspect,
                 floor_http,
                 floor_bus,
-            )
+            }
         });
-        let (
+        let Calls {
             first_tags,
             tags,
-            (paused_tags, paused_floor),
+            paused_tags,
+            paused_floor,
             ps,
             show,
             list,
             first_tree,
-            (tree, tree_bytes, floor_tree, (tree_corrald_cpu, tree_bus_cpu)),
+            tree,
+            tree_bytes,
+            floor_tree,
+            tree_cpu: (tree_corrald_cpu, tree_bus_cpu),
             introspect,
             floor_http,
             floor_bus,
-        ) = row;
+        } = row;
         println!(
             "| {size} | {} | {} | {first_tags:.3} | {} | {} | {} | {} | {} | {} | {first_tree:.3} | {} | {tree_bytes} | \
              {tree_corrald_cpu:.1}, {tree_bus_cpu:.1} | {} | {} | {} | {} |",

@@ -25,7 +25,7 @@ const WRITEBACK_STEP: u64 = 32 << 20;
 const MAX_SLICES: usize = 512;
 
 /// Chunks of data in hand, in order, written and hashed together.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default)]
 pub struct Batch {
     chunks: Vec<Bytes>,
     len: usize,
@@ -50,12 +50,6 @@ impl Batch {
     #[must_use]
     pub fn is_empty(&self) -> bool {
         self.len == 0
-    }
-
-    /// Whether it is time to write it.
-    #[must_use]
-    pub fn is_full(&self) -> bool {
-        self.len >= BATCH
     }
 
     /// Adds the batch's bytes to `hasher`.
@@ -410,23 +404,6 @@ mod tests {
         let mut hasher = Hasher::default();
         batch.hash_into(&mut hasher);
         assert_eq!(hasher.finish(), (Digest::of(&all), all.len() as u64));
-    }
-
-    /// An upload gathers chunks until its batch is full, then hands it on: what it holds
-    /// is at most one batch and one chunk, however long the body.
-    #[test]
-    fn a_batch_is_full_at_its_bound() {
-        let chunk = Bytes::from(vec![7u8; 300_000]);
-        let mut batch = Batch::default();
-        let mut largest = 0;
-        for _ in 0..1000 {
-            batch.push(chunk.clone());
-            if batch.is_full() {
-                largest = largest.max(batch.len());
-                batch = Batch::default();
-            }
-        }
-        assert!(largest >= BATCH && largest < BATCH + chunk.len(), "{largest}");
     }
 
     /// A large stream is copied batch by batch: no read asks for more than one batch (the

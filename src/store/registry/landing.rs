@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
 use super::partial::Partial;
-use super::{BlobStatus, RegistryError};
+use super::{BlobStatus, RegistryError, joined};
 use crate::store::stream::{ALIGN, Aligned, PIPELINE_BATCH};
 use crate::sync::lock;
 
@@ -107,7 +107,7 @@ fn room(offset: u64, filled: usize) -> usize {
 
 /// The writer and hash threads of one download, and its buffers.
 pub(super) struct Landing {
-    to_writer: Option<mpsc::UnboundedSender<Slot>>,
+    to_writer: mpsc::UnboundedSender<Slot>,
     permits: Arc<Semaphore>,
     pool: Arc<Mutex<Vec<Aligned>>>,
     writer: tokio::task::JoinHandle<Result<(), RegistryError>>,
@@ -146,7 +146,7 @@ impl Landing {
             Ok(())
         });
         Self {
-            to_writer: Some(to_writer),
+            to_writer,
             permits: Arc::new(Semaphore::new(buffers.max(2))),
             pool,
             writer,
@@ -176,7 +176,7 @@ impl Landing {
     /// Hands a filled buffer to the writer; `false` once the writer or the hash stopped (a
     /// failed write or read): [`Landing::finish`] tells why.
     fn land(&self, slot: Slot) -> bool {
-        self.to_writer.as_ref().is_some_and(|writer| writer.send(slot).is_ok())
+        self.to_writer.send(slot).is_ok()
     }
 
     /// The share of the time since the last call that both threads waited for data: the
@@ -196,11 +196,11 @@ impl Landing {
     ///
     /// # Errors
     /// The first write or read-back that failed.
-    pub(super) async fn finish(mut self) -> Result<(), RegistryError> {
-        drop(self.to_writer.take());
-        let failed = || RegistryError::io("a file operation failed", std::io::Error::other("a blocking task failed"));
-        let written = self.writer.await.map_err(|_| failed()).and_then(|r| r);
-        let hashed = self.hasher.await.map_err(|_| failed()).and_then(|r| r);
+    pub(super) async fn finish(self) -> Result<(), RegistryError> {
+        let Self { to_writer, writer, hasher, .. } = self;
+        drop(to_writer);
+        let written = joined(writer.await);
+        let hashed = joined(hasher.await);
         written.and(hashed)
     }
 }

@@ -405,9 +405,12 @@ async fn follow(
 async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, RegistryError> + Send + 'static,
 ) -> Result<T, RegistryError> {
-    tokio::task::spawn_blocking(work)
-        .await
-        .map_err(|e| RegistryError::io("a file operation failed", io::Error::other(e.to_string())))?
+    joined(tokio::task::spawn_blocking(work).await)
+}
+
+/// The outcome of file work run on the blocking pool, a panic in it an error.
+fn joined<T>(outcome: Result<Result<T, RegistryError>, tokio::task::JoinError>) -> Result<T, RegistryError> {
+    outcome.map_err(|e| RegistryError::io("a file operation failed", io::Error::other(e.to_string())))?
 }
 
 #[cfg(test)]
