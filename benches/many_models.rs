@@ -305,47 +305,34 @@ fn main() {
                 floor_bus,
             }
         });
-        let Calls {
-            first_tags,
-            tags,
-            paused_tags,
-            paused_floor,
-            ps,
-            show,
-            list,
-            first_tree,
-            tree,
-            tree_bytes,
-            floor_tree,
-            tree_cpu: (tree_corrald_cpu, tree_bus_cpu),
-            introspect,
-            floor_http,
-            floor_bus,
-        } = row;
+        let (tree_corrald_cpu, tree_bus_cpu) = row.tree_cpu;
         println!(
-            "| {size} | {} | {} | {first_tags:.3} | {} | {} | {} | {} | {} | {} | {first_tree:.3} | {} | {tree_bytes} | \
+            "| {size} | {} | {} | {:.3} | {} | {} | {} | {} | {} | {} | {:.3} | {} | {} | \
              {tree_corrald_cpu:.1}, {tree_bus_cpu:.1} | {} | {} | {} | {} |",
             cell(&start_bus),
             cell(&start_off),
-            cell(&tags),
-            cell(&paused_tags),
-            cell(&paused_floor),
-            cell(&ps),
-            cell(&show),
-            cell(&list),
-            cell(&tree),
-            cell(&floor_tree),
-            cell(&introspect),
-            cell(&floor_http),
-            cell(&floor_bus),
+            row.first_tags,
+            cell(&row.tags),
+            cell(&row.paused_tags),
+            cell(&row.paused_floor),
+            cell(&row.ps),
+            cell(&row.show),
+            cell(&row.list),
+            row.first_tree,
+            cell(&row.tree),
+            row.tree_bytes,
+            cell(&row.floor_tree),
+            cell(&row.introspect),
+            cell(&row.floor_http),
+            cell(&row.floor_bus),
         );
         growth.push((
             size,
             median(&start_bus),
             median(&start_off),
-            median(&tags),
-            median(&list),
-            median(&tree),
+            median(&row.tags),
+            median(&row.list),
+            median(&row.tree),
             tree_bus_cpu,
         ));
         daemon.stop();
