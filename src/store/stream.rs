@@ -279,41 +279,55 @@ pub const ALIGN: usize = 4096;
 
 /// A batch buffer of [`PIPELINE_BATCH`] bytes whose data starts at an [`ALIGN`]ed address,
 /// so that it can be written with direct I/O. Found inside a plain vector one alignment
-/// larger (no unsafe allocation).
+/// larger (no unsafe allocation), zeroed once when made (pages the kernel hands out zeroed
+/// anyway) so that a reader can read straight into its free room.
 #[derive(Default)]
 pub(super) struct Aligned {
     bytes: Vec<u8>,
     start: usize,
+    /// How much of it holds data.
+    len: usize,
 }
 
 impl Aligned {
     pub(super) fn new() -> Self {
-        let mut bytes: Vec<u8> = Vec::with_capacity(PIPELINE_BATCH + ALIGN);
+        let bytes = vec![0u8; PIPELINE_BATCH + ALIGN];
         let start = bytes.as_ptr().align_offset(ALIGN).min(ALIGN);
-        bytes.resize(start, 0);
-        Self { bytes, start }
+        Self { bytes, start, len: 0 }
     }
 
     pub(super) fn data(&self) -> &[u8] {
-        &self.bytes[self.start..]
+        &self.bytes[self.start..self.start + self.len]
     }
 
     pub(super) fn len(&self) -> usize {
-        self.bytes.len() - self.start
+        self.len
     }
 
     pub(super) fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.len == 0
     }
 
-    /// Appends `data`, which fits (the vector never grows, so its data never moves).
+    /// Appends `data`, which fits.
     pub(super) fn extend(&mut self, data: &[u8]) {
-        debug_assert!(self.len() + data.len() <= PIPELINE_BATCH);
-        self.bytes.extend_from_slice(data);
+        self.spare()[..data.len()].copy_from_slice(data);
+        self.len += data.len();
+    }
+
+    /// The room after the data, to read into; [`Aligned::filled`] then counts what was.
+    pub(super) fn spare(&mut self) -> &mut [u8] {
+        let from = self.start + self.len;
+        &mut self.bytes[from..self.start + PIPELINE_BATCH]
+    }
+
+    /// Counts `n` more bytes of [`Aligned::spare`] as data.
+    pub(super) fn filled(&mut self, n: usize) {
+        debug_assert!(self.len + n <= PIPELINE_BATCH);
+        self.len += n;
     }
 
     pub(super) fn clear(&mut self) {
-        self.bytes.truncate(self.start);
+        self.len = 0;
     }
 }
 

@@ -281,6 +281,55 @@ async fn a_transfer_cut_short_is_resumed_from_the_first_missing_byte() {
     assert_pull_progress(&events, &manifest);
 }
 
+/// The GETs of a blob the proxy saw: each range and the request's `Connection` header.
+fn blob_gets(seen: &[Seen], digest: &Digest) -> Vec<((u64, u64), Option<String>)> {
+    let digest = digest.to_string();
+    seen.iter()
+        .filter(|s| s.is_blob_get(&digest))
+        .map(|s| (s.byte_range().expect("a blob GET with a Range"), s.connection.clone()))
+        .collect()
+}
+
+/// Over plain HTTP a part is read by corral's own reader (one request per connection,
+/// `Connection: close`, the body read straight into the store's buffers). A registry that
+/// sends a blob elsewhere, as those in front of object storage do, is left to the HTTP
+/// client, which follows redirects, for that part and every part after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parts_over_plain_http_are_read_directly_and_redirected_ones_by_the_http_client() {
+    let world = World::new();
+    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let model = manifest.model().clone();
+    let proxy = Proxy::start(world.registry.addr());
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let client = client(&[proxy.host()], |c| c.max_parts = 1);
+    let close = Some("close".to_owned());
+
+    let store = world.store("direct");
+    within("pull", client.pull(&store, &name, |_| {})).await.expect("pull");
+    assert_eq!(snapshot(&store, &name), published);
+    let direct: Vec<_> = parts_from(0, model.size).into_iter().map(|range| (range, close.clone())).collect();
+    assert_eq!(blob_gets(&proxy.seen(), &model.digest), direct);
+
+    proxy.clear();
+    let (digest, upstream) = (model.digest.to_string(), world.registry.host());
+    proxy.rule(move |seen| {
+        if seen.is_blob_get(&digest) {
+            let location = format!("http://{upstream}{}", seen.path);
+            Action::Respond { status: 307, headers: vec![("Location".into(), location)], body: String::new() }
+        } else {
+            Action::Pass
+        }
+    });
+    let store = world.store("redirected");
+    within("pull", client.pull(&store, &name, |_| {})).await.expect("a redirected pull");
+    assert_eq!(snapshot(&store, &name), published);
+    // The first part asked directly, then by the client, which followed the redirect to the
+    // registry itself, as it did for every part after it.
+    let mut expected = vec![((0, PART - 1), close)];
+    expected.extend(parts_from(0, model.size).into_iter().map(|range| (range, None)));
+    assert_eq!(blob_gets(&proxy.seen(), &model.digest), expected);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_cut_short_fails_clearly_and_resumes_after_a_restart() {
     let world = World::new();
@@ -396,6 +445,70 @@ async fn a_pull_given_up_stops_its_download_and_keeps_what_arrived() {
     assert_eq!(blob_ranges(&proxy.seen(), &model.digest), parts_from(2 * PART, model.size));
     assert_eq!(snapshot(&store, &name), published);
     assert_pull_progress(&events, &manifest);
+}
+
+/// A part whose body stops coming is given up after `read_timeout` without a byte and
+/// retried from the first missing byte; a pull given up while a part stalls ends that
+/// transfer at once (the connection is closed), not after the stall's timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_transfer_is_retried_and_one_given_up_ends_at_once() {
+    let world = World::new();
+    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let model = manifest.model().clone();
+    let proxy = Proxy::start(world.registry.addr());
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let stall = 30_000;
+    let first_get = std::sync::atomic::AtomicBool::new(true);
+    let digest = model.digest.to_string();
+    proxy.rule(move |seen| {
+        if seen.is_blob_get(&digest) && first_get.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            Action::Stall(stall)
+        } else {
+            Action::Pass
+        }
+    });
+    let store = world.store("retried");
+    let quick = client(&[proxy.host()], |c| {
+        c.max_parts = 1;
+        c.read_timeout = Duration::from_millis(500);
+    });
+    within("pull", quick.pull(&store, &name, |_| {})).await.expect("a pull past a stall");
+    let mut expected = vec![(0, PART - 1), (stall, PART - 1)];
+    expected.extend(parts_from(PART, model.size));
+    assert_eq!(blob_ranges(&proxy.seen(), &model.digest), expected, "the retry asks only for what did not arrive");
+    assert_eq!(snapshot(&store, &name), published);
+    assert_eq!(proxy.abandoned(), 1, "the stalled connection was closed");
+
+    // A stall far longer than the test, given up: the transfer ends with the pull.
+    let digest = model.digest.to_string();
+    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Stall(stall) } else { Action::Pass });
+    let store = world.store("given-up");
+    let client = client(&[proxy.host()], |c| {
+        c.max_parts = 1;
+        c.read_timeout = Duration::from_secs(3600);
+    });
+    let (sender, _events) = mpsc::unbounded_channel();
+    let pull = spawn_pull(&client, &store, &name, 1, &sender);
+    poll_until_async(DEADLINE, "the stalled answer", || {
+        let stalled = proxy.stalled();
+        async move { if stalled == 2 { Ok(()) } else { Err(format!("{stalled} stalled")) } }
+    })
+    .await;
+    pull.abort();
+    assert!(pull.await.expect_err("aborted").is_cancelled());
+    poll_until_async(DEADLINE, "the stalled connection closed", || {
+        let abandoned = proxy.abandoned();
+        async move { if abandoned == 2 { Ok(()) } else { Err(format!("{abandoned} closed")) } }
+    })
+    .await;
+
+    // And what arrived is kept: the next pull resumes after it.
+    proxy.rule(|_| Action::Pass);
+    proxy.clear();
+    within("pull again", client.pull(&store, &name, |_| {})).await.expect("pull again");
+    let ranges = blob_ranges(&proxy.seen(), &model.digest);
+    assert_eq!(ranges.first().map(|r| r.0), Some(stall), "{ranges:?}");
+    assert_eq!(snapshot(&store, &name), published);
 }
 
 /// A download runs one part at a time while the CPU keeps up with it, and more at once

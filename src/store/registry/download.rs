@@ -21,6 +21,7 @@ use tokio::sync::watch;
 
 use super::landing::{Filling, Landing};
 use super::partial::Partial;
+use super::plain_http::{self, Fetched};
 use super::protocol::Remote;
 use super::{BlobStatus, Inner, RegistryError, blocking};
 use crate::store::Store;
@@ -321,6 +322,12 @@ async fn fetch_range(
     at: &mut u64,
     end: u64,
 ) -> Result<(), RegistryError> {
+    if remote.reads_direct() {
+        match plain_http::fetch_range(remote, partial, landing.feed(), at, end).await? {
+            Fetched::Landed => return Ok(()),
+            Fetched::Elsewhere => {}
+        }
+    }
     let what = &partial.what;
     let bad_range =
         |detail: String| RegistryError::BadRange { registry: remote.registry.clone(), what: what.clone(), detail };
@@ -330,42 +337,14 @@ async fn fetch_range(
     let mut response = remote
         .send(what, || Ok(remote.client()?.get(url.clone()).header(RANGE, format!("bytes={first}-{last}"))))
         .await?;
-    match response.status() {
-        StatusCode::PARTIAL_CONTENT => {
-            let header = response.headers().get(reqwest::header::CONTENT_RANGE).and_then(|v| v.to_str().ok());
-            match header.and_then(parse_content_range) {
-                Some((a, b, total)) if a == first && b == last && total.is_none_or(|t| t == partial.size) => {}
-                _ => {
-                    return Err(bad_range(format!(
-                        "asked for bytes {first}-{last} of {}, got 206 with Content-Range {}",
-                        partial.size,
-                        header.unwrap_or("(none)")
-                    )));
-                }
-            }
-        }
-        StatusCode::OK if first == 0 && end == partial.size => {}
-        StatusCode::OK => {
-            return Err(bad_range(format!(
-                "asked for bytes {first}-{last} of {}, got 200 (the whole blob): the server ignores Range",
-                partial.size
-            )));
-        }
-        StatusCode::RANGE_NOT_SATISFIABLE => {
-            return Err(bad_range(format!(
-                "asked for bytes {first}-{last}, got 416 (range not satisfiable): the blob is not {} bytes long",
-                partial.size
-            )));
-        }
-        _ => return Err(remote.fail(what, response).await),
-    }
-    if let Some(length) = response.content_length() {
-        if length != expected {
-            return Err(bad_range(format!("asked for {expected} bytes ({first}-{last}), got Content-Length {length}")));
-        }
+    let content_range = response.headers().get(reqwest::header::CONTENT_RANGE).and_then(|v| v.to_str().ok());
+    match check_range_answer(response.status(), content_range, response.content_length(), first, end, partial.size) {
+        Ok(true) => {}
+        Ok(false) => return Err(remote.fail(what, response).await),
+        Err(detail) => return Err(bad_range(detail)),
     }
     let mut received = 0u64;
-    let mut filling = Filling::new(landing);
+    let mut filling = Filling::new(landing.feed());
     let truncated = |received: u64, detail: String| RegistryError::Truncated {
         registry: remote.registry.clone(),
         what: what.clone(),
@@ -399,6 +378,50 @@ async fn fetch_range(
             Ok(None) => return Err(truncated(received, "the answer ended early".to_owned())),
             Err(e) => return Err(truncated(received, body_error(&e, remote.config().read_timeout))),
         }
+    }
+}
+
+/// How the head of an answer to a ranged GET of `first..end` of a blob of `size` bytes
+/// fits the question: `Ok(true)` when the part's bytes follow, `Ok(false)` for an error
+/// status (to report as such), `Err` with what is wrong with an answer to the range.
+pub(super) fn check_range_answer(
+    status: StatusCode,
+    content_range: Option<&str>,
+    content_length: Option<u64>,
+    first: u64,
+    end: u64,
+    size: u64,
+) -> Result<bool, String> {
+    let last = end - 1;
+    match status {
+        StatusCode::PARTIAL_CONTENT => match content_range.and_then(parse_content_range) {
+            Some((a, b, total)) if a == first && b == last && total.is_none_or(|t| t == size) => {}
+            _ => {
+                return Err(format!(
+                    "asked for bytes {first}-{last} of {size}, got 206 with Content-Range {}",
+                    content_range.unwrap_or("(none)")
+                ));
+            }
+        },
+        StatusCode::OK if first == 0 && end == size => {}
+        StatusCode::OK => {
+            return Err(format!(
+                "asked for bytes {first}-{last} of {size}, got 200 (the whole blob): the server ignores Range"
+            ));
+        }
+        StatusCode::RANGE_NOT_SATISFIABLE => {
+            return Err(format!(
+                "asked for bytes {first}-{last}, got 416 (range not satisfiable): the blob is not {size} bytes long"
+            ));
+        }
+        _ => return Ok(false),
+    }
+    let expected = end - first;
+    match content_length {
+        Some(length) if length != expected => {
+            Err(format!("asked for {expected} bytes ({first}-{last}), got Content-Length {length}"))
+        }
+        _ => Ok(true),
     }
 }
 

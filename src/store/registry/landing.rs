@@ -1,5 +1,6 @@
-//! Where a download's data lands: the parts' tasks fill aligned batch buffers as the data
-//! arrives, one writer thread writes each batch to the partial file, and one hash thread
+//! Where a download's data lands: each part fills aligned batch buffers as the data arrives
+//! (copied from the HTTP client's pieces, or read straight into them by `plain_http`'s
+//! blocking reads), one writer thread writes each batch to the partial file, and one hash thread
 //! then moves the blob's hash on (see [`Partial::hash_written`]) and gives the buffer back.
 //!
 //! Three stages on their own threads, because on a pull every one of them is a large cost
@@ -56,15 +57,16 @@ impl Slot {
     }
 }
 
-/// A part's batch being filled.
-pub(super) struct Filling<'a> {
-    landing: &'a Landing,
+/// A part's batch being filled: copied into from an async body ([`Filling::push`]), or read
+/// into straight from a socket on a blocking thread ([`Filling::room_blocking`]).
+pub(super) struct Filling {
+    feed: Feed,
     slot: Option<Slot>,
 }
 
-impl<'a> Filling<'a> {
-    pub(super) fn new(landing: &'a Landing) -> Self {
-        Self { landing, slot: None }
+impl Filling {
+    pub(super) fn new(feed: Feed) -> Self {
+        Self { feed, slot: None }
     }
 
     /// Copies `data`, which belongs at `*at` plus what is being filled, into batches,
@@ -73,7 +75,7 @@ impl<'a> Filling<'a> {
         while !data.is_empty() {
             let slot = match &mut self.slot {
                 Some(slot) => slot,
-                None => self.slot.insert(self.landing.slot(*at).await),
+                None => self.slot.insert(self.feed.slot(*at).await),
             };
             let (now, later) = data.split_at(data.len().min(slot.room()));
             slot.extend(now);
@@ -85,16 +87,59 @@ impl<'a> Filling<'a> {
         true
     }
 
+    /// The free room of the batch for the data at `*at` plus what is being filled, waiting
+    /// for a buffer if none is being filled (so: on a blocking thread of the runtime). Data
+    /// read into it counts once [`Filling::filled`] says so.
+    pub(super) fn room_blocking(&mut self, at: u64, runtime: &tokio::runtime::Handle) -> &mut [u8] {
+        if self.slot.is_none() {
+            self.slot = Some(runtime.block_on(self.feed.slot(at)));
+        }
+        let slot = self.slot.as_mut().expect("a slot was just taken");
+        let room = slot.room();
+        &mut slot.buffer.spare()[..room]
+    }
+
+    /// Counts `n` bytes read into [`Filling::room_blocking`], handing the batch on once full
+    /// (`*at` moves past it); `false` once the writing stopped.
+    pub(super) fn filled(&mut self, n: usize, at: &mut u64) -> bool {
+        let Some(slot) = &mut self.slot else { return n == 0 };
+        slot.buffer.filled(n);
+        slot.room() > 0 || self.hand_on(at)
+    }
+
     /// Hands on the batch being filled, if it holds anything (`*at` moves past it);
     /// `false` if the writing stopped.
     pub(super) fn hand_on(&mut self, at: &mut u64) -> bool {
         let Some(slot) = self.slot.take().filter(|slot| !slot.is_empty()) else { return true };
         let len = slot.len() as u64;
-        if !self.landing.land(slot) {
+        if self.feed.to_writer.send(slot).is_err() {
             return false;
         }
         *at += len;
         true
+    }
+}
+
+/// What a part needs to hand batches to a [`Landing`]: its buffers and its writer. The
+/// writer runs until every feed and the landing itself are gone.
+#[derive(Clone)]
+pub(super) struct Feed {
+    to_writer: mpsc::UnboundedSender<Slot>,
+    permits: Arc<Semaphore>,
+    pool: Arc<Mutex<Vec<Aligned>>>,
+}
+
+impl Feed {
+    /// An empty buffer for the data at `offset`, once one is free.
+    async fn slot(&self, offset: u64) -> Slot {
+        let permit = Arc::clone(&self.permits).acquire_owned().await.expect("the semaphore is never closed");
+        // Not `Aligned::default()`: that one has no room and no alignment.
+        let reused = lock(&self.pool).pop();
+        let buffer = match reused {
+            Some(buffer) => buffer,
+            None => Aligned::new(),
+        };
+        Slot { offset, buffer, _permit: permit }
     }
 }
 
@@ -107,9 +152,7 @@ fn room(offset: u64, filled: usize) -> usize {
 
 /// The writer and hash threads of one download, and its buffers.
 pub(super) struct Landing {
-    to_writer: mpsc::UnboundedSender<Slot>,
-    permits: Arc<Semaphore>,
-    pool: Arc<Mutex<Vec<Aligned>>>,
+    feed: Feed,
     writer: tokio::task::JoinHandle<Result<(), RegistryError>>,
     hasher: tokio::task::JoinHandle<Result<(), RegistryError>>,
     /// How long the writer and the hash thread waited for batches.
@@ -146,9 +189,7 @@ impl Landing {
             Ok(())
         });
         Self {
-            to_writer,
-            permits: Arc::new(Semaphore::new(buffers.max(2))),
-            pool,
+            feed: Feed { to_writer, permits: Arc::new(Semaphore::new(buffers.max(2))), pool },
             writer,
             hasher,
             idle,
@@ -156,27 +197,14 @@ impl Landing {
         }
     }
 
-    /// An empty buffer for the data at `offset`, once one is free.
-    async fn slot(&self, offset: u64) -> Slot {
-        let permit = Arc::clone(&self.permits).acquire_owned().await.expect("the semaphore is never closed");
-        // Not `Aligned::default()`: that one has no room and no alignment.
-        let reused = lock(&self.pool).pop();
-        let buffer = match reused {
-            Some(buffer) => buffer,
-            None => Aligned::new(),
-        };
-        Slot { offset, buffer, _permit: permit }
+    /// A feed for one more part.
+    pub(super) fn feed(&self) -> Feed {
+        self.feed.clone()
     }
 
     /// Allows one more buffer, for one more part at once.
     pub(super) fn widen(&self) {
-        self.permits.add_permits(1);
-    }
-
-    /// Hands a filled buffer to the writer; `false` once the writer or the hash stopped (a
-    /// failed write or read): [`Landing::finish`] tells why.
-    fn land(&self, slot: Slot) -> bool {
-        self.to_writer.send(slot).is_ok()
+        self.feed.permits.add_permits(1);
     }
 
     /// The share of the time since the last call that both threads waited for data: the
@@ -192,13 +220,14 @@ impl Landing {
         share(0).min(share(1))
     }
 
-    /// Waits until every buffer handed on is written and hashed.
+    /// Waits until every buffer handed on is written and hashed (and every [`Feed`] is gone:
+    /// the parts have stopped).
     ///
     /// # Errors
     /// The first write or read-back that failed.
     pub(super) async fn finish(self) -> Result<(), RegistryError> {
-        let Self { to_writer, writer, hasher, .. } = self;
-        drop(to_writer);
+        let Self { feed, writer, hasher, .. } = self;
+        drop(feed);
         let written = joined(writer.await);
         let hashed = joined(hasher.await);
         written.and(hashed)

@@ -13,9 +13,11 @@
 //!    large blobs (8 MiB or more) of a model at once. One part at a time while the CPU keeps
 //!    up with the data, up to [`RegistryConfig::max_parts`] at once while the hash waits for
 //!    it (`download.rs`). Every answer is checked: `206` with exactly the asked
-//!    `Content-Range`, or `200` only when the whole blob was asked for. The data goes into
-//!    `blobs/sha256-<hex>-partial` at each part's offset, in batches written on one thread
-//!    and hashed on another right after (`landing.rs`, `partial.rs`).
+//!    `Content-Range`, or `200` only when the whole blob was asked for. Over plain HTTP a
+//!    part is read by a blocking thread straight into the batch buffers (`plain_http.rs`);
+//!    a redirect, a `401` and everything over HTTPS go through the HTTP client. The data
+//!    goes into `blobs/sha256-<hex>-partial` at each part's offset, in batches written on
+//!    one thread and hashed on another right after (`landing.rs`, `partial.rs`).
 //! 4. The whole blob's SHA-256 is checked before it is renamed to `blobs/sha256-<hex>`; data
 //!    that hashes to anything else is deleted and the pull fails naming the digest. A pull
 //!    that fails takes back the blobs it put in place for the model.
@@ -54,6 +56,8 @@
 //!   it: its URLs, what its answers mean, the manifest;
 //! - `auth.rs`: the token dance (Bearer challenges, the token service);
 //! - `download.rs`: the shared, resumable blob downloads and their ranged requests;
+//! - `plain_http.rs`: a ranged request over plain HTTP, its body read by blocking reads;
+//! - `landing.rs`: the batch buffers, the writer and hash threads of a download;
 //! - `partial.rs`: a partial download on disk, the record of what is in it, the final check;
 //! - `push.rs`: uploading a blob;
 //! - `error.rs`: [`RegistryError`].
@@ -63,6 +67,7 @@ mod download;
 mod error;
 mod landing;
 mod partial;
+mod plain_http;
 mod protocol;
 mod push;
 

@@ -3,6 +3,7 @@
 //! the digest the registry announces. Requests go through [`Remote::send`] (in `auth.rs`),
 //! which adds the token.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use reqwest::header::ACCEPT;
@@ -17,7 +18,7 @@ use crate::store::name::ModelName;
 /// The most a manifest may weigh; real ones are a few KB.
 const MAX_MANIFEST_BYTES: usize = 4 << 20;
 /// How much of an error answer's body goes into an error message.
-const EXCERPT_BYTES: usize = 300;
+pub(super) const EXCERPT_BYTES: usize = 300;
 
 /// One registry repository, as seen by one pull or push: where it is and the token to use.
 #[derive(Debug)]
@@ -30,6 +31,9 @@ pub(super) struct Remote {
     /// `<scheme>://<host>/v2/<repo>/`.
     pub(super) base: Url,
     pub(super) token: Mutex<Option<String>>,
+    /// Whether blob parts are read by `plain_http` (a registry spoken to over plain HTTP),
+    /// until the registry redirects one elsewhere.
+    read_direct: AtomicBool,
 }
 
 impl Inner {
@@ -48,6 +52,7 @@ impl Inner {
             registry,
             base,
             token: Mutex::default(),
+            read_direct: AtomicBool::new(insecure),
         })
     }
 }
@@ -81,10 +86,26 @@ impl Remote {
         RegistryError::Unauthorized { registry: self.registry.clone(), what: what.to_owned(), reason }
     }
 
+    /// Whether blob parts are read by `plain_http`.
+    pub(super) fn reads_direct(&self) -> bool {
+        self.read_direct.load(Ordering::Relaxed)
+    }
+
+    /// Leaves blob parts to the HTTP client from now on (it follows redirects).
+    pub(super) fn stop_reading_direct(&self) {
+        self.read_direct.store(false, Ordering::Relaxed);
+    }
+
     /// The error for an answer the protocol does not expect.
     pub(super) async fn fail(&self, what: &str, response: Response) -> RegistryError {
         let status = response.status();
         let body = excerpt(response).await;
+        self.status_error(what, status, body)
+    }
+
+    /// The error for an answer of `status` the protocol does not expect, `body` the start
+    /// of its body ([`excerpt_text`]).
+    pub(super) fn status_error(&self, what: &str, status: StatusCode, body: String) -> RegistryError {
         let (registry, what) = (self.registry.clone(), what.to_owned());
         match status.as_u16() {
             404 => RegistryError::NotFound { registry, what },
@@ -149,9 +170,13 @@ pub(super) async fn excerpt(mut response: Response) -> String {
             _ => break,
         }
     }
+    excerpt_text(&data)
+}
+
+/// [`EXCERPT_BYTES`] of `data`, the start of a body, on one line (`…` where more came).
+pub(super) fn excerpt_text(data: &[u8]) -> String {
     let cut = data.len() > EXCERPT_BYTES;
-    data.truncate(EXCERPT_BYTES);
-    let text = String::from_utf8_lossy(&data);
+    let text = String::from_utf8_lossy(&data[..data.len().min(EXCERPT_BYTES)]);
     let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
     if text.is_empty() {
         "(empty body)".to_owned()

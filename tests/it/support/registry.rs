@@ -132,6 +132,8 @@ pub struct Seen {
     pub range: Option<String>,
     /// The `Authorization` header.
     pub authorization: Option<String>,
+    /// The `Connection` header.
+    pub connection: Option<String>,
 }
 
 impl Seen {
@@ -167,6 +169,10 @@ pub enum Action {
     Misstate(i64),
     /// Waits until the gate opens, then passes it through.
     Hold(Gate),
+    /// Passes it through but sends only this many bytes of the body, then nothing more
+    /// until the client goes (counted in [`Proxy::stalled`] once the bytes are sent, in
+    /// [`Proxy::abandoned`] once the client closed the connection).
+    Stall(u64),
     /// Answers this instead.
     Respond {
         /// The status.
@@ -216,8 +222,10 @@ struct ProxyState {
     client: reqwest::Client,
     seen: Mutex<Vec<Seen>>,
     rule: Mutex<Rule>,
-    /// Held requests whose client closed the connection while they waited.
+    /// Held or stalled requests whose client closed the connection while they waited.
     abandoned: std::sync::atomic::AtomicUsize,
+    /// Stalled answers whose bytes are sent.
+    stalled: std::sync::atomic::AtomicUsize,
 }
 
 /// A hand-written HTTP/1.1 proxy on `127.0.0.1:<free port>` in front of a registry, one
@@ -243,6 +251,7 @@ impl Proxy {
             seen: Mutex::default(),
             rule: Mutex::new(Arc::new(|_: &Seen| Action::Pass)),
             abandoned: std::sync::atomic::AtomicUsize::new(0),
+            stalled: std::sync::atomic::AtomicUsize::new(0),
         });
         let shared = Arc::clone(&state);
         let task = tokio::spawn(async move {
@@ -264,9 +273,15 @@ impl Proxy {
         *self.state.rule.lock().unwrap_or_else(PoisonError::into_inner) = Arc::new(rule);
     }
 
-    /// How many held requests their client gave up (closed the connection) while held.
+    /// How many held or stalled requests their client gave up (closed the connection) while
+    /// they waited.
     pub fn abandoned(&self) -> usize {
         self.state.abandoned.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// How many stalled answers have sent the bytes they send.
+    pub fn stalled(&self) -> usize {
+        self.state.stalled.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Every request seen so far, in order.
@@ -332,6 +347,7 @@ async fn serve(state: Arc<ProxyState>, mut socket: TcpStream) {
         path: request.path.clone(),
         range: header("range"),
         authorization: header("authorization"),
+        connection: header("connection"),
     };
     state.seen.lock().unwrap_or_else(PoisonError::into_inner).push(seen.clone());
     let rule = Arc::clone(&state.rule.lock().unwrap_or_else(PoisonError::into_inner));
@@ -389,7 +405,7 @@ async fn serve(state: Arc<ProxyState>, mut socket: TcpStream) {
     };
     let _ = write!(head, "{promise}Connection: close\r\n\r\n");
     match action {
-        Action::Cut(n) => data.truncate(usize::try_from(n).unwrap_or(usize::MAX)),
+        Action::Cut(n) | Action::Stall(n) => data.truncate(usize::try_from(n).unwrap_or(usize::MAX)),
         Action::Overlong(n) => data.resize(data.len() + n, b'x'),
         Action::Corrupt(at) => {
             if let Some(byte) = data.get_mut(at) {
@@ -403,6 +419,12 @@ async fn serve(state: Arc<ProxyState>, mut socket: TcpStream) {
     }
     let _ = socket.write_all(head.as_bytes()).await;
     let _ = socket.write_all(&data).await;
+    if matches!(action, Action::Stall(_)) {
+        state.stalled.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        closed_by_peer(&mut socket).await;
+        state.abandoned.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        return;
+    }
     let _ = socket.shutdown().await;
 }
 
