@@ -58,7 +58,7 @@ impl Slot {
 }
 
 /// A part's batch being filled: copied into from an async body ([`Filling::push`]), or read
-/// into straight from a socket on a blocking thread ([`Filling::room_blocking`]).
+/// into straight from a socket ([`Filling::room`]).
 pub(super) struct Filling {
     feed: Feed,
     slot: Option<Slot>,
@@ -87,19 +87,22 @@ impl Filling {
         true
     }
 
-    /// The free room of the batch for the data at `*at` plus what is being filled, waiting
-    /// for a buffer if none is being filled (so: on a blocking thread of the runtime). Data
-    /// read into it counts once [`Filling::filled`] says so.
-    pub(super) fn room_blocking(&mut self, at: u64, runtime: &tokio::runtime::Handle) -> &mut [u8] {
+    /// Takes a buffer for the data at `at` unless one is being filled, once one is free.
+    pub(super) async fn ready(&mut self, at: u64) {
         if self.slot.is_none() {
-            self.slot = Some(runtime.block_on(self.feed.slot(at)));
+            self.slot = Some(self.feed.slot(at).await);
         }
-        let slot = self.slot.as_mut().expect("a slot was just taken");
-        let room = slot.room();
-        &mut slot.buffer.spare()[..room]
     }
 
-    /// Counts `n` bytes read into [`Filling::room_blocking`], handing the batch on once full
+    /// The free room of the batch being filled ([`Filling::ready`]), to read into; data read
+    /// into it counts once [`Filling::filled`] says so. `None` when no batch is being filled.
+    pub(super) fn room(&mut self) -> Option<&mut [u8]> {
+        let slot = self.slot.as_mut()?;
+        let room = slot.room();
+        Some(&mut slot.buffer.spare()[..room])
+    }
+
+    /// Counts `n` bytes read into [`Filling::room`], handing the batch on once full
     /// (`*at` moves past it); `false` once the writing stopped.
     pub(super) fn filled(&mut self, n: usize, at: &mut u64) -> bool {
         let Some(slot) = &mut self.slot else { return n == 0 };

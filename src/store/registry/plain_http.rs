@@ -7,8 +7,9 @@
 //! registry close by, the two cores are the limit (the registry, the receiving and the
 //! hash share them), and that path cost corrald about 1.0–1.4 s of CPU per GiB where a
 //! plain program with blocking reads needed 0.83 s (`docs/benchmarks.md`). Here the head is
-//! exchanged on the runtime, then one blocking thread per part reads the socket into the
-//! batch buffer itself: one copy (the kernel's), no wake-ups while data flows.
+//! exchanged on the runtime, then blocking reads fill the batch buffers from the socket
+//! themselves, a batch (4 MiB) per trip to a blocking thread: one copy (the kernel's), no
+//! wake-ups while data flows.
 //!
 //! Only what this path can do right is done here: one request, and an answer of 206 (or
 //! 200 for the whole blob) with or without its length, or an error status with its body's
@@ -148,14 +149,13 @@ pub(super) async fn fetch_range(
         socket,
         stop: Arc::clone(&stop.0),
         filling: Filling::new(feed),
+        first: body,
         at: *at,
+        received: 0,
         expected: end - first,
         known_length: head.content_length.is_some(),
-        runtime: tokio::runtime::Handle::current(),
     };
-    let (reached, outcome) = tokio::task::spawn_blocking(move || receiving.run(&body))
-        .await
-        .map_err(|_| RegistryError::io("a download's receiving thread", std::io::Error::other("it panicked")))?;
+    let (reached, outcome) = receiving.run().await?;
     drop(stop);
     *at = reached;
     let expected = end - first;
@@ -252,79 +252,105 @@ enum Broke {
     Off { received: u64, detail: Option<String> },
 }
 
-/// A part's body, read on a blocking thread.
+/// A part's body, read on blocking threads, one batch at a time.
 struct Receiving {
     socket: StdStream,
     stop: Arc<(AtomicBool, StdStream)>,
     filling: Filling,
+    /// What came with the head, not yet in a batch.
+    first: Vec<u8>,
     /// Where the data not yet handed on belongs.
     at: u64,
+    received: u64,
     expected: u64,
     /// Whether the answer said how long it is (then it ends there, else where the
     /// connection closes).
     known_length: bool,
-    runtime: tokio::runtime::Handle,
 }
 
 impl Receiving {
-    /// Reads the body (`first` is what came with the head) into batches: how far the data
-    /// handed on reaches, and how the body ended. Whatever arrived is handed on, also when
-    /// the transfer broke off (a retry asks for the rest), but nothing of a body longer
-    /// than the range: the server is not answering what was asked.
-    fn run(mut self, first: &[u8]) -> (u64, Result<(), Broke>) {
-        let outcome = match self.receive(first) {
+    /// Reads the body into batches. Each batch is waited for on the runtime and filled on a
+    /// blocking thread: a thread never waits for a free buffer, which the download's writer
+    /// and hash threads (blocking ones too) give back. Returns how far the data handed on
+    /// reaches, and how the body ended. Whatever arrived is handed on, also when the
+    /// transfer broke off (a retry asks for the rest), but nothing of a body longer than the
+    /// range: the server is not answering what was asked.
+    async fn run(mut self) -> Result<(u64, Result<(), Broke>), RegistryError> {
+        let outcome = loop {
+            self.filling.ready(self.at).await;
+            // The thread settles the end itself: also when this future is gone (the
+            // download given up), what arrived is handed on.
+            let (back, ended) = tokio::task::spawn_blocking(move || {
+                let ended = self.fill().map(|outcome| self.settle(outcome));
+                (self, ended)
+            })
+            .await
+            .map_err(|_| RegistryError::io("a download's receiving thread", std::io::Error::other("it panicked")))?;
+            self = back;
+            if let Some(outcome) = ended {
+                break outcome;
+            }
+        };
+        Ok((self.at, outcome))
+    }
+
+    /// Hands on what is left at the end of the body.
+    fn settle(&mut self, outcome: Result<(), Broke>) -> Result<(), Broke> {
+        match outcome {
             Err(Broke::Overlong) => Err(Broke::Overlong),
             outcome if !self.filling.hand_on(&mut self.at) => outcome.and(Err(Broke::Stopped)),
             outcome => outcome,
-        };
-        (self.at, outcome)
+        }
     }
 
-    fn receive(&mut self, mut first: &[u8]) -> Result<(), Broke> {
-        let mut received = 0u64;
-        while received < self.expected || !self.known_length {
+    /// Reads into the batch being filled until it is handed on (`None`) or the body ends.
+    fn fill(&mut self) -> Option<Result<(), Broke>> {
+        let received = &mut self.received;
+        loop {
+            if *received == self.expected && self.known_length {
+                return Some(Ok(()));
+            }
             if self.stop.0.load(Ordering::Relaxed) {
-                return Err(Broke::Stopped);
+                return Some(Err(Broke::Stopped));
             }
             // One byte past the range, where no length was given, shows a body too long.
-            let left = self.expected - received + u64::from(!self.known_length);
-            let room = self.filling.room_blocking(self.at, &self.runtime);
+            let left = self.expected - *received + u64::from(!self.known_length);
+            let room = self.filling.room()?;
             let room_len = room.len().min(usize::try_from(left).unwrap_or(usize::MAX));
             let room = &mut room[..room_len];
-            let n = if first.is_empty() {
+            let n = if self.first.is_empty() {
                 match self.socket.read(room) {
                     Ok(n) => n,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                     Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                        return Err(Broke::Off { received, detail: None });
+                        return Some(Err(Broke::Off { received: *received, detail: None }));
                     }
-                    Err(e) => return Err(Broke::Off { received, detail: Some(e.to_string()) }),
+                    Err(e) => return Some(Err(Broke::Off { received: *received, detail: Some(e.to_string()) })),
                 }
             } else {
-                let n = first.len().min(room.len());
-                room[..n].copy_from_slice(&first[..n]);
-                first = &first[n..];
+                let n = self.first.len().min(room.len());
+                room[..n].copy_from_slice(&self.first[..n]);
+                self.first.drain(..n);
                 n
             };
             if n == 0 {
                 if self.stop.0.load(Ordering::Relaxed) {
-                    return Err(Broke::Stopped);
+                    return Some(Err(Broke::Stopped));
                 }
-                return if received == self.expected {
+                return Some(if *received == self.expected {
                     Ok(())
                 } else {
-                    Err(Broke::Off { received, detail: Some("the answer ended early".to_owned()) })
-                };
+                    Err(Broke::Off { received: *received, detail: Some("the answer ended early".to_owned()) })
+                });
             }
-            if received + n as u64 > self.expected {
-                return Err(Broke::Overlong);
+            if *received + n as u64 > self.expected {
+                return Some(Err(Broke::Overlong));
             }
-            received += n as u64;
+            *received += n as u64;
             if !self.filling.filled(n, &mut self.at) {
-                return Err(Broke::Stopped);
+                return Some(Err(Broke::Stopped));
             }
         }
-        Ok(())
     }
 }
 
