@@ -43,11 +43,6 @@ impl Slot {
         room(self.offset, self.buffer.len())
     }
 
-    /// Appends `data`, at most [`Slot::room`] bytes.
-    fn extend(&mut self, data: &[u8]) {
-        self.buffer.extend(data);
-    }
-
     fn len(&self) -> usize {
         self.buffer.len()
     }
@@ -73,14 +68,12 @@ impl Filling {
     /// handing each full one on (`*at` moves past it); `false` once the writing stopped.
     pub(super) async fn push(&mut self, mut data: &[u8], at: &mut u64) -> bool {
         while !data.is_empty() {
-            let slot = match &mut self.slot {
-                Some(slot) => slot,
-                None => self.slot.insert(self.feed.slot(*at).await),
-            };
-            let (now, later) = data.split_at(data.len().min(slot.room()));
-            slot.extend(now);
+            self.ready(*at).await;
+            let room = self.room().expect("a batch is being filled");
+            let (now, later) = data.split_at(data.len().min(room.len()));
+            room[..now.len()].copy_from_slice(now);
             data = later;
-            if slot.room() == 0 && !self.hand_on(at) {
+            if !self.filled(now.len(), at) {
                 return false;
             }
         }
