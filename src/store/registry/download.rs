@@ -329,8 +329,7 @@ async fn fetch_range(
         }
     }
     let what = &partial.what;
-    let bad_range =
-        |detail: String| RegistryError::BadRange { registry: remote.registry.clone(), what: what.clone(), detail };
+    let asked = Asked { remote, what, first: *at, end };
     let (first, last) = (*at, end - 1);
     let expected = end - first;
     let url = remote.url(&format!("blobs/{}", partial.digest))?;
@@ -341,44 +340,75 @@ async fn fetch_range(
     match check_range_answer(response.status(), content_range, response.content_length(), first, end, partial.size) {
         Ok(true) => {}
         Ok(false) => return Err(remote.fail(what, response).await),
-        Err(detail) => return Err(bad_range(detail)),
+        Err(detail) => return Err(asked.bad_range(detail)),
     }
     let mut received = 0u64;
     let mut filling = Filling::new(landing.feed());
-    let truncated = |received: u64, detail: String| RegistryError::Truncated {
-        registry: remote.registry.clone(),
-        what: what.clone(),
-        received,
-        expected,
-        first,
-        last,
-        detail,
-    };
-    let stopped =
-        || RegistryError::io("a file operation failed", std::io::Error::other("the download's writing stopped"));
     loop {
         let chunk = response.chunk().await;
         if let Ok(Some(data)) = &chunk {
             let len = data.len() as u64;
             if received + len > expected {
-                return Err(bad_range(format!("asked for {expected} bytes ({first}-{last}), got more")));
+                return Err(asked.overlong());
             }
             received += len;
             if !filling.push(data, at).await {
-                return Err(stopped());
+                return Err(writing_stopped());
             }
         }
         // Whatever arrived is kept, also when the transfer broke off: a retry asks for the rest.
         if !matches!(chunk, Ok(Some(_))) && !filling.hand_on(at) {
-            return Err(stopped());
+            return Err(writing_stopped());
         }
         match chunk {
             Ok(Some(_)) => {}
             Ok(None) if received == expected => return Ok(()),
-            Ok(None) => return Err(truncated(received, "the answer ended early".to_owned())),
-            Err(e) => return Err(truncated(received, body_error(&e, remote.config().read_timeout))),
+            Ok(None) => return Err(asked.truncated(received, "the answer ended early".to_owned())),
+            Err(e) => return Err(asked.truncated(received, body_error(&e, remote.config().read_timeout))),
         }
     }
+}
+
+/// One ranged GET of `first..end` of a blob, for the errors of its answer, whichever way
+/// its body is received.
+pub(super) struct Asked<'a> {
+    pub(super) remote: &'a Remote,
+    /// `blob <digest> of <repo>:<tag>`.
+    pub(super) what: &'a str,
+    pub(super) first: u64,
+    pub(super) end: u64,
+}
+
+impl Asked<'_> {
+    /// The answer is not one to the range.
+    pub(super) fn bad_range(&self, detail: String) -> RegistryError {
+        RegistryError::BadRange { registry: self.remote.registry.clone(), what: self.what.to_owned(), detail }
+    }
+
+    /// The body goes on past the range.
+    pub(super) fn overlong(&self) -> RegistryError {
+        let (first, last) = (self.first, self.end - 1);
+        self.bad_range(format!("asked for {} bytes ({first}-{last}), got more", self.end - first))
+    }
+
+    /// The body broke off after `received` bytes.
+    pub(super) fn truncated(&self, received: u64, detail: String) -> RegistryError {
+        RegistryError::Truncated {
+            registry: self.remote.registry.clone(),
+            what: self.what.to_owned(),
+            received,
+            expected: self.end - self.first,
+            first: self.first,
+            last: self.end - 1,
+            detail,
+        }
+    }
+}
+
+/// The reason a part stopped when the download's writer did (a failed write, which
+/// [`Landing::finish`] reports) or the download was given up.
+pub(super) fn writing_stopped() -> RegistryError {
+    RegistryError::io("a file operation failed", std::io::Error::other("the download's writing stopped"))
 }
 
 /// How the head of an answer to a ranged GET of `first..end` of a blob of `size` bytes

@@ -34,7 +34,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
 use super::RegistryError;
-use super::download::check_range_answer;
+use super::download::{Asked, check_range_answer, writing_stopped};
 use super::landing::{Feed, Filling};
 use super::partial::Partial;
 use super::protocol::{EXCERPT_BYTES, Remote, excerpt_text};
@@ -79,6 +79,7 @@ pub(super) async fn fetch_range(
     let transport =
         |detail: String| RegistryError::Transport { registry: remote.registry.clone(), what: what.clone(), detail };
     let (first, last) = (*at, end - 1);
+    let asked = Asked { remote, what, first, end };
     let url = remote.url(&format!("blobs/{}", partial.digest))?;
     let token = lock(&remote.token).clone();
     let (Some(host), Some(port)) = (url.host_str(), url.port_or_known_default()) else {
@@ -138,7 +139,7 @@ pub(super) async fn fetch_range(
             let body = read_excerpt(&mut stream, body, head.content_length, config.read_timeout).await;
             return Err(remote.status_error(what, head.status, excerpt_text(&body)));
         }
-        Err(detail) => return Err(bad_range(remote, what, detail)),
+        Err(detail) => return Err(asked.bad_range(detail)),
     }
 
     let socket = stream.into_std().map_err(|e| transport(format!("cannot take the connection: {e}")))?;
@@ -158,33 +159,19 @@ pub(super) async fn fetch_range(
     let (reached, outcome) = receiving.run().await?;
     drop(stop);
     *at = reached;
-    let expected = end - first;
     match outcome {
         Ok(()) => Ok(Fetched::Landed),
-        Err(Broke::Overlong) => {
-            Err(bad_range(remote, what, format!("asked for {expected} bytes ({first}-{last}), got more")))
-        }
-        Err(Broke::Stopped) => {
-            Err(RegistryError::io("a file operation failed", std::io::Error::other("the download's writing stopped")))
-        }
-        Err(Broke::Off { received, detail }) => Err(RegistryError::Truncated {
-            registry: remote.registry.clone(),
-            what: what.clone(),
+        Err(Broke::Overlong) => Err(asked.overlong()),
+        Err(Broke::Stopped) => Err(writing_stopped()),
+        Err(Broke::Off { received, detail }) => Err(asked.truncated(
             received,
-            expected,
-            first,
-            last,
-            detail: detail.unwrap_or_else(|| format!("no data arrived for {}", human(config.read_timeout))),
-        }),
+            detail.unwrap_or_else(|| format!("no data arrived for {}", human(config.read_timeout))),
+        )),
     }
 }
 
 fn protocol(remote: &Remote, detail: String) -> RegistryError {
     RegistryError::Protocol { registry: remote.registry.clone(), detail }
-}
-
-fn bad_range(remote: &Remote, what: &str, detail: String) -> RegistryError {
-    RegistryError::BadRange { registry: remote.registry.clone(), what: what.to_owned(), detail }
 }
 
 /// The head, once `read` holds all of it; `Err` for one that is not HTTP.
