@@ -39,10 +39,17 @@ pub(super) fn start(shared: Arc<Shared>, connection: Connection, bus: BusKind) -
         follower.shared.applied.notify_waiters();
         loop {
             tokio::select! {
-                notice = notices.recv() => match notice {
-                    Ok(notice) => follower.apply(notice).await,
-                    Err(RecvError::Lagged(_)) => follower.sync_runners().await,
-                    Err(RecvError::Closed) => break,
+                notice = notices.recv() => {
+                    if matches!(notice, Err(RecvError::Closed)) {
+                        break;
+                    }
+                    // Replies wait until the whole change is applied ([`Shared::settled`]).
+                    follower.shared.applying.store(true, std::sync::atomic::Ordering::SeqCst);
+                    match notice {
+                        Ok(notice) => follower.apply(notice).await,
+                        Err(_) => follower.sync_runners().await,
+                    }
+                    follower.shared.applying.store(false, std::sync::atomic::Ordering::SeqCst);
                 },
                 changed = store_changes.changed() => {
                     if changed.is_err() {
@@ -67,6 +74,14 @@ pub(super) struct Runners {
 }
 
 impl Runners {
+    /// The models some runner serves (loading ones too), sorted: `LoadedModels`.
+    pub(super) fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.by_id.values().flat_map(|r| r.names.iter().cloned()).collect();
+        names.sort();
+        names.dedup();
+        names
+    }
+
     /// Whether the views show runner `id` past loading (ready, unloading, or gone), and
     /// serving the model `name` (which may share it with others).
     pub(super) fn loaded(&self, id: RunnerId, name: &str) -> bool {
@@ -264,10 +279,7 @@ impl Follower {
     }
 
     async fn update_loaded(&self) {
-        let mut names: Vec<String> =
-            lock(&self.shared.runners).by_id.values().flat_map(|r| r.names.iter().cloned()).collect();
-        names.sort();
-        names.dedup();
+        let names = lock(&self.shared.runners).names();
         let changed = {
             let mut loaded = lock(&self.shared.loaded);
             let changed = *loaded != names;

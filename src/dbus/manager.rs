@@ -218,7 +218,10 @@ impl Manager {
 
     #[zbus(property)]
     fn loaded_models(&self) -> Vec<String> {
-        lock(&self.shared.loaded).clone()
+        // From the runners' view itself, not the copy kept to signal changes: a reply that
+        // waited for that view to show its effect ([`Shared::settled`]) is then never
+        // followed by an older `LoadedModels`.
+        lock(&self.shared.runners).names()
     }
 
     /// Asked of the scheduler on each get: it changes with every request.

@@ -133,7 +133,7 @@ struct Shared {
     context: Context,
     /// Limits now (updated on reload).
     limits: Mutex<Limits>,
-    /// The names of the models with a runner, in order.
+    /// The names of the models with a runner, in order, as `LoadedModels` last signalled them.
     loaded: Mutex<Vec<String>>,
     /// The model objects by the model's short name, with their data.
     models: Mutex<BTreeMap<String, model::Shown>>,
@@ -145,6 +145,9 @@ struct Shared {
     runners: Mutex<follow::Runners>,
     /// Woken each time the follower applied a change.
     applied: tokio::sync::Notify,
+    /// Whether the follower is in the middle of applying a change (the runners changed,
+    /// the model objects and `LoadedModels` not yet).
+    applying: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -157,20 +160,23 @@ impl Shared {
             jobs_running: std::sync::atomic::AtomicUsize::new(0),
             runners: Mutex::default(),
             applied: tokio::sync::Notify::new(),
+            applying: std::sync::atomic::AtomicBool::new(false),
             context,
         }
     }
 
-    /// Waits until the views show what `done` looks for, so that a reply never runs
-    /// ahead of the properties a client reads next. Bounded: a view that falls behind
-    /// delays a reply by a moment, never fails it.
+    /// Waits until the views show what `done` looks for, every view of the change (the
+    /// runners, the model objects, `LoadedModels`), so that a reply never runs ahead of the
+    /// properties a client reads next. Bounded: a view that falls behind delays a reply by
+    /// a moment, never fails it.
     async fn settled(&self, done: impl Fn(&follow::Runners) -> bool) {
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
         loop {
             let notified = self.applied.notified();
             let mut notified = std::pin::pin!(notified);
             notified.as_mut().enable();
-            if done(&lock(&self.runners)) {
+            let applying = self.applying.load(std::sync::atomic::Ordering::SeqCst);
+            if !applying && done(&lock(&self.runners)) {
                 return;
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
