@@ -143,7 +143,9 @@ pub(super) async fn fetch_range(
     }
 
     let socket = stream.into_std().map_err(|e| transport(format!("cannot take the connection: {e}")))?;
-    let setup = socket.set_nonblocking(false).and_then(|()| socket.set_read_timeout(Some(config.read_timeout)));
+    // A zero timeout is an error to the socket (it would mean none).
+    let wait = config.read_timeout.max(Duration::from_millis(1));
+    let setup = socket.set_nonblocking(false).and_then(|()| socket.set_read_timeout(Some(wait)));
     let stop = setup.and_then(|()| socket.try_clone()).map_err(|e| transport(format!("cannot set up: {e}")))?;
     let stop = Stop(Arc::new((AtomicBool::new(false), stop)));
     let receiving = Receiving {
