@@ -94,6 +94,8 @@ SEED = {
         "range-backwards": "bytes 9-5/10",
         "range-past-end": "bytes 0-10/10",
         "range-huge": "bytes 0-18446744073709551615/18446744073709551615",
+        "head": "HTTP/1.1 206 Partial Content\r\nContent-Length: 10\r\nContent-Range: bytes 0-9/20\r\n\r\nbody",
+        "head-chunked": "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n",
     },
     "llama_log": {
         name: b"\x07" + (LOGS / name).read_bytes()[:6000]

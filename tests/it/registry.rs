@@ -166,6 +166,18 @@ fn blob_ranges(seen: &[Seen], digest: &Digest) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// Makes the proxy answer the first GET of the blob `digest` with `action`, and pass
+/// everything else.
+fn on_the_first_get_of(proxy: &Proxy, digest: &Digest, action: Action) {
+    let first_get = std::sync::atomic::AtomicBool::new(true);
+    let (digest, action) = (digest.to_string(), std::sync::Mutex::new(Some(action)));
+    proxy.rule(move |seen| {
+        let first = seen.is_blob_get(&digest) && first_get.swap(false, std::sync::atomic::Ordering::SeqCst);
+        let taken = if first { action.lock().ok().and_then(|mut a| a.take()) } else { None };
+        taken.unwrap_or(Action::Pass)
+    });
+}
+
 /// `PART`-sized ranges covering `start..size`.
 fn parts_from(start: u64, size: u64) -> Vec<(u64, u64)> {
     let mut parts = Vec::new();
@@ -258,15 +270,7 @@ async fn a_transfer_cut_short_is_resumed_from_the_first_missing_byte() {
     assert!(model.size > 3 * PART, "the tiny model is {} bytes, too small to come in parts", model.size);
     let proxy = Proxy::start(world.registry.addr());
     let cut = 30_000;
-    let first_get = std::sync::atomic::AtomicBool::new(true);
-    let digest = model.digest.to_string();
-    proxy.rule(move |seen| {
-        if seen.is_blob_get(&digest) && first_get.swap(false, std::sync::atomic::Ordering::SeqCst) {
-            Action::Cut(cut)
-        } else {
-            Action::Pass
-        }
-    });
+    on_the_first_get_of(&proxy, &model.digest, Action::Cut(cut));
     let store = world.store("dest");
     let name = name_on(&proxy.host(), "test/tiny:v1");
     let client = client(&[proxy.host()], |c| c.max_parts = 1);
@@ -458,15 +462,7 @@ async fn a_stalled_transfer_is_retried_and_one_given_up_ends_at_once() {
     let proxy = Proxy::start(world.registry.addr());
     let name = name_on(&proxy.host(), "test/tiny:v1");
     let stall = 30_000;
-    let first_get = std::sync::atomic::AtomicBool::new(true);
-    let digest = model.digest.to_string();
-    proxy.rule(move |seen| {
-        if seen.is_blob_get(&digest) && first_get.swap(false, std::sync::atomic::Ordering::SeqCst) {
-            Action::Stall(stall)
-        } else {
-            Action::Pass
-        }
-    });
+    on_the_first_get_of(&proxy, &model.digest, Action::Stall(stall));
     let store = world.store("retried");
     let quick = client(&[proxy.host()], |c| {
         c.max_parts = 1;

@@ -86,6 +86,7 @@ use self::download::Inflight;
 pub use self::download::parse_content_range;
 pub use self::error::RegistryError;
 use self::error::chain;
+pub use self::plain_http::{AnswerHead, parse_answer_head};
 use super::digest::Digest;
 use super::limits;
 use super::manifest::{Layer, MANIFEST_MEDIA_TYPE, Manifest};
@@ -99,6 +100,8 @@ const LAYERS_AT_ONCE: usize = 3;
 /// Layers from this size on download beside others; smaller ones (a config, a template)
 /// take longer to ask for than to fetch, and go one after the other.
 const CONCURRENT_LAYER: u64 = 8 << 20;
+/// How corral names itself to registries, through either HTTP path.
+const USER_AGENT: &str = concat!("corral/", env!("CARGO_PKG_VERSION"));
 /// How often progress is reported while bytes flow.
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -211,7 +214,7 @@ impl Inner {
             Client::builder()
                 .connect_timeout(self.config.connect_timeout)
                 .read_timeout(self.config.read_timeout)
-                .user_agent(concat!("corral/", env!("CARGO_PKG_VERSION")))
+                .user_agent(USER_AGENT)
                 .build()
                 .map_err(|e| chain(&e))
         });

@@ -33,11 +33,11 @@ use reqwest::header::HeaderValue;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
-use super::RegistryError;
 use super::download::{Asked, check_range_answer, writing_stopped};
 use super::landing::{Feed, Filling};
 use super::partial::Partial;
 use super::protocol::{EXCERPT_BYTES, Remote, excerpt_text};
+use super::{RegistryError, USER_AGENT};
 use crate::durations::human;
 use crate::sync::lock;
 
@@ -54,15 +54,19 @@ pub(super) enum Fetched {
     Elsewhere,
 }
 
-/// What an answer's head says, as far as a part needs it.
-struct Head {
-    status: StatusCode,
-    content_length: Option<u64>,
-    content_range: Option<String>,
+/// What an answer's head says, as far as a blob part needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnswerHead {
+    /// The status.
+    pub status: StatusCode,
+    /// `Content-Length`, when given.
+    pub content_length: Option<u64>,
+    /// `Content-Range`, when given.
+    pub content_range: Option<String>,
     /// Any `Transfer-Encoding`: a body this path does not decode.
-    encoded: bool,
+    pub encoded: bool,
     /// Where the body begins in what was read.
-    length: usize,
+    pub length: usize,
 }
 
 /// One ranged GET of `*at..end` as [`download::fetch_range`](super::download) makes it,
@@ -93,9 +97,8 @@ pub(super) async fn fetch_range(
     let path = url.query().map_or_else(|| url.path().to_owned(), |query| format!("{}?{query}", url.path()));
     let authorization = token.map_or_else(String::new, |token| format!("Authorization: Bearer {token}\r\n"));
     let request = format!(
-        "GET {path} HTTP/1.1\r\nHost: {authority}\r\nUser-Agent: corral/{}\r\nAccept: */*\r\n\
-         Range: bytes={first}-{last}\r\n{authorization}Connection: close\r\n\r\n",
-        env!("CARGO_PKG_VERSION")
+        "GET {path} HTTP/1.1\r\nHost: {authority}\r\nUser-Agent: {USER_AGENT}\r\nAccept: */*\r\n\
+         Range: bytes={first}-{last}\r\n{authorization}Connection: close\r\n\r\n"
     );
 
     let connect = TcpStream::connect((host.trim_start_matches('[').trim_end_matches(']'), port));
@@ -117,7 +120,7 @@ pub(super) async fn fetch_range(
         if n == 0 {
             return Err(transport("the connection closed before an answer".to_owned()));
         }
-        match parse_head(&read) {
+        match parse_answer_head(&read) {
             Ok(Some(head)) => break head,
             Ok(None) if read.len() < MAX_HEAD => {}
             Ok(None) => return Err(protocol(remote, format!("an answer's head is larger than {MAX_HEAD} bytes"))),
@@ -176,8 +179,10 @@ fn protocol(remote: &Remote, detail: String) -> RegistryError {
     RegistryError::Protocol { registry: remote.registry.clone(), detail }
 }
 
-/// The head, once `read` holds all of it; `Err` for one that is not HTTP.
-fn parse_head(read: &[u8]) -> Result<Option<Head>, String> {
+/// The head of an HTTP/1.x answer, once `read` holds all of it (`None` until then); `Err`
+/// for one that is not HTTP, has more than 100 headers, or an invalid or contradictory
+/// `Content-Length`.
+pub fn parse_answer_head(read: &[u8]) -> Result<Option<AnswerHead>, String> {
     let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut response = httparse::Response::new(&mut headers);
     let length = match response.parse(read) {
@@ -189,7 +194,7 @@ fn parse_head(read: &[u8]) -> Result<Option<Head>, String> {
         .code
         .and_then(|code| StatusCode::from_u16(code).ok())
         .ok_or_else(|| "an answer without a valid status".to_owned())?;
-    let mut head = Head { status, content_length: None, content_range: None, encoded: false, length };
+    let mut head = AnswerHead { status, content_length: None, content_range: None, encoded: false, length };
     for header in response.headers.iter() {
         let value = String::from_utf8_lossy(header.value);
         if header.name.eq_ignore_ascii_case("content-length") {
@@ -345,7 +350,7 @@ impl Receiving {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_head;
+    use super::parse_answer_head as parse_head;
     use reqwest::StatusCode;
 
     #[test]
@@ -366,7 +371,7 @@ mod tests {
             (b"HTTP/1.1 206 OK\r\nContent-Length: ten\r\n\r\n", "an invalid Content-Length \"ten\""),
             (b"HTTP/1.1 206 OK\r\nContent-Length: 10\r\nContent-Length: 11\r\n\r\n", "two different Content-Lengths"),
         ] {
-            let error = parse_head(bad).err().expect("refused");
+            let error = parse_head(bad).expect_err("refused");
             assert!(error.starts_with(why), "{error}");
         }
     }
