@@ -102,8 +102,8 @@ impl Bus {
         self.proxy(None, CacheProperties::No).await
     }
 
-    /// The model object at `path`, with its properties read in one `GetAll` (commands read
-    /// them all; the two that are not signalled are still read on their own).
+    /// The model object at `path`, with its properties read in one `GetAll`; its explicit
+    /// ones, which `GetAll` leaves out, are read with `Get` when asked for.
     pub async fn model(&self, path: OwnedObjectPath) -> Result<ModelProxy<'static>, CtlError> {
         self.proxy(Some(path), CacheProperties::Yes).await
     }

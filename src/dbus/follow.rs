@@ -11,7 +11,7 @@ use zbus::object_server::{InterfaceRef, SignalEmitter};
 use zbus::zvariant::ObjectPath;
 
 use super::manager::{Manager, blocking};
-use super::model::{Facts, Model, ModelData};
+use super::model::{Facts, Model, ModelData, ModelObject};
 use super::{BUS_NAME, ROOT_PATH, Shared, lock, model_path};
 use crate::config::BusKind;
 use crate::scheduler::policy::{Footprint, RunnerId};
@@ -370,7 +370,7 @@ impl Follower {
             lock(&self.shared.models).keys().filter(|name| !current.contains(name)).cloned().collect();
         for name in gone {
             lock(&self.shared.models).remove(&name);
-            let _ = self.connection.object_server().remove::<Model, _>(model_path(&name)).await;
+            let _ = self.connection.object_server().remove::<ModelObject, _>(model_path(&name)).await;
         }
         for (name, digest, size, details, facts) in listed {
             let short = name.to_string();
@@ -397,7 +397,7 @@ impl Follower {
                 ..ModelData::default()
             })));
             lock(&self.shared.models).insert(short.clone(), Arc::clone(&data));
-            let object = Model { shared: Arc::clone(&self.shared), data };
+            let object = ModelObject(Model { shared: Arc::clone(&self.shared), data });
             if let Err(e) = self.connection.object_server().at(model_path(&short), object).await {
                 tracing::warn!(corral_model = %short, error = %e, "cannot serve {short} on D-Bus");
             }
@@ -420,8 +420,9 @@ async fn emit_model_changes(connection: &Connection, name: &str, before: &ModelD
     if before == after {
         return;
     }
-    let Ok(iface) = connection.object_server().interface::<_, Model>(model_path(name)).await else { return };
-    let model = iface.get().await;
+    let Ok(iface) = connection.object_server().interface::<_, ModelObject>(model_path(name)).await else { return };
+    let object = iface.get().await;
+    let model = &object.0;
     let e = iface.signal_emitter();
     // Each field its own signal: zbus emits one property per call.
     if before.digest != after.digest {
@@ -434,11 +435,11 @@ async fn emit_model_changes(connection: &Connection, name: &str, before: &ModelD
         let _ = model.details_changed(e).await;
     }
     if before.facts != after.facts {
-        let _ = model.system_changed(e).await;
-        let _ = model.parameters_changed(e).await;
+        let _ = model.system_invalidate(e).await;
+        let _ = model.parameters_invalidate(e).await;
         let _ = model.context_length_changed(e).await;
         let _ = model.capabilities_changed(e).await;
-        let _ = model.modelfile_changed(e).await;
+        let _ = model.modelfile_invalidate(e).await;
         let _ = model.modified_at_changed(e).await;
     }
     if before.last_error != after.last_error {

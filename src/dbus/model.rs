@@ -8,8 +8,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use zbus::interface;
-use zbus::zvariant::OwnedValue;
+use std::fmt::Write as _;
+
+use zbus::message::Header;
+use zbus::names::{InterfaceName, MemberName};
+use zbus::object_server::{DispatchResult, Interface, SignalEmitter};
+use zbus::zvariant::{OwnedValue, Value};
+use zbus::{Connection, Message, ObjectServer, interface};
 
 use super::error::Error;
 use super::{Shared, lock, manager};
@@ -52,9 +57,8 @@ pub(super) struct Facts {
 
 impl ModelData {
     /// Whether the views show a runner for it (loading, ready or unloading): a model
-    /// without one has nothing to ask the scheduler about, which keeps an object tree walk
-    /// (every property of every model) from asking it once per stored model.
-    pub fn has_runner(&self) -> bool {
+    /// without one has nothing to ask the scheduler about.
+    fn has_runner(&self) -> bool {
         !matches!(self.state, "stopped" | "failed")
     }
 }
@@ -102,7 +106,12 @@ impl Model {
     /// The properties read from the scheduler, for this model alone.
     async fn live(&self) -> zbus::fdo::Result<Live> {
         let data = Arc::clone(&lock(&self.data));
-        let loaded = if data.has_runner() { loaded(&self.shared).await? } else { Vec::new() };
+        // A model without a runner has nothing to ask the scheduler about.
+        if !data.has_runner() {
+            return Ok(Live::default());
+        }
+        let loaded =
+            self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
         Ok(Live::of(&self.shared, &loaded, &data))
     }
 }
@@ -146,12 +155,12 @@ impl Model {
         self.get(|d| d.details.clone())
     }
 
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "invalidates"))]
     fn system(&self) -> String {
         self.get(|d| d.facts.system.clone())
     }
 
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "invalidates"))]
     fn parameters(&self) -> String {
         self.get(|d| d.facts.parameters.clone())
     }
@@ -166,7 +175,7 @@ impl Model {
         self.get(|d| d.facts.capabilities.clone())
     }
 
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "invalidates"))]
     fn modelfile(&self) -> String {
         self.get(|d| d.facts.modelfile.clone())
     }
@@ -247,31 +256,165 @@ impl Model {
     }
 }
 
-/// What the scheduler knows now, asked once: `ExpiresAt`, `ActiveRequests`, `Devices` and
-/// `Memory` of each model come from it.
-pub(super) async fn loaded(shared: &Shared) -> zbus::fdo::Result<Vec<LoadedModel>> {
-    shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))
+/// The properties left out of `GetAll` (and so of `GetManagedObjects` and
+/// `InterfacesAdded`), read one at a time with `Get`: sd-bus's "explicit" properties,
+/// annotated `org.freedesktop.systemd1.Explicit` as sd-bus does. Three are texts a
+/// registry writes (up to a mebibyte each, the Modelfile several), which would otherwise
+/// make every walk of the tree carry them and let a few models push its reply past the
+/// bus's message limit; five are asked of the scheduler on each read and never signalled.
+pub(super) const EXPLICIT: [&str; 8] =
+    ["System", "Parameters", "Modelfile", "ExpiresAt", "TokensPerSecond", "ActiveRequests", "Devices", "Memory"];
+
+/// The properties `GetAll` gives: every other one, each bounded in size.
+pub(super) const SHOWN: [&str; 16] = [
+    "Name",
+    "ShortName",
+    "Digest",
+    "Size",
+    "Details",
+    "ContextLength",
+    "Capabilities",
+    "ModifiedAt",
+    "State",
+    "LastError",
+    "Pid",
+    "GpuLayers",
+    "TotalLayers",
+    "VramBytes",
+    "RamBytes",
+    "SharedWith",
+];
+
+/// `org.corral.Corral1.Model` as served: [`Model`]'s interface with its [`EXPLICIT`]
+/// properties left out of `GetAll` and annotated in the introspection data. zbus has no
+/// such property flag, so this implements its `Interface` by hand, handing everything
+/// else to the one the macro wrote.
+pub(super) struct ModelObject(pub Model);
+
+#[zbus::export::async_trait::async_trait]
+impl Interface for ModelObject {
+    fn name() -> InterfaceName<'static> {
+        <Model as Interface>::name()
+    }
+
+    fn spawn_tasks_for_methods(&self) -> bool {
+        self.0.spawn_tasks_for_methods()
+    }
+
+    async fn get(
+        &self,
+        property: &str,
+        server: &ObjectServer,
+        connection: &Connection,
+        header: Option<&Header<'_>>,
+        emitter: &SignalEmitter<'_>,
+    ) -> Option<zbus::fdo::Result<OwnedValue>> {
+        Interface::get(&self.0, property, server, connection, header, emitter).await
+    }
+
+    async fn get_all(
+        &self,
+        server: &ObjectServer,
+        connection: &Connection,
+        header: Option<&Header<'_>>,
+        emitter: &SignalEmitter<'_>,
+    ) -> zbus::fdo::Result<HashMap<String, OwnedValue>> {
+        let mut all = HashMap::with_capacity(SHOWN.len());
+        for property in SHOWN {
+            if let Some(value) = Interface::get(&self.0, property, server, connection, header, emitter).await {
+                all.insert(property.to_owned(), value?);
+            }
+        }
+        Ok(all)
+    }
+
+    async fn set_mut(
+        &mut self,
+        property: &str,
+        value: &Value<'_>,
+        server: &ObjectServer,
+        connection: &Connection,
+        header: Option<&Header<'_>>,
+        emitter: &SignalEmitter<'_>,
+    ) -> Option<zbus::fdo::Result<()>> {
+        self.0.set_mut(property, value, server, connection, header, emitter).await
+    }
+
+    fn call<'call>(
+        &'call self,
+        server: &'call ObjectServer,
+        connection: &'call Connection,
+        message: &'call Message,
+        name: MemberName<'call>,
+    ) -> DispatchResult<'call> {
+        self.0.call(server, connection, message, name)
+    }
+
+    fn call_mut<'call>(
+        &'call mut self,
+        server: &'call ObjectServer,
+        connection: &'call Connection,
+        message: &'call Message,
+        name: MemberName<'call>,
+    ) -> DispatchResult<'call> {
+        self.0.call_mut(server, connection, message, name)
+    }
+
+    fn introspect_to_writer(&self, writer: &mut dyn std::fmt::Write, level: usize) {
+        let mut xml = String::new();
+        self.0.introspect_to_writer(&mut xml, level);
+        let _ = writer.write_str(&with_explicit_annotations(&xml));
+    }
 }
 
-/// A model's properties that change with every request, so are read when asked.
+/// `xml` (the macro's introspection data) with each [`EXPLICIT`] property annotated
+/// `org.freedesktop.systemd1.Explicit`, as sd-bus writes it: inside the property's
+/// element, one step deeper. (Written for each child of a node a client introspects, so
+/// a few searches, not a parse.)
+fn with_explicit_annotations(xml: &str) -> String {
+    // (where the property's opening tag ends, whether it closes itself, its indent)
+    let mut tags: Vec<(usize, bool, usize)> = EXPLICIT
+        .iter()
+        .filter_map(|property| {
+            let start = xml.find(&format!("<property name=\"{property}\""))?;
+            let indent = start - xml[..start].rfind('\n').map_or(0, |newline| newline + 1);
+            let end = start + xml[start..].find('>')?;
+            Some((end, xml[..end].ends_with('/'), indent))
+        })
+        .collect();
+    tags.sort_unstable();
+    let mut out = String::with_capacity(xml.len() + tags.len() * 100);
+    let mut copied = 0;
+    for (end, closed, indent) in tags {
+        let inner = indent + 2;
+        let annotation = "<annotation name=\"org.freedesktop.systemd1.Explicit\" value=\"true\"/>";
+        if closed {
+            out.push_str(&xml[copied..end - 1]);
+            let _ = write!(out, ">\n{:inner$}{annotation}\n{:indent$}</property>", "", "");
+        } else {
+            out.push_str(&xml[copied..=end]);
+            let _ = write!(out, "\n{:inner$}{annotation}", "");
+        }
+        copied = end + 1;
+    }
+    out.push_str(&xml[copied..]);
+    out
+}
+
+/// A model's properties that only the scheduler knows and that change with every
+/// request, so are asked for on each read.
 #[derive(Debug, Default)]
-pub(super) struct Live {
-    pub expires_at: u64,
-    pub tokens_per_second: f64,
-    pub active_requests: u32,
-    pub devices: Vec<(String, String, u64)>,
-    pub memory: Vec<(String, u64, u64)>,
+struct Live {
+    expires_at: u64,
+    active_requests: u32,
+    devices: Vec<(String, String, u64)>,
+    memory: Vec<(String, u64, u64)>,
 }
 
 impl Live {
     /// `data`'s live properties from `loaded` (the scheduler's runners).
-    pub fn of(shared: &Shared, loaded: &[LoadedModel], data: &ModelData) -> Self {
+    fn of(shared: &Shared, loaded: &[LoadedModel], data: &ModelData) -> Self {
         let name = &data.short_name;
-        let tokens_per_second = shared.context.tokens.speed(name);
-        // A model without a runner has nothing to ask the scheduler about.
-        if !data.has_runner() {
-            return Self { tokens_per_second, ..Self::default() };
-        }
         let serving = || loaded.iter().filter(|m| m.names.contains(name));
         let now = tokio::time::Instant::now();
         let expires_at = serving()
@@ -288,11 +431,71 @@ impl Live {
             let memory = runner.devices.iter().map(|d| (d.device.clone(), d.planned.unwrap_or(0), d.actual)).collect();
             (devices, memory)
         });
-        Self { expires_at, tokens_per_second, active_requests, devices, memory }
+        Self { expires_at, active_requests, devices, memory }
     }
 }
 
 fn epoch_micros(time: SystemTime) -> u64 {
     let since = time.duration_since(SystemTime::UNIX_EPOCH).unwrap_or(Duration::ZERO);
     u64::try_from(since.as_micros()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{EXPLICIT, SHOWN, with_explicit_annotations};
+
+    const EXPLICIT_ANNOTATION: &str = "org.freedesktop.systemd1.Explicit";
+
+    #[test]
+    fn explicit_properties_are_annotated_and_no_other() {
+        let xml = concat!(
+            "<node>\n",
+            "  <interface name=\"org.corral.Corral1.Model\">\n",
+            "    <property name=\"Modelfile\" type=\"s\" access=\"read\">\n",
+            "      <annotation name=\"org.freedesktop.DBus.Property.EmitsChangedSignal\" value=\"invalidates\"/>\n",
+            "    </property>\n",
+            "    <property name=\"ModelfileSize\" type=\"t\" access=\"read\"/>\n",
+            "    <property name=\"Name\" type=\"s\" access=\"read\"/>\n",
+            "    <property name=\"Memory\" type=\"a(stt)\" access=\"read\"/>\n",
+            "  </interface>\n",
+            "</node>\n",
+        );
+        let annotated = with_explicit_annotations(xml);
+        assert!(
+            annotated.contains(&format!(
+                "    <property name=\"Modelfile\" type=\"s\" access=\"read\">\n      <annotation name=\"{EXPLICIT_ANNOTATION}\" value=\"true\"/>\n"
+            )),
+            "{annotated}"
+        );
+        let node = zbus_xml::Node::from_reader(annotated.as_bytes()).expect("still XML");
+        let explicit: Vec<String> = node.interfaces()[0]
+            .properties()
+            .iter()
+            .filter(|p| p.annotations().iter().any(|a| a.name() == EXPLICIT_ANNOTATION))
+            .map(|p| p.name().to_string())
+            .collect();
+        assert_eq!(explicit, ["Modelfile", "Memory"]);
+        assert!(
+            annotated.contains(&format!(
+                "    <property name=\"Memory\" type=\"a(stt)\" access=\"read\">\n      <annotation name=\"{EXPLICIT_ANNOTATION}\" value=\"true\"/>\n    </property>\n"
+            )),
+            "{annotated}"
+        );
+    }
+
+    #[test]
+    fn every_property_of_the_contract_is_shown_or_explicit() {
+        let contract = include_str!("../../dbus/org.corral.Corral1.Model.xml");
+        let node = zbus_xml::Node::from_reader(contract.as_bytes()).expect("the contract parses");
+        let properties = node.interfaces()[0].properties();
+        let explicit: Vec<String> = properties
+            .iter()
+            .filter(|p| p.annotations().iter().any(|a| a.name() == EXPLICIT_ANNOTATION && a.value() == "true"))
+            .map(|p| p.name().to_string())
+            .collect();
+        let shown: Vec<String> =
+            properties.iter().map(|p| p.name().to_string()).filter(|name| !explicit.contains(name)).collect();
+        assert_eq!(explicit, EXPLICIT);
+        assert_eq!(shown, SHOWN);
+    }
 }

@@ -1,11 +1,13 @@
-//! `org.freedesktop.DBus.ObjectManager` at the root: every model and job object with all
-//! its properties, in one reply.
+//! `org.freedesktop.DBus.ObjectManager` at the root: every model and job object with the
+//! properties `GetAll` gives, in one reply.
 //!
 //! zbus's own object manager answers `GetManagedObjects` by asking each object for its
 //! properties as generic variants, one owned value per property: at 1 000 models that is
 //! 24 000 of them built, serialized and freed, about 35 ms. This one serializes the
-//! models' shared data as it stands, through typed dictionaries, after asking the
-//! scheduler once for all of them. zbus still emits `InterfacesAdded` and
+//! models' shared data as it stands, through typed dictionaries. A model's explicit
+//! properties (texts of any size, and what only the scheduler knows) are not in it, as
+//! they are not in `GetAll` ([`super::model::EXPLICIT`]), so the walk asks nobody and each
+//! object's part of the reply is bounded. zbus still emits `InterfacesAdded` and
 //! `InterfacesRemoved` (it recognises the interface by its name).
 
 use std::collections::HashMap;
@@ -18,7 +20,7 @@ use zbus::object_server::SignalEmitter;
 use zbus::zvariant::{ObjectPath, OwnedObjectPath, Type, Value, as_value};
 
 use super::job::JobData;
-use super::model::{Live, ModelData, loaded};
+use super::model::ModelData;
 use super::{Shared, lock, model_path};
 
 const MODEL_INTERFACE: &str = "org.corral.Corral1.Model";
@@ -32,17 +34,15 @@ pub(super) struct ObjectTree {
 impl ObjectTree {
     /// Every object below this one: for each, its interfaces with all their properties,
     /// as `org.freedesktop.DBus.Properties.GetAll` gives them.
-    async fn get_managed_objects(&self) -> zbus::fdo::Result<Tree> {
-        let models: Vec<Arc<ModelData>> = lock(&self.shared.models).values().map(|d| Arc::clone(&lock(d))).collect();
-        let loaded = if models.iter().any(|d| d.has_runner()) { loaded(&self.shared).await? } else { Vec::new() };
-        let models = models
-            .into_iter()
-            .map(|data| {
-                let live = Live::of(&self.shared, &loaded, &data);
-                (model_path(&data.short_name), data, live)
+    fn get_managed_objects(&self) -> Tree {
+        let models = lock(&self.shared.models)
+            .values()
+            .map(|d| {
+                let data = Arc::clone(&lock(d));
+                (model_path(&data.short_name), data)
             })
             .collect();
-        Ok(Tree { models, jobs: lock(&self.shared.jobs).shown() })
+        Tree { models, jobs: lock(&self.shared.jobs).shown() }
     }
 
     /// An object appeared, or gained interfaces (emitted by zbus's object server).
@@ -67,15 +67,15 @@ impl ObjectTree {
 #[derive(Type)]
 #[zvariant(signature = "a{oa{sa{sv}}}")]
 pub(super) struct Tree {
-    models: Vec<(OwnedObjectPath, Arc<ModelData>, Live)>,
+    models: Vec<(OwnedObjectPath, Arc<ModelData>)>,
     jobs: Vec<(OwnedObjectPath, JobData)>,
 }
 
 impl Serialize for Tree {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         let mut map = serializer.serialize_map(Some(self.models.len() + self.jobs.len()))?;
-        for (path, data, live) in &self.models {
-            map.serialize_entry(path, &One(MODEL_INTERFACE, ModelProps::new(data, live)))?;
+        for (path, data) in &self.models {
+            map.serialize_entry(path, &One(MODEL_INTERFACE, ModelProps::new(data)))?;
         }
         for (path, data) in &self.jobs {
             map.serialize_entry(path, &One(JOB_INTERFACE, JobProps::new(data)))?;
@@ -95,7 +95,8 @@ impl<P: Serialize> Serialize for One<P> {
     }
 }
 
-/// `org.corral.Corral1.Model`'s properties, named as the interface names them.
+/// `org.corral.Corral1.Model`'s properties as `GetAll` gives them ([`super::model::SHOWN`]),
+/// named as the interface names them.
 #[derive(Serialize, Type)]
 #[zvariant(signature = "a{sv}")]
 #[serde(rename_all = "PascalCase")]
@@ -111,15 +112,9 @@ struct ModelProps<'a> {
     #[serde(with = "as_value")]
     details: &'a HashMap<String, String>,
     #[serde(with = "as_value")]
-    system: &'a str,
-    #[serde(with = "as_value")]
-    parameters: &'a str,
-    #[serde(with = "as_value")]
     context_length: u64,
     #[serde(with = "as_value")]
     capabilities: &'a [String],
-    #[serde(with = "as_value")]
-    modelfile: &'a str,
     #[serde(with = "as_value")]
     modified_at: u64,
     #[serde(with = "as_value")]
@@ -138,31 +133,18 @@ struct ModelProps<'a> {
     ram_bytes: u64,
     #[serde(with = "as_value")]
     shared_with: &'a [String],
-    #[serde(with = "as_value")]
-    expires_at: u64,
-    #[serde(with = "as_value")]
-    tokens_per_second: f64,
-    #[serde(with = "as_value")]
-    active_requests: u32,
-    #[serde(with = "as_value")]
-    devices: &'a [(String, String, u64)],
-    #[serde(with = "as_value")]
-    memory: &'a [(String, u64, u64)],
 }
 
 impl<'a> ModelProps<'a> {
-    fn new(d: &'a ModelData, live: &'a Live) -> Self {
+    fn new(d: &'a ModelData) -> Self {
         Self {
             name: &d.name,
             short_name: &d.short_name,
             digest: &d.digest,
             size: d.size,
             details: &d.details,
-            system: &d.facts.system,
-            parameters: &d.facts.parameters,
             context_length: d.facts.context_length,
             capabilities: &d.facts.capabilities,
-            modelfile: &d.facts.modelfile,
             modified_at: d.facts.modified_at,
             state: d.state,
             last_error: &d.last_error,
@@ -172,11 +154,6 @@ impl<'a> ModelProps<'a> {
             vram_bytes: d.vram_bytes,
             ram_bytes: d.ram_bytes,
             shared_with: &d.shared_with,
-            expires_at: live.expires_at,
-            tokens_per_second: live.tokens_per_second,
-            active_requests: live.active_requests,
-            devices: &live.devices,
-            memory: &live.memory,
         }
     }
 }

@@ -134,10 +134,10 @@ pub trait Model {
     #[zbus(property)]
     fn ram_bytes(&self) -> zbus::Result<u64>;
     /// The system prompt.
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "invalidates"))]
     fn system(&self) -> zbus::Result<String>;
     /// Default options, `name value` lines.
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "invalidates"))]
     fn parameters(&self) -> zbus::Result<String>;
     /// The trained context.
     #[zbus(property)]
@@ -146,7 +146,7 @@ pub trait Model {
     #[zbus(property)]
     fn capabilities(&self) -> zbus::Result<Vec<String>>;
     /// A Modelfile that recreates it.
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "invalidates"))]
     fn modelfile(&self) -> zbus::Result<String>;
     /// Microseconds since the epoch.
     #[zbus(property)]

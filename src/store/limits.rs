@@ -28,6 +28,12 @@ pub const TEXT_LAYER_MAX: u64 = 1 << 20;
 pub const JSON_LAYER_MAX: u64 = 1 << 20;
 /// The most bytes of a config blob.
 pub const CONFIG_MAX: u64 = 1 << 20;
+/// The most bytes of one fact a config blob gives listings (family, parameter count,
+/// quantization, format, OS, architecture; real ones are a word), and the most families
+/// it may name: every listing (`/api/tags`, D-Bus) carries them for every model.
+pub const CONFIG_FACT_MAX: usize = 256;
+/// See [`CONFIG_FACT_MAX`].
+pub const CONFIG_FAMILIES_MAX: usize = 16;
 /// The most bytes of all the small blobs above of one model together.
 pub const MODEL_SMALL_BLOBS_MAX: u64 = 4 << 20;
 /// The most bytes of a manifest, from a registry or on disk.

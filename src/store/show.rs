@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 
 use super::digest::Digest;
 use super::limits::{self, ReadError, SmallBlob};
-use super::manifest::{self, Layer, Manifest, ModelConfig};
+use super::manifest::{self, Layer, Manifest, ModelConfig, RootFs};
 use super::modelfile::{Message, Modelfile, WriteError};
 use super::name::ModelName;
 use super::{Store, StoreError};
@@ -161,8 +161,8 @@ impl Store {
 
 impl Store {
     /// A model's config blob (format, family, size, quantization); empty fields if it
-    /// cannot be read or is larger than [`limits::CONFIG_MAX`], as Ollama lists a model
-    /// whose config is damaged.
+    /// cannot be read, is larger than [`limits::CONFIG_MAX`] or gives a fact longer than
+    /// [`limits::CONFIG_FACT_MAX`], as Ollama lists a model whose config is damaged.
     #[must_use]
     pub fn model_config(&self, manifest: &Manifest) -> ModelConfig {
         let digest = manifest.config().digest;
@@ -170,6 +170,7 @@ impl Store {
             .read_blob(&digest, SmallBlob::Config)
             .map_err(|e| e.to_string())
             .and_then(|b| serde_json::from_slice::<ModelConfig>(&b).map_err(|e| e.to_string()))
+            .and_then(listed_facts)
         {
             Ok(config) => config,
             Err(e) => {
@@ -178,6 +179,23 @@ impl Store {
             }
         }
     }
+}
+
+/// The facts of `config` that listings show, if each is within its bound; its layer list
+/// (which only pushing reads, from the blob itself) left out.
+fn listed_facts(config: ModelConfig) -> Result<ModelConfig, String> {
+    let families = config.model_families.as_deref().unwrap_or_default();
+    let facts = [&config.model_format, &config.model_family, &config.model_type, &config.file_type]
+        .into_iter()
+        .chain([&config.os, &config.architecture])
+        .chain(families);
+    if let Some(long) = facts.into_iter().find(|fact| fact.len() > limits::CONFIG_FACT_MAX) {
+        return Err(format!("a fact of {} bytes, over {}", long.len(), limits::CONFIG_FACT_MAX));
+    }
+    if families.len() > limits::CONFIG_FAMILIES_MAX {
+        return Err(format!("{} model families, over {}", families.len(), limits::CONFIG_FAMILIES_MAX));
+    }
+    Ok(ModelConfig { rootfs: RootFs::default(), ..config })
 }
 
 impl ModelDetails {

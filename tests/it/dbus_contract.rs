@@ -1,6 +1,6 @@
 //! The D-Bus contract, `dbus/org.corral.Corral1.*.xml`, checked in both directions: what
 //! corrald serves is what the XML promises (every method, signal, argument, property,
-//! type, access and annotation of our interfaces), and the client proxies that corralctl
+//! type, access and annotation of our interfaces, explicit properties included), and the client proxies that corralctl
 //! and the tests use (`src/dbus/proxy.rs`, read as Rust source) call exactly what the XML
 //! promises, with its signatures, and cover every member of it.
 
@@ -39,10 +39,21 @@ fn shape(node: &Node<'_>, interface: &str) -> BTreeSet<String> {
         lines.insert(format!("signal {}({})", s.name(), args.join(", ")));
     }
     for p in iface.properties() {
-        let emits = emits(p);
-        lines.insert(format!("property {}: {} {:?} emits={emits}", p.name(), p.ty().inner(), p.access()));
+        let (emits, explicit) = (emits(p), explicit(p));
+        lines.insert(format!(
+            "property {}: {} {:?} emits={emits} explicit={explicit}",
+            p.name(),
+            p.ty().inner(),
+            p.access()
+        ));
     }
     lines
+}
+
+/// Whether a property is left out of `GetAll` (sd-bus's `org.freedesktop.systemd1.Explicit`
+/// annotation; absent means no).
+fn explicit(p: &zbus_xml::Property<'_>) -> bool {
+    p.annotations().iter().any(|a| a.name() == "org.freedesktop.systemd1.Explicit" && a.value() == "true")
 }
 
 /// A property's `EmitsChangedSignal` annotation; the specification's default is "true", so
@@ -116,6 +127,13 @@ fn the_comparison_catches_a_difference() {
     let result = std::panic::catch_unwind(|| assert_same("org.corral.Corral1.Manager", &altered));
     let message = *result.expect_err("a difference must fail").downcast::<String>().expect("a message");
     assert!(message.contains("method Unload(in name: s)") && message.contains("Unload2"), "{message}");
+    // And a property that is no longer explicit.
+    let promised = contract("org.corral.Corral1.Model");
+    let altered = promised.replacen(r#"<annotation name="org.freedesktop.systemd1.Explicit" value="true"/>"#, "", 1);
+    assert_ne!(promised, altered);
+    let result = std::panic::catch_unwind(|| assert_same("org.corral.Corral1.Model", &altered));
+    let message = *result.expect_err("a difference must fail").downcast::<String>().expect("a message");
+    assert!(message.contains("property System: s Read emits=invalidates explicit=true"), "{message}");
 }
 
 // ---- The client proxies against the XML ----

@@ -13,6 +13,7 @@ mod containment;
 mod ctl;
 mod dbus_access;
 mod dbus_api;
+mod dbus_bounds;
 mod dbus_contract;
 mod dbus_jobs;
 mod devices;

@@ -1,9 +1,9 @@
 //! `corralctl top`'s D-Bus side: one subscription to every signal under corrald's root
 //! path (PropertiesChanged, InterfacesAdded/Removed, the Manager's own signals), taken
 //! before the first read so no change falls between; the first read (the Manager's
-//! properties and `GetManagedObjects`); the counters corrald does not signal
-//! (`QueueDepth`, `ActiveRequests`, `ExpiresAt`, `TokensPerSecond`) read again on each
-//! refresh; and Unload.
+//! properties, `GetManagedObjects`, and the loaded models' counters); the counters
+//! corrald does not signal (`QueueDepth`, `ActiveRequests`, `ExpiresAt`,
+//! `TokensPerSecond`) read again on each refresh; and Unload.
 //! Everything read is decoded into the view model's [`Update`]s.
 
 use std::collections::HashMap;
@@ -21,6 +21,10 @@ const SERVICE: &str = "org.corral.Corral1";
 const ROOT: &str = "/org/corral/Corral1";
 const MANAGER: &str = "org.corral.Corral1.Manager";
 const MODEL: &str = "org.corral.Corral1.Model";
+
+/// The model properties `top` shows that are not signalled (explicit properties, read
+/// with `Get` at the first read and on each refresh).
+const COUNTERS: [&str; 3] = ["ExpiresAt", "ActiveRequests", "TokensPerSecond"];
 
 /// Signals are queued here while the screen is drawn; beyond this, the oldest are lost
 /// and the next refresh catches up.
@@ -61,11 +65,17 @@ pub async fn snapshot(bus: &Bus) -> Result<Vec<Update>, CtlError> {
         .build()
         .await
         .or_bus(bus)?;
+    let mut live = Vec::new();
     for (path, interfaces) in objects.get_managed_objects().await.map_err(zbus::Error::from).or_bus(bus)? {
         if let Some(props) = interfaces.iter().find(|(name, _)| name.as_str() == MODEL).map(|(_, p)| p) {
+            let state = props.get("State").and_then(|s| s.downcast_ref::<&str>().ok());
+            if matches!(state, Some("loading" | "ready" | "unloading")) {
+                live.push(path.to_string());
+            }
             updates.push(Update::Model { path: path.to_string(), props: model_props(props) });
         }
     }
+    updates.extend(counters(bus, live).await?);
     Ok(updates)
 }
 
@@ -94,6 +104,14 @@ async fn manager_props(bus: &Bus, first: bool) -> Result<Update, CtlError> {
 /// and expiry. A model gone meanwhile is skipped (its removal is signalled).
 pub async fn refresh(bus: &Bus, paths: Vec<String>) -> Result<Vec<Update>, CtlError> {
     let mut updates = vec![manager_props(bus, false).await?];
+    updates.extend(counters(bus, paths).await?);
+    Ok(updates)
+}
+
+/// Each model in `paths`' [`COUNTERS`]: explicit properties, not in `GetAll`, so each is
+/// read on its own.
+async fn counters(bus: &Bus, paths: Vec<String>) -> Result<Vec<Update>, CtlError> {
+    let mut updates = Vec::with_capacity(paths.len());
     for path in paths {
         let Ok(object) = OwnedObjectPath::try_from(path.as_str()) else { continue };
         let proxy = zbus::fdo::PropertiesProxy::builder(bus.connection())
@@ -104,7 +122,13 @@ pub async fn refresh(bus: &Bus, paths: Vec<String>) -> Result<Vec<Update>, CtlEr
             .await
             .or_bus(bus)?;
         let Ok(interface) = zbus::names::InterfaceName::try_from(MODEL) else { continue };
-        if let Ok(props) = proxy.get_all(interface).await {
+        let mut props = HashMap::new();
+        for counter in COUNTERS {
+            if let Ok(value) = proxy.get(interface.clone(), counter).await {
+                props.insert(counter.to_owned(), value);
+            }
+        }
+        if !props.is_empty() {
             updates.push(Update::Model { path, props: model_props(&props) });
         }
     }

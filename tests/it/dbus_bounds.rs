@@ -1,0 +1,117 @@
+//! What a model holds cannot make the D-Bus object tree large. A registry writes a model's
+//! texts (system prompt, licenses, template: up to a mebibyte each) and its config blob's
+//! facts; the texts are explicit properties, read one at a time with `Get`, and a fact
+//! past its bound makes the config count as damaged. Before, every walk of the tree
+//! (`GetManagedObjects`) carried every model's texts: a dozen such models pushed the
+//! reply past the system bus's 32 MiB message limit, and the bus dropped corrald.
+
+use std::collections::HashMap;
+
+use corral::dbus::proxy::ModelProxy;
+use corral::store::Store;
+use corral::store::manifest::{self, Layer, Manifest};
+use corral::store::name::ModelName;
+use zbus::proxy::CacheProperties;
+use zbus::zvariant::{OwnedObjectPath, OwnedValue};
+
+use crate::support::container::poll_until_async;
+use crate::support::dbus::BusDaemon;
+
+/// How many names the big model is stored under: with its texts in every object, the
+/// tree would be over the bus's 32 MiB limit.
+const NAMES: usize = 12;
+/// The store's bound on one text layer.
+const TEXT: usize = 1 << 20;
+const WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// A layer of `media_type` holding `bytes`, written into `store`.
+fn layer(store: &Store, media_type: &str, bytes: &[u8]) -> Layer {
+    let (digest, size) = store.write_blob(bytes, None).expect("write a blob");
+    Layer { media_type: media_type.to_owned(), digest, size, from: None }
+}
+
+/// `GetManagedObjects`' whole reply, as the bus delivered it.
+async fn tree(connection: &zbus::Connection) -> zbus::Message {
+    connection
+        .call_method(
+            Some("org.corral.Corral1"),
+            "/org/corral/Corral1",
+            Some("org.freedesktop.DBus.ObjectManager"),
+            "GetManagedObjects",
+            &(),
+        )
+        .await
+        .expect("GetManagedObjects")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_models_texts_and_facts_never_swell_the_object_tree() {
+    let daemon = BusDaemon::start("");
+    // Another program writes into the store (as a pull would): the chat model's weights,
+    // with a mebibyte each of system prompt and two licenses, under many names; and one
+    // model whose config names a family of 100 000 bytes.
+    let store = Store::open(&daemon.path().join("models")).expect("store");
+    let (chat, ..) = store.manifest(&ModelName::parse("chat").expect("name")).expect("chat's manifest");
+    let system = "s".repeat(TEXT);
+    let mut layers = chat.layers().to_vec();
+    layers.push(layer(&store, manifest::SYSTEM, system.as_bytes()));
+    layers.push(layer(&store, manifest::LICENSE, "l".repeat(TEXT).as_bytes()));
+    layers.push(layer(&store, manifest::LICENSE, "k".repeat(TEXT).as_bytes()));
+    let big = Manifest::new(chat.config().clone(), layers).expect("manifest");
+    for i in 0..NAMES {
+        store.write_manifest(&ModelName::parse(&format!("big{i}")).expect("name"), &big).expect("write");
+    }
+    let family = "f".repeat(100_000);
+    let config = serde_json::json!({"model_format": "gguf", "model_family": family, "file_type": "F32"});
+    let config = layer(&store, manifest::CONFIG_MEDIA_TYPE, config.to_string().as_bytes());
+    let odd = Manifest::new(config, chat.layers().to_vec()).expect("manifest");
+    store.write_manifest(&ModelName::parse("odd").expect("name"), &odd).expect("write");
+
+    let connection = daemon.connect().await;
+    let reply = poll_until_async(WAIT, "every model in the object tree", || async {
+        let reply = tree(&connection).await;
+        let objects: zbus::fdo::ManagedObjects = reply.body().deserialize().expect("a{oa{sa{sv}}}");
+        let models = objects.keys().filter(|p| p.as_str().starts_with("/org/corral/Corral1/models/")).count();
+        // chat, embed, the big ones and the odd one.
+        if models == NAMES + 3 { Ok(reply) } else { Err(format!("{models} models")) }
+    })
+    .await;
+    // Each object's share is small: names, digest, numbers, the bounded facts.
+    let bytes = reply.data().len();
+    assert!(bytes < (NAMES + 3) * 4096, "the tree's reply is {bytes} bytes");
+    let objects: zbus::fdo::ManagedObjects = reply.body().deserialize().expect("a{oa{sa{sv}}}");
+
+    let big0 = OwnedObjectPath::try_from("/org/corral/Corral1/models/big0_3alatest").expect("path");
+    let shown: &HashMap<String, OwnedValue> = &objects[&big0]["org.corral.Corral1.Model"];
+    for explicit in ["System", "Parameters", "Modelfile", "ExpiresAt", "TokensPerSecond", "ActiveRequests"] {
+        assert!(!shown.contains_key(explicit), "{explicit} in the tree");
+    }
+    // Each text is whole when asked for.
+    let model = ModelProxy::builder(&connection)
+        .path(&big0)
+        .expect("path")
+        .cache_properties(CacheProperties::No)
+        .build()
+        .await
+        .expect("proxy");
+    assert_eq!(model.system().await.expect("System"), system);
+    let modelfile = model.modelfile().await.expect("Modelfile");
+    assert!(modelfile.len() > 3 * TEXT && modelfile.contains(&system), "a Modelfile of {} bytes", modelfile.len());
+
+    // The over-long fact: the config counts as damaged, as in /api/tags.
+    let odd = OwnedObjectPath::try_from("/org/corral/Corral1/models/odd_3alatest").expect("path");
+    let details = HashMap::<String, String>::try_from(
+        objects[&odd]["org.corral.Corral1.Model"]["Details"].try_clone().expect("clone"),
+    )
+    .expect("a{ss}");
+    assert_eq!(details.get("family").map(String::as_str), Some(""), "{details:?}");
+    let tags = crate::support::http::tcp(([127, 0, 0, 1], daemon.port).into(), "GET", "/api/tags");
+    assert!(!tags.body.contains("fffff"), "the family in /api/tags");
+    assert!(tags.body.contains("\"odd:latest\""), "{}", tags.body);
+
+    // corrald is still on the bus, and its tree still answers.
+    let bus = zbus::fdo::DBusProxy::new(&connection).await.expect("bus proxy");
+    let name = zbus::names::BusName::try_from("org.corral.Corral1").expect("name");
+    assert!(bus.name_has_owner(name).await.expect("NameHasOwner"), "corrald left the bus");
+    assert_eq!(tree(&connection).await.data().len(), bytes);
+}
