@@ -286,9 +286,10 @@ pub(super) const SHOWN: [&str; 16] = [
 ];
 
 /// `org.corral.Corral1.Model` as served: [`Model`]'s interface with its [`EXPLICIT`]
-/// properties left out of `GetAll` and annotated in the introspection data. zbus has no
-/// such property flag, so this implements its `Interface` by hand, handing everything
-/// else to the one the macro wrote.
+/// properties left out of `GetAll` and annotated in the introspection data (made once
+/// per indentation level and shared by every model object). zbus has no such property
+/// flag, so this implements its `Interface` by hand, handing everything else to the one
+/// the macro wrote.
 pub(super) struct ModelObject(pub Model);
 
 #[zbus::export::async_trait::async_trait]
@@ -361,16 +362,21 @@ impl Interface for ModelObject {
     }
 
     fn introspect_to_writer(&self, writer: &mut dyn std::fmt::Write, level: usize) {
-        let mut xml = String::new();
-        self.0.introspect_to_writer(&mut xml, level);
-        let _ = writer.write_str(&with_explicit_annotations(&xml));
+        let cached = lock(&self.0.shared.model_xml).get(&level).cloned();
+        let xml = cached.unwrap_or_else(|| {
+            let mut xml = String::new();
+            self.0.introspect_to_writer(&mut xml, level);
+            let xml: Arc<str> = with_explicit_annotations(&xml).into();
+            lock(&self.0.shared.model_xml).insert(level, Arc::clone(&xml));
+            xml
+        });
+        let _ = writer.write_str(&xml);
     }
 }
 
 /// `xml` (the macro's introspection data) with each [`EXPLICIT`] property annotated
 /// `org.freedesktop.systemd1.Explicit`, as sd-bus writes it: inside the property's
-/// element, one step deeper. (Written for each child of a node a client introspects, so
-/// a few searches, not a parse.)
+/// element, one step deeper.
 fn with_explicit_annotations(xml: &str) -> String {
     // (where the property's opening tag ends, whether it closes itself, its indent)
     let mut tags: Vec<(usize, bool, usize)> = EXPLICIT
