@@ -14,10 +14,11 @@
 //!   `GET /api/version` after as long), `GET /api/ps`
 //!   (one model loaded), `POST /api/show` of one model; floor: `GET /api/version`;
 //! - D-Bus `Manager.ListModels`, `ObjectManager.GetManagedObjects` (every model object with
-//!   all its properties: the object tree) and `Introspect` of the models' node (the child
-//!   list a tree walker reads first); floor: `Peer.Ping` to corrald, and for the object
-//!   tree, whose reply is over a megabyte at 1 000 models, a reply of as many bytes (one
-//!   string) from another connection on the same bus.
+//!   the properties `GetAll` gives, its explicit ones left out: the object tree) and
+//!   `Introspect` of the models' node (the child list a tree walker reads first); floor:
+//!   `Peer.Ping` to corrald, and for the object tree, whose reply is most of a megabyte at
+//!   1 000 models, a reply of as many bytes (one string) from another connection on the
+//!   same bus.
 //!
 //! Targets: a listing of 1 000 models within 5 ms; start growing by at most 1 ms per 100
 //! models. Run with `cargo bench --bench many_models`.
