@@ -148,9 +148,6 @@ struct Shared {
     /// Whether the follower is in the middle of applying a change (the runners changed,
     /// the model objects and `LoadedModels` not yet).
     applying: std::sync::atomic::AtomicBool,
-    /// The model interface's introspection data by indentation level: the same for every
-    /// model object, and written for each child of a node a client introspects.
-    model_xml: Mutex<BTreeMap<usize, Arc<str>>>,
 }
 
 impl Shared {
@@ -160,7 +157,6 @@ impl Shared {
             loaded: Mutex::default(),
             models: Mutex::default(),
             jobs: Mutex::default(),
-            model_xml: Mutex::default(),
             jobs_running: std::sync::atomic::AtomicUsize::new(0),
             runners: Mutex::default(),
             applied: tokio::sync::Notify::new(),

@@ -362,17 +362,24 @@ impl Interface for ModelObject {
     }
 
     fn introspect_to_writer(&self, writer: &mut dyn std::fmt::Write, level: usize) {
-        let cached = lock(&self.0.shared.model_xml).get(&level).cloned();
-        let xml = cached.unwrap_or_else(|| {
-            let mut xml = String::new();
-            self.0.introspect_to_writer(&mut xml, level);
-            let xml: Arc<str> = with_explicit_annotations(&xml).into();
-            lock(&self.0.shared.model_xml).insert(level, Arc::clone(&xml));
-            xml
-        });
-        let _ = writer.write_str(&xml);
+        // zbus writes the interfaces of a node's whole subtree when a client introspects
+        // it: the interfaces of the node asked about at indentation 2, a child's at 4 and
+        // deeper. D-Bus lets a parent list a child as a bare node, and a client that wants
+        // a model's interface introspects the model; written in full for every child,
+        // each model's 4 KB would make the models' node's reply grow without bound, past
+        // the system bus's 32 MiB message limit (which costs corrald its bus connection)
+        // at a few thousand models.
+        if level > OWN_LEVEL {
+            return;
+        }
+        let mut xml = String::new();
+        self.0.introspect_to_writer(&mut xml, level);
+        let _ = writer.write_str(&with_explicit_annotations(&xml));
     }
 }
+
+/// The indentation zbus writes the interfaces of the object a client introspects at.
+const OWN_LEVEL: usize = 2;
 
 /// `xml` (the macro's introspection data) with each [`EXPLICIT`] property annotated
 /// `org.freedesktop.systemd1.Explicit`, as sd-bus writes it: inside the property's

@@ -4,6 +4,7 @@
 //! past its bound makes the config count as damaged. Before, every walk of the tree
 //! (`GetManagedObjects`) carried every model's texts: a dozen such models pushed the
 //! reply past the system bus's 32 MiB message limit, and the bus dropped corrald.
+//! Likewise, introspecting a parent lists the models without describing their interface.
 
 use std::collections::HashMap;
 
@@ -114,4 +115,51 @@ async fn a_models_texts_and_facts_never_swell_the_object_tree() {
     let name = zbus::names::BusName::try_from("org.corral.Corral1").expect("name");
     assert!(bus.name_has_owner(name).await.expect("NameHasOwner"), "corrald left the bus");
     assert_eq!(tree(&connection).await.data().len(), bytes);
+}
+
+/// The introspection data of `path`.
+async fn introspect(connection: &zbus::Connection, path: &str) -> String {
+    let reply = connection
+        .call_method(Some("org.corral.Corral1"), path, Some("org.freedesktop.DBus.Introspectable"), "Introspect", &())
+        .await
+        .unwrap_or_else(|e| panic!("Introspect {path}: {e}"));
+    reply.body().deserialize().expect("a string")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn introspecting_a_parent_lists_the_models_without_their_interface() {
+    // zbus describes a node's whole subtree: with each model's interface in it (4 KB), the
+    // root's reply would pass the bus's 32 MiB limit at a few thousand models.
+    let daemon = BusDaemon::start("");
+    let store = Store::open(&daemon.path().join("models")).expect("store");
+    let (chat, ..) = store.manifest(&ModelName::parse("chat").expect("name")).expect("chat's manifest");
+    for i in 0..NAMES {
+        store.write_manifest(&ModelName::parse(&format!("copy{i}")).expect("name"), &chat).expect("write");
+    }
+    let connection = daemon.connect().await;
+    let models = poll_until_async(WAIT, "a node per model", || async {
+        let xml = introspect(&connection, "/org/corral/Corral1/models").await;
+        // chat, embed and the copies.
+        let nodes = xml.matches("<node name=").count();
+        if nodes == NAMES + 2 { Ok(xml) } else { Err(format!("{nodes} nodes")) }
+    })
+    .await;
+    for parent in ["/", "/org/corral/Corral1", "/org/corral/Corral1/models"] {
+        let xml = introspect(&connection, parent).await;
+        assert!(xml.contains("<node name=\"copy7_3alatest\">"), "{parent}: {xml}");
+        assert!(!xml.contains("org.corral.Corral1.Model"), "{parent} describes the models' interface:\n{xml}");
+        // What each model adds: its node and the standard interfaces zbus writes for it.
+        assert!(xml.len() < 8192 + (NAMES + 2) * 2048, "{parent}: {} bytes", xml.len());
+    }
+    assert!(models.len() < (NAMES + 2) * 2048, "{} bytes", models.len());
+    // A model's own object describes its interface, explicit properties included.
+    let own = introspect(&connection, "/org/corral/Corral1/models/copy7_3alatest").await;
+    let node = zbus_xml::Node::from_reader(own.as_bytes()).expect("the XML parses");
+    let model = node
+        .interfaces()
+        .iter()
+        .find(|i| i.name().as_str() == "org.corral.Corral1.Model")
+        .unwrap_or_else(|| panic!("no Model interface:\n{own}"));
+    assert!(model.properties().iter().any(|p| p.name().as_str() == "Modelfile"), "{own}");
+    assert!(own.contains("org.freedesktop.systemd1.Explicit"), "{own}");
 }

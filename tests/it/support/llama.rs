@@ -317,10 +317,13 @@ impl RpcServer {
         let program = bin_dir().join("rpc-server");
         let port_arg = port.to_string();
         let rpc_args = ["-H", "127.0.0.1", "-p", port_arg.as_str()];
+        // Each runs with SIGPIPE ignored, as under systemd (see `NsRpcServer::start`): a
+        // client reset while rpc-server writes (another test's runner on a port reused)
+        // would otherwise kill it. An ignored signal stays ignored across exec.
         let (mut command, cgroup) = match limit {
             None => {
-                let mut command = Command::new(&program);
-                command.args(rpc_args);
+                let mut command = Command::new("sh");
+                command.args(["-c", r#"trap '' PIPE && exec "$0" "$@""#]).arg(&program).args(rpc_args);
                 (command, None)
             }
             Some(MemoryLimit::Cgroup(bytes)) => {
@@ -328,7 +331,7 @@ impl RpcServer {
                 let mut command = Command::new("sh");
                 // The shell moves itself into the cgroup, then becomes rpc-server.
                 command
-                    .args(["-c", r#"echo $$ > "$0" && exec "$@""#])
+                    .args(["-c", r#"echo $$ > "$0" && trap '' PIPE && exec "$@""#])
                     .arg(cgroup.procs_file())
                     .arg(&program)
                     .args(rpc_args);
@@ -337,7 +340,7 @@ impl RpcServer {
             Some(MemoryLimit::AddressSpace(kib)) => {
                 let mut command = Command::new("sh");
                 command
-                    .args(["-c", r#"ulimit -v "$0" && exec "$@""#])
+                    .args(["-c", r#"ulimit -v "$0" && trap '' PIPE && exec "$@""#])
                     .arg(kib.to_string())
                     .arg(&program)
                     .args(rpc_args);
@@ -450,7 +453,22 @@ impl RpcServer {
 
 impl Drop for RpcServer {
     fn drop(&mut self) {
+        // A failing test shows how its worker fared: whether it was still running, and what
+        // it printed (a worker that ended early explains a load that failed).
+        let ran_on = if std::thread::panicking() { Some(self.child.try_wait()) } else { None };
         self.kill();
+        if let Some(state) = ran_on {
+            eprintln!(
+                "rpc-server on port {} at the failure: {}\n{}",
+                self.port,
+                match state {
+                    Ok(Some(status)) => format!("had ended ({status})"),
+                    Ok(None) => "still running".to_owned(),
+                    Err(e) => format!("unknown ({e})"),
+                },
+                self.output()
+            );
+        }
         // The cgroup (dropped after this) is empty now: its one process is reaped.
     }
 }
