@@ -318,8 +318,9 @@ impl RpcServer {
         let port_arg = port.to_string();
         let rpc_args = ["-H", "127.0.0.1", "-p", port_arg.as_str()];
         // Each runs with SIGPIPE ignored, as under systemd (see `NsRpcServer::start`): a
-        // client reset while rpc-server writes (another test's runner on a port reused)
-        // would otherwise kill it. An ignored signal stays ignored across exec.
+        // client whose connection is reset while rpc-server writes to it (a runner killed
+        // mid-answer, or another test's client of a port used before) would otherwise kill
+        // it. An ignored signal stays ignored across exec.
         let (mut command, cgroup) = match limit {
             None => {
                 let mut command = Command::new("sh");
@@ -453,21 +454,17 @@ impl RpcServer {
 
 impl Drop for RpcServer {
     fn drop(&mut self) {
-        // A failing test shows how its worker fared: whether it was still running, and what
+        // A failing test shows how its worker fared: whether it ended by itself, and what
         // it printed (a worker that ended early explains a load that failed).
-        let ran_on = if std::thread::panicking() { Some(self.child.try_wait()) } else { None };
+        let fate = std::thread::panicking().then(|| match (self.status, self.child.try_wait()) {
+            (Some(status), _) => format!("already reaped by the test ({status})"),
+            (None, Ok(Some(status))) => format!("had ended by itself ({status})"),
+            (None, Ok(None)) => "still running".to_owned(),
+            (None, Err(e)) => format!("unknown ({e})"),
+        });
         self.kill();
-        if let Some(state) = ran_on {
-            eprintln!(
-                "rpc-server on port {} at the failure: {}\n{}",
-                self.port,
-                match state {
-                    Ok(Some(status)) => format!("had ended ({status})"),
-                    Ok(None) => "still running".to_owned(),
-                    Err(e) => format!("unknown ({e})"),
-                },
-                self.output()
-            );
+        if let Some(fate) = fate {
+            eprintln!("rpc-server on port {} at the failure: {fate}\n{}", self.port, self.output());
         }
         // The cgroup (dropped after this) is empty now: its one process is reaped.
     }
