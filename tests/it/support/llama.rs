@@ -317,37 +317,27 @@ impl RpcServer {
         let program = bin_dir().join("rpc-server");
         let port_arg = port.to_string();
         let rpc_args = ["-H", "127.0.0.1", "-p", port_arg.as_str()];
-        // Each runs with SIGPIPE ignored, as under systemd (see `NsRpcServer::start`): a
-        // client whose connection is reset while rpc-server writes to it (a runner killed
-        // mid-answer, or another test's client of a port used before) would otherwise kill
-        // it. An ignored signal stays ignored across exec.
-        let (mut command, cgroup) = match limit {
-            None => {
-                let mut command = Command::new("sh");
-                command.args(["-c", r#"trap '' PIPE && exec "$0" "$@""#]).arg(&program).args(rpc_args);
-                (command, None)
-            }
+        // A shell takes one step with its argument ($0), ignores SIGPIPE, then becomes
+        // rpc-server (an ignored signal stays ignored across exec). SIGPIPE is ignored as
+        // under systemd (see `NsRpcServer::start`): a client whose connection is reset
+        // while rpc-server writes to it (a runner killed mid-answer, or another test's
+        // client of a port used before) would otherwise kill it.
+        let (step, step_arg, cgroup): (&str, std::ffi::OsString, _) = match limit {
+            None => (":", "rpc-server".into(), None),
             Some(MemoryLimit::Cgroup(bytes)) => {
+                // The shell moves itself into the cgroup.
                 let cgroup = MemoryCgroup::create(bytes);
-                let mut command = Command::new("sh");
-                // The shell moves itself into the cgroup, then becomes rpc-server.
-                command
-                    .args(["-c", r#"echo $$ > "$0" && trap '' PIPE && exec "$@""#])
-                    .arg(cgroup.procs_file())
-                    .arg(&program)
-                    .args(rpc_args);
-                (command, Some(cgroup))
+                (r#"echo $$ > "$0""#, cgroup.procs_file().into(), Some(cgroup))
             }
-            Some(MemoryLimit::AddressSpace(kib)) => {
-                let mut command = Command::new("sh");
-                command
-                    .args(["-c", r#"ulimit -v "$0" && trap '' PIPE && exec "$@""#])
-                    .arg(kib.to_string())
-                    .arg(&program)
-                    .args(rpc_args);
-                (command, None)
-            }
+            Some(MemoryLimit::AddressSpace(kib)) => (r#"ulimit -v "$0""#, kib.to_string().into(), None),
         };
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(format!(r#"{step} && trap '' PIPE && exec "$@""#))
+            .arg(step_arg)
+            .arg(&program)
+            .args(rpc_args);
         let mut child = command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
