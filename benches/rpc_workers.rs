@@ -32,6 +32,9 @@ mod http;
 #[allow(dead_code, reason = "the tests' namespace fixtures; only part of them is used here")]
 #[path = "../tests/it/support/netns.rs"]
 mod netns;
+#[allow(dead_code, reason = "the tests' rpc-server process; only part of it is used here")]
+#[path = "../tests/it/support/rpc_process.rs"]
+mod rpc_process;
 #[path = "../tests/it/support/setup.rs"]
 mod setup;
 

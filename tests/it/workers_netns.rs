@@ -39,6 +39,7 @@ use crate::support::http;
 use crate::support::llama;
 use crate::support::netns::{Link, Netns, NsRpcServer, output_within};
 use crate::support::notify::NotifyListener;
+use crate::support::rpc_process::RpcProcess;
 
 /// The port every worker listens on (each in its own namespace).
 const PORT: u16 = 50052;
@@ -242,8 +243,8 @@ impl Rig {
         let mut text = format!("corrald:\n{}", self.corrald().stderr());
         let listed: Vec<String> = self.workers.iter().map(|w| self.list_devices(w).unwrap_or_else(|e| e)).collect();
         for (worker, listed) in self.workers.iter_mut().zip(listed) {
-            let ended = worker.server.as_mut().and_then(NsRpcServer::exit_status);
-            let output = worker.server.as_ref().map(NsRpcServer::output).unwrap_or_default();
+            let ended = worker.server.as_deref_mut().and_then(RpcProcess::exit_status);
+            let output = worker.server.as_deref().map(RpcProcess::output).unwrap_or_default();
             let mut ss = worker.netns.command("ss");
             let sockets = output_within(ss.arg("-tan"), Duration::from_secs(10))
                 .map_or_else(|e| e, |out| String::from_utf8_lossy(&out.stdout).into_owned());

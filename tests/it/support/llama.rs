@@ -1,7 +1,9 @@
 //! The real upstream `llama-server`, built once by `scripts/setup-llama-server.sh` and
 //! started on a model with HTTP on a UNIX socket in a temporary directory.
 
+use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read};
+use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -13,6 +15,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
 use super::http;
+use super::rpc_process::RpcProcess;
 
 /// How long a start may take up to the `listening on` line.  The tiny models load in
 /// milliseconds, but the machine is shared with other builds.
@@ -253,9 +256,6 @@ fn collect_lines(pipe: impl Read, into: &Mutex<Vec<String>>, tx: &mpsc::Sender<S
     }
 }
 
-/// How long an `rpc-server` may take to accept its first connection.
-const RPC_READY_TIMEOUT: Duration = Duration::from_secs(30);
-
 /// A memory limit for an `rpc-server`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MemoryLimit {
@@ -271,14 +271,12 @@ pub enum MemoryLimit {
 
 /// An `rpc-server` on loopback: llama.cpp's RPC backend makes it a device (`RPC0`, … in the
 /// order of `--rpc`), so offload is real.  Dropping it kills it with SIGKILL, reaps it, and
-/// removes its cgroup.
+/// removes its cgroup.  The process's own methods ([`RpcProcess`]) are reached through it.
 pub struct RpcServer {
-    child: Child,
+    process: RpcProcess,
     port: u16,
+    /// Declared after the process, so dropped once its one process is reaped.
     cgroup: Option<MemoryCgroup>,
-    /// Its stdout (`Accepted client connection`, …) and stderr, one line per element.
-    output: Arc<Mutex<Vec<String>>>,
-    status: Option<ExitStatus>,
 }
 
 impl RpcServer {
@@ -310,19 +308,11 @@ impl RpcServer {
         panic!("rpc-server did not start on 5 free ports:\n{}", failures.join("\n"));
     }
 
-    /// Spawns it and waits until it accepted a probe connection itself (its own
-    /// `Accepted client connection` line, so the port is not someone else's); on failure,
-    /// its output.
+    /// Spawns it under `limit` and waits until it accepted a probe connection; on failure,
+    /// why, with its output.
     fn spawn(port: u16, limit: Option<MemoryLimit>) -> Result<Self, String> {
-        let program = bin_dir().join("rpc-server");
         let port_arg = port.to_string();
-        let rpc_args = ["-H", "127.0.0.1", "-p", port_arg.as_str()];
-        // A shell takes one step with its argument ($0), ignores SIGPIPE, then becomes
-        // rpc-server (an ignored signal stays ignored across exec). SIGPIPE is ignored as
-        // under systemd (see `NsRpcServer::start`): a client whose connection is reset
-        // while rpc-server writes to it (a runner killed mid-answer, or another test's
-        // client of a port used before) would otherwise kill it.
-        let (step, step_arg, cgroup): (&str, std::ffi::OsString, _) = match limit {
+        let (step, step_arg, cgroup): (&str, OsString, _) = match limit {
             None => (":", "rpc-server".into(), None),
             Some(MemoryLimit::Cgroup(bytes)) => {
                 // The shell moves itself into the cgroup.
@@ -331,54 +321,16 @@ impl RpcServer {
             }
             Some(MemoryLimit::AddressSpace(kib)) => (r#"ulimit -v "$0""#, kib.to_string().into(), None),
         };
-        let mut command = Command::new("sh");
-        command
-            .arg("-c")
-            .arg(format!(r#"{step} && trap '' PIPE && exec "$@""#))
-            .arg(step_arg)
-            .arg(&program)
-            .args(rpc_args);
-        let mut child = command
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn rpc-server");
-        let output = Arc::new(Mutex::new(Vec::new()));
-        let (lines_tx, lines) = mpsc::channel();
-        for pipe in [
-            child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
-            child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
-        ] {
-            let (output, tx) = (Arc::clone(&output), lines_tx.clone());
-            let pipe = pipe.expect("piped");
-            std::thread::spawn(move || collect_lines(pipe, &output, &tx));
-        }
-        drop(lines_tx);
-        let mut server = Self { child, port, cgroup, output, status: None };
-        let deadline = Instant::now() + RPC_READY_TIMEOUT;
-        // Connect until something accepts, then see that it was this child.
-        let probe = loop {
-            if let Some(status) = server.child.try_wait().expect("poll rpc-server") {
-                server.status = Some(status);
-                return Err(format!("exited ({status}):\n{}", server.output()));
-            }
-            match std::net::TcpStream::connect(("127.0.0.1", port)) {
-                Ok(stream) => break stream,
-                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
-                Err(e) => {
-                    return Err(format!("no connection within {RPC_READY_TIMEOUT:?} ({e}):\n{}", server.output()));
-                }
-            }
-        };
-        loop {
-            match lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(line) if line.contains("Accepted client connection") => break,
-                Ok(_) => {}
-                Err(_) => return Err(format!("another process answered on port {port}:\n{}", server.output())),
-            }
-        }
-        drop(probe);
+        let process = RpcProcess::spawn(
+            Command::new("sh"),
+            step,
+            &step_arg,
+            &bin_dir().join("rpc-server"),
+            &["-H", "127.0.0.1", "-p", &port_arg],
+            format!("rpc-server on port {port}"),
+        );
+        let mut server = Self { process, port, cgroup };
+        server.process.wait_accepting(|| std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())?;
         Ok(server)
     }
 
@@ -392,45 +344,6 @@ impl RpcServer {
         self.port
     }
 
-    /// Its process id.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// What it printed so far, one line per element.
-    pub fn output(&self) -> String {
-        self.output.lock().expect("output lock").join("\n")
-    }
-
-    /// Sends SIGKILL and reaps it; returns its exit status.  Idempotent.
-    pub fn kill(&mut self) -> ExitStatus {
-        if let Some(status) = self.status {
-            return status;
-        }
-        let _ = self.child.kill();
-        let status = self.child.wait().expect("reap rpc-server");
-        self.status = Some(status);
-        status
-    }
-
-    /// Waits up to `timeout` for it to exit by itself and reaps it; `None` if it still runs.
-    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.status {
-                return Some(status);
-            }
-            if let Some(status) = self.child.try_wait().expect("poll rpc-server") {
-                self.status = Some(status);
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
     /// How many times the kernel's OOM killer acted in its cgroup, if it has one.
     pub fn oom_kills(&self) -> Option<u64> {
         self.cgroup.as_ref().map(MemoryCgroup::oom_kills)
@@ -442,21 +355,17 @@ impl RpcServer {
     }
 }
 
-impl Drop for RpcServer {
-    fn drop(&mut self) {
-        // A failing test shows how its worker fared: whether it ended by itself, and what
-        // it printed (a worker that ended early explains a load that failed).
-        let fate = std::thread::panicking().then(|| match (self.status, self.child.try_wait()) {
-            (Some(status), _) => format!("already reaped by the test ({status})"),
-            (None, Ok(Some(status))) => format!("had ended by itself ({status})"),
-            (None, Ok(None)) => "still running".to_owned(),
-            (None, Err(e)) => format!("unknown ({e})"),
-        });
-        self.kill();
-        if let Some(fate) = fate {
-            eprintln!("rpc-server on port {} at the failure: {fate}\n{}", self.port, self.output());
-        }
-        // The cgroup (dropped after this) is empty now: its one process is reaped.
+impl Deref for RpcServer {
+    type Target = RpcProcess;
+
+    fn deref(&self) -> &RpcProcess {
+        &self.process
+    }
+}
+
+impl DerefMut for RpcServer {
+    fn deref_mut(&mut self) -> &mut RpcProcess {
+        &mut self.process
     }
 }
 

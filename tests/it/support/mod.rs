@@ -13,4 +13,5 @@ pub mod llama;
 pub mod netns;
 pub mod notify;
 pub mod registry;
+pub mod rpc_process;
 pub mod setup;

@@ -5,25 +5,26 @@
 //! removed in `Drop`, also when a test panics; namespaces left by a test process that was
 //! killed are removed by the next one.
 //!
-//! Self-contained (std and nix only), so that `benches/rpc_workers.rs` uses it too.
+//! Self-contained (std and nix only, and `rpc_process.rs`), so that
+//! `benches/rpc_workers.rs` uses it too.
 
 use std::ffi::OsStr;
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::net::{Ipv4Addr, SocketAddrV4};
+use std::ops::{Deref, DerefMut};
 use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::process::{Command, Output, Stdio};
+use std::sync::Once;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant};
+
+use super::rpc_process::RpcProcess;
 
 /// How long one `ip` or `tc` command may take.
 const TOOL_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// How long a connection attempt into a namespace may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// How long an `rpc-server` may take to accept its first connection.
-const RPC_READY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The prefix of every namespace the tests make: `corral-it-<pid>-<n>`.
 const PREFIX: &str = "corral-it-";
@@ -262,134 +263,46 @@ impl Drop for Link {
 
 /// An upstream `rpc-server` inside a namespace, bound to one of its addresses (`-H`), with
 /// its tensor cache (`-c`, in a directory given as `LLAMA_CACHE`) when asked.  Dropping it
-/// kills it (SIGKILL) and reaps it.
+/// kills it (SIGKILL) and reaps it.  The process's own methods ([`RpcProcess`]) are reached
+/// through it.
 pub struct NsRpcServer {
-    child: Child,
+    process: RpcProcess,
     endpoint: SocketAddrV4,
-    output: Arc<Mutex<Vec<String>>>,
-    status: Option<ExitStatus>,
 }
 
 impl NsRpcServer {
     /// Starts `program` (rpc-server) in `netns` on `endpoint` and waits until it accepted a
     /// probe connection from inside the namespace.
-    ///
-    /// It runs with SIGPIPE ignored, as systemd starts a service (`IgnoreSIGPIPE=yes`, the
-    /// default, so under `corral-rpc@.service`): rpc-server writes with `send(…, 0)`, so a
-    /// client whose connection was reset (a head cut off, killed, then back) would kill it
-    /// with SIGPIPE; ignored, the write fails and it drops that client.
     pub fn start(netns: &Netns, program: &Path, endpoint: SocketAddrV4, cache: Option<&Path>) -> Self {
-        let mut cmd = netns.command("sh");
-        // An ignored signal stays ignored across exec; the PID is rpc-server's.
-        cmd.args(["-c", r#"trap '' PIPE && exec "$0" "$@""#]).arg(program);
-        cmd.args(["-H", &endpoint.ip().to_string(), "-p", &endpoint.port().to_string()]);
+        let mut sh = netns.command("sh");
+        let (host, port) = (endpoint.ip().to_string(), endpoint.port().to_string());
+        let mut args = vec!["-H", &host, "-p", &port];
         if let Some(cache) = cache {
-            cmd.arg("-c").env("LLAMA_CACHE", cache);
+            args.push("-c");
+            sh.env("LLAMA_CACHE", cache);
         }
-        let mut child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
-        let output = Arc::new(Mutex::new(Vec::new()));
-        for pipe in [
-            child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
-            child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
-        ] {
-            let (output, pipe) = (Arc::clone(&output), pipe.expect("piped"));
-            std::thread::spawn(move || {
-                for line in BufReader::new(pipe).lines() {
-                    let Ok(line) = line else { return };
-                    output.lock().expect("output lock").push(line);
-                }
-            });
-        }
-        let mut server = Self { child, endpoint, output, status: None };
-        let deadline = Instant::now() + RPC_READY_TIMEOUT;
-        while !netns.can_connect(endpoint) {
-            if let Some(status) = server.child.try_wait().expect("poll rpc-server") {
-                server.status = Some(status);
-                panic!("rpc-server on {endpoint} exited ({status}):\n{}", server.output());
-            }
-            assert!(Instant::now() < deadline, "rpc-server on {endpoint} not reachable:\n{}", server.output());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        // Its stdout is flushed at each connection: the line says the probe reached it.
-        server.wait_output("Accepted client connection", RPC_READY_TIMEOUT);
-        server
+        let place = format!("rpc-server on {endpoint}");
+        let mut process = RpcProcess::spawn(sh, ":", OsStr::new("rpc-server"), program, &args, place);
+        process.wait_accepting(|| netns.can_connect(endpoint)).unwrap_or_else(|e| panic!("{e}"));
+        Self { process, endpoint }
     }
 
     /// `ADDRESS:PORT`.
     pub fn endpoint(&self) -> SocketAddrV4 {
         self.endpoint
     }
+}
 
-    /// Its process id.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
+impl Deref for NsRpcServer {
+    type Target = RpcProcess;
 
-    /// What it printed so far.
-    pub fn output(&self) -> String {
-        self.output.lock().expect("output lock").join("\n")
-    }
-
-    /// How many of its lines contain `text`.
-    pub fn count_lines(&self, text: &str) -> usize {
-        self.output.lock().expect("output lock").iter().filter(|l| l.contains(text)).count()
-    }
-
-    /// Waits until a line contains `text`.
-    pub fn wait_output(&self, text: &str, timeout: Duration) {
-        self.wait_lines(text, 1, timeout);
-    }
-
-    /// Waits until `n` lines contain `text`.
-    pub fn wait_lines(&self, text: &str, n: usize, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        while self.count_lines(text) < n {
-            assert!(
-                Instant::now() < deadline,
-                "no {n}×{text:?} from rpc-server within {timeout:?}:\n{}",
-                self.output()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Its resident memory in bytes (`VmRSS`), while it runs.
-    pub fn rss(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).expect("read its status");
-        let kib: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .expect("VmRSS");
-        kib * 1024
-    }
-
-    /// How it ended, if it did (reaped then); `None` while it runs.
-    pub fn exit_status(&mut self) -> Option<ExitStatus> {
-        if self.status.is_none() {
-            self.status = self.child.try_wait().expect("poll rpc-server");
-        }
-        self.status
-    }
-
-    /// Sends SIGKILL and reaps it; its exit status.  Idempotent.
-    pub fn kill(&mut self) -> ExitStatus {
-        if let Some(status) = self.exit_status() {
-            return status;
-        }
-        // ESRCH: it ended in between; the wait reaps it all the same.
-        let _ = self.child.kill();
-        *self.status.insert(self.child.wait().expect("reap rpc-server"))
+    fn deref(&self) -> &RpcProcess {
+        &self.process
     }
 }
 
-impl Drop for NsRpcServer {
-    fn drop(&mut self) {
-        self.kill();
+impl DerefMut for NsRpcServer {
+    fn deref_mut(&mut self) -> &mut RpcProcess {
+        &mut self.process
     }
 }
