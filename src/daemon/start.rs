@@ -64,9 +64,9 @@ pub(super) fn start_gc(config: &Config, store: &Store) {
 
 /// After `READY=1`: has inotify report other programs' changes to the manifests (so that
 /// listings walk the tree only after a change), then, off the async threads and in one
-/// task (one thread, not two, each with its own malloc arena), removes the temporary
-/// files an older version may have left below the top of the store and builds the
-/// listing's index. Both walk every model's directory, which before `READY=1` would make
+/// task (one thread, not two, each with its own malloc arena), builds the listing's
+/// index and removes the temporary files an older version may have left below the top
+/// of the store. Both walk every model's directory, which before `READY=1` would make
 /// start grow with the store; built here, the index spares the first listing its walk.
 pub(super) fn after_ready(config: &Config, store: &Store) {
     match store.watch_manifests().and_then(|()| crate::store::follow_outside_changes(store)) {
@@ -78,13 +78,14 @@ pub(super) fn after_ready(config: &Config, store: &Store) {
     }
     let (store, sweep) = (store.clone(), !config.store.read_only);
     tokio::task::spawn_blocking(move || {
+        // The index first: a listing asked meanwhile waits for it, not for the sweep too.
+        if let Err(e) = store.list_shared() {
+            tracing::warn!(error = %e, "cannot list the models: {e}");
+        }
         if sweep {
             if let Err(e) = store.remove_nested_temporaries() {
                 tracing::warn!(error = %e, "cannot look for temporary files below the store's manifests: {e}");
             }
-        }
-        if let Err(e) = store.list_shared() {
-            tracing::warn!(error = %e, "cannot list the models: {e}");
         }
     });
 }
