@@ -268,7 +268,7 @@ fn render_here(
         return Err(TemplateError::TooManyCopies(limits.copies));
     }
 
-    let mut template = parse(source).map_err(TemplateError::Syntax)?;
+    let mut template = parse(shape.source()).map_err(TemplateError::Syntax)?;
     funcs::bound(&mut template);
     let data: HashMap<String, gtmpl::Value> =
         fields.iter().map(|(k, v)| (k.clone(), gtmpl::Value::from(v.as_str()))).collect();

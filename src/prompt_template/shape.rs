@@ -2,9 +2,17 @@
 //! `{{template}}` calls and its actions, so that nesting, recursion and an upper bound
 //! on the work of a render are known in advance.
 //!
-//! The scan follows gtmpl's lexer where it decides what is an action (delimiters, trim
-//! markers, comments, quoted strings, parentheses), so both see the same structure;
-//! where the scan finds the structure broken gtmpl's parser fails at the same place.
+//! The scan follows gtmpl's lexer where it decides what is an action (delimiters,
+//! comments, quoted strings, parentheses), so both see the same structure; where the scan
+//! finds the structure broken gtmpl's parser fails at the same place.
+//!
+//! Trim markers (`{{- ` and ` -}}`) and comments are applied by the scan itself, as Go's
+//! `text/template` applies them (only space, tab, carriage return and newline are white
+//! space there), and gtmpl gets the template without them ([`Shape::source`]): gtmpl's
+//! own trimming counts the bytes of the character before the white space wrongly and
+//! slices inside it when that character takes more than one byte (its lexer's thread
+//! panics and the template fails to parse), trims Unicode white space that Go keeps, and
+//! knows a marker only with a space, not a tab or a line break.
 
 use std::collections::HashMap;
 
@@ -80,6 +88,8 @@ pub(super) struct Shape {
     order: Vec<(String, Vec<Node>)>,
     /// The longest quoted string, in bytes.
     longest_literal: usize,
+    /// The template with its trim markers applied and its comments left out.
+    source: String,
 }
 
 /// An upper bound on what rendering a [`Shape`] takes.
@@ -99,6 +109,9 @@ pub(super) fn scan(source: &str, max_depth: usize) -> Result<Shape, ScanError> {
     let mut scanner =
         Scanner { main: Vec::new(), frames: Vec::new(), bodies: HashMap::new(), max_depth, longest_literal: 0 };
     let bytes = source.as_bytes();
+    let mut out = String::with_capacity(source.len());
+    // Whether the text after the last action loses its leading white space.
+    let mut trim_next = false;
     let mut pos = 0;
     while let Some(found) = source[pos..].find("{{") {
         if found > 0 {
@@ -107,27 +120,25 @@ pub(super) fn scan(source: &str, max_depth: usize) -> Result<Shape, ScanError> {
         }
         let open = pos + found;
         let mut at = open + 2;
-        if source[at..].starts_with("- ") {
+        let trim_before = left_marker(&bytes[at..]);
+        if trim_before {
             at += 2;
         }
+        out.push_str(trimmed(&source[pos..open], trim_next, trim_before));
         if source[at..].starts_with("/*") {
             let end = source[at + 2..]
                 .find("*/")
                 .map(|i| at + 2 + i + 2)
                 .ok_or_else(|| syntax(source, open, "unclosed comment"))?;
-            pos = if source[end..].starts_with("}}") {
-                end + 2
-            } else if source[end..].starts_with(" -}}") {
-                end + 4
-            } else {
-                return Err(syntax(source, open, "comment ends before the closing delimiter"));
-            };
+            let (close, trim_after) = right_delimiter(&bytes[end..])
+                .ok_or_else(|| syntax(source, open, "comment ends before the closing delimiter"))?;
+            (pos, trim_next) = (end + close, trim_after);
             continue;
         }
         // Parentheses are counted as they open: gtmpl's parser recurses into them even in
         // an action that never closes.
         let room = max_depth.saturating_sub(scanner.frames.len());
-        let (action, end) = lex_action(source, bytes, at, room).map_err(|e| match e {
+        let (action, body_end, end) = lex_action(source, bytes, at, room).map_err(|e| match e {
             ScanError::Syntax(m) => syntax(source, open, &m),
             other => other,
         })?;
@@ -136,11 +147,15 @@ pub(super) fn scan(source: &str, max_depth: usize) -> Result<Shape, ScanError> {
             ScanError::Syntax(m) => syntax(source, open, &m),
             other => other,
         })?;
-        pos = end;
+        out.push_str("{{");
+        out.push_str(&source[at..body_end]);
+        out.push_str("}}");
+        (pos, trim_next) = (end, end - body_end > 2);
     }
     if pos < source.len() {
         let at = scanner.check(scanner.frames.len())?;
         scanner.append(Node::Unit { work: Work { steps: 1, copies: 0 }, at });
+        out.push_str(trimmed(&source[pos..], trim_next, false));
     }
     if let Some(frame) = scanner.frames.last() {
         let what = match &frame.open {
@@ -155,7 +170,35 @@ pub(super) fn scan(source: &str, max_depth: usize) -> Result<Shape, ScanError> {
     let mut bodies = scanner.bodies;
     // A `define ""` adds to the main body, as gtmpl keeps one tree per name.
     bodies.entry(String::new()).or_default().extend(scanner.main);
-    order(bodies, scanner.longest_literal)
+    order(bodies, scanner.longest_literal, out)
+}
+
+/// White space as Go's `text/template` trims it.
+fn is_trimmed_space(c: u8) -> bool {
+    matches!(c, b' ' | b'\t' | b'\r' | b'\n')
+}
+
+/// Whether an action (just inside its `{{`) starts with a trim marker: `-` and white space.
+fn left_marker(rest: &[u8]) -> bool {
+    rest.len() >= 2 && rest[0] == b'-' && is_trimmed_space(rest[1])
+}
+
+/// The closing delimiter at the start of `rest`, if there is one: its length, and whether
+/// it carries a trim marker (white space and `-` before `}}`).
+fn right_delimiter(rest: &[u8]) -> Option<(usize, bool)> {
+    if rest.starts_with(b"}}") {
+        Some((2, false))
+    } else if rest.len() >= 4 && is_trimmed_space(rest[0]) && rest[1..].starts_with(b"-}}") {
+        Some((4, true))
+    } else {
+        None
+    }
+}
+
+/// `text` without its leading white space if `start`, its trailing if `end`.
+fn trimmed(text: &str, start: bool, end: bool) -> &str {
+    let text = if start { text.trim_start_matches(|c: char| c.is_ascii() && is_trimmed_space(c as u8)) } else { text };
+    if end { text.trim_end_matches(|c: char| c.is_ascii() && is_trimmed_space(c as u8)) } else { text }
 }
 
 fn syntax(source: &str, at: usize, message: &str) -> ScanError {
@@ -184,20 +227,18 @@ enum Token {
 }
 
 /// Reads the action starting at `pos` (just inside `{{` and its trim marker) the way
-/// gtmpl's lexer does, with at most `room` parentheses open; returns it and where the
-/// text after it starts.
-fn lex_action(source: &str, bytes: &[u8], mut pos: usize, room: usize) -> Result<(Action, usize), ScanError> {
+/// gtmpl's lexer does, with at most `room` parentheses open; returns it, where its body
+/// ends (its closing delimiter or trim marker starts) and where the text after it starts.
+fn lex_action(source: &str, bytes: &[u8], mut pos: usize, room: usize) -> Result<(Action, usize, usize), ScanError> {
     let fail = |message: &str| ScanError::Syntax(message.to_owned());
     let mut action = Action { work: Work { steps: 1, copies: 0 }, ..Action::default() };
     let mut depth = 0usize;
     loop {
-        let rest = &source[pos..];
-        if rest.starts_with("}}") || rest.starts_with(" -}}") {
+        if let Some((close, _)) = right_delimiter(&bytes[pos..]) {
             if depth > 0 {
                 return Err(fail("unclosed left parenthesis"));
             }
-            let end = pos + if rest.starts_with("}}") { 2 } else { 4 };
-            return Ok((action, end));
+            return Ok((action, pos, pos + close));
         }
         let Some(&c) = bytes.get(pos) else { return Err(fail("unclosed action")) };
         // gtmpl's lexer steps back one byte, not one character, after the character that
@@ -262,7 +303,8 @@ fn lex_action(source: &str, bytes: &[u8], mut pos: usize, room: usize) -> Result
             c if c.is_ascii_whitespace() => {
                 // gtmpl's lexer takes a run of spaces whole, line breaks included (a
                 // break only ends an action where a token would start).
-                while pos < bytes.len() && bytes[pos].is_ascii_whitespace() && !source[pos..].starts_with(" -}}") {
+                while pos < bytes.len() && bytes[pos].is_ascii_whitespace() && right_delimiter(&bytes[pos..]).is_none()
+                {
                     pos += 1;
                 }
             }
@@ -429,7 +471,7 @@ fn name(token: Option<&Token>) -> Result<String, ScanError> {
 
 /// Puts bodies in an order where every template comes after those it calls (a
 /// depth-first walk, without recursion); refuses a cycle, naming a template on it.
-fn order(mut bodies: HashMap<String, Vec<Node>>, longest_literal: usize) -> Result<Shape, ScanError> {
+fn order(mut bodies: HashMap<String, Vec<Node>>, longest_literal: usize, source: String) -> Result<Shape, ScanError> {
     let mut calls: HashMap<String, Vec<String>> = HashMap::new();
     for (name, nodes) in &bodies {
         let mut callees = Vec::new();
@@ -482,13 +524,19 @@ fn order(mut bodies: HashMap<String, Vec<Node>>, longest_literal: usize) -> Resu
             (name, nodes)
         })
         .collect();
-    Ok(Shape { order, longest_literal })
+    Ok(Shape { order, longest_literal, source })
 }
 
 impl Shape {
     /// The longest quoted string, in bytes: the largest value a literal may copy.
     pub(super) fn longest_literal(&self) -> usize {
         self.longest_literal
+    }
+
+    /// The template as gtmpl is to parse it: the trim markers applied (and gone) and the
+    /// comments left out, with the same actions in the same places.
+    pub(super) fn source(&self) -> &str {
+        &self.source
     }
 
     /// The cost of rendering the main body when a `range` runs at most `range` times.
@@ -580,6 +628,19 @@ mod tests {
         // A line break inside an action is fine after a space, as in gtmpl.
         assert_eq!(cost("{{ if and \n .A \n .B }}x{{ end }}").depth, 1);
         assert!(matches!(scan("{{ if\n.A }}x{{ end }}", 64), Err(ScanError::Syntax(_))));
+    }
+
+    #[test]
+    fn gtmpl_gets_the_template_with_its_trim_markers_applied_and_its_comments_left_out() {
+        let source = |text: &str| scan(text, 64).expect("scans").source().to_owned();
+        assert_eq!(source("a {{- /* c */ -}} b {{- .X -}} c"), "ab{{.X}}c");
+        // Go's white space only (here a no-break space stays), a tab or a line break as
+        // the marker's space, the body between the markers untouched.
+        assert_eq!(source("\u{a0} \n{{-\t .X  \n-}}\u{a0}"), "\u{a0}{{ .X  }}\u{a0}");
+        // A `-` without white space after it is a number, not a marker.
+        assert_eq!(source("a {{-3}} b"), "a {{-3}} b");
+        // Strings that look like markers or comments are left as they are.
+        assert_eq!(source(r#"{{ print " -}}" "/*" }} x"#), r#"{{ print " -}}" "/*" }} x"#);
     }
 
     #[test]

@@ -60,6 +60,33 @@ fn real_templates_render() {
     assert_eq!(run(printed).expect("renders"), "2");
 }
 
+/// Trim markers as Go's `text/template` applies them (what Ollama's users get): next to
+/// any character (gtmpl's own trimming sliced inside one of several bytes, and the
+/// template failed to parse), only ASCII white space trimmed, a tab or a line break
+/// as the marker's space, comments left out with their markers applied.
+#[test]
+fn trim_markers_trim_as_go_does_next_to_any_character() {
+    let cases = [
+        ("日本 \n{{- .Prompt }}", "日本hi"),
+        ("é{{- .Prompt -}}\t\nà", "éhià"),
+        ("«  {{- .System }}»", "«be brief»"),
+        ("「{{- .Prompt -}}」", "「hi」"),
+        // Not white space to Go: a no-break space, an ideographic space.
+        ("a\u{a0}{{- .Prompt }}", "a\u{a0}hi"),
+        ("{{ .Prompt -}}\u{3000}x", "hi\u{3000}x"),
+        ("a \t\n{{-\t.Prompt\n-}}\r\n b", "ahib"),
+        ("a {{- /* a note */ -}} b", "ab"),
+        ("a {{/* a note */}} b", "a  b"),
+        ("ü {{- /* a note */}} ü", "ü ü"),
+        // No marker: a negative number.
+        ("x {{-3}} y", "x -3 y"),
+        ("{{ if .Prompt -}} \n 是 \n {{- end }}", "是"),
+    ];
+    for (template, expected) in cases {
+        assert_eq!(run(template).map_err(|e| e.to_string()).as_deref(), Ok(expected), "{template:?}");
+    }
+}
+
 #[test]
 fn nesting_up_to_the_limit_renders_on_a_quarter_of_the_stack() {
     // The render thread's stack is STACK_SIZE; a quarter of it holds the deepest of
