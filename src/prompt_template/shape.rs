@@ -147,9 +147,11 @@ pub(super) fn scan(source: &str, max_depth: usize) -> Result<Shape, ScanError> {
             ScanError::Syntax(m) => syntax(source, open, &m),
             other => other,
         })?;
-        out.push_str("{{");
+        // A space on each side: what gtmpl reads after `{{` and before `}}` is then never a
+        // trim marker or a comment (`{{- - x}}` keeps a `- ` once its marker is gone).
+        out.push_str("{{ ");
         out.push_str(&source[at..body_end]);
-        out.push_str("}}");
+        out.push_str(" }}");
         (pos, trim_next) = (end, end - body_end > 2);
     }
     if pos < source.len() {
@@ -174,8 +176,10 @@ pub(super) fn scan(source: &str, max_depth: usize) -> Result<Shape, ScanError> {
 }
 
 /// White space as Go's `text/template` trims it.
+const TRIMMED: [char; 4] = [' ', '\t', '\r', '\n'];
+
 fn is_trimmed_space(c: u8) -> bool {
-    matches!(c, b' ' | b'\t' | b'\r' | b'\n')
+    TRIMMED.contains(&char::from(c))
 }
 
 /// Whether an action (just inside its `{{`) starts with a trim marker: `-` and white space.
@@ -197,8 +201,8 @@ fn right_delimiter(rest: &[u8]) -> Option<(usize, bool)> {
 
 /// `text` without its leading white space if `start`, its trailing if `end`.
 fn trimmed(text: &str, start: bool, end: bool) -> &str {
-    let text = if start { text.trim_start_matches(|c: char| c.is_ascii() && is_trimmed_space(c as u8)) } else { text };
-    if end { text.trim_end_matches(|c: char| c.is_ascii() && is_trimmed_space(c as u8)) } else { text }
+    let text = if start { text.trim_start_matches(TRIMMED) } else { text };
+    if end { text.trim_end_matches(TRIMMED) } else { text }
 }
 
 fn syntax(source: &str, at: usize, message: &str) -> ScanError {
@@ -633,14 +637,18 @@ mod tests {
     #[test]
     fn gtmpl_gets_the_template_with_its_trim_markers_applied_and_its_comments_left_out() {
         let source = |text: &str| scan(text, 64).expect("scans").source().to_owned();
-        assert_eq!(source("a {{- /* c */ -}} b {{- .X -}} c"), "ab{{.X}}c");
+        assert_eq!(source("a {{- /* c */ -}} b {{- .X -}} c"), "ab{{ .X }}c");
         // Go's white space only (here a no-break space stays), a tab or a line break as
         // the marker's space, the body between the markers untouched.
-        assert_eq!(source("\u{a0} \n{{-\t .X  \n-}}\u{a0}"), "\u{a0}{{ .X  }}\u{a0}");
+        assert_eq!(source("\u{a0} \n{{-\t .X  \n-}}\u{a0}"), "\u{a0}{{  .X   }}\u{a0}");
         // A `-` without white space after it is a number, not a marker.
-        assert_eq!(source("a {{-3}} b"), "a {{-3}} b");
+        assert_eq!(source("a {{-3}} b"), "a {{ -3 }} b");
         // Strings that look like markers or comments are left as they are.
-        assert_eq!(source(r#"{{ print " -}}" "/*" }} x"#), r#"{{ print " -}}" "/*" }} x"#);
+        assert_eq!(source(r#"{{ print " -}}" "/*" }} x"#), r#"{{  print " -}}" "/*"  }} x"#);
+        // What is left once a marker is gone never reads as another one (found by the
+        // fuzzer): gtmpl would trim again, inside a character.
+        assert_eq!(source("«{{- - 1 -}}»"), "«{{ - 1 }}»");
+        assert_eq!(source("«{{- -}}»"), "«{{ - }}»");
     }
 
     #[test]
