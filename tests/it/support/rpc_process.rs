@@ -9,7 +9,7 @@ use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// How long an `rpc-server` may take to accept its first connection.
@@ -20,9 +20,18 @@ pub struct RpcProcess {
     child: Child,
     /// Where it listens, for messages: `rpc-server on …`.
     place: String,
-    /// Its stdout (`Accepted client connection`, …) and stderr, one line per element.
-    output: Arc<Mutex<Vec<String>>>,
+    /// Its stdout (`Accepted client connection`, …) and stderr, and a condition the
+    /// threads reading them signal at each line and at each pipe's end.
+    output: Arc<(Mutex<Output>, Condvar)>,
     status: Option<ExitStatus>,
+}
+
+/// What an `rpc-server` printed so far, one line per element, and how many of its two
+/// pipes are still open (none once it has ended).
+#[derive(Default)]
+struct Output {
+    lines: Vec<String>,
+    open: usize,
 }
 
 impl RpcProcess {
@@ -45,17 +54,21 @@ impl RpcProcess {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {sh:?}: {e}"));
-        let output = Arc::new(Mutex::new(Vec::new()));
+        let output = Arc::new((Mutex::new(Output { lines: Vec::new(), open: 2 }), Condvar::new()));
         for pipe in [
             child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
             child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
         ] {
             let (output, pipe) = (Arc::clone(&output), pipe.expect("piped"));
             std::thread::spawn(move || {
+                let (lock, changed) = &*output;
                 for line in BufReader::new(pipe).lines() {
-                    let Ok(line) = line else { return };
-                    output.lock().expect("output lock").push(line);
+                    let Ok(line) = line else { break };
+                    lock.lock().expect("output lock").lines.push(line);
+                    changed.notify_all();
                 }
+                lock.lock().expect("output lock").open -= 1;
+                changed.notify_all();
             });
         }
         Self { child, place, output, status: None }
@@ -73,6 +86,8 @@ impl RpcProcess {
             if Instant::now() >= deadline {
                 return Err(format!("{} not reachable within {RPC_READY_TIMEOUT:?}:\n{}", self.place, self.output()));
             }
+            // Nothing tells when rpc-server listens (it prints only before it binds): the
+            // probe itself is the condition, retried until the deadline.
             std::thread::sleep(Duration::from_millis(10));
         }
         // Its stdout is flushed at each connection.
@@ -85,14 +100,18 @@ impl RpcProcess {
         self.child.id()
     }
 
+    fn printed(&self) -> MutexGuard<'_, Output> {
+        self.output.0.lock().expect("output lock")
+    }
+
     /// What it printed so far, one line per element.
     pub fn output(&self) -> String {
-        self.output.lock().expect("output lock").join("\n")
+        self.printed().lines.join("\n")
     }
 
     /// How many of its lines contain `text`.
     pub fn count_lines(&self, text: &str) -> usize {
-        self.output.lock().expect("output lock").iter().filter(|l| l.contains(text)).count()
+        count(&self.printed(), text)
     }
 
     /// Waits until a line contains `text`.
@@ -105,15 +124,17 @@ impl RpcProcess {
         self.try_wait_lines(text, n, timeout).unwrap_or_else(|e| panic!("{e}"));
     }
 
+    /// Waits until `n` lines contain `text`, while its output may still grow.
     fn try_wait_lines(&self, text: &str, n: usize, timeout: Duration) -> Result<(), String> {
-        let deadline = Instant::now() + timeout;
-        while self.count_lines(text) < n {
-            if Instant::now() >= deadline {
-                return Err(format!("no {n}×{text:?} from {} within {timeout:?}:\n{}", self.place, self.output()));
-            }
-            std::thread::sleep(Duration::from_millis(10));
+        let (lock, changed) = &*self.output;
+        let printed = lock.lock().expect("output lock");
+        let (printed, _) =
+            changed.wait_timeout_while(printed, timeout, |o| count(o, text) < n && o.open > 0).expect("output lock");
+        if count(&printed, text) >= n {
+            return Ok(());
         }
-        Ok(())
+        let ended = if printed.open == 0 { " (it closed its output)" } else { "" };
+        Err(format!("no {n}×{text:?} from {} within {timeout:?}{ended}:\n{}", self.place, printed.lines.join("\n")))
     }
 
     /// Its resident memory in bytes (`VmRSS`), while it runs.
@@ -136,17 +157,17 @@ impl RpcProcess {
     }
 
     /// Waits up to `timeout` for it to exit by itself and reaps it; `None` if it still runs.
+    /// Its pipes close when it ends (rpc-server starts no process of its own).
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.exit_status() {
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(10));
+        let (lock, changed) = &*self.output;
+        let printed = lock.lock().expect("output lock");
+        let (printed, _) = changed.wait_timeout_while(printed, timeout, |o| o.open > 0).expect("output lock");
+        let ended = printed.open == 0;
+        drop(printed);
+        if ended && self.status.is_none() {
+            self.status = Some(self.child.wait().expect("reap rpc-server"));
         }
+        self.exit_status()
     }
 
     /// Sends SIGKILL and reaps it; its exit status.  Idempotent.
@@ -175,4 +196,9 @@ impl Drop for RpcProcess {
             eprintln!("{} at the failure: {fate}\n{}", self.place, self.output());
         }
     }
+}
+
+/// How many of `printed`'s lines contain `text`.
+fn count(printed: &Output, text: &str) -> usize {
+    printed.lines.iter().filter(|l| l.contains(text)).count()
 }
