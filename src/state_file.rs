@@ -62,6 +62,18 @@ impl PendingWrite {
         Self { path, bytes, what }
     }
 
+    /// [`PendingWrite::new`] without the indentation: for a file read before `READY=1`,
+    /// whose size grows with the store.
+    ///
+    /// # Panics
+    ///
+    /// As [`PendingWrite::new`].
+    #[must_use]
+    pub fn compact<T: Serialize>(path: PathBuf, value: &T, what: &'static str) -> Self {
+        let bytes = serde_json::to_vec(value).unwrap_or_else(|e| panic!("{what} do not serialize: {e}"));
+        Self { path, bytes, what }
+    }
+
     /// Writes it atomically (temporary file, sync, rename); failures are logged, not fatal.
     pub fn write(self) {
         if let Err(e) = write_atomic(&self.path, &self.bytes) {

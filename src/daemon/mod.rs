@@ -43,8 +43,8 @@ pub use refuse::refuse;
 use idle::{IdleClock, Requests, count_requests, idle_exit_due};
 use llama_server::check_llama_server;
 use start::{
-    after_ready, app_state, limits, listen, log_start, open_store, preload, raise_open_files_limit, serve_dbus,
-    start_gc, start_scheduler, take_cgroup_tree,
+    after_ready, app_state, limits, listen, listing_file, log_start, open_store, preload, raise_open_files_limit,
+    save_listing, serve_dbus, start_scheduler, take_cgroup_tree,
 };
 use supervise::{Vital, follower, tick, watchdog_ping};
 
@@ -87,7 +87,6 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     check_llama_server(&loaded.config.runner.llama_server);
     crate::projection::log_availability(&loaded.config.runner, std::env::var_os("PATH").as_deref());
     let store = open_store(&loaded.config, &paths).await?;
-    start_gc(&loaded.config, &store);
     // Listen before any runner starts: a start that fails to listen leaves nothing behind.
     let socket_activated = !sockets.is_empty();
     let listeners = listen(sockets, &loaded.config).await?;
@@ -114,7 +113,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     // The sockets are listening and their accept loops are spawned: connections are served.
     notifier.ready(&status);
     tracing::info!(corral_event = "ready", listeners = ?names, socket_activated, "corrald ready: {status}");
-    after_ready(&loaded.config, &store);
+    after_ready(&loaded.config, &store, listing_file(&paths));
 
     let mut watchdog_tick = watchdog.map(|interval| tokio::time::interval(interval / 2));
     let mut vital = Vital { scheduler: scheduler_task };
@@ -181,6 +180,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     }
     // Every runner is stopped and reaped before the daemon exits.
     scheduler.shutdown().await;
+    save_listing(store, &paths).await;
     if let Some(e) = failure {
         return Err(e);
     }

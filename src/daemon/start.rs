@@ -2,7 +2,7 @@
 //! the D-Bus service, the preloads, and the process limits and cgroup tree they run in.
 
 use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,20 +55,16 @@ pub(super) fn log_start(loaded: &Loaded, paths: &Paths) {
     );
 }
 
-/// Unused blobs and stale partial downloads go at start, then every `[store] gc_interval`.
-pub(super) fn start_gc(config: &Config, store: &Store) {
-    if let (false, Some(interval)) = (config.store.read_only, config.store.gc_interval) {
-        tokio::spawn(crate::store::gc::run(store.clone(), Some(interval), config.store.gc_grace));
-    }
-}
-
 /// After `READY=1`: has inotify report other programs' changes to the manifests (so that
 /// listings walk the tree only after a change), then, off the async threads and in one
-/// task (one thread, not two, each with its own malloc arena), builds the listing's
-/// index and removes the temporary files an older version may have left below the top
-/// of the store. Both walk every model's directory, which before `READY=1` would make
-/// start grow with the store; built here, the index spares the first listing its walk.
-pub(super) fn after_ready(config: &Config, store: &Store) {
+/// task (one thread, not two, each with its own malloc arena), checks the listing the
+/// store opened with against the tree (or builds it: [`open_store`]), saves it at
+/// `listing` if it changed, and removes the temporary files an older version may have
+/// left below the top of the store; garbage collection follows (at start, then every
+/// `[store] gc_interval`). Each walks every model's directory, which before `READY=1`
+/// would make start grow with the store, and one at a time they leave listings the
+/// other core.
+pub(super) fn after_ready(config: &Config, store: &Store, listing: PathBuf) {
     match store.watch_manifests().and_then(|()| crate::store::follow_outside_changes(store)) {
         Ok(()) => tracing::debug!("watching the manifests for other programs' changes"),
         Err(e) => tracing::info!(
@@ -77,17 +73,45 @@ pub(super) fn after_ready(config: &Config, store: &Store) {
         ),
     }
     let (store, sweep) = (store.clone(), !config.store.read_only);
-    tokio::task::spawn_blocking(move || {
-        // The index first: a listing asked meanwhile waits for it, not for the sweep too.
-        if let Err(e) = store.list_shared() {
-            tracing::warn!(error = %e, "cannot list the models: {e}");
-        }
-        if sweep {
-            if let Err(e) = store.remove_nested_temporaries() {
-                tracing::warn!(error = %e, "cannot look for temporary files below the store's manifests: {e}");
+    // Unused blobs and stale partial downloads go next, then every `[store] gc_interval`.
+    let gc = config.store.gc_interval.filter(|_| sweep).map(|interval| (interval, config.store.gc_grace));
+    tokio::spawn(async move {
+        let indexed = store.clone();
+        let done = tokio::task::spawn_blocking(move || {
+            // The index first: a listing asked meanwhile waits for it, not for the sweep too.
+            match indexed.check_listing().and_then(|()| indexed.list_shared()) {
+                Ok(listed) => {
+                    tracing::debug!(models = listed.len(), read = indexed.manifests_read(), "listed the models");
+                    indexed.save_listing(&listing);
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot list the models: {e}"),
             }
+            if sweep {
+                if let Err(e) = indexed.remove_nested_temporaries() {
+                    tracing::warn!(error = %e, "cannot look for temporary files below the store's manifests: {e}");
+                }
+            }
+        });
+        if let Err(e) = done.await {
+            tracing::error!(error = %e, "listing the models panicked");
+        }
+        if let Some((interval, grace)) = gc {
+            crate::store::gc::run(store, Some(interval), grace).await;
         }
     });
+}
+
+/// Where the listing's index is kept between runs.
+pub(super) fn listing_file(paths: &Paths) -> PathBuf {
+    paths.state.join("listing.json")
+}
+
+/// Saves the listing's index for the next start, if it changed since it was saved.
+pub(super) async fn save_listing(store: Store, paths: &Paths) {
+    let listing = listing_file(paths);
+    if let Err(e) = tokio::task::spawn_blocking(move || store.save_listing(&listing)).await {
+        tracing::warn!(error = %e, "saving the model listing panicked");
+    }
 }
 
 /// Raises the soft limit on open files to the hard one: every connection, upload and
@@ -105,15 +129,18 @@ pub(super) fn raise_open_files_limit() {
     }
 }
 
-/// Opens the model store (checking it, which reads the disk: off the async threads).
+/// Opens the model store (checking it, which reads the disk: off the async threads) with
+/// the listing the last run saved, so that listings answer at once after `READY=1`
+/// (about 5 ms of start at 1 000 models, against a walk of the tree of 40 to 60).
 pub(super) async fn open_store(config: &Config, paths: &Paths) -> anyhow::Result<Store> {
     let store_path = config.store.path.clone().unwrap_or_else(|| paths.default_store());
     let read_only = config.store.read_only;
-    tokio::task::spawn_blocking(
-        move || {
-            if read_only { Store::open_read_only(&store_path) } else { Store::open(&store_path) }
-        },
-    )
+    let listing = listing_file(paths);
+    tokio::task::spawn_blocking(move || {
+        let store = if read_only { Store::open_read_only(&store_path) } else { Store::open(&store_path) }?;
+        store.load_listing(&listing);
+        Ok::<_, crate::store::StoreError>(store)
+    })
     .await
     .context("the store check panicked")?
     .context("cannot open the model store")

@@ -44,20 +44,27 @@ pub struct Listed {
 }
 
 /// A manifest file's identity: inode, size, modification time.
-type FileId = (u64, u64, SystemTime);
+pub(super) type FileId = (u64, u64, SystemTime);
 
 /// The listing kept between calls (see the module documentation).
 #[derive(Debug, Default)]
 pub(super) struct Index {
     /// The store's change count when the walk began, and when it ended; `None`: never built.
-    built: Option<(u64, Instant)>,
+    pub(super) built: Option<(u64, Instant)>,
     /// Every model listed, by name, with its manifest file's identity.
-    entries: HashMap<ModelName, (FileId, Arc<Listed>)>,
+    pub(super) entries: HashMap<ModelName, (FileId, Arc<Listed>)>,
+    /// Whether the entries changed since they were last saved or loaded
+    /// (`saved_listing.rs`).
+    pub(super) unsaved: bool,
+    /// Whether the entries are the saved listing, not yet checked by a walk: trusted only
+    /// for [`REVALIDATE_AFTER`], watched or not (inotify saw nothing while corrald was down).
+    pub(super) unchecked: bool,
     /// Manifests read (parsed, hashed, config read) so far: what tests check.
     reads: u64,
-    /// Walks of the tree so far: the listing's generation (the same count, the same
-    /// listing; `/api/tags` keeps its body by it), and what tests check.
-    walks: u64,
+    /// Walks of the tree so far, and the saved listing if one was loaded: the listing's
+    /// generation (the same count, the same listing; `/api/tags` keeps its body by it),
+    /// and what tests check.
+    pub(super) walks: u64,
 }
 
 impl Index {
@@ -92,8 +99,8 @@ impl Store {
             // The count is read before the walk: a change that lands during it makes the
             // next listing walk again.
             let count = *self.changes.borrow();
-            self.refresh(&mut index)?;
-            index.built = Some((count, Instant::now()));
+            let saved_was_wrong = self.refresh(&mut index)?;
+            index.built = Some((self.counted(count, saved_was_wrong), Instant::now()));
         }
         let generation = index.walks;
         let mut listed: Vec<Arc<Listed>> = index.entries.values().map(|(_, l)| Arc::clone(l)).collect();
@@ -116,7 +123,7 @@ impl Store {
     /// watched by inotify or younger than [`REVALIDATE_AFTER`].
     fn is_current(&self, index: &Index) -> bool {
         let count = *self.changes.borrow();
-        let watched = self.watching();
+        let watched = self.watching() && !index.unchecked;
         index.built.is_some_and(|(at, when)| at == count && (watched || when.elapsed() < REVALIDATE_AFTER))
     }
 
@@ -127,18 +134,67 @@ impl Store {
         lock(&self.index).reads
     }
 
-    /// How many times listings have walked the tree since the store was opened.
+    /// The index's generation: how many times listings have walked the tree since the
+    /// store was opened, plus one for a saved listing loaded (a walk that finds it right
+    /// does not count).
     #[must_use]
     pub fn tree_walks(&self) -> u64 {
         lock(&self.index).walks
     }
 
+    /// Checks the saved listing taken at start ([`Store::load_listing`]) against the tree,
+    /// if it was not yet: one walk, which reads only the manifests changed since it was
+    /// saved. Blocks: for the blocking threads.
+    pub fn check_listing(&self) -> Result<(), StoreError> {
+        // The walk works on a copy, so that listings meanwhile get the saved one at once.
+        let (count, mut checked) = {
+            let index = lock(&self.index);
+            if !index.unchecked {
+                return Ok(());
+            }
+            let copy =
+                Index { entries: index.entries.clone(), unchecked: true, walks: index.walks, ..Index::default() };
+            (*self.changes.borrow(), copy)
+        };
+        let saved_was_wrong = self.refresh(&mut checked)?;
+        let count = self.counted(count, saved_was_wrong);
+        let mut index = lock(&self.index);
+        // Unless a listing walked meanwhile (the saved one had expired).
+        if index.unchecked {
+            index.entries = checked.entries;
+            // Found right, the saved listing keeps its generation: views made of it hold.
+            if checked.unsaved {
+                index.walks = checked.walks;
+            }
+            index.reads += checked.reads;
+            index.unsaved |= checked.unsaved;
+            index.unchecked = false;
+            index.built = Some((count, Instant::now()));
+        }
+        Ok(())
+    }
+
+    /// The change count a walk that began at `count` brings the index up to. A walk that
+    /// found the saved listing wrong (changes made while corrald was down) counts as a
+    /// change, so that the views following the store look again; the walk itself already
+    /// shows it, unless another change landed meanwhile.
+    fn counted(&self, count: u64, saved_was_wrong: bool) -> u64 {
+        if !saved_was_wrong {
+            return count;
+        }
+        self.changed();
+        let now = *self.changes.borrow();
+        if now == count + 1 { now } else { count }
+    }
+
     /// Walks the tree: keeps the entries whose manifest file is unchanged, reads the others.
-    fn refresh(&self, index: &mut Index) -> Result<(), StoreError> {
+    /// Returns whether it checked a saved listing and found it wrong.
+    fn refresh(&self, index: &mut Index) -> Result<bool, StoreError> {
         index.walks += 1;
+        let checking = std::mem::take(&mut index.unchecked);
         let mut seen: HashMap<ModelName, (FileId, Arc<Listed>)> = HashMap::with_capacity(index.entries.len());
         let mut reads = 0;
-        self.walk_manifests(&mut |dir, parts, tag| {
+        let walked = self.walk_manifests(&mut |dir, parts, tag| {
             let name = match ModelName::parse(&format!("{}/{}/{}:{tag}", parts[0], parts[1], parts[2])) {
                 Ok(name) => name,
                 Err(e) => {
@@ -182,10 +238,18 @@ impl Store {
                 Err(StoreError::Io { source, .. }) if vanished(&source) => {}
                 Err(e) => tracing::warn!(error = %e, "skipping an unreadable manifest"),
             }
-        })?;
+        });
+        if let Err(e) = walked {
+            // Not checked after all: the saved listing stays trusted only briefly.
+            index.unchecked = checking;
+            return Err(e);
+        }
+        // Entries left over are models gone since the last walk.
+        let differs = reads > 0 || !index.entries.is_empty();
+        index.unsaved |= differs;
         index.entries = seen;
         index.reads += reads;
-        Ok(())
+        Ok(checking && differs)
     }
 
     /// Calls `visit` with the model directory, the registry, namespace and model, and the

@@ -183,7 +183,7 @@ impl Store {
 
 /// The facts of `config` that listings show, if each is within its bound; its layer list
 /// (which only pushing reads, from the blob itself) left out.
-fn listed_facts(config: ModelConfig) -> Result<ModelConfig, String> {
+pub(super) fn listed_facts(config: ModelConfig) -> Result<ModelConfig, String> {
     let families = config.model_families.as_deref().unwrap_or_default();
     let facts = [&config.model_format, &config.model_family, &config.model_type, &config.file_type]
         .into_iter()

@@ -121,7 +121,11 @@ impl Store {
     pub fn watch_manifests(&self) -> io::Result<()> {
         let watch = Watch::new(&self.dir)?;
         let mut index = lock(&self.index);
-        index.forget();
+        // A saved listing not yet checked is trusted only briefly, watched or not, and
+        // the walk that checks it watches every directory.
+        if !index.unchecked {
+            index.forget();
+        }
         *lock(&self.watch) = Some(watch);
         Ok(())
     }

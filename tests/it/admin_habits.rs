@@ -331,3 +331,66 @@ fn the_daemon_manual_names_shipped_files_and_the_configuration_manual() {
     }
     assert!(page.contains("RestartPreventExitStatus=78") && page.contains("\\-\\-user"), "{page}");
 }
+
+/// corrald keeps its listing of the models in its state directory between runs: after a
+/// restart, listings answer from it at once, and one walk of the store then brings in what
+/// other programs changed while corrald was down, reading only those manifests.
+#[test]
+fn a_restart_lists_from_the_saved_listing_and_then_what_changed_while_down() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    crate::support::api::demo_store(dir.path());
+    let port = free_port();
+    let config = write_config(
+        dir.path(),
+        "corral.toml",
+        &format!(
+            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n[dbus]\nbus = \"off\"\n",
+            dir.path().join("models").display()
+        ),
+    );
+    let state = dir.path().join("state");
+    let start = || {
+        let notify = NotifyListener::start();
+        let mut cmd = Command::new(CORRALD);
+        cmd.args(["--log-target", "stderr", "--config", config.to_str().expect("utf-8")]);
+        cmd.env("NOTIFY_SOCKET", notify.path()).env("STATE_DIRECTORY", &state).env("RUST_LOG", "corral=debug");
+        let corrald = Corrald::spawn(cmd);
+        notify.wait_for("READY", "1", WAIT);
+        corrald
+    };
+    let names = || -> Vec<String> {
+        let tags = crate::support::http::tcp(([127, 0, 0, 1], port).into(), "GET", "/api/tags");
+        let body: serde_json::Value = serde_json::from_str(&tags.body).expect("json");
+        let mut names: Vec<String> = body["models"]
+            .as_array()
+            .expect("models")
+            .iter()
+            .map(|m| m["name"].as_str().expect("name").to_owned())
+            .collect();
+        names.sort();
+        names
+    };
+
+    let mut first = start();
+    assert_eq!(first.state_dir(), state);
+    assert_eq!(names(), ["chat:latest", "embed:latest"]);
+    first.wait_stderr("listed the models models=2 read=2", WAIT);
+    first.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(first.wait_exit(WAIT).success(), "{}", first.stderr());
+    let saved = std::fs::read_to_string(state.join("listing.json")).expect("the listing saved in the state directory");
+    assert!(saved.contains("\"chat:latest\"") && saved.contains("\"embed:latest\""), "{saved}");
+
+    // While corrald is down, another program removes one model and adds another.
+    let library = dir.path().join("models/manifests/registry.ollama.ai/library");
+    std::fs::remove_dir_all(library.join("embed")).expect("rm");
+    std::fs::create_dir(library.join("outside")).expect("mkdir");
+    std::fs::copy(library.join("chat/latest"), library.join("outside/latest")).expect("copy the manifest");
+
+    let second = start();
+    // The check reads only the manifest it did not know; the listing then shows the store.
+    second.wait_stderr("listed the models models=2 read=1", WAIT);
+    assert_eq!(names(), ["chat:latest", "outside:latest"]);
+    drop(second);
+    let saved = std::fs::read_to_string(state.join("listing.json")).expect("saved again");
+    assert!(saved.contains("\"outside:latest\"") && !saved.contains("\"embed:latest\""), "{saved}");
+}

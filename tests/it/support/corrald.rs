@@ -54,6 +54,8 @@ pub struct Corrald {
     /// The state and runtime directories it was given, so that no test writes to
     /// `/var/lib/corral` or `/run/corral`.
     dirs: tempfile::TempDir,
+    /// The state directory: in `dirs`, or the one the command named.
+    state: PathBuf,
 }
 
 impl Corrald {
@@ -94,10 +96,14 @@ impl Corrald {
         Self::spawn(cmd)
     }
 
-    /// Runs `cmd` (corrald, or a tool that execs it) with stderr captured.
+    /// Runs `cmd` (corrald, or a tool that execs it) with stderr captured, in state and
+    /// runtime directories of its own unless `cmd` names a state directory (a restart).
     pub fn spawn(mut cmd: Command) -> Self {
         let dirs = tempfile::tempdir().expect("tempdir");
-        cmd.env("STATE_DIRECTORY", dirs.path().join("state")).env("RUNTIME_DIRECTORY", dirs.path().join("run"));
+        let named = cmd.get_envs().find(|(k, _)| *k == "STATE_DIRECTORY").and_then(|(_, v)| v.map(PathBuf::from));
+        let state = named.unwrap_or_else(|| dirs.path().join("state"));
+        cmd.env("STATE_DIRECTORY", &state);
+        cmd.env("RUNTIME_DIRECTORY", dirs.path().join("run"));
         if !cmd.get_envs().any(|(k, _)| k == "RUST_LOG") {
             cmd.env("RUST_LOG", "info");
         }
@@ -117,12 +123,12 @@ impl Corrald {
             }
             let _ = done.send(());
         });
-        Self { child, stderr, stderr_done, status: None, dirs }
+        Self { child, stderr, stderr_done, status: None, dirs, state }
     }
 
     /// The state directory it was given (`STATE_DIRECTORY`).
     pub fn state_dir(&self) -> PathBuf {
-        self.dirs.path().join("state")
+        self.state.clone()
     }
 
     /// The process id.

@@ -1,0 +1,249 @@
+//! The listing's index kept in corrald's state directory between runs, so that the first
+//! walk after a start reads only the manifests changed while corrald was down: at 1 000
+//! models, reading every manifest and config blob again is most of that walk's system
+//! calls. A cache, never the truth: each entry counts only while its manifest file keeps
+//! the identity (inode, size, modification time) it had when it was read, exactly as the
+//! in-memory index between two walks; a missing, damaged or foreign file is ignored.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::{Deserialize, Serialize};
+
+use super::Store;
+use super::digest::Digest;
+use super::list::{FileId, Listed};
+use super::manifest::{Layer, Manifest, ModelConfig};
+use super::name::ModelName;
+use super::show::listed_facts;
+use crate::state_file::{self, PendingWrite};
+use crate::sync::lock;
+
+const WHAT: &str = "saved model listing";
+
+/// The file's content.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SavedListing {
+    /// The store it describes, as configured: another store's listing is not used.
+    store: PathBuf,
+    models: Vec<SavedModel>,
+}
+
+/// One model: what [`Listed`] holds, and its manifest file's identity.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SavedModel {
+    name: String,
+    /// The manifest file's inode, size and modification time.
+    file: (u64, u64, Time),
+    /// The digest of the manifest's bytes.
+    digest: Digest,
+    modified: Time,
+    config_layer: Layer,
+    layers: Vec<Layer>,
+    /// The config blob's facts.
+    config: ModelConfig,
+}
+
+/// A time as seconds and nanoseconds since 1970 (earlier ones count as 1970, as the
+/// store's file identities do).
+type Time = (u64, u32);
+
+fn time_of(time: SystemTime) -> Time {
+    let since = time.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    (since.as_secs(), since.subsec_nanos())
+}
+
+fn time_from((secs, nanos): Time) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::new(secs, nanos.min(999_999_999))
+}
+
+impl SavedModel {
+    fn of(id: FileId, listed: &Listed) -> Self {
+        let (ino, len, mtime) = id;
+        Self {
+            name: listed.name.to_string(),
+            file: (ino, len, time_of(mtime)),
+            digest: listed.digest,
+            modified: time_of(listed.modified),
+            config_layer: listed.manifest.config().clone(),
+            layers: listed.manifest.layers().to_vec(),
+            config: listed.config.clone(),
+        }
+    }
+
+    /// The entry, checked as a manifest read from the store is (name, weights layer,
+    /// bounds of the config's facts); `None` when any check fails.
+    fn into_entry(self) -> Option<(ModelName, (FileId, Arc<Listed>))> {
+        let name = ModelName::parse(&self.name).ok()?;
+        let manifest = Manifest::new(self.config_layer, self.layers).ok()?;
+        let config = listed_facts(self.config).ok()?;
+        let (ino, len, mtime) = self.file;
+        let listed = Listed {
+            name: name.clone(),
+            digest: self.digest,
+            size: manifest.size(),
+            modified: time_from(self.modified),
+            manifest,
+            config,
+        };
+        Some((name, ((ino, len, time_from(mtime)), Arc::new(listed))))
+    }
+}
+
+impl Store {
+    /// Takes the listing saved at `path` as the index, before it is first built: listings
+    /// show it at once, for at most [`super::list::REVALIDATE_AFTER`] or until
+    /// [`Store::check_listing`] has walked the tree, which then reads only the manifests
+    /// whose file changed since. Returns how many entries were taken (none from another
+    /// store's file, or once built).
+    pub fn load_listing(&self, path: &Path) -> usize {
+        let saved: SavedListing = state_file::load(path, WHAT);
+        if saved.store != self.root {
+            return 0;
+        }
+        let mut index = lock(&self.index);
+        if index.built.is_some() || !index.entries.is_empty() {
+            return 0;
+        }
+        index.entries = saved.models.into_iter().filter_map(SavedModel::into_entry).collect();
+        index.unsaved = false;
+        index.unchecked = true;
+        index.walks += 1;
+        index.built = Some((*self.changes.borrow(), Instant::now()));
+        index.entries.len()
+    }
+
+    /// Saves the index at `path` if it changed since it was loaded or last saved (the
+    /// write is atomic; a failure is logged). Blocks: for the blocking threads.
+    pub fn save_listing(&self, path: &Path) {
+        let entries: Vec<(FileId, Arc<Listed>)> = {
+            let mut index = lock(&self.index);
+            if !index.unsaved || index.unchecked || index.built.is_none() {
+                return;
+            }
+            index.unsaved = false;
+            index.entries.values().map(|(id, listed)| (*id, Arc::clone(listed))).collect()
+        };
+        let mut models: Vec<SavedModel> = entries.iter().map(|(id, listed)| SavedModel::of(*id, listed)).collect();
+        models.sort_by(|a, b| a.name.cmp(&b.name));
+        PendingWrite::compact(path.to_owned(), &SavedListing { store: self.root.clone(), models }, WHAT).write();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+
+    use super::super::Store;
+    use super::super::manifest::{self, Layer, Manifest};
+    use super::super::name::ModelName;
+
+    fn name(s: &str) -> ModelName {
+        ModelName::parse(s).expect("name")
+    }
+
+    fn add_model(store: &Store, model: &str, weights: &[u8]) {
+        let layer = |media_type: &str, data: &[u8]| {
+            let (digest, size) = store.write_blob(data, None).expect("blob");
+            Layer { media_type: media_type.into(), digest, size, from: None }
+        };
+        let config = br#"{"model_format":"gguf","model_family":"llama","file_type":"Q4_0"}"#;
+        let m = Manifest::new(layer(manifest::CONFIG_MEDIA_TYPE, config), vec![layer(manifest::MODEL, weights)])
+            .expect("weights");
+        store.write_manifest(&name(model), &m).expect("manifest");
+    }
+
+    fn names(store: &Store) -> Vec<String> {
+        store.list().expect("list").iter().map(|l| l.name.to_string()).collect()
+    }
+
+    #[test]
+    fn a_saved_listing_answers_at_once_and_one_walk_checks_it_reading_only_what_changed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (root, saved) = (dir.path().join("store"), dir.path().join("state/listing.json"));
+        let before = Store::open(&root).expect("open");
+        for (model, weights) in
+            [("kept", &b"k"[..]), ("rewritten", b"r"), ("removed", b"x"), ("host.example/a/b:v1", b"h")]
+        {
+            add_model(&before, model, weights);
+        }
+        let listed_before = before.list().expect("list");
+        before.save_listing(&saved);
+        assert!(saved.is_file(), "a listing that changed is saved");
+
+        // While corrald is down: one model rewritten, one removed, one added.
+        add_model(&before, "rewritten", b"r2");
+        before.delete(&name("removed")).expect("delete");
+        add_model(&before, "added", b"a");
+
+        let after = Store::open(&root).expect("reopen");
+        assert_eq!(after.load_listing(&saved), 4);
+        assert_eq!(after.list().expect("list"), listed_before, "the saved listing, as it was saved");
+        // The saved listing is the index's first generation; no file read.
+        assert_eq!((after.manifests_read(), after.tree_walks()), (0, 1));
+        let mut changes = after.changes();
+        changes.mark_unchanged();
+        after.check_listing().expect("check");
+        assert!(changes.has_changed().expect("open"), "a saved listing found wrong counts as a change");
+        assert_eq!(after.manifests_read(), 2, "only the rewritten and the added manifest are read");
+        assert_eq!(names(&after), ["host.example/a/b:v1", "added:latest", "kept:latest", "rewritten:latest"]);
+        assert_eq!(after.list().expect("list"), Store::open(&root).expect("a third").list().expect("walked"));
+        after.check_listing().expect("checked once");
+        assert_eq!(after.tree_walks(), 2, "one walk: a new generation, as the listing changed");
+
+        // Saved again, it lists the same; found right, it is not written again.
+        after.save_listing(&saved);
+        let third = Store::open(&root).expect("third");
+        assert_eq!(third.load_listing(&saved), 4);
+        let mut changes = third.changes();
+        changes.mark_unchanged();
+        third.check_listing().expect("check");
+        assert!(!changes.has_changed().expect("open"), "a saved listing found right is no change");
+        assert_eq!((third.manifests_read(), third.tree_walks()), (0, 1), "found right: the same generation");
+        fs::remove_file(&saved).expect("remove");
+        third.save_listing(&saved);
+        assert!(!saved.exists(), "nothing changed since it was loaded: not written");
+    }
+
+    #[test]
+    fn a_saved_listing_of_another_store_damaged_or_loaded_late_is_not_used() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let saved = dir.path().join("listing.json");
+        let one = Store::open(&dir.path().join("one")).expect("open");
+        add_model(&one, "m", b"w");
+        one.list().expect("list");
+        one.save_listing(&saved);
+        let other = Store::open(&dir.path().join("two")).expect("open");
+        assert_eq!(other.load_listing(&saved), 0, "another store's listing");
+        assert!(other.list().expect("list").is_empty());
+
+        let late = Store::open(&dir.path().join("one")).expect("open");
+        late.list().expect("built first");
+        assert_eq!(late.load_listing(&saved), 0, "once built, the index is not replaced");
+
+        // Entries that fail the store's own checks are left out, the rest taken.
+        let text = fs::read_to_string(&saved).expect("read");
+        let mut value: serde_json::Value = serde_json::from_str(&text).expect("json");
+        let good = value["models"][0].clone();
+        let mut bad_name = good.clone();
+        bad_name["name"] = "../../etc:x".into();
+        let mut no_weights = good.clone();
+        no_weights["layers"] = serde_json::json!([]);
+        let mut long_fact = good.clone();
+        long_fact["config"]["model_family"] = "x".repeat(100_000).into();
+        value["models"] = serde_json::json!([bad_name, no_weights, long_fact, good]);
+        fs::write(&saved, serde_json::to_vec(&value).expect("json")).expect("write");
+        let fresh = Store::open(&dir.path().join("one")).expect("open");
+        assert_eq!(fresh.load_listing(&saved), 1, "only the valid entry");
+
+        for damaged in [&b"{ not json"[..], b"{\"store\":\"x\",\"models\":[],\"extra\":1}", b""] {
+            fs::write(&saved, damaged).expect("write");
+            let fresh = Store::open(&dir.path().join("one")).expect("open");
+            assert_eq!(fresh.load_listing(&saved), 0, "{}", String::from_utf8_lossy(damaged));
+            assert_eq!(names(&fresh), ["m:latest"], "the store is listed by walking it");
+        }
+    }
+}
