@@ -78,7 +78,8 @@ pub(super) fn after_ready(config: &Config, store: &Store, listing: PathBuf) {
     tokio::spawn(async move {
         let indexed = store.clone();
         let done = tokio::task::spawn_blocking(move || {
-            // The index first: a listing asked meanwhile waits for it, not for the sweep too.
+            // The index first: a listing asked meanwhile answers from the saved one, or
+            // (none saved) waits for this walk, never for the sweep.
             match indexed.check_listing().and_then(|()| indexed.list_shared()) {
                 Ok(listed) => {
                     tracing::debug!(models = listed.len(), read = indexed.manifests_read(), "listed the models");

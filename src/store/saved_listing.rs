@@ -138,27 +138,7 @@ mod tests {
     use std::fs;
 
     use super::super::Store;
-    use super::super::manifest::{self, Layer, Manifest};
-    use super::super::name::ModelName;
-
-    fn name(s: &str) -> ModelName {
-        ModelName::parse(s).expect("name")
-    }
-
-    fn add_model(store: &Store, model: &str, weights: &[u8]) {
-        let layer = |media_type: &str, data: &[u8]| {
-            let (digest, size) = store.write_blob(data, None).expect("blob");
-            Layer { media_type: media_type.into(), digest, size, from: None }
-        };
-        let config = br#"{"model_format":"gguf","model_family":"llama","file_type":"Q4_0"}"#;
-        let m = Manifest::new(layer(manifest::CONFIG_MEDIA_TYPE, config), vec![layer(manifest::MODEL, weights)])
-            .expect("weights");
-        store.write_manifest(&name(model), &m).expect("manifest");
-    }
-
-    fn names(store: &Store) -> Vec<String> {
-        store.list().expect("list").iter().map(|l| l.name.to_string()).collect()
-    }
+    use super::super::list::tests::{add_model, listed_names as names, name};
 
     #[test]
     fn a_saved_listing_answers_at_once_and_one_walk_checks_it_reading_only_what_changed() {

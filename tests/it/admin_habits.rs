@@ -22,6 +22,16 @@ fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// The demo store in `dir` and a configuration for it (a free loopback port, `extra`
+/// appended): its path and the port.
+fn on_demo_store(dir: &Path, extra: &str) -> (std::path::PathBuf, u16) {
+    crate::support::api::demo_store(dir);
+    let port = free_port();
+    let store = dir.join("models");
+    let text = format!("[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n{extra}", store.display());
+    (write_config(dir, "corral.toml", &text), port)
+}
+
 /// A raw HTTP/1.0 GET on `port`: the status line and the body.
 fn get(port: u16, path: &str) -> (String, String) {
     use std::io::{Read, Write};
@@ -237,16 +247,7 @@ fn corrald_user_serves_the_session_bus_and_corralctl_finds_it_there() {
     crate::support::dbus::ensure_users();
     let bus = PrivateBus::start(&crate::support::dbus::policy());
     let dir = tempfile::tempdir().expect("tempdir");
-    crate::support::api::demo_store(dir.path());
-    let port = free_port();
-    let config = write_config(
-        dir.path(),
-        "corral.toml",
-        &format!(
-            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n[gpu]\nfixed = true\nhost_memory = \"2GiB\"\n",
-            dir.path().join("models").display()
-        ),
-    );
+    let (config, _port) = on_demo_store(dir.path(), "[gpu]\nfixed = true\nhost_memory = \"2GiB\"\n");
     let mut cmd = Command::new(CORRALD);
     cmd.args(["--user", "--log-target", "stderr", "--config"]).arg(&config);
     cmd.env("DBUS_SESSION_BUS_ADDRESS", bus.address()).env("DBUS_SYSTEM_BUS_ADDRESS", "unix:path=/nonexistent");
@@ -338,16 +339,7 @@ fn the_daemon_manual_names_shipped_files_and_the_configuration_manual() {
 #[test]
 fn a_restart_lists_from_the_saved_listing_and_then_what_changed_while_down() {
     let dir = tempfile::tempdir().expect("tempdir");
-    crate::support::api::demo_store(dir.path());
-    let port = free_port();
-    let config = write_config(
-        dir.path(),
-        "corral.toml",
-        &format!(
-            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n[dbus]\nbus = \"off\"\n",
-            dir.path().join("models").display()
-        ),
-    );
+    let (config, port) = on_demo_store(dir.path(), "[dbus]\nbus = \"off\"\n");
     let state = dir.path().join("state");
     let start = || {
         let notify = NotifyListener::start();
