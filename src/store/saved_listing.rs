@@ -95,7 +95,7 @@ impl SavedModel {
 
 impl Store {
     /// Takes the listing saved at `path` as the index, before it is first built: listings
-    /// show it at once, for at most [`super::list::REVALIDATE_AFTER`] or until
+    /// show it at once, for at most a second (`REVALIDATE_AFTER`) or until
     /// [`Store::check_listing`] has walked the tree, which then reads only the manifests
     /// whose file changed since. Returns how many entries were taken (none from another
     /// store's file, or once built).
