@@ -58,8 +58,7 @@ impl PendingWrite {
     /// and lists of numbers and strings) is a bug.
     #[must_use]
     pub fn new<T: Serialize>(path: PathBuf, value: &T, what: &'static str) -> Self {
-        let bytes = serde_json::to_vec_pretty(value).unwrap_or_else(|e| panic!("{what} do not serialize: {e}"));
-        Self { path, bytes, what }
+        Self::of(path, serde_json::to_vec_pretty(value), what)
     }
 
     /// [`PendingWrite::new`] without the indentation: for a file read before `READY=1`,
@@ -70,7 +69,11 @@ impl PendingWrite {
     /// As [`PendingWrite::new`].
     #[must_use]
     pub fn compact<T: Serialize>(path: PathBuf, value: &T, what: &'static str) -> Self {
-        let bytes = serde_json::to_vec(value).unwrap_or_else(|e| panic!("{what} do not serialize: {e}"));
+        Self::of(path, serde_json::to_vec(value), what)
+    }
+
+    fn of(path: PathBuf, bytes: serde_json::Result<Vec<u8>>, what: &'static str) -> Self {
+        let bytes = bytes.unwrap_or_else(|e| panic!("{what} do not serialize: {e}"));
         Self { path, bytes, what }
     }
 

@@ -163,7 +163,7 @@ impl Store {
         if index.unchecked {
             index.entries = checked.entries;
             // Found right, the saved listing keeps its generation: views made of it hold.
-            if checked.unsaved {
+            if saved_was_wrong {
                 index.walks = checked.walks;
             }
             index.reads += checked.reads;
