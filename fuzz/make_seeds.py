@@ -41,6 +41,21 @@ def layer(media, size=1, digest=D):
     return {"mediaType": "application/vnd.ollama.image." + media, "digest": digest, "size": size}
 
 
+def saved_listing(models, store="/var/lib/corral/models"):
+    """corrald's listing.json for the fuzz target's store."""
+    return json.dumps({"store": store, "models": models})
+
+
+def saved_model(name, modified=(1764000000, 5), size=100):
+    return {
+        "name": name, "file": [1234, 512, list(modified)], "digest": D, "modified": list(modified),
+        "config_layer": {"mediaType": "application/vnd.docker.container.image.v1+json", "digest": D, "size": 2},
+        "layers": [{**layer("model", size), "from": "/tmp/tiny.gguf"}, layer("template", 20)],
+        "config": {"model_format": "gguf", "model_family": "llama", "model_type": "1M", "file_type": "F16",
+                   "rootfs": {"type": "layers", "diff_ids": [D]}},
+    }
+
+
 def sse(*events):
     return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
 
@@ -82,6 +97,13 @@ SEED = {
         "huge-size": manifest([layer("model", 2**64 - 1), layer("model", 2**64 - 1)]),
         "config": json.dumps({"model_format": "gguf", "model_family": "llama", "model_type": "3.2B",
                               "file_type": "Q4_K_M", "rootfs": {"type": "layers", "diff_ids": [D]}}),
+    },
+    "saved_listing": {
+        "two-models": saved_listing([saved_model("registry.ollama.ai/library/tiny:latest"),
+                                     saved_model("host.example:5000/team/model:v1")]),
+        "another-store": saved_listing([saved_model("tiny")], store="/elsewhere"),
+        "hostile": saved_listing([saved_model("../../etc:x"), saved_model("far", modified=[2**64 - 1, 0]),
+                                  saved_model("huge", size=2**64 - 1), {**saved_model("none"), "layers": []}]),
     },
     "registry_headers": {
         "challenge": 'Bearer realm="https://auth.example/token",service="registry.example",'

@@ -38,7 +38,7 @@ mod manifests;
 pub mod modelfile;
 pub mod name;
 pub mod registry;
-mod saved_listing;
+pub mod saved_listing;
 pub mod show;
 pub mod stream;
 mod temp;

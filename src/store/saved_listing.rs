@@ -4,6 +4,9 @@
 //! calls. A cache, never the truth: each entry counts only while its manifest file keeps
 //! the identity (inode, size, modification time) it had when it was read, exactly as the
 //! in-memory index between two walks; a missing, damaged or foreign file is ignored.
+//!
+//! The file is corrald's own, but it is read as the store's manifests are: each entry
+//! passes the checks a manifest read from the store passes, or is left out.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -13,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use super::Store;
 use super::digest::Digest;
+use super::limits::MANIFEST_MAX;
 use super::list::{FileId, Listed};
 use super::manifest::{Layer, Manifest, ModelConfig};
 use super::name::ModelName;
@@ -21,6 +25,28 @@ use crate::state_file::{self, PendingWrite};
 use crate::sync::lock;
 
 const WHAT: &str = "saved model listing";
+
+/// A model of a saved listing: its manifest file's identity (inode, size, modification
+/// time), and what a listing shows of it.
+pub type Entry = ((u64, u64, SystemTime), Arc<Listed>);
+
+/// The models `bytes` (a saved listing) holds for the store at `root`, each checked as a
+/// manifest read from the store is: a name that parses, a weights layer, a manifest no
+/// larger than the store reads, config facts within their bounds, times that a clock
+/// can hold. Entries failing a check are left out; another store's listing holds none.
+///
+/// # Errors
+/// Bytes that are not a saved listing.
+pub fn parse(bytes: &[u8], root: &Path) -> Result<Vec<Entry>, serde_json::Error> {
+    Ok(serde_json::from_slice::<SavedListing>(bytes)?.checked(root).collect())
+}
+
+/// The saved listing of `entries` for the store at `root`, as [`Store::save_listing`]
+/// writes it.
+#[must_use]
+pub fn to_bytes(root: &Path, entries: &[Entry]) -> Vec<u8> {
+    serde_json::to_vec(&SavedListing::new(root, entries)).expect("a listing always serializes")
+}
 
 /// The file's content.
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -56,8 +82,24 @@ fn time_of(time: SystemTime) -> Time {
     (since.as_secs(), since.subsec_nanos())
 }
 
-fn time_from((secs, nanos): Time) -> SystemTime {
-    SystemTime::UNIX_EPOCH + Duration::new(secs, nanos.min(999_999_999))
+/// `None` past what `SystemTime` holds (the file may be damaged: a time from it must not
+/// overflow).
+fn time_from((secs, nanos): Time) -> Option<SystemTime> {
+    SystemTime::UNIX_EPOCH.checked_add(Duration::new(secs, nanos.min(999_999_999)))
+}
+
+impl SavedListing {
+    fn new(root: &Path, entries: &[Entry]) -> Self {
+        let mut models: Vec<SavedModel> = entries.iter().map(|(id, listed)| SavedModel::of(*id, listed)).collect();
+        models.sort_by(|a, b| a.name.cmp(&b.name));
+        Self { store: root.to_owned(), models }
+    }
+
+    /// The entries that pass the store's checks (none if the listing is another store's).
+    fn checked(self, root: &Path) -> impl Iterator<Item = Entry> {
+        let models = if self.store == root { self.models } else { Vec::new() };
+        models.into_iter().filter_map(SavedModel::into_entry)
+    }
 }
 
 impl SavedModel {
@@ -74,22 +116,29 @@ impl SavedModel {
         }
     }
 
-    /// The entry, checked as a manifest read from the store is (name, weights layer,
-    /// bounds of the config's facts); `None` when any check fails.
-    fn into_entry(self) -> Option<(ModelName, (FileId, Arc<Listed>))> {
+    /// The entry, checked as a manifest read from the store is; `None` when any check
+    /// fails (see [`parse`]).
+    fn into_entry(self) -> Option<Entry> {
+        // What the layers' texts alone would take in the manifest file (a digest is 71
+        // bytes): a manifest larger than the store reads is not taken from here either.
+        let text = |l: &Layer| l.media_type.len() + l.from.as_ref().map_or(0, String::len) + 71;
+        let manifest_bytes = std::iter::once(&self.config_layer).chain(&self.layers).map(text).sum::<usize>();
+        if manifest_bytes as u64 > MANIFEST_MAX {
+            return None;
+        }
         let name = ModelName::parse(&self.name).ok()?;
         let manifest = Manifest::new(self.config_layer, self.layers).ok()?;
         let config = listed_facts(self.config).ok()?;
         let (ino, len, mtime) = self.file;
         let listed = Listed {
-            name: name.clone(),
+            name,
             digest: self.digest,
             size: manifest.size(),
-            modified: time_from(self.modified),
+            modified: time_from(self.modified)?,
             manifest,
             config,
         };
-        Some((name, ((ino, len, time_from(mtime)), Arc::new(listed))))
+        Some(((ino, len, time_from(mtime)?), Arc::new(listed)))
     }
 }
 
@@ -99,8 +148,10 @@ impl Store {
     /// [`Store::check_listing`] has walked the tree, which then reads only the manifests
     /// whose file changed since. Returns how many entries were taken (none from another
     /// store's file, or once built).
+    #[must_use = "how many models the listing shows until it is checked"]
     pub fn load_listing(&self, path: &Path) -> usize {
         let saved: SavedListing = state_file::load(path, WHAT);
+        // Another store's, or none (missing or damaged: the default names no store).
         if saved.store != self.root {
             return 0;
         }
@@ -108,7 +159,7 @@ impl Store {
         if index.built.is_some() || !index.entries.is_empty() {
             return 0;
         }
-        index.entries = saved.models.into_iter().filter_map(SavedModel::into_entry).collect();
+        index.entries = saved.checked(&self.root).map(|entry| (entry.1.name.clone(), entry)).collect();
         index.unsaved = false;
         index.unchecked = true;
         index.walks += 1;
@@ -119,7 +170,7 @@ impl Store {
     /// Saves the index at `path` if it changed since it was loaded or last saved (the
     /// write is atomic; a failure is logged). Blocks: for the blocking threads.
     pub fn save_listing(&self, path: &Path) {
-        let entries: Vec<(FileId, Arc<Listed>)> = {
+        let entries: Vec<Entry> = {
             let mut index = lock(&self.index);
             if !index.unsaved || index.unchecked || index.built.is_none() {
                 return;
@@ -127,9 +178,7 @@ impl Store {
             index.unsaved = false;
             index.entries.values().map(|(id, listed)| (*id, Arc::clone(listed))).collect()
         };
-        let mut models: Vec<SavedModel> = entries.iter().map(|(id, listed)| SavedModel::of(*id, listed)).collect();
-        models.sort_by(|a, b| a.name.cmp(&b.name));
-        PendingWrite::compact(path.to_owned(), &SavedListing { store: self.root.clone(), models }, WHAT).write();
+        PendingWrite::compact(path.to_owned(), &SavedListing::new(&self.root, &entries), WHAT).write();
     }
 }
 
@@ -139,6 +188,7 @@ mod tests {
 
     use super::super::Store;
     use super::super::list::tests::{add_model, listed_names as names, name};
+    use super::{parse, to_bytes};
 
     #[test]
     fn a_saved_listing_answers_at_once_and_one_walk_checks_it_reading_only_what_changed() {
@@ -214,9 +264,25 @@ mod tests {
         no_weights["layers"] = serde_json::json!([]);
         let mut long_fact = good.clone();
         long_fact["config"]["model_family"] = "x".repeat(100_000).into();
-        value["models"] = serde_json::json!([bad_name, no_weights, long_fact, good]);
-        fs::write(&saved, serde_json::to_vec(&value).expect("json")).expect("write");
-        let fresh = Store::open(&dir.path().join("one")).expect("open");
+        // A time no clock holds: this panicked in an addition before it was checked.
+        let mut far_time = good.clone();
+        far_time["modified"] = serde_json::json!([u64::MAX, 0]);
+        let mut far_file_time = good.clone();
+        far_file_time["file"][2] = serde_json::json!([u64::MAX, 999_999_999]);
+        // A manifest larger than the store would read (MANIFEST_MAX).
+        let mut huge_manifest = good.clone();
+        huge_manifest["layers"][0]["from"] = "x".repeat(4 << 20).into();
+        value["models"] =
+            serde_json::json!([bad_name, no_weights, long_fact, far_time, far_file_time, huge_manifest, good]);
+        let bytes = serde_json::to_vec(&value).expect("json");
+        let root = dir.path().join("one");
+        let entries = parse(&bytes, &root).expect("a listing");
+        assert_eq!(entries.len(), 1, "only the valid entry");
+        assert_eq!(parse(&bytes, &dir.path().join("two")).expect("a listing").len(), 0, "another store's");
+        let again = parse(&to_bytes(&root, &entries), &root).expect("written, it parses");
+        assert_eq!(again, entries, "written and read back, the same entry");
+        fs::write(&saved, &bytes).expect("write");
+        let fresh = Store::open(&root).expect("open");
         assert_eq!(fresh.load_listing(&saved), 1, "only the valid entry");
 
         for damaged in [&b"{ not json"[..], b"{\"store\":\"x\",\"models\":[],\"extra\":1}", b""] {
