@@ -406,6 +406,50 @@ async fn the_object_tree_shows_every_object_with_what_get_all_gives() {
     assert_eq!(String::try_from(job_props["State"].try_clone().expect("clone")).expect("s"), "succeeded");
 }
 
+/// corrald shows its saved listing on the bus at once after a restart, then what one walk
+/// of the store finds changed while it was down: a model removed goes, one added comes
+/// (the walk counts as a change of the store, which the object tree follows).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restart_the_bus_shows_what_changed_in_the_store_while_corrald_was_down() {
+    let mut daemon = BusDaemon::start("");
+    let model_objects = |connection: zbus::Connection| async move {
+        let objects = object_manager(&connection).await;
+        let tree = objects.get_managed_objects().await.map_err(|e| e.to_string())?;
+        let mut names: Vec<String> = tree
+            .keys()
+            .filter_map(|k| k.as_str().strip_prefix("/org/corral/Corral1/models/").map(str::to_owned))
+            .collect();
+        names.sort();
+        Ok::<_, String>(names)
+    };
+    assert_eq!(model_objects(daemon.connect().await).await.expect("tree"), ["chat_3alatest", "embed_3alatest"]);
+
+    daemon.stop();
+    let saved = std::fs::read_to_string(daemon.path().join("state/listing.json")).expect("the saved listing");
+    assert!(saved.contains("\"embed:latest\""), "{saved}");
+    let library = daemon.path().join("models/manifests/registry.ollama.ai/library");
+    std::fs::remove_dir_all(library.join("embed")).expect("rm");
+    std::fs::create_dir(library.join("outside")).expect("mkdir");
+    std::fs::copy(library.join("chat/latest"), library.join("outside/latest")).expect("copy the manifest");
+
+    daemon.start_again();
+    let connection = daemon.connect().await;
+    crate::support::container::poll_until_async(WAIT, "the object tree to show the store as it is", || {
+        let connection = connection.clone();
+        async move {
+            let names = model_objects(connection).await?;
+            if names == ["chat_3alatest", "outside_3alatest"] { Ok(()) } else { Err(format!("{names:?}")) }
+        }
+    })
+    .await;
+    // It stays so: the saved listing, once checked, is no longer what the tree shows.
+    let later = model_objects(connection.clone()).await.expect("tree");
+    assert_eq!(later, ["chat_3alatest", "outside_3alatest"]);
+    let path = ObjectPath::try_from("/org/corral/Corral1/models/outside_3alatest").expect("path");
+    let outside = model(&connection, &path).await;
+    assert_eq!(outside.short_name().await.expect("ShortName"), "outside:latest");
+}
+
 /// Another program (Ollama on the same directory) adds and removes a model with plain
 /// file operations: the model's object comes and goes without any listing asked for
 /// (inotify reports the change), and `/api/tags` shows it at once.

@@ -52,7 +52,7 @@ impl BusDaemon {
     /// [`BusDaemon::with_store`] running `llama_server` as the runner.
     pub fn with(store_keys: &str, llama_server: &Path, extra: &str) -> Self {
         ensure_users();
-        let bus = PrivateBus::start(&policy());
+        let mut bus = PrivateBus::start(&policy());
         let dir = tempfile::tempdir().expect("tempdir");
         api::demo_store(dir.path());
         let port = free_port();
@@ -63,15 +63,34 @@ impl BusDaemon {
             store = dir.path().join("models").display(),
             llama = llama_server.display(),
         );
-        let config = write_config(dir.path(), "corral.toml", &config);
+        write_config(dir.path(), "corral.toml", &config);
+        let corrald = Self::spawn_corrald(&mut bus, dir.path());
+        Self { corrald, bus, dir, port }
+    }
+
+    /// Starts corrald with the configuration and state directory in `dir`, and waits
+    /// until it owns its name.
+    fn spawn_corrald(bus: &mut PrivateBus, dir: &Path) -> Corrald {
         let mut cmd = Command::new(CORRALD);
-        cmd.args(["--log-target", "stderr", "--config"]).arg(&config);
-        cmd.env("DBUS_SYSTEM_BUS_ADDRESS", bus.address());
+        cmd.args(["--log-target", "stderr", "--config"]).arg(dir.join("corral.toml"));
+        cmd.env("DBUS_SYSTEM_BUS_ADDRESS", bus.address()).env("STATE_DIRECTORY", dir.join("state"));
         let corrald = Corrald::spawn(cmd);
-        let mut daemon = Self { corrald, bus, dir, port };
-        daemon.corrald.wait_stderr("serving D-Bus", std::time::Duration::from_secs(60));
-        daemon.bus.wait_for_name("org.corral.Corral1", "none");
-        daemon
+        corrald.wait_stderr("serving D-Bus", std::time::Duration::from_secs(60));
+        bus.wait_for_name("org.corral.Corral1", "none");
+        corrald
+    }
+
+    /// Stops corrald as systemd does (SIGTERM); it must exit cleanly.
+    pub fn stop(&mut self) {
+        self.corrald.signal(nix::sys::signal::Signal::SIGTERM);
+        let status = self.corrald.wait_exit(std::time::Duration::from_secs(60));
+        assert!(status.success(), "corrald stopped with {status}: {}", self.corrald.stderr());
+    }
+
+    /// Starts corrald again after [`BusDaemon::stop`], on the same bus, store and state
+    /// directory.
+    pub fn start_again(&mut self) {
+        self.corrald = Self::spawn_corrald(&mut self.bus, self.dir.path());
     }
 
     /// A client connection as root.
