@@ -14,10 +14,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use serde::Serialize;
-use serde::ser::{SerializeMap, SerializeStruct, Serializer};
+use serde::ser::{SerializeMap, Serializer};
 use zbus::interface;
 use zbus::object_server::SignalEmitter;
-use zbus::zvariant::{ObjectPath, OwnedObjectPath, Type, Value};
+use zbus::zvariant::{ObjectPath, OwnedObjectPath, Type, Value, as_value};
 
 use super::job::JobData;
 use super::model::ModelData;
@@ -101,37 +101,37 @@ impl<P: Serialize> Serialize for One<P> {
 #[zvariant(signature = "a{sv}")]
 #[serde(rename_all = "PascalCase")]
 struct ModelProps<'a> {
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     name: &'a str,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     short_name: &'a str,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     digest: &'a str,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     size: u64,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     details: &'a HashMap<String, String>,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     context_length: u64,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     capabilities: &'a [String],
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     modified_at: u64,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     state: &'a str,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     last_error: &'a str,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     pid: u32,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     gpu_layers: u32,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     total_layers: u32,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     vram_bytes: u64,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     ram_bytes: u64,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     shared_with: &'a [String],
 }
 
@@ -163,19 +163,19 @@ impl<'a> ModelProps<'a> {
 #[zvariant(signature = "a{sv}")]
 #[serde(rename_all = "PascalCase")]
 struct JobProps<'a> {
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     kind: &'a str,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     model: &'a str,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     state: &'a str,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     status: &'a str,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     total: u64,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     completed: u64,
-    #[serde(serialize_with = "variant")]
+    #[serde(with = "as_value")]
     error: &'a str,
 }
 
@@ -191,40 +191,4 @@ impl<'a> JobProps<'a> {
             error: &d.error,
         }
     }
-}
-
-/// A property's D-Bus signature, as the text a variant carries.
-trait Signed {
-    const SIGNATURE: &'static str;
-}
-
-impl Signed for &str {
-    const SIGNATURE: &'static str = "s";
-}
-
-impl Signed for u64 {
-    const SIGNATURE: &'static str = "t";
-}
-
-impl Signed for u32 {
-    const SIGNATURE: &'static str = "u";
-}
-
-impl Signed for &HashMap<String, String> {
-    const SIGNATURE: &'static str = "a{ss}";
-}
-
-impl Signed for &[String] {
-    const SIGNATURE: &'static str = "as";
-}
-
-/// Serializes `value` as a variant, as zvariant's `as_value` does (a struct in a variant's
-/// place: its signature's text, then the value), but with the text a constant: `as_value`
-/// formats each value's signature into a new string, which zbus's two passes over a reply
-/// (sizing, then writing) did 32 000 times for the tree of 1 000 models.
-fn variant<T: Signed + Serialize, S: Serializer>(value: &T, serializer: S) -> Result<S::Ok, S::Error> {
-    let mut variant = serializer.serialize_struct("Variant", 2)?;
-    variant.serialize_field("signature", T::SIGNATURE)?;
-    variant.serialize_field("value", value)?;
-    variant.end()
 }
