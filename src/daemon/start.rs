@@ -93,8 +93,11 @@ pub(super) fn after_ready(config: &Config, store: &Store, listing: PathBuf) {
                 }
             }
         });
-        if let Err(e) = done.await {
-            tracing::error!(error = %e, "listing the models panicked");
+        match done.await {
+            // Not started before the runtime shut down: corrald is stopping.
+            Err(e) if e.is_cancelled() => return,
+            Err(e) => tracing::error!(error = %e, "listing the models panicked"),
+            Ok(()) => {}
         }
         if let Some((interval, grace)) = gc {
             crate::store::gc::run(store, Some(interval), grace).await;

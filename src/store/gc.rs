@@ -188,6 +188,8 @@ pub async fn run(store: Store, interval: Option<Duration>, grace: Duration) {
             ),
             Ok(Ok(_)) => tracing::debug!(corral_event = "gc", "garbage collection found nothing to remove"),
             Ok(Err(e)) => tracing::warn!(corral_event = "gc", error = %e, "garbage collection failed: {e}"),
+            // Not started before the runtime shut down: corrald is stopping.
+            Err(e) if e.is_cancelled() => return,
             Err(e) => tracing::error!(corral_event = "gc", error = %e, "garbage collection panicked"),
         }
         let Some(interval) = interval else { return };
