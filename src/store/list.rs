@@ -259,7 +259,10 @@ impl Store {
     /// warning. Only `manifests/` itself must be readable.
     /// Each directory is watched (where the store watches) before its entries are read.
     fn walk_manifests(&self, visit: &mut dyn FnMut(&Dir, [&str; 3], &str)) -> Result<(), StoreError> {
-        fn subdirs(store: &Store, dir: &Dir) -> Vec<(String, Dir)> {
+        // The names of `dir`'s subdirectories (it is watched first), opened one at a time
+        // as the walk reaches them: holding them all open made a walk take one descriptor
+        // per model, and a store of more models than the descriptor limit lose models.
+        fn subdirs(store: &Store, dir: &Dir) -> Vec<String> {
             store.watch_dir(dir);
             let entries = match dir.entries() {
                 Ok(entries) => entries,
@@ -276,26 +279,33 @@ impl Store {
                     continue;
                 }
                 match entry.kind {
-                    Kind::Dir => {}
+                    Kind::Dir => out.push(entry.name),
                     Kind::Symlink => {
                         tracing::warn!(path = dir.rel(&entry.name), "skipping a symbolic link among the manifests");
-                        continue;
                     }
-                    _ => continue,
-                }
-                match dir.dir(&entry.name) {
-                    Ok(sub) => out.push((entry.name, sub)),
-                    Err(e) if vanished(&e) => {}
-                    Err(e) => tracing::warn!(path = dir.rel(&entry.name), error = %e, "skipping a manifest directory"),
+                    _ => {}
                 }
             }
             out
         }
+        fn open(dir: &Dir, name: &str) -> Option<Dir> {
+            match dir.dir(name) {
+                Ok(sub) => Some(sub),
+                Err(e) if vanished(&e) => None,
+                Err(e) => {
+                    tracing::warn!(path = dir.rel(name), error = %e, "skipping a manifest directory");
+                    None
+                }
+            }
+        }
         let manifests = self.manifests()?;
         manifests.entries().map_err(fs_err("read", "manifests".to_owned()))?;
-        for (registry, registry_dir) in subdirs(self, &manifests) {
-            for (namespace, namespace_dir) in subdirs(self, &registry_dir) {
-                for (model, model_dir) in subdirs(self, &namespace_dir) {
+        for registry in subdirs(self, &manifests) {
+            let Some(registry_dir) = open(&manifests, &registry) else { continue };
+            for namespace in subdirs(self, &registry_dir) {
+                let Some(namespace_dir) = open(&registry_dir, &namespace) else { continue };
+                for model in subdirs(self, &namespace_dir) {
+                    let Some(model_dir) = open(&namespace_dir, &model) else { continue };
                     self.watch_dir(&model_dir);
                     let entries = match model_dir.entries() {
                         Ok(entries) => entries,

@@ -389,3 +389,30 @@ fn a_restart_lists_from_the_saved_listing_and_then_what_changed_while_down() {
     let saved = std::fs::read_to_string(state.join("listing.json")).expect("saved again");
     assert!(saved.contains("\"outside:latest\"") && !saved.contains("\"embed:latest\""), "{saved}");
 }
+
+/// An administrator may hold corrald to few open files (`LimitNOFILE=`): a store of more
+/// models than that still lists every one, as the walk opens one model's directory at a
+/// time (it once held every directory of a namespace open at once, and left out the models
+/// past the limit).
+#[test]
+fn a_store_of_more_models_than_files_corrald_may_open_lists_them_all() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (config, port) = on_demo_store(dir.path(), "[dbus]\nbus = \"off\"\n");
+    let library = dir.path().join("models/manifests/registry.ollama.ai/library");
+    for i in 0..300 {
+        let model = library.join(format!("many{i:03}"));
+        std::fs::create_dir(&model).expect("mkdir");
+        std::fs::copy(library.join("chat/latest"), model.join("latest")).expect("copy the manifest");
+    }
+    let notify = NotifyListener::start();
+    let mut cmd = Command::new("prlimit");
+    cmd.args(["--nofile=128:128", "--", CORRALD, "--log-target", "stderr", "--config"]).arg(&config);
+    cmd.env("NOTIFY_SOCKET", notify.path());
+    let corrald = Corrald::spawn(cmd);
+    notify.wait_for("READY", "1", WAIT);
+    let (status, body) = get(port, "/api/tags");
+    assert!(status.contains(" 200 "), "{status}: {body}");
+    let tags: serde_json::Value = serde_json::from_str(&body).expect("json");
+    let listed = tags["models"].as_array().expect("models").len();
+    assert_eq!(listed, 302, "every model, under a limit of 128 open files: {}", corrald.stderr());
+}
