@@ -46,6 +46,8 @@ pub enum Error {
     ReadOnly(String),
     /// The daemon is stopping.
     ShuttingDown(String),
+    /// The reply would be larger than one message of the bus carries.
+    LimitsExceeded(String),
     /// Anything else, with what happened.
     Failed(String),
 }

@@ -9,13 +9,25 @@ use zbus::{Connection, interface};
 
 use super::error::Error;
 use super::job::{self, Work};
-use super::{Shared, lock, model_path, options};
+use super::{Shared, TEXT, lock, model_path, options, reply_fits, texts};
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request;
 use crate::scheduler::types::ScheduleError;
 use crate::store::create::CreateSpec;
 use crate::store::modelfile::Modelfile;
 use crate::store::name::ModelName;
+
+/// One model in `ListModels`: name, object path, digest, size, state.
+type Listed = (String, OwnedObjectPath, String, u64, String);
+
+/// An upper bound of `ListModels`' reply: per model a structure's padding (7), its texts,
+/// and the size (8).
+fn list_bytes_at_most(listed: &[Listed]) -> usize {
+    let model = |(name, path, digest, _, state): &Listed| {
+        15 + texts(&mut [name.len(), path.len(), digest.len(), state.len()].into_iter())
+    };
+    TEXT + listed.iter().map(model).sum::<usize>()
+}
 
 pub(super) struct Manager {
     shared: Arc<Shared>,
@@ -32,20 +44,27 @@ impl Manager {
     /// Every model in the store: (name, object path, digest, size, state), the most
     /// recently created or pulled first (as `ollama list`).
     #[zbus(out_args("models"))]
-    async fn list_models(&self) -> Result<Vec<(String, OwnedObjectPath, String, u64, String)>, Error> {
+    ///
+    /// Refused with `LimitsExceeded` when the reply would not fit in one message of the
+    /// system bus (many tens of thousands of models).
+    async fn list_models(&self) -> Result<Vec<Listed>, Error> {
         let store = self.shared.context.store.clone();
         let mut listed = blocking(move || store.list_shared()).await??;
         // Newest first; equal times by name, so the order is stable (each name written once).
         listed.sort_by_cached_key(|m| (std::cmp::Reverse(m.modified), m.name.to_string()));
         let models = lock(&self.shared.models);
-        Ok(listed
+        let listed: Vec<Listed> = listed
             .iter()
             .map(|m| {
                 let short = m.name.to_string();
                 let state = models.get(&short).map_or("stopped", |d| lock(d).state);
                 (short.clone(), model_path(&short), m.digest.to_string(), m.size, state.to_owned())
             })
-            .collect())
+            .collect();
+        let what = format!("the listing's {} models", listed.len());
+        reply_fits(list_bytes_at_most(&listed), &what, "GetModel finds one model")
+            .map_err(|e| Error::LimitsExceeded(e.to_string()))?;
+        Ok(listed)
     }
 
     /// The object path of a stored model.
@@ -345,4 +364,47 @@ pub(super) fn workers_property(workers: &[crate::workers::WorkerStatus]) -> Vec<
             )
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use zbus::DBusError;
+    use zbus::zvariant::serialized::Context;
+    use zbus::zvariant::{LE, to_bytes};
+
+    use super::super::{MAX_REPLY, model_path, reply_fits};
+    use super::{Error, Listed, list_bytes_at_most};
+
+    /// `ListModels`' bound is never below what zvariant writes, for names and states of
+    /// every length (padding of every remainder), and not far above it.
+    #[test]
+    fn the_listing_is_never_larger_than_its_bound_and_the_bound_not_far_above_it() {
+        for count in [0, 1, 2, 7] {
+            let listed: Vec<Listed> = (0..count)
+                .map(|i| {
+                    let name = format!("m{}:{}", "x".repeat(i * 3), "t".repeat(i));
+                    let state = ["stopped", "ready", "loading"][i % 3].to_owned();
+                    (name.clone(), model_path(&name), format!("sha256:{}", "a".repeat(64)), u64::MAX, state)
+                })
+                .collect();
+            let written = to_bytes(Context::new_dbus(LE, 0), &listed).expect("serialize").len();
+            let bound = list_bytes_at_most(&listed);
+            assert!(written <= bound, "{count}: {written} bytes written, bound {bound}");
+            assert!(bound <= 2 * written.max(8), "{count}: {written} bytes written, bound {bound}");
+        }
+    }
+
+    /// A reply over the bus's message limit is refused with `LimitsExceeded`, which says
+    /// what it would hold and what to ask instead.
+    #[test]
+    fn a_reply_over_the_limit_is_refused_with_limits_exceeded() {
+        assert!(reply_fits(MAX_REPLY, "the listing's 9 models", "GetModel").is_ok());
+        let refused = reply_fits(MAX_REPLY + 1, "the listing's 9 models", "GetModel finds one model")
+            .expect_err("over the limit");
+        assert_eq!(refused.name().as_str(), "org.freedesktop.DBus.Error.LimitsExceeded");
+        let error = Error::LimitsExceeded(refused.to_string());
+        assert_eq!(error.name().as_str(), "org.corral.Corral1.Error.LimitsExceeded");
+        let text = error.description().unwrap_or_default().to_owned();
+        assert!(text.contains("the listing's 9 models") && text.contains("GetModel finds one model"), "{text}");
+    }
 }

@@ -186,6 +186,31 @@ impl Shared {
     }
 }
 
+/// The largest reply corrald sends: the system bus's default message limit
+/// (`max_message_size`, 32 MiB) less room for the header. dbus-daemon drops a connection
+/// that sends a larger message, which would cost corrald the bus.
+const MAX_REPLY: usize = (32 << 20) - (64 << 10);
+
+/// What a text takes in a message besides its bytes: length (4), NUL (1), padding before
+/// it (at most 3).
+const TEXT: usize = 8;
+
+/// The bytes texts of these lengths take at most.
+fn texts(lengths: &mut dyn Iterator<Item = usize>) -> usize {
+    lengths.map(|len| len + TEXT).sum()
+}
+
+/// Refuses a reply of `bytes` (at most) that one message cannot carry, with `LimitsExceeded`
+/// naming `what` it would hold, and what to ask `instead`.
+fn reply_fits(bytes: usize, what: &str, instead: &str) -> zbus::fdo::Result<()> {
+    if bytes <= MAX_REPLY {
+        return Ok(());
+    }
+    Err(zbus::fdo::Error::LimitsExceeded(format!(
+        "{what} take up to {bytes} bytes, more than one message of the bus carries ({MAX_REPLY}); {instead}"
+    )))
+}
+
 /// The object path of the model named `name` (its short form): every byte outside
 /// `[A-Za-z0-9]` is written `_xx` in hex, as systemd escapes unit names in paths, so
 /// that the path is valid and the name can be read back.

@@ -4,11 +4,12 @@
 //! past its bound makes the config count as damaged. Before, every walk of the tree
 //! (`GetManagedObjects`) carried every model's texts: a dozen such models pushed the
 //! reply past the system bus's 32 MiB message limit, and the bus dropped corrald.
-//! Likewise, introspecting a parent lists the models without describing their interface.
+//! Likewise, introspecting a parent lists the models without describing their interface,
+//! and a tree of more models than one message can describe is refused, not sent.
 
 use std::collections::HashMap;
 
-use corral::dbus::proxy::ModelProxy;
+use corral::dbus::proxy::{ManagerProxy, ModelProxy};
 use corral::store::Store;
 use corral::store::manifest::{self, Layer, Manifest};
 use corral::store::name::ModelName;
@@ -24,6 +25,9 @@ const NAMES: usize = 12;
 /// The store's bound on one text layer.
 const TEXT: usize = 1 << 20;
 const WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+/// How many models, with names and facts at their bounds (about 3 KB an object), make
+/// the tree larger than the bus's 32 MiB message limit.
+const MANY: usize = 14_000;
 
 /// A layer of `media_type` holding `bytes`, written into `store`.
 fn layer(store: &Store, media_type: &str, bytes: &[u8]) -> Layer {
@@ -162,4 +166,56 @@ async fn introspecting_a_parent_lists_the_models_without_their_interface() {
         .unwrap_or_else(|| panic!("no Model interface:\n{own}"));
     assert!(model.properties().iter().any(|p| p.name().as_str() == "Modelfile"), "{own}");
     assert!(own.contains("org.freedesktop.systemd1.Explicit"), "{own}");
+}
+
+/// A store of more models than one message of the bus can describe: `GetManagedObjects`
+/// is refused with `LimitsExceeded` (dbus-daemon drops a connection that sends more than
+/// its limit, which would have cost corrald the bus), and corrald stays on the bus:
+/// `ListModels` lists every model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tree_larger_than_a_bus_message_is_refused_and_corrald_stays_on_the_bus() {
+    let mut daemon = BusDaemon::start("");
+    daemon.stop();
+    // Written behind corrald's back, without a sync each: one manifest under many long
+    // names, its config's facts at their bound.
+    let store = Store::open(&daemon.path().join("models")).expect("store");
+    let (chat, ..) = store.manifest(&ModelName::parse("chat").expect("name")).expect("chat's manifest");
+    let fact = "f".repeat(250);
+    let config = serde_json::json!({"model_format": fact, "model_family": fact, "model_families": [fact],
+                                    "model_type": fact, "file_type": fact});
+    let config = layer(&store, manifest::CONFIG_MEDIA_TYPE, config.to_string().as_bytes());
+    let bytes = Manifest::new(config, chat.layers().to_vec()).expect("manifest").to_bytes();
+    let library = daemon.path().join("models/manifests/registry.ollama.ai/library");
+    let (padding, tag) = ("-".repeat(74), format!("t{}", "-".repeat(79)));
+    for i in 0..MANY {
+        let dir = library.join(format!("m{i:05}{padding}"));
+        std::fs::create_dir(&dir).expect("mkdir");
+        std::fs::write(dir.join(&tag), &bytes).expect("write the manifest");
+    }
+    daemon.start_again();
+
+    let connection = daemon.connect().await;
+    let (error, text) = poll_until_async(WAIT, "the object tree to be refused", || async {
+        match connection
+            .call_method(
+                Some("org.corral.Corral1"),
+                "/org/corral/Corral1",
+                Some("org.freedesktop.DBus.ObjectManager"),
+                "GetManagedObjects",
+                &(),
+            )
+            .await
+        {
+            Err(zbus::Error::MethodError(name, text, _)) => Ok((name.to_string(), text.unwrap_or_default())),
+            Ok(reply) => Err(format!("a reply of {} bytes", reply.data().len())),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await;
+    assert_eq!(error, "org.freedesktop.DBus.Error.LimitsExceeded", "{text}");
+    assert!(text.contains("ListModels"), "{text}");
+    let manager =
+        ManagerProxy::builder(&connection).cache_properties(CacheProperties::No).build().await.expect("proxy");
+    let models = manager.list_models().await.expect("ListModels, on the same connection of corrald's");
+    assert_eq!(models.len(), MANY + 2, "every model");
 }
