@@ -43,10 +43,10 @@ impl Manager {
 impl Manager {
     /// Every model in the store: (name, object path, digest, size, state), the most
     /// recently created or pulled first (as `ollama list`).
-    #[zbus(out_args("models"))]
     ///
     /// Refused with `LimitsExceeded` when the reply would not fit in one message of the
     /// system bus (many tens of thousands of models).
+    #[zbus(out_args("models"))]
     async fn list_models(&self) -> Result<Vec<Listed>, Error> {
         let store = self.shared.context.store.clone();
         let mut listed = blocking(move || store.list_shared()).await??;
