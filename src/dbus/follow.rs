@@ -2,7 +2,7 @@
 //! and go with manifests; their state, runner fields and the manager's `LoadedModels`
 //! follow the scheduler's notices; signals are emitted after the data changed.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::broadcast::error::RecvError;
@@ -365,9 +365,9 @@ impl Follower {
             Ok(Err(e)) => return tracing::warn!(error = %e, "cannot list the store for D-Bus"),
             Err(e) => return tracing::warn!(error = ?e, "cannot list the store for D-Bus"),
         };
-        let current: Vec<String> = listed.iter().map(|(name, ..)| name.to_string()).collect();
+        let current: HashSet<String> = listed.iter().map(|(name, ..)| name.to_string()).collect();
         let gone: Vec<String> =
-            lock(&self.shared.models).keys().filter(|name| !current.contains(name)).cloned().collect();
+            lock(&self.shared.models).keys().filter(|name| !current.contains(*name)).cloned().collect();
         for name in gone {
             lock(&self.shared.models).remove(&name);
             let _ = self.connection.object_server().remove::<ModelObject, _>(model_path(&name)).await;
