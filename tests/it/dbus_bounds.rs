@@ -35,8 +35,8 @@ fn layer(store: &Store, media_type: &str, bytes: &[u8]) -> Layer {
     Layer { media_type: media_type.to_owned(), digest, size, from: None }
 }
 
-/// `GetManagedObjects`' whole reply, as the bus delivered it.
-async fn tree(connection: &zbus::Connection) -> zbus::Message {
+/// `GetManagedObjects`' whole reply, as the bus delivered it, or its error.
+async fn call_tree(connection: &zbus::Connection) -> zbus::Result<zbus::Message> {
     connection
         .call_method(
             Some("org.corral.Corral1"),
@@ -46,7 +46,11 @@ async fn tree(connection: &zbus::Connection) -> zbus::Message {
             &(),
         )
         .await
-        .expect("GetManagedObjects")
+}
+
+/// `GetManagedObjects`' whole reply, which must be one.
+async fn tree(connection: &zbus::Connection) -> zbus::Message {
+    call_tree(connection).await.expect("GetManagedObjects")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -196,16 +200,7 @@ async fn a_tree_larger_than_a_bus_message_is_refused_and_corrald_stays_on_the_bu
 
     let connection = daemon.connect().await;
     let (error, text) = poll_until_async(WAIT, "the object tree to be refused", || async {
-        match connection
-            .call_method(
-                Some("org.corral.Corral1"),
-                "/org/corral/Corral1",
-                Some("org.freedesktop.DBus.ObjectManager"),
-                "GetManagedObjects",
-                &(),
-            )
-            .await
-        {
+        match call_tree(&connection).await {
             Err(zbus::Error::MethodError(name, text, _)) => Ok((name.to_string(), text.unwrap_or_default())),
             Ok(reply) => Err(format!("a reply of {} bytes", reply.data().len())),
             Err(e) => Err(e.to_string()),
