@@ -261,20 +261,11 @@ impl Store {
     fn walk_manifests(&self, visit: &mut dyn FnMut(&Dir, [&str; 3], &str)) -> Result<(), StoreError> {
         // The names of `dir`'s subdirectories (it is watched first), opened one at a time
         // as the walk reaches them: holding them all open made a walk take one descriptor
-        // per model, and a store of more models than the descriptor limit lose models.
-        fn subdirs(store: &Store, dir: &Dir) -> Vec<String> {
+        // per model, and a store of more models than the descriptor limit lost models.
+        fn subdirs(store: &Store, dir: &Dir) -> std::io::Result<Vec<String>> {
             store.watch_dir(dir);
-            let entries = match dir.entries() {
-                Ok(entries) => entries,
-                Err(e) => {
-                    if !vanished(&e) {
-                        tracing::warn!(dir = dir.path(), error = %e, "skipping an unreadable manifest directory");
-                    }
-                    return Vec::new();
-                }
-            };
             let mut out = Vec::new();
-            for entry in entries {
+            for entry in dir.entries()? {
                 if entry.name.starts_with('.') {
                     continue;
                 }
@@ -286,7 +277,16 @@ impl Store {
                     _ => {}
                 }
             }
-            out
+            Ok(out)
+        }
+        // Below `manifests/`, a directory that cannot be read is skipped.
+        fn subdirs_or_none(store: &Store, dir: &Dir) -> Vec<String> {
+            subdirs(store, dir).unwrap_or_else(|e| {
+                if !vanished(&e) {
+                    tracing::warn!(dir = dir.path(), error = %e, "skipping an unreadable manifest directory");
+                }
+                Vec::new()
+            })
         }
         fn open(dir: &Dir, name: &str) -> Option<Dir> {
             match dir.dir(name) {
@@ -299,12 +299,12 @@ impl Store {
             }
         }
         let manifests = self.manifests()?;
-        manifests.entries().map_err(fs_err("read", "manifests".to_owned()))?;
-        for registry in subdirs(self, &manifests) {
+        let registries = subdirs(self, &manifests).map_err(fs_err("read", "manifests".to_owned()))?;
+        for registry in registries {
             let Some(registry_dir) = open(&manifests, &registry) else { continue };
-            for namespace in subdirs(self, &registry_dir) {
+            for namespace in subdirs_or_none(self, &registry_dir) {
                 let Some(namespace_dir) = open(&registry_dir, &namespace) else { continue };
-                for model in subdirs(self, &namespace_dir) {
+                for model in subdirs_or_none(self, &namespace_dir) {
                     let Some(model_dir) = open(&namespace_dir, &model) else { continue };
                     self.watch_dir(&model_dir);
                     let entries = match model_dir.entries() {

@@ -38,7 +38,7 @@ pub type Entry = ((u64, u64, SystemTime), Arc<Listed>);
 /// # Errors
 /// Bytes that are not a saved listing.
 pub fn parse(bytes: &[u8], root: &Path) -> Result<Vec<Entry>, serde_json::Error> {
-    Ok(serde_json::from_slice::<SavedListing>(bytes)?.checked(root).collect())
+    Ok(serde_json::from_slice::<SavedListing>(bytes)?.checked(root).into_iter().flatten().collect())
 }
 
 /// The saved listing of `entries` for the store at `root`, as [`Store::save_listing`]
@@ -95,10 +95,10 @@ impl SavedListing {
         Self { store: root.to_owned(), models }
     }
 
-    /// The entries that pass the store's checks (none if the listing is another store's).
-    fn checked(self, root: &Path) -> impl Iterator<Item = Entry> {
-        let models = if self.store == root { self.models } else { Vec::new() };
-        models.into_iter().filter_map(SavedModel::into_entry)
+    /// The entries that pass the store's checks; `None` if the listing is another store's
+    /// (or none: a missing or damaged file's default names no store).
+    fn checked(self, root: &Path) -> Option<impl Iterator<Item = Entry>> {
+        (self.store == root).then(|| self.models.into_iter().filter_map(SavedModel::into_entry))
     }
 }
 
@@ -150,16 +150,12 @@ impl Store {
     /// store's file, or once built).
     #[must_use = "how many models the listing shows until it is checked"]
     pub fn load_listing(&self, path: &Path) -> usize {
-        let saved: SavedListing = state_file::load(path, WHAT);
-        // Another store's, or none (missing or damaged: the default names no store).
-        if saved.store != self.root {
-            return 0;
-        }
+        let Some(entries) = state_file::load::<SavedListing>(path, WHAT).checked(&self.root) else { return 0 };
         let mut index = lock(&self.index);
         if index.built.is_some() || !index.entries.is_empty() {
             return 0;
         }
-        index.entries = saved.checked(&self.root).map(|entry| (entry.1.name.clone(), entry)).collect();
+        index.entries = entries.map(|entry| (entry.1.name.clone(), entry)).collect();
         index.unsaved = false;
         index.unchecked = true;
         index.walks += 1;
