@@ -8,12 +8,15 @@
 //! - `follow`: the task that keeps those objects in step with the scheduler's notices
 //!   and the store's changes, and emits the signals;
 //! - [`error`]: the named errors `org.corral.Corral1.Error.*`;
-//! - [`proxy`]: client proxies, for `corralctl` and the tests.
+//! - [`proxy`]: client proxies, for `corralctl` and the tests;
+//! - `bus_socket`: the connection's socket, holding every message corrald sends to the
+//!   bus's size limit.
 //!
 //! The contract is `dbus/org.corral.Corral1.*.xml`; access is the bus policy
 //! `dbus/org.corral.Corral1.conf` (no polkit). Nothing here holds scheduling state: it
 //! sends messages to the scheduler's [`Handle`] like the HTTP handlers do.
 
+mod bus_socket;
 pub mod error;
 mod follow;
 mod job;
@@ -112,11 +115,12 @@ impl Drop for Service {
 /// returns: reading a large store must not delay `READY=1` (a client started in that
 /// moment may not find the name yet).
 pub async fn serve(bus: BusKind, context: Context) -> Result<Service, zbus::Error> {
-    let builder = match bus {
-        BusKind::System => Builder::system()?,
-        BusKind::Session => Builder::session()?,
+    let address = match bus {
+        BusKind::System => zbus::Address::system()?,
+        BusKind::Session => zbus::Address::session()?,
         BusKind::Off => return Err(zbus::Error::Unsupported),
     };
+    let builder = Builder::socket(bus_socket::connect(&address).await?);
     let shared = Arc::new(Shared::new(context));
     let connection = builder
         .serve_at(ROOT_PATH, object_tree::ObjectTree { shared: Arc::clone(&shared) })?
@@ -186,10 +190,10 @@ impl Shared {
     }
 }
 
-/// The largest reply corrald sends: the system bus's default message limit
-/// (`max_message_size`, 32 MiB) less room for the header. dbus-daemon drops a connection
-/// that sends a larger message, which would cost corrald the bus.
-const MAX_REPLY: usize = (32 << 20) - (64 << 10);
+/// The largest reply body corrald makes: the bus's message limit less room for the
+/// header. A reply refused here names what to ask instead; [`bus_socket`] holds every
+/// message to the limit, naming nothing.
+const MAX_REPLY: usize = bus_socket::MAX_MESSAGE - (64 << 10);
 
 /// What a text takes in a message besides its bytes: length (4), NUL (1), padding before
 /// it (at most 3).

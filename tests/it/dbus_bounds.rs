@@ -25,9 +25,10 @@ const NAMES: usize = 12;
 /// The store's bound on one text layer.
 const TEXT: usize = 1 << 20;
 const WAIT: std::time::Duration = std::time::Duration::from_secs(60);
-/// How many models, with names and facts at their bounds (about 3 KB an object), make
-/// the tree larger than the bus's 32 MiB message limit.
-const MANY: usize = 14_000;
+/// How many models, with names and facts at their bounds, make the tree (about 2.5 KB an
+/// object) and the introspection of `/` (about 1.6 KB a node: 26.2 MB at 16 500 models)
+/// larger than the bus's 32 MiB message limit.
+const MANY: usize = 25_000;
 
 /// A layer of `media_type` holding `bytes`, written into `store`.
 fn layer(store: &Store, media_type: &str, bytes: &[u8]) -> Layer {
@@ -173,9 +174,9 @@ async fn introspecting_a_parent_lists_the_models_without_their_interface() {
 }
 
 /// A store of more models than one message of the bus can describe: `GetManagedObjects`
-/// is refused with `LimitsExceeded` (dbus-daemon drops a connection that sends more than
-/// its limit, which would have cost corrald the bus), and corrald stays on the bus:
-/// `ListModels` lists every model.
+/// and `Introspect` of `/` are refused with `LimitsExceeded` (dbus-daemon drops a
+/// connection that sends more than its limit, which would have cost corrald the bus), and
+/// corrald stays on the bus: `ListModels` lists every model.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tree_larger_than_a_bus_message_is_refused_and_corrald_stays_on_the_bus() {
     let mut daemon = BusDaemon::start("");
@@ -213,4 +214,28 @@ async fn a_tree_larger_than_a_bus_message_is_refused_and_corrald_stays_on_the_bu
         ManagerProxy::builder(&connection).cache_properties(CacheProperties::No).build().await.expect("proxy");
     let models = manager.list_models().await.expect("ListModels, on the same connection of corrald's");
     assert_eq!(models.len(), MANY + 2, "every model");
+
+    // zbus writes the introspection of `/` for the whole subtree, a node per model; the
+    // bus socket answers for it.
+    let (error, text) = poll_until_async(WAIT, "the introspection of / to be refused", || async {
+        let call = connection.call_method(
+            Some("org.corral.Corral1"),
+            "/",
+            Some("org.freedesktop.DBus.Introspectable"),
+            "Introspect",
+            &(),
+        );
+        match call.await {
+            Err(zbus::Error::MethodError(name, text, _)) => Ok((name.to_string(), text.unwrap_or_default())),
+            Ok(reply) => Err(format!("a reply of {} bytes", reply.data().len())),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await;
+    assert_eq!(error, "org.freedesktop.DBus.Error.LimitsExceeded", "{text}");
+    assert!(text.contains("each object's own Introspect"), "{text}");
+    let own = introspect(&connection, "/org/corral/Corral1/models/chat_3alatest").await;
+    assert!(own.contains("org.corral.Corral1.Model"), "{own}");
+    let models = manager.list_models().await.expect("ListModels, on the same connection of corrald's");
+    assert_eq!(models.len(), MANY + 2, "every model, still");
 }
