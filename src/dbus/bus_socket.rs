@@ -108,7 +108,7 @@ mod tests {
     use zbus::connection::socket::{ReadHalf, Socket, WriteHalf};
     use zbus::message::{Message, Type};
 
-    use super::{Bounded, MAX_MESSAGE};
+    use super::{Bounded, MAX_MESSAGE, connect};
 
     /// A call from `:1.7` and the reply to it carrying `text`.
     fn reply_of(text: &str) -> (Message, Message) {
@@ -165,5 +165,32 @@ mod tests {
         let (ours, _theirs) = tokio::net::UnixStream::pair().expect("pair");
         let mut write = Bounded(ours.split().take().1);
         assert!(matches!(write.send_message(&signal).await, Err(zbus::Error::ExcessData)));
+    }
+
+    /// The bus is reached at a path or an abstract name; any other transport is refused
+    /// with the address named.
+    #[tokio::test]
+    async fn connects_to_a_unix_socket_by_path_or_abstract_name_and_refuses_other_transports() {
+        use std::os::linux::net::SocketAddrExt as _;
+        use std::os::unix::net::{SocketAddr, UnixListener};
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("bus");
+        let by_path = UnixListener::bind(&path).expect("bind");
+        let name = format!("corral-test-{}", std::process::id());
+        let by_name = UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name).expect("name")).expect("bind");
+        for (address, listener) in
+            [(format!("unix:path={}", path.display()), &by_path), (format!("unix:abstract={name}"), &by_name)]
+        {
+            let address: zbus::Address = address.parse().expect("address");
+            connect(&address).await.unwrap_or_else(|e| panic!("{address}: {e}"));
+            listener.accept().unwrap_or_else(|e| panic!("{address}: nothing connected: {e}"));
+        }
+        let tcp: zbus::Address = "tcp:host=127.0.0.1,port=9".parse().expect("address");
+        let refused = connect(&tcp).await.expect_err("tcp").to_string();
+        assert!(refused.contains("unix socket") && refused.contains("tcp:host=127.0.0.1"), "{refused}");
+        drop(std::fs::remove_file(&path));
+        let gone = connect(&format!("unix:path={}", path.display()).parse().expect("address")).await;
+        assert!(gone.is_err(), "connected to a removed socket");
     }
 }
