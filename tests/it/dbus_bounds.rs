@@ -49,6 +49,15 @@ async fn call_tree(connection: &zbus::Connection) -> zbus::Result<zbus::Message>
         .await
 }
 
+/// The error name and text `answer` is, or (to poll on) what it is instead.
+fn refused(answer: zbus::Result<zbus::Message>) -> Result<(String, String), String> {
+    match answer {
+        Err(zbus::Error::MethodError(name, text, _)) => Ok((name.to_string(), text.unwrap_or_default())),
+        Ok(reply) => Err(format!("a reply of {} bytes", reply.data().len())),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// `GetManagedObjects`' whole reply, which must be one.
 async fn tree(connection: &zbus::Connection) -> zbus::Message {
     call_tree(connection).await.expect("GetManagedObjects")
@@ -200,14 +209,9 @@ async fn a_tree_larger_than_a_bus_message_is_refused_and_corrald_stays_on_the_bu
     daemon.start_again();
 
     let connection = daemon.connect().await;
-    let (error, text) = poll_until_async(WAIT, "the object tree to be refused", || async {
-        match call_tree(&connection).await {
-            Err(zbus::Error::MethodError(name, text, _)) => Ok((name.to_string(), text.unwrap_or_default())),
-            Ok(reply) => Err(format!("a reply of {} bytes", reply.data().len())),
-            Err(e) => Err(e.to_string()),
-        }
-    })
-    .await;
+    let (error, text) =
+        poll_until_async(WAIT, "the object tree to be refused", || async { refused(call_tree(&connection).await) })
+            .await;
     assert_eq!(error, "org.freedesktop.DBus.Error.LimitsExceeded", "{text}");
     assert!(text.contains("ListModels"), "{text}");
     let manager =
@@ -218,18 +222,8 @@ async fn a_tree_larger_than_a_bus_message_is_refused_and_corrald_stays_on_the_bu
     // zbus writes the introspection of `/` for the whole subtree, a node per model; the
     // bus socket answers for it.
     let (error, text) = poll_until_async(WAIT, "the introspection of / to be refused", || async {
-        let call = connection.call_method(
-            Some("org.corral.Corral1"),
-            "/",
-            Some("org.freedesktop.DBus.Introspectable"),
-            "Introspect",
-            &(),
-        );
-        match call.await {
-            Err(zbus::Error::MethodError(name, text, _)) => Ok((name.to_string(), text.unwrap_or_default())),
-            Ok(reply) => Err(format!("a reply of {} bytes", reply.data().len())),
-            Err(e) => Err(e.to_string()),
-        }
+        let introspect = Some("org.freedesktop.DBus.Introspectable");
+        refused(connection.call_method(Some("org.corral.Corral1"), "/", introspect, "Introspect", &()).await)
     })
     .await;
     assert_eq!(error, "org.freedesktop.DBus.Error.LimitsExceeded", "{text}");
