@@ -183,6 +183,10 @@ pub struct StoreConfig {
     /// it, or a pull resumed soon after it failed, never loses its files.
     #[serde(deserialize_with = "duration")]
     pub gc_grace: Duration,
+    /// Write uploaded and pulled blobs with direct I/O (`O_DIRECT`, where the file system
+    /// has it): less CPU and no page cache filled with the blob, but each write waits for
+    /// the disk, which costs more than it saves where the disk is the slower part.
+    pub direct_io: bool,
 }
 
 impl Default for StoreConfig {
@@ -193,6 +197,7 @@ impl Default for StoreConfig {
             insecure_registries: Vec::new(),
             gc_interval: Some(Duration::from_secs(3600)),
             gc_grace: Duration::from_secs(3600),
+            direct_io: true,
         }
     }
 }
@@ -908,6 +913,7 @@ read_only = true
 insecure_registries = ["localhost:5000"]
 gc_interval = "off"
 gc_grace = "10m"
+direct_io = false
 [runner]
 llama_server = "/opt/llama/bin/llama-server"
 llama_fit_params = "/opt/llama/bin/llama-fit-params"
@@ -949,6 +955,7 @@ keep_alive = "10m"
         assert!(c.store.read_only);
         assert_eq!(c.store.insecure_registries, ["localhost:5000"]);
         assert_eq!((c.store.gc_interval, c.store.gc_grace), (None, Duration::from_secs(600)));
+        assert!(!c.store.direct_io);
         assert_eq!(c.runner.llama_server, Path::new("/opt/llama/bin/llama-server"));
         assert_eq!(c.runner.stream_idle_timeout, Duration::from_secs(90));
         assert_eq!(c.runner.llama_fit_params.as_deref(), Some(Path::new("/opt/llama/bin/llama-fit-params")));
@@ -1097,6 +1104,7 @@ keep_alive = "10m"
                 &["corral.toml:2", "store.gc_grace", "\"1\" is not a duration"],
             ),
             (&[("corral.toml", "[store]\ngc_grace = 60\n")], &["store.gc_grace", "expected a string"]),
+            (&[("corral.toml", "[store]\ndirect_io = \"no\"\n")], &["store.direct_io", "expected a boolean"]),
             (
                 &[("corral.toml", "[runner]\nstream_idle_timeout = \"0s\"\n")],
                 &["corral.toml:2", "runner.stream_idle_timeout", "\"0s\" is zero"],

@@ -138,10 +138,11 @@ pub(super) fn raise_open_files_limit() {
 /// (about 5 ms of start at 1 000 models, against a walk of the tree of 40 to 60).
 pub(super) async fn open_store(config: &Config, paths: &Paths) -> anyhow::Result<Store> {
     let store_path = config.store.path.clone().unwrap_or_else(|| paths.default_store());
-    let read_only = config.store.read_only;
+    let (read_only, direct_io) = (config.store.read_only, config.store.direct_io);
     let listing = listing_file(paths);
     tokio::task::spawn_blocking(move || {
         let store = if read_only { Store::open_read_only(&store_path) } else { Store::open(&store_path) }?;
+        let store = if direct_io { store } else { store.without_direct_io() };
         let taken = store.load_listing(&listing);
         tracing::debug!(models = taken, "took the saved listing");
         Ok::<_, crate::store::StoreError>(store)

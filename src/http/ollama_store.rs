@@ -86,14 +86,7 @@ async fn post_blob(
     }
     let _permit = state.safety.upload_permit(BLOBS)?;
     let opened = store.clone();
-    let file = blocking(move || {
-        let mut file = opened.temp_blob_file()?;
-        // The pipeline's full batches are aligned for it; where the file system has no
-        // direct I/O, the page cache as before.
-        file.direct();
-        Ok(file)
-    })
-    .await?;
+    let file = blocking(move || opened.upload_blob_file()).await?;
     let mut upload = Pipeline::start(file, |file: &mut TempFile, data: &[u8]| {
         file.append(data).map_err(|source| {
             std::io::Error::other(StoreError::Io { context: format!("cannot write {}", file.rel()), source })

@@ -76,6 +76,17 @@ impl Store {
         self.temp_in(&self.blobs()?)
     }
 
+    /// [`Store::temp_blob_file`] for an upload's aligned batches: open for direct I/O where
+    /// the file system has it and `[store] direct_io` is on.
+    pub fn upload_blob_file(&self) -> Result<TempFile, StoreError> {
+        let mut file = self.temp_blob_file()?;
+        if self.direct_io() {
+            // Where the file system has no direct I/O, the page cache.
+            file.direct();
+        }
+        Ok(file)
+    }
+
     /// Moves a fully written temporary file into place as blob `digest` (syncing it first).
     pub fn commit_blob(&self, mut temp: TempFile, digest: &Digest) -> Result<(), StoreError> {
         readable(temp.as_file())?;

@@ -82,6 +82,9 @@ pub struct Store {
     index: Arc<Mutex<list::Index>>,
     /// inotify on the manifest directories, once asked for and where it works (`watch.rs`).
     watch: Arc<Mutex<Option<watch::Watch>>>,
+    /// Whether blobs are written with direct I/O where the file system has it
+    /// (`[store] direct_io`).
+    direct_io: bool,
 }
 
 /// Keeps blobs from being removed while an operation that will refer to them runs.
@@ -179,7 +182,22 @@ impl Store {
             details: Arc::default(),
             index: Arc::default(),
             watch: Arc::default(),
+            direct_io: true,
         })
+    }
+
+    /// Writes blobs through the page cache only (`[store] direct_io = false`), for clones
+    /// made after this.
+    #[must_use]
+    pub fn without_direct_io(mut self) -> Self {
+        self.direct_io = false;
+        self
+    }
+
+    /// Whether uploads and pulls write blobs with direct I/O where the file system has it.
+    #[must_use]
+    pub fn direct_io(&self) -> bool {
+        self.direct_io
     }
 
     /// A receiver that sees a new value after each change to the set of models or their

@@ -533,6 +533,18 @@ fn direct_blob_file(store: &Store) -> super::TempFile {
     temp
 }
 
+/// `[store] direct_io = false`: uploads and pulls write through the page cache only.
+#[test]
+fn blobs_are_written_with_direct_io_unless_the_store_is_set_without() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("store");
+    assert!(store.direct_io());
+    assert!(is_direct(store.upload_blob_file().expect("file").as_file()), "an upload's file, by default");
+    let without = store.without_direct_io();
+    assert!(!without.direct_io());
+    assert!(!is_direct(without.upload_blob_file().expect("file").as_file()), "an upload's file, direct_io off");
+}
+
 /// A blob file open for direct I/O takes aligned batches that way, and its tail (not a
 /// whole block) through the page cache; what is committed is exactly what was appended.
 #[test]

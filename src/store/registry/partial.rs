@@ -205,7 +205,7 @@ impl Partial {
             .map_err(fail)?;
             (file, Ranges::default())
         };
-        let direct = open_direct(&file);
+        let direct = if store.direct_io() { open_direct(&file) } else { None };
         let done_before = done.clone();
         Ok(Self {
             digest: layer.digest,
@@ -471,7 +471,24 @@ fn refused_or(
 
 #[cfg(test)]
 mod tests {
-    use super::Ranges;
+    use super::{Partial, Ranges};
+    use crate::store::Store;
+    use crate::store::digest::Digest;
+    use crate::store::manifest::Layer;
+
+    /// A pull's download writes whole blocks with direct I/O (on the temporary
+    /// directory's file system, which has it) unless `[store] direct_io` is off.
+    #[test]
+    fn a_download_writes_directly_unless_the_store_is_set_without() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path()).expect("store");
+        for (store, seed, direct) in [(store.clone(), "on", true), (store.without_direct_io(), "off", false)] {
+            let layer =
+                Layer { media_type: "x".into(), digest: Digest::of(seed.as_bytes()), size: 1 << 20, from: None };
+            let partial = Partial::open(store, &layer, "registry.example".into(), seed.into()).expect("partial");
+            assert_eq!(partial.direct.is_some(), direct, "direct_io {seed}");
+        }
+    }
 
     #[test]
     fn ranges_merge_and_leave_gaps() {
