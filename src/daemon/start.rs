@@ -142,7 +142,7 @@ pub(super) async fn open_store(config: &Config, paths: &Paths) -> anyhow::Result
     let listing = listing_file(paths);
     tokio::task::spawn_blocking(move || {
         let store = if read_only { Store::open_read_only(&store_path) } else { Store::open(&store_path) }?;
-        let store = if direct_io { store } else { store.without_direct_io() };
+        let store = store.with_direct_io(direct_io);
         let taken = store.load_listing(&listing);
         tracing::debug!(models = taken, "took the saved listing");
         Ok::<_, crate::store::StoreError>(store)

@@ -4,7 +4,7 @@
 //! (32 MiB on the system bus), and with it corrald's name and every object. Most replies
 //! are bounded where they are made (`reply_fits`), but some are written by zbus from the
 //! whole object tree: `Introspect` of `/` lists every model's node with zbus's standard
-//! interfaces, about 1.6 KB each, and zbus offers no hook to bound it. So the bound is
+//! interfaces, about 1.4 KB each, and zbus offers no hook to bound it. So the bound is
 //! here, under zbus, where every message passes: a reply too large is replaced by the
 //! error `org.freedesktop.DBus.Error.LimitsExceeded` to the same call, and anything else
 //! too large is not sent and fails its sender. zbus's own transport has no such hook

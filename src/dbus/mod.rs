@@ -191,8 +191,8 @@ impl Shared {
 }
 
 /// The largest reply body corrald makes: the bus's message limit less room for the
-/// header. A reply refused here names what to ask instead; [`bus_socket`] holds every
-/// message to the limit, naming nothing.
+/// header. A reply refused here names what to ask instead of it; [`bus_socket`] holds
+/// every message to the limit, for the replies zbus writes itself.
 const MAX_REPLY: usize = bus_socket::MAX_MESSAGE - (64 << 10);
 
 /// What a text takes in a message besides its bytes: length (4), NUL (1), padding before

@@ -186,11 +186,11 @@ impl Store {
         })
     }
 
-    /// Writes blobs through the page cache only (`[store] direct_io = false`), for clones
-    /// made after this.
+    /// Writes blobs with direct I/O where the file system has it (`on`, the default) or
+    /// through the page cache only (`[store] direct_io`), for clones made after this.
     #[must_use]
-    pub fn without_direct_io(mut self) -> Self {
-        self.direct_io = false;
+    pub fn with_direct_io(mut self, on: bool) -> Self {
+        self.direct_io = on;
         self
     }
 

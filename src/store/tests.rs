@@ -540,7 +540,7 @@ fn blobs_are_written_with_direct_io_unless_the_store_is_set_without() {
     let store = Store::open(dir.path()).expect("store");
     assert!(store.direct_io());
     assert!(is_direct(store.upload_blob_file().expect("file").as_file()), "an upload's file, by default");
-    let without = store.without_direct_io();
+    let without = store.with_direct_io(false);
     assert!(!without.direct_io());
     assert!(!is_direct(without.upload_blob_file().expect("file").as_file()), "an upload's file, direct_io off");
 }

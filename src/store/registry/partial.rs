@@ -482,7 +482,7 @@ mod tests {
     fn a_download_writes_directly_unless_the_store_is_set_without() {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Store::open(dir.path()).expect("store");
-        for (store, seed, direct) in [(store.clone(), "on", true), (store.without_direct_io(), "off", false)] {
+        for (store, seed, direct) in [(store.clone(), "on", true), (store.with_direct_io(false), "off", false)] {
             let layer =
                 Layer { media_type: "x".into(), digest: Digest::of(seed.as_bytes()), size: 1 << 20, from: None };
             let partial = Partial::open(store, &layer, "registry.example".into(), seed.into()).expect("partial");
