@@ -43,8 +43,8 @@ pub use refuse::refuse;
 use idle::{IdleClock, Requests, count_requests, idle_exit_due};
 use llama_server::check_llama_server;
 use start::{
-    after_ready, app_state, limits, listen, listing_file, log_start, open_store, preload, raise_open_files_limit,
-    save_listing, serve_dbus, start_scheduler, take_cgroup_tree,
+    after_ready, app_state, keep_tags_ready, limits, listen, listing_file, log_start, open_store, preload,
+    raise_open_files_limit, save_listing, serve_dbus, start_scheduler, take_cgroup_tree,
 };
 use supervise::{Vital, follower, tick, watchdog_ping};
 
@@ -104,6 +104,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let mut servers = JoinSet::new();
     let requests = Requests::default();
     let state = app_state(&loaded.config, store.clone(), scheduler.clone(), fleet);
+    keep_tags_ready(&state).await;
     // Connected before READY=1; the name follows once every model's object is served.
     let mut bus = serve_dbus(&loaded.config, &state).await;
     let router = http::router(state).layer(from_fn_with_state(requests.clone(), count_requests));

@@ -105,6 +105,15 @@ pub(super) fn after_ready(config: &Config, store: &Store, listing: PathBuf) {
     });
 }
 
+/// Makes `/api/tags`' body before `READY=1` ([`http::keep_tags_ready`]), off the async
+/// threads.
+pub(super) async fn keep_tags_ready(state: &http::AppState) {
+    let state = state.clone();
+    if let Err(e) = tokio::task::spawn_blocking(move || http::keep_tags_ready(&state)).await {
+        tracing::warn!(error = %e, "making the listing's body panicked");
+    }
+}
+
 /// Where the listing's index is kept between runs.
 pub(super) fn listing_file(paths: &Paths) -> PathBuf {
     paths.state.join("listing.json")

@@ -11,11 +11,12 @@ use zbus::object_server::{InterfaceRef, SignalEmitter};
 use zbus::zvariant::ObjectPath;
 
 use super::manager::{Manager, blocking};
-use super::model::{Facts, Model, ModelData, ModelObject};
+use super::model::{BlobFacts, Facts, Model, ModelData, ModelObject};
 use super::{BUS_NAME, ROOT_PATH, Shared, lock, model_path};
 use crate::config::BusKind;
 use crate::scheduler::policy::{Footprint, RunnerId};
 use crate::scheduler::types::{Notice, UnloadReason};
+use crate::store::digest::Digest;
 use crate::supervisor::logparse::Offload;
 
 /// In a task (returned): serves an object per stored model, takes the bus name, then
@@ -25,7 +26,7 @@ pub(super) fn start(shared: Arc<Shared>, connection: Connection, bus: BusKind) -
     let mut notices = shared.context.scheduler.subscribe();
     let mut store_changes = shared.context.store.changes();
     let mut fleet = shared.context.fleet.clone();
-    let mut follower = Follower { shared, connection, workers: Vec::new() };
+    let mut follower = Follower { shared, connection, workers: Vec::new(), blob_facts: HashMap::new() };
     follower.workers = follower.workers_shown();
     tokio::spawn(async move {
         follower.sync_store().await;
@@ -142,6 +143,9 @@ struct Follower {
     /// The workers as last signalled: (name, state, devices, error); a new round-trip
     /// time alone is not a change worth a signal.
     workers: Vec<(String, bool, Vec<String>, String)>,
+    /// The blob facts of each manifest listed, by its digest: read once per manifest, not
+    /// once per model and store change (the GGUF header of each, on every start).
+    blob_facts: HashMap<Digest, BlobFacts>,
 }
 
 impl Follower {
@@ -341,9 +345,12 @@ impl Follower {
     /// digest, size and details of replaced ones.
     async fn sync_store(&mut self) {
         let store = self.shared.context.store.clone();
+        let known = std::mem::take(&mut self.blob_facts);
         let listed = match blocking(move || {
             store.list().map(|listed| {
-                listed
+                // Kept for the manifests still listed, read for the new ones.
+                let mut blob_facts = HashMap::with_capacity(listed.len());
+                let listed = listed
                     .into_iter()
                     .map(|m| {
                         let config = m.config;
@@ -353,15 +360,24 @@ impl Follower {
                             ("parameter_size".to_owned(), config.model_type),
                             ("quantization_level".to_owned(), config.file_type),
                         ]);
-                        let facts = Facts::read(&store, &m.name, m.modified);
-                        (m.name, m.digest.to_string(), m.size, details, facts)
+                        let blob = blob_facts
+                            .entry(m.digest)
+                            .or_insert_with(|| {
+                                known.get(&m.digest).cloned().unwrap_or_else(|| BlobFacts::read(&store, &m.name))
+                            })
+                            .clone();
+                        (m.name, m.digest.to_string(), m.size, details, Facts::new(blob, m.modified))
                     })
-                    .collect::<Vec<_>>()
+                    .collect::<Vec<_>>();
+                (listed, blob_facts)
             })
         })
         .await
         {
-            Ok(Ok(listed)) => listed,
+            Ok(Ok((listed, blob_facts))) => {
+                self.blob_facts = blob_facts;
+                listed
+            }
             Ok(Err(e)) => return tracing::warn!(error = %e, "cannot list the store for D-Bus"),
             Err(e) => return tracing::warn!(error = ?e, "cannot list the store for D-Bus"),
         };
@@ -434,12 +450,15 @@ async fn emit_model_changes(connection: &Connection, name: &str, before: &ModelD
     if before.details != after.details {
         let _ = model.details_changed(e).await;
     }
-    if before.facts != after.facts {
+    // The texts are read when asked for, from the manifest the digest names.
+    if before.digest != after.digest {
         let _ = model.system_invalidate(e).await;
         let _ = model.parameters_invalidate(e).await;
+        let _ = model.modelfile_invalidate(e).await;
+    }
+    if before.facts != after.facts {
         let _ = model.context_length_changed(e).await;
         let _ = model.capabilities_changed(e).await;
-        let _ = model.modelfile_invalidate(e).await;
         let _ = model.modified_at_changed(e).await;
     }
     if before.last_error != after.last_error {

@@ -21,6 +21,7 @@ use super::{Shared, lock, manager};
 use crate::scheduler::types::LoadedModel;
 use crate::store::Store;
 use crate::store::name::ModelName;
+use crate::store::show::ModelDetails;
 
 /// What a model object shows; `State` and the runner fields follow the scheduler.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -42,17 +43,24 @@ pub(super) struct ModelData {
     pub shared_with: Vec<String>,
 }
 
-/// What the store says about a model besides its size and details: read when the
-/// store changes, like the rest of [`ModelData`].
+/// What the store's files say about a model besides its size and details, as `GetAll`
+/// shows it: read when the store changes, like the rest of [`ModelData`]. Its texts
+/// (`System`, `Parameters`, `Modelfile`) are read when asked for ([`Model::stored`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(super) struct Facts {
-    pub system: String,
-    pub parameters: String,
     pub context_length: u64,
     pub capabilities: Vec<String>,
-    pub modelfile: String,
     /// Microseconds since the epoch.
     pub modified_at: u64,
+}
+
+/// The part of [`Facts`] that comes from the model's blobs (its GGUF header and
+/// template): the same for every model with the same manifest, which names them all, so
+/// the views read it once per manifest digest.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct BlobFacts {
+    pub context_length: u64,
+    pub capabilities: Vec<String>,
 }
 
 impl ModelData {
@@ -63,28 +71,30 @@ impl ModelData {
     }
 }
 
-impl Facts {
-    /// The facts of the stored model `name` (whose manifest was written at `modified`); a
-    /// model whose details cannot be read shows empty ones (its weights may be missing).
-    pub fn read(store: &Store, name: &ModelName, modified: SystemTime) -> Self {
-        let modified_at = epoch_micros(modified);
-        let details = match store.details(name) {
-            Ok(details) => details,
+impl BlobFacts {
+    /// The facts of the stored model `name`; empty ones for a model whose details cannot
+    /// be read (its weights may be missing).
+    pub fn read(store: &Store, name: &ModelName) -> Self {
+        match store.details(name) {
+            Ok(details) => Self {
+                context_length: details.info.context_length.unwrap_or(0),
+                capabilities: details.capabilities().into_iter().map(str::to_owned).collect(),
+            },
             Err(e) => {
                 tracing::debug!(corral_model = %name, error = %e, "cannot read the details of {name} for D-Bus");
-                return Self { modified_at, ..Self::default() };
+                Self::default()
             }
-        };
+        }
+    }
+}
+
+impl Facts {
+    /// A model's facts: its blobs', and when its manifest was written.
+    pub fn new(blob: BlobFacts, modified: SystemTime) -> Self {
         Self {
-            system: details.system.clone().unwrap_or_default(),
-            parameters: details.parameters_text(),
-            context_length: details.info.context_length.unwrap_or(0),
-            capabilities: details.capabilities().into_iter().map(str::to_owned).collect(),
-            // What the syntax cannot express comes as comments, as in /api/show.
-            modelfile: details
-                .modelfile(store)
-                .unwrap_or_else(|e| e.to_string().lines().fold(String::new(), |out, line| out + "# " + line + "\n")),
-            modified_at,
+            context_length: blob.context_length,
+            capabilities: blob.capabilities,
+            modified_at: epoch_micros(modified),
         }
     }
 }
@@ -113,6 +123,31 @@ impl Model {
         let loaded =
             self.shared.context.scheduler.loaded().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
         Ok(Live::of(&self.shared, &loaded, &data))
+    }
+
+    /// What the store holds for this model now, for its texts: read when a client asks
+    /// (they can be large and few clients read them), from the store's cache when its
+    /// manifest did not change since (one `stat`), else on the blocking pool. `None` for
+    /// a model whose details cannot be read, which shows empty texts.
+    async fn stored(&self) -> zbus::fdo::Result<Option<Arc<ModelDetails>>> {
+        let name = self.get(|d| ModelName::parse(&d.name));
+        let Ok(name) = name else { return Ok(None) };
+        let store = self.shared.context.store.clone();
+        let details = match store.cached_details(&name) {
+            Ok(Some(details)) => Ok(details),
+            Ok(None) => tokio::task::spawn_blocking({
+                let name = name.clone();
+                move || store.details(&name)
+            })
+            .await
+            .map_err(|e| zbus::fdo::Error::Failed(format!("reading the model's details failed: {e}")))?,
+            Err(e) => Err(e),
+        };
+        Ok(details
+            .inspect_err(
+                |e| tracing::debug!(corral_model = %name, error = %e, "cannot read the details of {name} for D-Bus"),
+            )
+            .ok())
     }
 }
 
@@ -156,13 +191,13 @@ impl Model {
     }
 
     #[zbus(property(emits_changed_signal = "invalidates"))]
-    fn system(&self) -> String {
-        self.get(|d| d.facts.system.clone())
+    async fn system(&self) -> zbus::fdo::Result<String> {
+        Ok(self.stored().await?.and_then(|d| d.system.clone()).unwrap_or_default())
     }
 
     #[zbus(property(emits_changed_signal = "invalidates"))]
-    fn parameters(&self) -> String {
-        self.get(|d| d.facts.parameters.clone())
+    async fn parameters(&self) -> zbus::fdo::Result<String> {
+        Ok(self.stored().await?.map(|d| d.parameters_text()).unwrap_or_default())
     }
 
     #[zbus(property)]
@@ -176,8 +211,12 @@ impl Model {
     }
 
     #[zbus(property(emits_changed_signal = "invalidates"))]
-    fn modelfile(&self) -> String {
-        self.get(|d| d.facts.modelfile.clone())
+    async fn modelfile(&self) -> zbus::fdo::Result<String> {
+        let Some(details) = self.stored().await? else { return Ok(String::new()) };
+        // What the syntax cannot express comes as comments, as in /api/show.
+        Ok(details
+            .modelfile(&self.shared.context.store)
+            .unwrap_or_else(|e| e.to_string().lines().fold(String::new(), |out, line| out + "# " + line + "\n")))
     }
 
     #[zbus(property)]

@@ -27,6 +27,7 @@ use axum::routing::{get, post};
 use serde::Serialize;
 
 pub use error::ApiError;
+pub use ollama_models::keep_tags_ready;
 pub use safety::{LocalNames, Safety};
 pub use state::AppState;
 

@@ -450,6 +450,63 @@ async fn after_a_restart_the_bus_shows_what_changed_in_the_store_while_corrald_w
     assert_eq!(outside.short_name().await.expect("ShortName"), "outside:latest");
 }
 
+/// A model's facts from its blobs (`ContextLength`, `Capabilities`) are read once per
+/// manifest, not once per name: a second name for the same manifest shows them without
+/// reading the weights again (here made unreadable first, so a read would show none). Its
+/// texts are read when asked for, from the manifest as it is: a new system prompt written
+/// into the store shows at the next `Get`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manifests_facts_are_read_once_and_a_models_texts_when_asked_for() {
+    use corral::store::Store;
+    use corral::store::manifest::{self, Layer, Manifest};
+    use corral::store::name::ModelName;
+
+    let daemon = BusDaemon::start("");
+    let connection = daemon.connect().await;
+    let manager = uncached_manager(&connection).await;
+    let chat_path = manager.get_model("chat").await.expect("GetModel");
+    let chat = model(&connection, &chat_path).await;
+    let context_length = chat.context_length().await.expect("ContextLength");
+    let capabilities = chat.capabilities().await.expect("Capabilities");
+    assert!(context_length > 0 && capabilities.contains(&"completion".to_owned()), "{context_length} {capabilities:?}");
+
+    // The weights made unreadable behind corrald's back, then the same manifest under a
+    // second name (as `ollama cp` or another program would write it).
+    let store = Store::open(&daemon.path().join("models")).expect("store");
+    let (manifest, ..) = store.manifest(&ModelName::parse("chat").expect("name")).expect("chat's manifest");
+    let weights = store.blob_path(&manifest.model().digest);
+    let original = std::fs::read(&weights).expect("the weights");
+    std::fs::write(&weights, vec![0x55; original.len()]).expect("overwrite the weights");
+    store.write_manifest(&ModelName::parse("second").expect("name"), &manifest).expect("write");
+    let second_path = ObjectPath::try_from("/org/corral/Corral1/models/second_3alatest").expect("path");
+    let objects = object_manager(&connection).await;
+    crate::support::container::poll_until_async(WAIT, "the second name's object", || async {
+        let tree = objects.get_managed_objects().await.map_err(|e| e.to_string())?;
+        if tree.contains_key(&second_path) { Ok(()) } else { Err(format!("{:?}", tree.keys())) }
+    })
+    .await;
+    let second = model(&connection, &second_path).await;
+    assert_eq!(second.context_length().await.expect("ContextLength"), context_length);
+    assert_eq!(second.capabilities().await.expect("Capabilities"), capabilities);
+
+    // A new system prompt for chat: the texts follow the manifest, read when asked for
+    // (with the weights, which must read again).
+    std::fs::write(&weights, &original).expect("the weights back");
+    assert_eq!(chat.system().await.expect("System"), "");
+    let (digest, size) = store.write_blob(&b"you are terse"[..], None).expect("write a blob");
+    let mut layers = manifest.layers().to_vec();
+    layers.push(Layer { media_type: manifest::SYSTEM.to_owned(), digest, size, from: None });
+    let terse = Manifest::new(manifest.config().clone(), layers).expect("manifest");
+    store.write_manifest(&ModelName::parse("chat").expect("name"), &terse).expect("write");
+    crate::support::container::poll_until_async(WAIT, "chat's new system prompt", || async {
+        let system = chat.system().await.map_err(|e| e.to_string())?;
+        if system == "you are terse" { Ok(()) } else { Err(system) }
+    })
+    .await;
+    let modelfile = chat.modelfile().await.expect("Modelfile");
+    assert!(modelfile.contains("SYSTEM") && modelfile.contains("you are terse"), "{modelfile}");
+}
+
 /// Another program (Ollama on the same directory) adds and removes a model with plain
 /// file operations: the model's object comes and goes without any listing asked for
 /// (inotify reports the change), and `/api/tags` shows it at once.
