@@ -11,12 +11,11 @@ use zbus::object_server::{InterfaceRef, SignalEmitter};
 use zbus::zvariant::ObjectPath;
 
 use super::manager::{Manager, blocking};
-use super::model::{BlobFacts, Facts, Model, ModelData, ModelObject};
+use super::model::{Facts, Model, ModelData, ModelObject};
 use super::{BUS_NAME, ROOT_PATH, Shared, lock, model_path};
 use crate::config::BusKind;
 use crate::scheduler::policy::{Footprint, RunnerId};
 use crate::scheduler::types::{Notice, UnloadReason};
-use crate::store::digest::Digest;
 use crate::supervisor::logparse::Offload;
 
 /// In a task (returned): serves an object per stored model, takes the bus name, then
@@ -26,7 +25,7 @@ pub(super) fn start(shared: Arc<Shared>, connection: Connection, bus: BusKind) -
     let mut notices = shared.context.scheduler.subscribe();
     let mut store_changes = shared.context.store.changes();
     let mut fleet = shared.context.fleet.clone();
-    let mut follower = Follower { shared, connection, workers: Vec::new(), blob_facts: HashMap::new() };
+    let mut follower = Follower { shared, connection, workers: Vec::new() };
     follower.workers = follower.workers_shown();
     tokio::spawn(async move {
         follower.sync_store().await;
@@ -143,9 +142,6 @@ struct Follower {
     /// The workers as last signalled: (name, state, devices, error); a new round-trip
     /// time alone is not a change worth a signal.
     workers: Vec<(String, bool, Vec<String>, String)>,
-    /// The blob facts of each manifest listed, by its digest: read once per manifest, not
-    /// once per model and store change (the GGUF header of each, on every start).
-    blob_facts: HashMap<Digest, BlobFacts>,
 }
 
 impl Follower {
@@ -345,14 +341,13 @@ impl Follower {
     /// digest, size and details of replaced ones.
     async fn sync_store(&mut self) {
         let store = self.shared.context.store.clone();
-        let known = std::mem::take(&mut self.blob_facts);
         let listed = match blocking(move || {
             store.list().map(|listed| {
-                // Kept for the manifests still listed, read for the new ones.
-                let mut blob_facts = HashMap::with_capacity(listed.len());
-                let listed = listed
+                listed
                     .into_iter()
                     .map(|m| {
+                        // Kept by the manifest's digest: read once, not on each change or start.
+                        let facts = Facts::new(store.blob_facts(&m), m.modified);
                         let config = m.config;
                         let details = HashMap::from([
                             ("format".to_owned(), config.model_format),
@@ -360,24 +355,14 @@ impl Follower {
                             ("parameter_size".to_owned(), config.model_type),
                             ("quantization_level".to_owned(), config.file_type),
                         ]);
-                        let blob = blob_facts
-                            .entry(m.digest)
-                            .or_insert_with(|| {
-                                known.get(&m.digest).cloned().unwrap_or_else(|| BlobFacts::read(&store, &m.name))
-                            })
-                            .clone();
-                        (m.name, m.digest.to_string(), m.size, details, Facts::new(blob, m.modified))
+                        (m.name, m.digest.to_string(), m.size, details, facts)
                     })
-                    .collect::<Vec<_>>();
-                (listed, blob_facts)
+                    .collect::<Vec<_>>()
             })
         })
         .await
         {
-            Ok(Ok((listed, blob_facts))) => {
-                self.blob_facts = blob_facts;
-                listed
-            }
+            Ok(Ok(listed)) => listed,
             Ok(Err(e)) => return tracing::warn!(error = %e, "cannot list the store for D-Bus"),
             Err(e) => return tracing::warn!(error = ?e, "cannot list the store for D-Bus"),
         };

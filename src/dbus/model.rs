@@ -19,9 +19,8 @@ use zbus::{Connection, Message, ObjectServer, interface};
 use super::error::Error;
 use super::{Shared, lock, manager};
 use crate::scheduler::types::LoadedModel;
-use crate::store::Store;
 use crate::store::name::ModelName;
-use crate::store::show::ModelDetails;
+use crate::store::show::{BlobFacts, ModelDetails};
 
 /// What a model object shows; `State` and the runner fields follow the scheduler.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -54,15 +53,6 @@ pub(super) struct Facts {
     pub modified_at: u64,
 }
 
-/// The part of [`Facts`] that comes from the model's blobs (its GGUF header and
-/// template): the same for every model with the same manifest, which names them all, so
-/// the views read it once per manifest digest.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(super) struct BlobFacts {
-    pub context_length: u64,
-    pub capabilities: Vec<String>,
-}
-
 impl ModelData {
     /// Whether the views show a runner for it (loading, ready or unloading): a model
     /// without one has nothing to ask the scheduler about.
@@ -71,29 +61,13 @@ impl ModelData {
     }
 }
 
-impl BlobFacts {
-    /// The facts of the stored model `name`; empty ones for a model whose details cannot
-    /// be read (its weights may be missing).
-    pub fn read(store: &Store, name: &ModelName) -> Self {
-        match store.details(name) {
-            Ok(details) => Self {
-                context_length: details.info.context_length.unwrap_or(0),
-                capabilities: details.capabilities().into_iter().map(str::to_owned).collect(),
-            },
-            Err(e) => {
-                tracing::debug!(corral_model = %name, error = %e, "cannot read the details of {name} for D-Bus");
-                Self::default()
-            }
-        }
-    }
-}
-
 impl Facts {
-    /// A model's facts: its blobs', and when its manifest was written.
+    /// A model's facts: its blobs' ([`Store::blob_facts`](crate::store::Store::blob_facts)),
+    /// and when its manifest was written.
     pub fn new(blob: BlobFacts, modified: SystemTime) -> Self {
         Self {
             context_length: blob.context_length,
-            capabilities: blob.capabilities,
+            capabilities: blob.capabilities.into_iter().map(str::to_owned).collect(),
             modified_at: epoch_micros(modified),
         }
     }

@@ -18,6 +18,7 @@ use super::digest::Digest;
 use super::manifest::{Manifest, ModelConfig};
 use super::manifests::read_manifest_file;
 use super::name::ModelName;
+use super::show::BlobFacts;
 use super::{Store, StoreError, fs_err, vanished};
 use crate::sync::lock;
 
@@ -65,6 +66,9 @@ pub(super) struct Index {
     /// generation (the same count, the same listing; `/api/tags` keeps its body by it),
     /// and what tests check.
     pub(super) walks: u64,
+    /// The blob facts read so far, by manifest digest ([`Store::blob_facts`]); saved with
+    /// the entries, for the digests they name.
+    pub(super) facts: HashMap<Digest, BlobFacts>,
 }
 
 impl Index {
@@ -125,6 +129,31 @@ impl Store {
         let count = *self.changes.borrow();
         let watched = self.watching() && !index.unchecked;
         index.built.is_some_and(|(at, when)| at == count && (watched || when.elapsed() < REVALIDATE_AFTER))
+    }
+
+    /// The [`BlobFacts`] of the listed model `listed`: kept by its manifest's digest (and
+    /// taken from the saved listing at start), else read from its details (the GGUF
+    /// header: blocking) and kept. A model whose details cannot be read (its weights
+    /// missing or damaged) has empty facts, not kept: the blobs may come later.
+    pub fn blob_facts(&self, listed: &Listed) -> BlobFacts {
+        if let Some(kept) = lock(&self.index).facts.get(&listed.digest) {
+            return kept.clone();
+        }
+        match self.details(&listed.name) {
+            // Kept under the digest the details were read from: the manifest may have
+            // changed since it was listed.
+            Ok(details) => {
+                let facts = details.blob_facts();
+                let mut index = lock(&self.index);
+                index.facts.insert(details.digest, facts.clone());
+                index.unsaved = true;
+                facts
+            }
+            Err(e) => {
+                tracing::debug!(corral_model = %listed.name, error = %e, "cannot read the details of {}: {e}", listed.name);
+                BlobFacts::default()
+            }
+        }
     }
 
     /// How many manifests the index has read since the store was opened (a listing that

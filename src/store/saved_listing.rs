@@ -8,6 +8,7 @@
 //! The file is corrald's own, but it is read as the store's manifests are: each entry
 //! passes the checks a manifest read from the store passes, or is left out.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -20,7 +21,7 @@ use super::limits::MANIFEST_MAX;
 use super::list::{FileId, Listed};
 use super::manifest::{Layer, Manifest, ModelConfig};
 use super::name::ModelName;
-use super::show::listed_facts;
+use super::show::{BlobFacts, CAPABILITIES, listed_facts};
 use crate::state_file::{self, PendingWrite};
 use crate::sync::lock;
 
@@ -30,22 +31,33 @@ const WHAT: &str = "saved model listing";
 /// time), and what a listing shows of it.
 pub type Entry = ((u64, u64, SystemTime), Arc<Listed>);
 
-/// The models `bytes` (a saved listing) holds for the store at `root`, each checked as a
-/// manifest read from the store is: a name that parses, a weights layer, a manifest no
+/// What a saved listing holds: its models, and the blob facts of the manifests they name
+/// ([`Store::blob_facts`]).
+#[derive(Debug, Default, PartialEq)]
+pub struct Saved {
+    /// The models.
+    pub entries: Vec<Entry>,
+    /// By manifest digest, sorted; only digests some entry names.
+    pub facts: Vec<(Digest, BlobFacts)>,
+}
+
+/// What `bytes` (a saved listing) holds for the store at `root`. Each model is checked as
+/// a manifest read from the store is: a name that parses, a weights layer, a manifest no
 /// larger than the store reads, config facts within their bounds, times that a clock
-/// can hold. Entries failing a check are left out; another store's listing holds none.
+/// can hold; blob facts name only capabilities corral knows, each once, and a digest
+/// some model has. What fails a check is left out; another store's listing holds nothing.
 ///
 /// # Errors
 /// Bytes that are not a saved listing.
-pub fn parse(bytes: &[u8], root: &Path) -> Result<Vec<Entry>, serde_json::Error> {
-    Ok(serde_json::from_slice::<SavedListing>(bytes)?.checked(root).into_iter().flatten().collect())
+pub fn parse(bytes: &[u8], root: &Path) -> Result<Saved, serde_json::Error> {
+    Ok(serde_json::from_slice::<SavedListing>(bytes)?.checked(root).unwrap_or_default())
 }
 
-/// The saved listing of `entries` for the store at `root`, as [`Store::save_listing`]
-/// writes it.
+/// The saved listing `saved` for the store at `root`, as [`Store::save_listing`] writes it.
 #[must_use]
-pub fn to_bytes(root: &Path, entries: &[Entry]) -> Vec<u8> {
-    serde_json::to_vec(&SavedListing::new(root, entries)).expect("a listing always serializes")
+pub fn to_bytes(root: &Path, saved: &Saved) -> Vec<u8> {
+    serde_json::to_vec(&SavedListing::new(root, &saved.entries, saved.facts.iter().map(|(d, f)| (d, f))))
+        .expect("a listing always serializes")
 }
 
 /// The file's content.
@@ -55,6 +67,34 @@ struct SavedListing {
     /// The store it describes, as configured: another store's listing is not used.
     store: PathBuf,
     models: Vec<SavedModel>,
+    /// Absent from files written before the blob facts were kept: none then.
+    #[serde(default)]
+    facts: Vec<SavedFacts>,
+}
+
+/// One manifest's [`BlobFacts`].
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SavedFacts {
+    /// The manifest's digest.
+    digest: Digest,
+    context_length: u64,
+    capabilities: Vec<String>,
+}
+
+impl SavedFacts {
+    /// The facts, if each capability is one corral names, named once.
+    fn into_facts(self) -> Option<(Digest, BlobFacts)> {
+        let mut capabilities = Vec::with_capacity(self.capabilities.len().min(CAPABILITIES.len()));
+        for name in &self.capabilities {
+            let known = CAPABILITIES.into_iter().find(|c| c == name)?;
+            if capabilities.contains(&known) {
+                return None;
+            }
+            capabilities.push(known);
+        }
+        Some((self.digest, BlobFacts { context_length: self.context_length, capabilities }))
+    }
 }
 
 /// One model: what [`Listed`] holds, and its manifest file's identity.
@@ -89,16 +129,36 @@ fn time_from((secs, nanos): Time) -> Option<SystemTime> {
 }
 
 impl SavedListing {
-    fn new(root: &Path, entries: &[Entry]) -> Self {
+    /// The listing of `entries`, with the `facts` of the manifests they name.
+    fn new<'a>(root: &Path, entries: &[Entry], facts: impl Iterator<Item = (&'a Digest, &'a BlobFacts)>) -> Self {
         let mut models: Vec<SavedModel> = entries.iter().map(|(id, listed)| SavedModel::of(*id, listed)).collect();
         models.sort_by(|a, b| a.name.cmp(&b.name));
-        Self { store: root.to_owned(), models }
+        let named: HashSet<Digest> = entries.iter().map(|(_, listed)| listed.digest).collect();
+        let mut facts: Vec<SavedFacts> = facts
+            .filter(|(digest, _)| named.contains(digest))
+            .map(|(digest, f)| SavedFacts {
+                digest: *digest,
+                context_length: f.context_length,
+                capabilities: f.capabilities.iter().map(|c| (*c).to_owned()).collect(),
+            })
+            .collect();
+        facts.sort_by_key(|f| f.digest);
+        Self { store: root.to_owned(), models, facts }
     }
 
-    /// The entries that pass the store's checks; `None` if the listing is another store's
-    /// (or none: a missing or damaged file's default names no store).
-    fn checked(self, root: &Path) -> Option<impl Iterator<Item = Entry>> {
-        (self.store == root).then(|| self.models.into_iter().filter_map(SavedModel::into_entry))
+    /// What passes the store's checks (see [`parse`]); `None` if the listing is another
+    /// store's (or none: a missing or damaged file's default names no store).
+    fn checked(self, root: &Path) -> Option<Saved> {
+        if self.store != root {
+            return None;
+        }
+        let entries: Vec<Entry> = self.models.into_iter().filter_map(SavedModel::into_entry).collect();
+        let named: HashSet<Digest> = entries.iter().map(|(_, listed)| listed.digest).collect();
+        let mut facts: Vec<(Digest, BlobFacts)> =
+            self.facts.into_iter().filter_map(SavedFacts::into_facts).filter(|(d, _)| named.contains(d)).collect();
+        facts.sort_by_key(|f| f.0);
+        facts.dedup_by(|a, b| a.0 == b.0);
+        Some(Saved { entries, facts })
     }
 }
 
@@ -150,12 +210,13 @@ impl Store {
     /// store's file, or once built).
     #[must_use = "how many models the listing shows until it is checked"]
     pub fn load_listing(&self, path: &Path) -> usize {
-        let Some(entries) = state_file::load::<SavedListing>(path, WHAT).checked(&self.root) else { return 0 };
+        let Some(saved) = state_file::load::<SavedListing>(path, WHAT).checked(&self.root) else { return 0 };
         let mut index = lock(&self.index);
         if index.built.is_some() || !index.entries.is_empty() {
             return 0;
         }
-        index.entries = entries.map(|entry| (entry.1.name.clone(), entry)).collect();
+        index.entries = saved.entries.into_iter().map(|entry| (entry.1.name.clone(), entry)).collect();
+        index.facts.extend(saved.facts);
         index.unsaved = false;
         index.unchecked = true;
         index.walks += 1;
@@ -166,15 +227,17 @@ impl Store {
     /// Saves the index at `path` if it changed since it was loaded or last saved (the
     /// write is atomic; a failure is logged). Blocks: for the blocking threads.
     pub fn save_listing(&self, path: &Path) {
-        let entries: Vec<Entry> = {
+        let (entries, facts): (Vec<Entry>, Vec<(Digest, BlobFacts)>) = {
             let mut index = lock(&self.index);
             if !index.unsaved || index.unchecked || index.built.is_none() {
                 return;
             }
             index.unsaved = false;
-            index.entries.values().map(|(id, listed)| (*id, Arc::clone(listed))).collect()
+            let entries = index.entries.values().map(|(id, listed)| (*id, Arc::clone(listed))).collect();
+            (entries, index.facts.iter().map(|(d, f)| (*d, f.clone())).collect())
         };
-        PendingWrite::compact(path.to_owned(), &SavedListing::new(&self.root, &entries), WHAT).write();
+        let listing = SavedListing::new(&self.root, &entries, facts.iter().map(|(d, f)| (d, f)));
+        PendingWrite::compact(path.to_owned(), &listing, WHAT).write();
     }
 }
 
@@ -184,7 +247,8 @@ mod tests {
 
     use super::super::Store;
     use super::super::list::tests::{add_model, listed_names as names, name};
-    use super::{parse, to_bytes};
+    use super::super::show::BlobFacts;
+    use super::{Saved, parse, to_bytes};
 
     #[test]
     fn a_saved_listing_answers_at_once_and_one_walk_checks_it_reading_only_what_changed() {
@@ -235,6 +299,39 @@ mod tests {
     }
 
     #[test]
+    fn blob_facts_are_read_once_per_manifest_and_kept_with_the_saved_listing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (root, saved) = (dir.path().join("store"), dir.path().join("state/listing.json"));
+        let store = Store::open(&root).expect("open");
+        let weights = crate::demo_model::tiny_llama_bytes().expect("the tiny llama");
+        // Two names, one manifest; and a model whose weights are no GGUF.
+        add_model(&store, "one", &weights);
+        add_model(&store, "two", &weights);
+        add_model(&store, "broken", b"not a gguf");
+        let listed = store.list().expect("list");
+        let [broken, one, two] = [0, 1, 2].map(|i| &listed[i]);
+        assert_eq!(one.digest, two.digest);
+        let facts = store.blob_facts(one);
+        assert_eq!(facts, BlobFacts { context_length: 2048, capabilities: vec!["completion"] });
+        assert_eq!(store.blob_facts(broken), BlobFacts::default(), "unreadable: empty facts");
+
+        // The weights made unreadable: the second name shows the facts read for the first.
+        let weights_path = store.blob_path(&one.manifest.model().digest);
+        fs::write(&weights_path, vec![0x55; weights.len()]).expect("overwrite");
+        assert_eq!(store.blob_facts(two), facts);
+
+        // After a restart, from the saved listing; the broken model's were not kept.
+        store.save_listing(&saved);
+        let again = Store::open(&root).expect("reopen");
+        assert_eq!(again.load_listing(&saved), 3);
+        let listed = again.list().expect("list");
+        assert_eq!(again.blob_facts(&listed[2]), facts, "kept across the restart");
+        let text = fs::read_to_string(&saved).expect("the saved listing");
+        let value: serde_json::Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(value["facts"].as_array().map(Vec::len), Some(1), "{text}");
+    }
+
+    #[test]
     fn a_saved_listing_of_another_store_damaged_or_loaded_late_is_not_used() {
         let dir = tempfile::tempdir().expect("tempdir");
         let saved = dir.path().join("listing.json");
@@ -270,13 +367,27 @@ mod tests {
         huge_manifest["layers"][0]["from"] = "x".repeat(4 << 20).into();
         value["models"] =
             serde_json::json!([bad_name, no_weights, long_fact, far_time, far_file_time, huge_manifest, good]);
+        // Blob facts: those of a digest no model has, naming a capability corral does not
+        // know, or one twice are left out.
+        let digest = good["digest"].clone();
+        let facts = |capabilities: serde_json::Value| serde_json::json!({"digest": digest, "context_length": 4096, "capabilities": capabilities});
+        let mut elsewhere = facts(serde_json::json!(["completion"]));
+        elsewhere["digest"] = format!("sha256:{}", "0".repeat(64)).into();
+        value["facts"] = serde_json::json!([
+            elsewhere,
+            facts(serde_json::json!(["completion", "flying"])),
+            facts(serde_json::json!(["tools", "tools"])),
+            facts(serde_json::json!(["completion", "tools"])),
+        ]);
         let bytes = serde_json::to_vec(&value).expect("json");
         let root = dir.path().join("one");
-        let entries = parse(&bytes, &root).expect("a listing");
-        assert_eq!(entries.len(), 1, "only the valid entry");
-        assert_eq!(parse(&bytes, &dir.path().join("two")).expect("a listing").len(), 0, "another store's");
-        let again = parse(&to_bytes(&root, &entries), &root).expect("written, it parses");
-        assert_eq!(again, entries, "written and read back, the same entry");
+        let taken = parse(&bytes, &root).expect("a listing");
+        assert_eq!(taken.entries.len(), 1, "only the valid entry");
+        let kept = BlobFacts { context_length: 4096, capabilities: vec!["completion", "tools"] };
+        assert_eq!(taken.facts, [(taken.entries[0].1.digest, kept)], "only the valid facts");
+        assert_eq!(parse(&bytes, &dir.path().join("two")).expect("a listing"), Saved::default(), "another store's");
+        let again = parse(&to_bytes(&root, &taken), &root).expect("written, it parses");
+        assert_eq!(again, taken, "written and read back, the same entry and facts");
         fs::write(&saved, &bytes).expect("write");
         let fresh = Store::open(&root).expect("open");
         assert_eq!(fresh.load_listing(&saved), 1, "only the valid entry");

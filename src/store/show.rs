@@ -198,7 +198,30 @@ pub(super) fn listed_facts(config: ModelConfig) -> Result<ModelConfig, String> {
     Ok(ModelConfig { rootfs: RootFs::default(), ..config })
 }
 
+/// Every capability [`ModelDetails::capabilities`] names.
+pub const CAPABILITIES: [&str; 5] = ["completion", "embedding", "tools", "insert", "vision"];
+
+/// What a model's blobs say that the views show of every model beside its config's
+/// facts: the context length (from the GGUF header) and the capabilities (the header and
+/// the template). The same for every model with the same manifest, which names every
+/// blob: the store keeps them by the manifest's digest, in the saved listing too
+/// ([`Store::blob_facts`]), so that neither a restart nor a second name reads a header
+/// again (a large vocabulary makes a header several megabytes of strings).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BlobFacts {
+    /// The context the weights were trained for; 0 when they do not say.
+    pub context_length: u64,
+    /// As [`ModelDetails::capabilities`]: some of [`CAPABILITIES`].
+    pub capabilities: Vec<&'static str>,
+}
+
 impl ModelDetails {
+    /// Its [`BlobFacts`].
+    #[must_use]
+    pub fn blob_facts(&self) -> BlobFacts {
+        BlobFacts { context_length: self.info.context_length.unwrap_or(0), capabilities: self.capabilities() }
+    }
+
     /// What the model can do, as Ollama names it: "completion" or "embedding", then
     /// "tools" and "insert" (its template takes tools or a suffix) and "vision" (it has
     /// a projector).

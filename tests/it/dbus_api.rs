@@ -451,8 +451,9 @@ async fn after_a_restart_the_bus_shows_what_changed_in_the_store_while_corrald_w
 }
 
 /// A model's facts from its blobs (`ContextLength`, `Capabilities`) are read once per
-/// manifest, not once per name: a second name for the same manifest shows them without
-/// reading the weights again (here made unreadable first, so a read would show none). Its
+/// manifest, not once per name or start: a second name for the same manifest, and both
+/// after a restart, show them without reading the weights again (here made unreadable
+/// first, so a read would show none). Its
 /// texts are read when asked for, from the manifest as it is: a new system prompt written
 /// into the store shows at the next `Get`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -461,7 +462,7 @@ async fn a_manifests_facts_are_read_once_and_a_models_texts_when_asked_for() {
     use corral::store::manifest::{self, Layer, Manifest};
     use corral::store::name::ModelName;
 
-    let daemon = BusDaemon::start("");
+    let mut daemon = BusDaemon::start("");
     let connection = daemon.connect().await;
     let manager = uncached_manager(&connection).await;
     let chat_path = manager.get_model("chat").await.expect("GetModel");
@@ -488,6 +489,17 @@ async fn a_manifests_facts_are_read_once_and_a_models_texts_when_asked_for() {
     let second = model(&connection, &second_path).await;
     assert_eq!(second.context_length().await.expect("ContextLength"), context_length);
     assert_eq!(second.capabilities().await.expect("Capabilities"), capabilities);
+
+    // Kept with the saved listing: after a restart, still not read again.
+    daemon.stop();
+    daemon.start_again();
+    let connection = daemon.connect().await;
+    for path in [&chat_path, &second_path] {
+        let shown = model(&connection, path).await;
+        assert_eq!(shown.context_length().await.expect("ContextLength"), context_length, "{path}");
+        assert_eq!(shown.capabilities().await.expect("Capabilities"), capabilities, "{path}");
+    }
+    let chat = model(&connection, &chat_path).await;
 
     // A new system prompt for chat: the texts follow the manifest, read when asked for
     // (with the weights, which must read again).
