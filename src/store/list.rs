@@ -9,7 +9,7 @@
 //! corrald's back (an Ollama directory used as is) show within that time. Blobs never
 //! change under their digest, so the config read once stays true.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
@@ -147,6 +147,13 @@ impl Store {
                 let mut index = lock(&self.index);
                 index.facts.insert(details.digest, facts.clone());
                 index.unsaved = true;
+                // Bounded by the models listed: those of manifests gone (models deleted or
+                // rewritten) go once they are as many as the rest.
+                if index.facts.len() > 2 * index.entries.len() + 16 {
+                    let Index { facts: kept, entries, .. } = &mut *index;
+                    let named: HashSet<Digest> = entries.values().map(|(_, listed)| listed.digest).collect();
+                    kept.retain(|digest, _| named.contains(digest));
+                }
                 facts
             }
             Err(e) => {
@@ -398,6 +405,28 @@ pub(super) mod tests {
             .expect("weights");
         store.write_manifest(&name(model), &m).expect("manifest");
         m
+    }
+
+    #[test]
+    fn the_blob_facts_kept_are_bounded_by_the_models_listed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path()).expect("open");
+        let weights = crate::demo_model::tiny_llama_bytes().expect("the tiny llama");
+        let (digest, size) = store.write_blob(&weights[..], None).expect("weights");
+        let weights = Layer { media_type: manifest::MODEL.into(), digest, size, from: None };
+        // One model rewritten again and again, each time another manifest (its config
+        // differs), each manifest's facts read.
+        for i in 0..60 {
+            let config = format!(r#"{{"model_format":"gguf","model_family":"llama","model_type":"{i}M"}}"#);
+            let (digest, size) = store.write_blob(config.as_bytes(), None).expect("config");
+            let config = Layer { media_type: manifest::CONFIG_MEDIA_TYPE.into(), digest, size, from: None };
+            let m = Manifest::new(config, vec![weights.clone()]).expect("manifest");
+            store.write_manifest(&name("m"), &m).expect("write");
+            let listed = store.list().expect("list");
+            assert_eq!(store.blob_facts(&listed[0]).context_length, 2048);
+            let kept = crate::sync::lock(&store.index).facts.len();
+            assert!(kept <= 2 + 16, "{kept} manifests' facts kept for one model");
+        }
     }
 
     #[test]
