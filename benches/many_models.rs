@@ -8,7 +8,8 @@
 //! benchmark measures, against the floor of the same kind of call that does no work:
 //!
 //! - exec → `READY=1` (median of `CORRAL_BENCH_STARTS`, default 7, starts), with D-Bus and
-//!   with `[dbus] bus = "off"`; the floor is the empty store;
+//!   with `[dbus] bus = "off"`; the floor is the empty store; and with D-Bus, `READY=1` →
+//!   the bus name taken (corrald serves every model's object first, after `READY=1`);
 //! - `GET /api/tags` (the first after start, the median of `CORRAL_BENCH_ROUNDS`, default
 //!   30, then of `CORRAL_BENCH_PAUSED`, default 5, each after 1.2 s of quiet, against
 //!   `GET /api/version` after as long), `GET /api/ps`
@@ -121,6 +122,19 @@ fn cell(samples: &[f64]) -> String {
     format!("{:.3} ({:.3})", median(samples), percentile(samples, 99.0))
 }
 
+/// How long, from now, until the bus at `address` shows corrald's name.
+async fn name_taken(address: &str) -> Duration {
+    let start = Instant::now();
+    let connection =
+        zbus::connection::Builder::address(address).expect("address").build().await.expect("connect to the bus");
+    let dbus = zbus::fdo::DBusProxy::new(&connection).await.expect("bus proxy");
+    while !dbus.name_has_owner(BUS_NAME.try_into().expect("name")).await.expect("NameHasOwner") {
+        assert!(start.elapsed() < Duration::from_secs(60), "corrald never took its bus name");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    start.elapsed()
+}
+
 #[allow(clippy::too_many_lines, reason = "one linear script of a benchmark")]
 fn main() {
     let sizes: Vec<usize> = std::env::var("CORRAL_BENCH_MODELS")
@@ -141,14 +155,19 @@ fn main() {
     let port = free_port();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
 
-    let start_ms = |config: &Path| {
-        let mut samples = Vec::with_capacity(starts);
+    // exec → READY=1 of each start; with the bus, also READY=1 → the bus name taken (the
+    // model objects are served first, after READY=1), from a connection made after READY=1.
+    let start_ms = |config: &Path, bus_name: bool| {
+        let (mut ready, mut named) = (Vec::with_capacity(starts), Vec::with_capacity(starts));
         for _ in 0..starts {
             let daemon = Corrald::start(dir.path(), config, &[("DBUS_SESSION_BUS_ADDRESS", &bus.address)]);
-            samples.push(ms(daemon.ready_after));
+            ready.push(ms(daemon.ready_after));
+            if bus_name {
+                named.push(ms(runtime.block_on(name_taken(&bus.address))));
+            }
             daemon.stop();
         }
-        samples
+        (ready, named)
     };
     let with_bus = write_config(dir.path(), port, &llama_server, "[dbus]\nbus = \"session\"\n");
     let config_off = dir.path().join("off.toml");
@@ -162,29 +181,29 @@ fn main() {
     let first_manifest = root.join("manifests/registry.ollama.ai/library/m0000/latest");
     let aside = dir.path().join("m0000.latest");
     std::fs::rename(&first_manifest, &aside).expect("move aside");
-    let empty_bus = start_ms(&with_bus);
-    let empty_off = start_ms(&config_off);
+    let (empty_bus, _) = start_ms(&with_bus, false);
+    let (empty_off, _) = start_ms(&config_off, false);
     std::fs::rename(&aside, &first_manifest).expect("move back");
 
     println!("many models: the tiny llama under N names, {rounds} rounds a call, {starts} starts a size");
     println!("times in ms: median (p99); floors: empty store for start, /api/version for HTTP, Peer.Ping for D-Bus");
     println!();
     println!(
-        "| models | start, D-Bus | start, no bus | first /api/tags | /api/tags | /api/tags after 1.2 s | floor: /api/version after 1.2 s | /api/ps | /api/show | \
+        "| models | start, D-Bus | start, no bus | bus name after READY | first /api/tags | /api/tags | /api/tags after 1.2 s | floor: /api/version after 1.2 s | /api/ps | /api/show | \
          ListModels | GetManagedObjects (first) | GetManagedObjects | its bytes | CPU per reply: corrald, bus daemon | \
          floor: as many bytes | Introspect models | floor HTTP | floor D-Bus |"
     );
     println!(
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     );
-    println!("| 0 | {} | {} | | | | | | | | | | | | | | | |", cell(&empty_bus), cell(&empty_off));
+    println!("| 0 | {} | {} | | | | | | | | | | | | | | | | |", cell(&empty_bus), cell(&empty_off));
     let mut have = 1;
     let mut growth = Vec::new();
     for &size in &sizes {
         add_models(&root, &template, have, size);
         have = have.max(size);
-        let start_bus = start_ms(&with_bus);
-        let start_off = start_ms(&config_off);
+        let (start_bus, named) = start_ms(&with_bus, true);
+        let (start_off, _) = start_ms(&config_off, false);
         let daemon = Corrald::start(dir.path(), &with_bus, &[("DBUS_SESSION_BUS_ADDRESS", &bus.address)]);
         let row = runtime.block_on(async {
             let mut http = Client::connect(port).await;
@@ -308,10 +327,11 @@ fn main() {
         });
         let (tree_corrald_cpu, tree_bus_cpu) = row.tree_cpu;
         println!(
-            "| {size} | {} | {} | {:.3} | {} | {} | {} | {} | {} | {} | {:.3} | {} | {} | \
+            "| {size} | {} | {} | {} | {:.3} | {} | {} | {} | {} | {} | {} | {:.3} | {} | {} | \
              {tree_corrald_cpu:.1}, {tree_bus_cpu:.1} | {} | {} | {} | {} |",
             cell(&start_bus),
             cell(&start_off),
+            cell(&named),
             row.first_tags,
             cell(&row.tags),
             cell(&row.paused_tags),
