@@ -21,6 +21,9 @@
 //!   1 000 models, a reply of as many bytes (one string) from another connection on the
 //!   same bus.
 //!
+//! `CORRAL_BENCH_BUS_ADDRESS` (with `CORRAL_BENCH_BUS_PID`) measures through a bus started
+//! elsewhere instead, such as dbus-broker.
+//!
 //! Targets: a listing of 1 000 models within 5 ms; start growing by at most 1 ms per 100
 //! models. Run with `cargo bench --bench many_models`.
 
@@ -51,14 +54,22 @@ impl Floor {
     }
 }
 
-/// A private session bus, killed on drop.
+/// A private session bus, killed on drop; or (`CORRAL_BENCH_BUS_ADDRESS`) one started
+/// elsewhere, such as dbus-broker, whose CPU time is read from `CORRAL_BENCH_BUS_PID`.
 struct Bus {
-    process: Process,
+    /// Held to kill it on drop.
+    _process: Option<Process>,
+    pid: u32,
     address: String,
 }
 
 impl Bus {
     fn start(dir: &Path) -> Self {
+        if let Ok(address) = std::env::var("CORRAL_BENCH_BUS_ADDRESS") {
+            let pid = env_or("CORRAL_BENCH_BUS_PID", 0);
+            assert!(pid > 0, "CORRAL_BENCH_BUS_ADDRESS needs CORRAL_BENCH_BUS_PID, the bus's process");
+            return Self { _process: None, pid, address };
+        }
         let mut child = Command::new("dbus-daemon")
             .args(["--session", "--nofork", "--print-address=1"])
             .arg(format!("--address=unix:path={}", dir.join("bus.sock").display()))
@@ -69,7 +80,8 @@ impl Bus {
             .expect("start dbus-daemon");
         let mut line = String::new();
         std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("bus address");
-        Self { process: Process(child), address: line.trim().to_owned() }
+        let pid = child.id();
+        Self { _process: Some(Process(child)), pid, address: line.trim().to_owned() }
     }
 }
 
@@ -283,12 +295,12 @@ fn main() {
             let tree_bytes = reply.data().len();
             // What each end spends on it: the bus daemon relays one message at a time, so its
             // CPU time per reply is a floor of the call's time (it checks every value it relays).
-            let (corrald_before, bus_before) = (cpu_ms(daemon.pid()), cpu_ms(bus.process.pid()));
+            let (corrald_before, bus_before) = (cpu_ms(daemon.pid()), cpu_ms(bus.pid));
             let tree = time!(rounds, drop(tree_once().await));
             #[allow(clippy::cast_precision_loss, reason = "a few rounds")]
             let calls = (rounds + 1) as f64;
             let tree_cpu =
-                ((cpu_ms(daemon.pid()) - corrald_before) / calls, (cpu_ms(bus.process.pid()) - bus_before) / calls);
+                ((cpu_ms(daemon.pid()) - corrald_before) / calls, (cpu_ms(bus.pid) - bus_before) / calls);
             // The floor of so large a reply: as many bytes, as one string, from another
             // connection on the same bus (what the bus daemon and the two ends cost to move them).
             let floor_connection = zbus::connection::Builder::address(bus.address.as_str())
