@@ -299,8 +299,7 @@ fn main() {
             let tree = time!(rounds, drop(tree_once().await));
             #[allow(clippy::cast_precision_loss, reason = "a few rounds")]
             let calls = (rounds + 1) as f64;
-            let tree_cpu =
-                ((cpu_ms(daemon.pid()) - corrald_before) / calls, (cpu_ms(bus.pid) - bus_before) / calls);
+            let tree_cpu = ((cpu_ms(daemon.pid()) - corrald_before) / calls, (cpu_ms(bus.pid) - bus_before) / calls);
             // The floor of so large a reply: as many bytes, as one string, from another
             // connection on the same bus (what the bus daemon and the two ends cost to move them).
             let floor_connection = zbus::connection::Builder::address(bus.address.as_str())
