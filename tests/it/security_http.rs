@@ -80,10 +80,19 @@ fn error_of(response: &Response) -> String {
 fn store_files(root: &Path) -> BTreeSet<(PathBuf, u64)> {
     let mut out = BTreeSet::new();
     let mut dirs = vec![root.to_owned()];
+    // A file or directory removed while the walk runs (a partial upload going) is not there.
+    let gone = |e: &std::io::Error| e.kind() == ErrorKind::NotFound;
     while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).expect("read_dir") {
+        let entries = match std::fs::read_dir(&dir) {
+            Err(e) if gone(&e) => continue,
+            entries => entries.expect("read_dir"),
+        };
+        for entry in entries {
             let entry = entry.expect("entry");
-            let meta = entry.metadata().expect("metadata");
+            let meta = match entry.metadata() {
+                Err(e) if gone(&e) => continue,
+                meta => meta.expect("metadata"),
+            };
             if meta.is_dir() {
                 dirs.push(entry.path());
             } else {
