@@ -100,28 +100,20 @@ impl Model {
     }
 
     /// What the store holds for this model now, for its texts: read when a client asks
-    /// (they can be large and few clients read them), from the store's cache when its
-    /// manifest did not change since (one `stat`), else on the blocking pool. `None` for
-    /// a model whose details cannot be read, which shows empty texts.
-    async fn stored(&self) -> zbus::fdo::Result<Option<Arc<ModelDetails>>> {
-        let name = self.get(|d| ModelName::parse(&d.name));
-        let Ok(name) = name else { return Ok(None) };
-        let store = self.shared.context.store.clone();
-        let details = match store.cached_details(&name) {
-            Ok(Some(details)) => Ok(details),
-            Ok(None) => tokio::task::spawn_blocking({
-                let name = name.clone();
-                move || store.details(&name)
-            })
+    /// (they can be large and few clients read them), from the store's details cache
+    /// ([`Store::details_async`](crate::store::Store::details_async)). `None` for a model
+    /// whose details cannot be read, which shows empty texts.
+    async fn stored(&self) -> Option<Arc<ModelDetails>> {
+        let name = ModelName::parse(&self.get(|d| d.name.clone())).ok()?;
+        self.shared
+            .context
+            .store
+            .details_async(&name)
             .await
-            .map_err(|e| zbus::fdo::Error::Failed(format!("reading the model's details failed: {e}")))?,
-            Err(e) => Err(e),
-        };
-        Ok(details
             .inspect_err(
                 |e| tracing::debug!(corral_model = %name, error = %e, "cannot read the details of {name} for D-Bus"),
             )
-            .ok())
+            .ok()
     }
 }
 
@@ -165,13 +157,13 @@ impl Model {
     }
 
     #[zbus(property(emits_changed_signal = "invalidates"))]
-    async fn system(&self) -> zbus::fdo::Result<String> {
-        Ok(self.stored().await?.and_then(|d| d.system.clone()).unwrap_or_default())
+    async fn system(&self) -> String {
+        self.stored().await.and_then(|d| d.system.clone()).unwrap_or_default()
     }
 
     #[zbus(property(emits_changed_signal = "invalidates"))]
-    async fn parameters(&self) -> zbus::fdo::Result<String> {
-        Ok(self.stored().await?.map(|d| d.parameters_text()).unwrap_or_default())
+    async fn parameters(&self) -> String {
+        self.stored().await.map(|d| d.parameters_text()).unwrap_or_default()
     }
 
     #[zbus(property)]
@@ -185,12 +177,12 @@ impl Model {
     }
 
     #[zbus(property(emits_changed_signal = "invalidates"))]
-    async fn modelfile(&self) -> zbus::fdo::Result<String> {
-        let Some(details) = self.stored().await? else { return Ok(String::new()) };
+    async fn modelfile(&self) -> String {
+        let Some(details) = self.stored().await else { return String::new() };
         // What the syntax cannot express comes as comments, as in /api/show.
-        Ok(details
+        details
             .modelfile(&self.shared.context.store)
-            .unwrap_or_else(|e| e.to_string().lines().fold(String::new(), |out, line| out + "# " + line + "\n")))
+            .unwrap_or_else(|e| e.to_string().lines().fold(String::new(), |out, line| out + "# " + line + "\n"))
     }
 
     #[zbus(property)]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
-use super::error::{self, ApiError, bad, internal};
+use super::error::{self, ApiError, bad};
 use super::state::AppState;
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request::{self, LoadOverrides, RequestError};
@@ -46,25 +46,14 @@ pub(super) fn options_and_keep_alive(
     Ok((options, keep_alive))
 }
 
-/// A model's details: from the store's cache on this task (one `stat`), else read on
-/// the blocking pool (a first read parses the GGUF header).
+/// A model's details ([`Store::details_async`](crate::store::Store::details_async)).
 pub(super) async fn details(
     state: &AppState,
     name: &ModelName,
     given: &str,
     path: &str,
 ) -> Result<Arc<ModelDetails>, ApiError> {
-    let found = match state.store.cached_details(name) {
-        Ok(Some(hit)) => Ok(hit),
-        Ok(None) => {
-            let (store, name) = (state.store.clone(), name.clone());
-            tokio::task::spawn_blocking(move || store.details(&name))
-                .await
-                .map_err(|e| internal(format!("the request task failed: {e}"), path))?
-        }
-        Err(e) => Err(e),
-    };
-    found.map_err(|e| error::request(RequestError::Store(e), given, path))
+    state.store.details_async(name).await.map_err(|e| error::request(RequestError::Store(e), given, path))
 }
 
 /// The typed load options of a body's `options`, through the request parser's JSON

@@ -75,6 +75,22 @@ impl Store {
         self.lookup(name).map(|(_, cached)| cached)
     }
 
+    /// [`Store::details`] for an async task: from the cache on the task (one `stat`), else
+    /// read on the blocking pool (a first read parses the GGUF header).
+    ///
+    /// # Errors
+    /// As [`Store::details`]; a reading task that panicked is an `Io` error.
+    pub async fn details_async(&self, name: &ModelName) -> Result<Arc<ModelDetails>, StoreError> {
+        if let Some(hit) = self.cached_details(name)? {
+            return Ok(hit);
+        }
+        let (store, name) = (self.clone(), name.clone());
+        tokio::task::spawn_blocking(move || store.details(&name)).await.map_err(|e| StoreError::Io {
+            context: "the task reading a model's details failed".to_owned(),
+            source: std::io::Error::other(e),
+        })?
+    }
+
     /// The manifest file's identity, and the cached details if they came from it.
     #[allow(clippy::type_complexity)]
     fn lookup(&self, name: &ModelName) -> Result<((u64, u64, SystemTime), Option<Arc<ModelDetails>>), StoreError> {
