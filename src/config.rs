@@ -184,8 +184,9 @@ pub struct StoreConfig {
     #[serde(deserialize_with = "duration")]
     pub gc_grace: Duration,
     /// Write uploaded and pulled blobs with direct I/O (`O_DIRECT`, where the file system
-    /// has it): less CPU and no page cache filled with the blob, but each write waits for
-    /// the disk, which costs more than it saves where the disk is the slower part.
+    /// has it): less CPU and no page cache filled with the blob. Each write waits for the
+    /// disk, which costs more than it saves where the disk is the slower part: a transfer
+    /// then goes on through the page cache (`store::stream::DirectPace`).
     pub direct_io: bool,
 }
 

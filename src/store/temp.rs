@@ -7,11 +7,12 @@ use std::io::{self, Write};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use crate::sync::lock;
 
 use super::beneath::{Dir, Kind};
-use super::stream::{ALIGN, Batch, Writeback};
+use super::stream::{ALIGN, Batch, DirectPace, Writeback};
 use super::{Store, StoreError, fs_err, io_err, vanished};
 
 /// Prefix of temporary files in the store; anything named so is debris from a crash
@@ -33,6 +34,8 @@ pub struct TempFile {
     writeback: Option<Writeback>,
     /// Whether the file is open for direct I/O ([`TempFile::direct`]).
     direct: bool,
+    /// Whether direct writes keep up: when they do not, the rest goes through the page cache.
+    pace: DirectPace,
 }
 
 impl TempFile {
@@ -95,9 +98,16 @@ impl TempFile {
         if !(aligned(data.as_ptr().addr() as u64) && aligned(data.len() as u64) && aligned(self.written)) {
             return Ok(false);
         }
+        let began = Instant::now();
         match direct_write(&self.file, data, self.written) {
             Ok(()) => {
                 self.written += data.len() as u64;
+                if self.pace.wrote(began, Instant::now(), data.len()) && self.set_direct(false).is_ok() {
+                    tracing::debug!(
+                        path = self.rel(),
+                        "the disk is the slower part: the rest goes through the page cache"
+                    );
+                }
                 Ok(true)
             }
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
@@ -109,7 +119,8 @@ impl TempFile {
     /// [`TempFile::append`] then writes aligned data from memory straight to disk. That
     /// saves copying it into the page cache and writing it back later, a third of an
     /// upload's CPU time, and leaves the cache to the models being run instead of filling it
-    /// with the blob.
+    /// with the blob. Where the disk turns out to be the slower part ([`DirectPace`]), the
+    /// rest goes through the page cache.
     pub fn direct(&mut self) -> bool {
         self.set_direct(true).is_ok()
     }
@@ -162,7 +173,7 @@ impl TempFile {
             Err(e) => return Err(e),
         }
         self.file = self.dir.create_new(&self.name, 0o600)?;
-        (self.written, self.writeback, self.direct) = (0, None, false);
+        (self.written, self.writeback, self.direct, self.pace) = (0, None, false, DirectPace::default());
         Ok(())
     }
 }
@@ -202,8 +213,8 @@ impl Store {
             match dir.create_new(&name, 0o600) {
                 Ok(file) => {
                     let temps = Arc::clone(&self.temps);
-                    let (placed, written, writeback, direct) = (false, 0, None, false);
-                    return Ok(TempFile { dir, name, file, temps, placed, written, writeback, direct });
+                    let (placed, written, writeback, direct, pace) = (false, 0, None, false, DirectPace::default());
+                    return Ok(TempFile { dir, name, file, temps, placed, written, writeback, direct, pace });
                 }
                 Err(e) => {
                     lock(&self.temps).remove(&name);

@@ -602,6 +602,45 @@ fn a_direct_write_refused_for_its_alignment_is_written_through_the_cache() {
     assert_eq!(error.raw_os_error(), Some(libc::ENOSPC));
 }
 
+/// An upload's direct writes that keep its writer busy for a whole window (a disk slower
+/// than the data, made here by a direct write that takes its time) send the rest through
+/// the page cache; writes that leave the writer waiting for data stay direct. Either way
+/// the blob is what was appended.
+#[test]
+fn a_blob_file_whose_disk_is_the_slower_part_takes_the_rest_through_the_cache() {
+    use std::os::unix::fs::FileExt;
+    use std::time::Duration;
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    let (batch, at) = aligned_data(super::stream::PIPELINE_BATCH, 5);
+    // A window's worth of batches, and one more.
+    let batches = 17;
+    let expected = batch[at.clone()].repeat(batches);
+    let digest = Digest::of(&expected);
+    for (slow_disk, pause_between) in [(true, Duration::ZERO), (false, Duration::from_millis(60))] {
+        let mut temp = direct_blob_file(&store);
+        for i in 0..batches {
+            std::thread::sleep(pause_between);
+            temp.append_with(&batch[at.clone()], |file, data, offset| {
+                file.write_all_at(data, offset)?;
+                if slow_disk {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Ok(())
+            })
+            .expect("append");
+            if i < batches - 2 {
+                assert!(is_direct(temp.as_file()), "batch {i}: a window not yet full");
+            }
+        }
+        assert_eq!(is_direct(temp.as_file()), !slow_disk, "slow disk {slow_disk}");
+        store.commit_blob(temp, &digest).expect("commit");
+        assert_eq!(fs::read(store.blob_path(&digest)).expect("read the blob"), expected);
+        fs::remove_file(store.blob_path(&digest)).expect("remove");
+    }
+}
+
 /// Data that is not aligned for direct I/O (where it sits in memory, or its length) turns
 /// direct I/O off for the rest of the file, and is written all the same.
 #[test]

@@ -43,7 +43,7 @@ use super::{BlobStatus, PROGRESS_INTERVAL, RegistryError};
 use crate::store::beneath::{self, Dir};
 use crate::store::digest::{Digest, Hasher};
 use crate::store::manifest::Layer;
-use crate::store::stream::{ALIGN, BATCH, Writeback};
+use crate::store::stream::{ALIGN, BATCH, DirectPace, Writeback};
 use crate::store::{Pin, Store, StoreError};
 
 /// Byte ranges `[start, end)`, sorted, disjoint and not touching.
@@ -127,8 +127,10 @@ pub(super) struct Partial {
     file: File,
     /// The same file opened for direct I/O, where the file system allows it.
     direct: Option<File>,
-    /// Cleared when the device refuses a direct write's alignment (blocks over `ALIGN`).
-    direct_works: AtomicBool,
+    /// Whether writes go direct: cleared when the device refuses a direct write's alignment
+    /// (blocks over `ALIGN`), or once the disk turns out to be the slower part ([`DirectPace`]).
+    direct_now: AtomicBool,
+    pace: Mutex<DirectPace>,
     done: Mutex<Ranges>,
     /// The hash of the data file's first bytes, as far as it has got.
     hashed: Mutex<Frontier>,
@@ -218,8 +220,9 @@ impl Partial {
             data_path,
             writeback: Mutex::new(Writeback::new(&file)),
             file,
-            direct_works: AtomicBool::new(direct.is_some()),
+            direct_now: AtomicBool::new(direct.is_some()),
             direct,
+            pace: Mutex::default(),
             done: Mutex::new(done),
             hashed: Mutex::new(Frontier { passed: done_before, ..Frontier::default() }),
             dirty: AtomicBool::new(false),
@@ -302,18 +305,37 @@ impl Partial {
     /// Writes `data` at `offset` with direct I/O if it is whole blocks at a block's start,
     /// from memory aligned for it: `false` if it is not, or if the device refused it for
     /// its alignment (then every later write goes through the page cache; this one is
-    /// positional, so writing it again writes it all).
+    /// positional, so writing it again writes it all). Once the disk turns out to be the
+    /// slower part ([`DirectPace`]), later writes go through the page cache too.
     fn write_direct(&self, offset: u64, data: &[u8]) -> io::Result<bool> {
-        let Some(direct) = self.direct.as_ref().filter(|_| self.direct_works.load(Ordering::Relaxed)) else {
+        self.write_direct_with(offset, data, FileExt::write_all_at)
+    }
+
+    /// [`Partial::write_direct`], the direct write done by `direct_write` (file, data,
+    /// offset): tests make it as slow as a slow disk.
+    fn write_direct_with(
+        &self,
+        offset: u64,
+        data: &[u8],
+        direct_write: impl FnOnce(&File, &[u8], u64) -> io::Result<()>,
+    ) -> io::Result<bool> {
+        let Some(direct) = self.direct.as_ref().filter(|_| self.direct_now.load(Ordering::Relaxed)) else {
             return Ok(false);
         };
         if offset % ALIGN as u64 != 0 || data.len() % ALIGN != 0 || data.as_ptr().align_offset(ALIGN) != 0 {
             return Ok(false);
         }
-        match direct.write_all_at(data, offset) {
-            Ok(()) => Ok(true),
+        let began = Instant::now();
+        match direct_write(direct, data, offset) {
+            Ok(()) => {
+                if lock(&self.pace).wrote(began, Instant::now(), data.len()) {
+                    tracing::debug!(blob = %self.digest, "the disk is the slower part: the rest goes through the page cache");
+                    self.direct_now.store(false, Ordering::Relaxed);
+                }
+                Ok(true)
+            }
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                self.direct_works.store(false, Ordering::Relaxed);
+                self.direct_now.store(false, Ordering::Relaxed);
                 Ok(false)
             }
             Err(e) => Err(e),
@@ -487,6 +509,46 @@ mod tests {
                 Layer { media_type: "x".into(), digest: Digest::of(seed.as_bytes()), size: 1 << 20, from: None };
             let partial = Partial::open(store, &layer, "registry.example".into(), seed.into()).expect("partial");
             assert_eq!(partial.direct.is_some(), direct, "direct_io {seed}");
+        }
+    }
+
+    /// A download's direct writes that keep its writer busy for a whole window (a disk
+    /// slower than the data, made here by a direct write that takes its time) send the
+    /// rest through the page cache; writes that leave the writer waiting stay direct.
+    #[test]
+    fn a_download_whose_disk_is_the_slower_part_writes_the_rest_through_the_page_cache() {
+        use std::os::unix::fs::FileExt;
+        use std::sync::atomic::Ordering;
+        use std::time::Duration;
+
+        use crate::store::stream::{Aligned, PIPELINE_BATCH};
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path()).expect("store");
+        let mut batch = Aligned::new();
+        batch.spare().fill(7);
+        batch.filled(PIPELINE_BATCH);
+        // A window's worth of batches: 64 MiB.
+        let batches = 16;
+        for (seed, slow_disk, pause_between) in [("slow", true, 0), ("quick", false, 60)] {
+            let size = (batches + 1) * PIPELINE_BATCH as u64;
+            let layer = Layer { media_type: "x".into(), digest: Digest::of(seed.as_bytes()), size, from: None };
+            let partial =
+                Partial::open(store.clone(), &layer, "registry.example".into(), seed.into()).expect("partial");
+            for i in 0..batches {
+                std::thread::sleep(Duration::from_millis(pause_between));
+                let wrote = partial.write_direct_with(i * PIPELINE_BATCH as u64, batch.data(), |file, data, at| {
+                    file.write_all_at(data, at)?;
+                    if slow_disk {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    Ok(())
+                });
+                assert!(wrote.expect("write"), "{seed}: batch {i} written directly");
+            }
+            assert_eq!(partial.direct_now.load(Ordering::Relaxed), !slow_disk, "{seed}");
+            let next = partial.write_direct(batches * PIPELINE_BATCH as u64, batch.data()).expect("write");
+            assert_eq!(next, !slow_disk, "{seed}: the next batch goes direct only while the disk keeps up");
         }
     }
 
