@@ -130,6 +130,7 @@ pub(super) struct Partial {
     /// Whether writes go direct: cleared when the device refuses a direct write's alignment
     /// (blocks over `ALIGN`), or once the disk turns out to be the slower part ([`DirectPace`]).
     direct_now: AtomicBool,
+    /// Whether the direct writes keep up with the data.
     pace: Mutex<DirectPace>,
     done: Mutex<Ranges>,
     /// The hash of the data file's first bytes, as far as it has got.
