@@ -618,14 +618,16 @@ fn a_blob_file_whose_disk_is_the_slower_part_takes_the_rest_through_the_cache() 
     let batches = 17;
     let expected = batch[at.clone()].repeat(batches);
     let digest = Digest::of(&expected);
-    for (slow_disk, pause_between) in [(true, Duration::ZERO), (false, Duration::from_millis(60))] {
+    // Margins wide enough for a loaded machine: a slow write lasts far longer than the
+    // loop's gap between two writes, a pause far longer than a real 4 MiB write.
+    for (slow_disk, pause_between) in [(true, Duration::ZERO), (false, Duration::from_millis(100))] {
         let mut temp = direct_blob_file(&store);
         for i in 0..batches {
             std::thread::sleep(pause_between);
             temp.append_with(&batch[at.clone()], |file, data, offset| {
                 file.write_all_at(data, offset)?;
                 if slow_disk {
-                    std::thread::sleep(Duration::from_millis(5));
+                    std::thread::sleep(Duration::from_millis(20));
                 }
                 Ok(())
             })

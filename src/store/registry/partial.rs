@@ -531,7 +531,9 @@ mod tests {
         batch.filled(PIPELINE_BATCH);
         // A window's worth of batches: 64 MiB.
         let batches = 16;
-        for (seed, slow_disk, pause_between) in [("slow", true, 0), ("quick", false, 60)] {
+        // Margins wide enough for a loaded machine: a slow write lasts far longer than the
+        // loop's gap between two writes, a pause far longer than a real 4 MiB write.
+        for (seed, slow_disk, pause_between) in [("slow", true, 0), ("quick", false, 100)] {
             let size = (batches + 1) * PIPELINE_BATCH as u64;
             let layer = Layer { media_type: "x".into(), digest: Digest::of(seed.as_bytes()), size, from: None };
             let partial =
@@ -541,7 +543,7 @@ mod tests {
                 let wrote = partial.write_direct_with(i * PIPELINE_BATCH as u64, batch.data(), |file, data, at| {
                     file.write_all_at(data, at)?;
                     if slow_disk {
-                        std::thread::sleep(Duration::from_millis(5));
+                        std::thread::sleep(Duration::from_millis(20));
                     }
                     Ok(())
                 });
