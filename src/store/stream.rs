@@ -175,6 +175,14 @@ pub struct DirectPace {
 }
 
 impl DirectPace {
+    /// Runs `write`, a direct write of `n` bytes, and counts it ([`DirectPace::wrote`]):
+    /// whether direct writes turned out to be the slower part with it.
+    pub fn time(&mut self, n: usize, write: impl FnOnce() -> io::Result<()>) -> io::Result<bool> {
+        let began = Instant::now();
+        write()?;
+        Ok(self.wrote(began, Instant::now(), n))
+    }
+
     /// Counts a direct write of `n` bytes that ran from `began` to `ended`: `true` when it
     /// closes a window in which direct writes were the slower part.
     pub fn wrote(&mut self, began: Instant, ended: Instant, n: usize) -> bool {
@@ -539,6 +547,7 @@ mod tests {
         let Err(error) = pipeline.finish().await else { panic!("the write failed, finish did not say so") };
         assert_eq!(error.to_string(), "disk full");
     }
+
     /// Direct writes count as the slower part only over a whole window in which they took
     /// at least nine tenths of the time; each window is judged on its own.
     #[test]

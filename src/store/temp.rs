@@ -7,7 +7,6 @@ use std::io::{self, Write};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use crate::sync::lock;
 
@@ -98,11 +97,10 @@ impl TempFile {
         if !(aligned(data.as_ptr().addr() as u64) && aligned(data.len() as u64) && aligned(self.written)) {
             return Ok(false);
         }
-        let began = Instant::now();
-        match direct_write(&self.file, data, self.written) {
-            Ok(()) => {
+        match self.pace.time(data.len(), || direct_write(&self.file, data, self.written)) {
+            Ok(slower) => {
                 self.written += data.len() as u64;
-                if self.pace.wrote(began, Instant::now(), data.len()) && self.set_direct(false).is_ok() {
+                if slower && self.set_direct(false).is_ok() {
                     tracing::debug!(
                         path = self.rel(),
                         "the disk is the slower part: the rest goes through the page cache"

@@ -326,10 +326,10 @@ impl Partial {
         if offset % ALIGN as u64 != 0 || data.len() % ALIGN != 0 || data.as_ptr().align_offset(ALIGN) != 0 {
             return Ok(false);
         }
-        let began = Instant::now();
-        match direct_write(direct, data, offset) {
-            Ok(()) => {
-                if lock(&self.pace).wrote(began, Instant::now(), data.len()) {
+        // Only the download's writer thread writes: the lock is never waited for.
+        match lock(&self.pace).time(data.len(), || direct_write(direct, data, offset)) {
+            Ok(slower) => {
+                if slower {
                     tracing::debug!(blob = %self.digest, "the disk is the slower part: the rest goes through the page cache");
                     self.direct_now.store(false, Ordering::Relaxed);
                 }
