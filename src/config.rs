@@ -188,6 +188,10 @@ pub struct StoreConfig {
     /// disk, which costs more than it saves where the disk is the slower part: a transfer
     /// then goes on through the page cache (`store::stream::DirectPace`).
     pub direct_io: bool,
+    /// Sync each new blob (upload, create, pull) before the request that made it answers,
+    /// instead of after, in the background (`store::unsynced`: a note on the disk lets the
+    /// next start remove a blob the machine stopped before syncing).
+    pub sync_before_reply: bool,
 }
 
 impl Default for StoreConfig {
@@ -199,6 +203,7 @@ impl Default for StoreConfig {
             gc_interval: Some(Duration::from_secs(3600)),
             gc_grace: Duration::from_secs(3600),
             direct_io: true,
+            sync_before_reply: false,
         }
     }
 }
@@ -881,6 +886,7 @@ mod tests {
         assert_eq!(c.server.store_changes, StoreChanges::Any, "Ollama's: anyone who reaches the port");
         assert_eq!(c.store.gc_interval, Some(Duration::from_secs(3600)));
         assert_eq!(c.store.gc_grace, Duration::from_secs(3600));
+        assert!(c.store.direct_io && !c.store.sync_before_reply, "direct I/O, blobs synced after the reply");
     }
 
     #[test]
@@ -915,6 +921,7 @@ insecure_registries = ["localhost:5000"]
 gc_interval = "off"
 gc_grace = "10m"
 direct_io = false
+sync_before_reply = true
 [runner]
 llama_server = "/opt/llama/bin/llama-server"
 llama_fit_params = "/opt/llama/bin/llama-fit-params"
@@ -957,6 +964,7 @@ keep_alive = "10m"
         assert_eq!(c.store.insecure_registries, ["localhost:5000"]);
         assert_eq!((c.store.gc_interval, c.store.gc_grace), (None, Duration::from_secs(600)));
         assert!(!c.store.direct_io);
+        assert!(c.store.sync_before_reply);
         assert_eq!(c.runner.llama_server, Path::new("/opt/llama/bin/llama-server"));
         assert_eq!(c.runner.stream_idle_timeout, Duration::from_secs(90));
         assert_eq!(c.runner.llama_fit_params.as_deref(), Some(Path::new("/opt/llama/bin/llama-fit-params")));
@@ -1106,6 +1114,10 @@ keep_alive = "10m"
             ),
             (&[("corral.toml", "[store]\ngc_grace = 60\n")], &["store.gc_grace", "expected a string"]),
             (&[("corral.toml", "[store]\ndirect_io = \"no\"\n")], &["store.direct_io", "expected a boolean"]),
+            (
+                &[("corral.toml", "[store]\nsync_before_reply = 1\n")],
+                &["corral.toml:2", "store.sync_before_reply", "expected a boolean"],
+            ),
             (
                 &[("corral.toml", "[runner]\nstream_idle_timeout = \"0s\"\n")],
                 &["corral.toml:2", "runner.stream_idle_timeout", "\"0s\" is zero"],

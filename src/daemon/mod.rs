@@ -44,7 +44,7 @@ use idle::{IdleClock, Requests, count_requests, idle_exit_due};
 use llama_server::check_llama_server;
 use start::{
     after_ready, app_state, keep_tags_ready, limits, listen, listing_file, log_start, open_store, preload,
-    raise_open_files_limit, save_listing, serve_dbus, start_scheduler, take_cgroup_tree,
+    raise_open_files_limit, save_listing, serve_dbus, start_scheduler, take_cgroup_tree, wait_synced,
 };
 use supervise::{Vital, follower, tick, watchdog_ping};
 
@@ -181,6 +181,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     }
     // Every runner is stopped and reaped before the daemon exits.
     scheduler.shutdown().await;
+    wait_synced(&store, grace).await;
     save_listing(store, &paths).await;
     if let Some(e) = failure {
         return Err(e);

@@ -127,6 +127,20 @@ pub(super) async fn save_listing(store: Store, paths: &Paths) {
     }
 }
 
+/// Waits, at most `bound`, for the new blobs' syncs still running; a blob left unsynced
+/// is synced by the next start (its note names this boot).
+pub(super) async fn wait_synced(store: &Store, bound: Duration) {
+    let store = store.clone();
+    let waited = tokio::time::timeout(bound, tokio::task::spawn_blocking(move || store.wait_synced())).await;
+    if waited.is_err() {
+        tracing::warn!(
+            timeout = ?bound,
+            "new blobs still syncing after {}; the next start syncs them",
+            crate::durations::human(bound)
+        );
+    }
+}
+
 /// Raises the soft limit on open files to the hard one: every connection, upload and
 /// runner socket is a file, and the soft limit is often 1024 (systemd's default, kept
 /// low for programs that still use `select`; corrald uses epoll).
@@ -148,10 +162,21 @@ pub(super) fn raise_open_files_limit() {
 pub(super) async fn open_store(config: &Config, paths: &Paths) -> anyhow::Result<Store> {
     let store_path = config.store.path.clone().unwrap_or_else(|| paths.default_store());
     let (read_only, direct_io) = (config.store.read_only, config.store.direct_io);
+    let sync_before_reply = config.store.sync_before_reply;
     let listing = listing_file(paths);
     tokio::task::spawn_blocking(move || {
         let store = if read_only { Store::open_read_only(&store_path) } else { Store::open(&store_path) }?;
-        let store = store.with_direct_io(direct_io);
+        let store = store.with_direct_io(direct_io).with_blob_syncs(sync_before_reply, boot_id());
+        if !read_only {
+            let recovered = store.recover_unsynced()?;
+            if !recovered.removed.is_empty() || !recovered.resynced.is_empty() {
+                tracing::info!(
+                    removed = recovered.removed.len(),
+                    resynced = recovered.resynced.len(),
+                    "dealt with the blobs an earlier run left unsynced"
+                );
+            }
+        }
         let taken = store.load_listing(&listing);
         tracing::debug!(models = taken, "took the saved listing");
         Ok::<_, crate::store::StoreError>(store)
@@ -159,6 +184,13 @@ pub(super) async fn open_store(config: &Config, paths: &Paths) -> anyhow::Result
     .await
     .context("the store check panicked")?
     .context("cannot open the model store")
+}
+
+/// This boot's id, which tells the next start whether a blob left unsynced is still in
+/// the page cache (`store::unsynced`); `None` where the kernel does not say.
+fn boot_id() -> Option<String> {
+    let id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    Some(id.trim().to_owned()).filter(|id| !id.is_empty())
 }
 
 /// What the HTTP handlers share, from the configuration at start.

@@ -87,13 +87,11 @@ impl Store {
         Ok(file)
     }
 
-    /// Moves a fully written temporary file into place as blob `digest` (syncing it first).
-    pub fn commit_blob(&self, mut temp: TempFile, digest: &Digest) -> Result<(), StoreError> {
+    /// Moves a fully written temporary file into place as blob `digest` (synced before,
+    /// or after in the background: [`Store::with_blob_syncs`]).
+    pub fn commit_blob(&self, temp: TempFile, digest: &Digest) -> Result<(), StoreError> {
         readable(temp.as_file())?;
-        temp.sync().map_err(io_err(format!("cannot sync {}", temp.rel())))?;
-        let blobs = self.blobs()?;
-        temp.place(&blobs, &digest.file_name())?;
-        blobs.sync().map_err(io_err("cannot sync blobs/"))
+        self.name_blob(temp, &self.blobs()?, digest)
     }
 
     /// Streams `reader` into a blob, hashing as it goes. With `expected`, data that hashes

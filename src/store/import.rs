@@ -108,13 +108,15 @@ impl Store {
         if self.has_blob(&digest) {
             return Ok((digest, size, false, pin));
         }
-        if !linked {
-            // The store's own copy: readable like every blob, and on disk before it is named.
+        if linked {
+            // The caller's own file, on the disk already: only its new name is synced.
+            temp.place(&blobs, &digest.file_name())?;
+            blobs.sync().map_err(io_err("cannot sync blobs/"))?;
+        } else {
+            // The store's own copy: readable like every blob.
             readable(temp.as_file())?;
-            temp.sync().map_err(io_err("cannot sync the copy"))?;
+            self.name_blob(temp, &blobs, &digest)?;
         }
-        temp.place(&blobs, &digest.file_name())?;
-        blobs.sync().map_err(io_err("cannot sync blobs/"))?;
         Ok((digest, size, true, pin))
     }
 }

@@ -42,6 +42,7 @@ pub mod saved_listing;
 pub mod show;
 pub mod stream;
 mod temp;
+mod unsynced;
 mod watch;
 
 use std::collections::{HashMap, HashSet};
@@ -60,6 +61,7 @@ pub use self::list::Listed;
 use self::name::ModelName;
 pub use self::temp::TempFile;
 use self::temp::{MAX_TEMP_DEPTH, TEMP_PREFIX, remove_temporaries};
+pub use self::unsynced::Recovered;
 pub use self::watch::follow_outside_changes;
 
 /// The model store. Cheap to clone; clones share the set of pinned blobs.
@@ -85,6 +87,9 @@ pub struct Store {
     /// Whether blobs are written with direct I/O where the file system has it
     /// (`[store] direct_io`).
     direct_io: bool,
+    /// When new blobs reach the disk, and the syncs running in the background
+    /// (`unsynced.rs`).
+    unsynced: Arc<unsynced::Unsynced>,
 }
 
 /// Keeps blobs from being removed while an operation that will refer to them runs.
@@ -183,6 +188,7 @@ impl Store {
             index: Arc::default(),
             watch: Arc::default(),
             direct_io: true,
+            unsynced: Arc::default(),
         })
     }
 

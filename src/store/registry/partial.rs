@@ -431,9 +431,12 @@ impl Partial {
                 detail: format!("{}: only {completed} of {} bytes arrived", self.what, self.size),
             });
         }
-        let sync_error = |e| Self::write_error(&self.data_path, &self.what, self.size, e);
-        lock(&self.writeback).finish().map_err(sync_error)?;
-        self.file.sync_all().map_err(sync_error)?;
+        let before_reply = self.store.syncs_before_reply();
+        if before_reply {
+            let sync_error = |e| Self::write_error(&self.data_path, &self.what, self.size, e);
+            lock(&self.writeback).finish().map_err(sync_error)?;
+            self.file.sync_all().map_err(sync_error)?;
+        }
         // What the hash has not reached yet is read back through the file this download
         // wrote, not by its name.
         let mut hashed = lock(&self.hashed);
@@ -445,15 +448,29 @@ impl Partial {
         }
         let mut finished = lock(&self.finished);
         *finished = true;
+        let file = if before_reply {
+            None
+        } else {
+            let file = self.file.try_clone().map_err(|e| RegistryError::io(format!("cannot open {}", self.what), e))?;
+            self.store.note_unsynced(&self.digest)?;
+            Some(file)
+        };
         let blob = self.digest.file_name();
-        self.blobs.rename(&self.data_name, &self.blobs, &blob).map_err(|e| {
-            RegistryError::io(
-                format!("cannot move the download into place as {}", self.store.blob_path(&self.digest).display()),
-                e,
-            )
-        })?;
+        if let Err(e) = self.blobs.rename(&self.data_name, &self.blobs, &blob) {
+            if file.is_some() {
+                self.store.forget_unsynced(&self.digest);
+            }
+            let place = self.store.blob_path(&self.digest);
+            return Err(RegistryError::io(format!("cannot move the download into place as {}", place.display()), e));
+        }
         let _ = self.blobs.remove_file(&self.record_name);
-        self.blobs.sync().map_err(|e| RegistryError::io(format!("cannot sync {}", self.store.blobs_dir().display()), e))
+        match file {
+            Some(file) => Ok(self.store.sync_later(self.digest, file, &self.blobs)?),
+            None => self
+                .blobs
+                .sync()
+                .map_err(|e| RegistryError::io(format!("cannot sync {}", self.store.blobs_dir().display()), e)),
+        }
     }
 
     /// Deletes the data file and the record (or links of those names: never what they point to).
@@ -553,6 +570,35 @@ mod tests {
             let next = partial.write_direct(batches * PIPELINE_BATCH as u64, batch.data()).expect("write");
             assert_eq!(next, !slow_disk, "{seed}: the next batch goes direct only while the disk keeps up");
         }
+    }
+
+    /// A finished download, with blobs synced after the reply: the blob is named with its
+    /// note on the disk, the note goes once the sync ends, and the data file and record
+    /// are gone.
+    #[test]
+    fn a_finished_download_is_named_before_its_sync_and_noted_until_it_ends() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let released = std::sync::Mutex::new(released);
+        let store = Store::open(dir.path()).expect("store").with_background_syncs_by("boot-a", move |file| {
+            let _ = crate::sync::lock(&released).recv();
+            file.sync_data()
+        });
+        let data = vec![5u8; 3 << 20];
+        let digest = Digest::of(&data);
+        let layer = Layer { media_type: "x".into(), digest, size: data.len() as u64, from: None };
+        let partial = Partial::open(store.clone(), &layer, "registry.example".into(), "x".into()).expect("partial");
+        partial.write_at(0, &data).expect("write");
+        partial.commit().expect("commit");
+        let blobs = dir.path().join("blobs");
+        let note = dir.path().join("unsynced").join(digest.file_name());
+        assert!(store.has_blob(&digest) && note.is_file(), "named, and noted until its sync ends");
+        release.send(()).expect("release");
+        store.wait_synced();
+        assert!(!note.exists(), "the note goes with the sync");
+        assert_eq!(std::fs::read(store.blob_path(&digest)).expect("blob"), data);
+        let left: Vec<_> = std::fs::read_dir(&blobs).expect("blobs").map(|e| e.expect("entry").file_name()).collect();
+        assert_eq!(left, [std::ffi::OsString::from(digest.file_name())], "no data file or record left");
     }
 
     #[test]
