@@ -28,6 +28,8 @@ use crate::cli::LogTarget;
 use crate::config::{ConfigSource, Loaded};
 use crate::http::{self, listeners};
 use crate::paths::Paths;
+use crate::scheduler::handle::Handle as SchedulerHandle;
+use crate::store::Store;
 use crate::systemd::Notifier;
 
 mod idle;
@@ -170,7 +172,23 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     notifier.stopping();
     tracing::info!(corral_event = "stop", "corrald stopping");
     shutdown.cancel();
-    let grace = loaded.config.server.shutdown_timeout;
+    stop(servers, &scheduler, store, &paths, loaded.config.server.shutdown_timeout).await;
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    tracing::info!("corrald stopped");
+    Ok(())
+}
+
+/// Lets open connections finish within `grace`, then stops and reaps every runner, waits
+/// for new blobs to reach the disk and saves the store's listing.
+async fn stop(
+    mut servers: JoinSet<std::io::Result<()>>,
+    scheduler: &SchedulerHandle,
+    store: Store,
+    paths: &Paths,
+    grace: Duration,
+) {
     if tokio::time::timeout(grace, async { while servers.join_next().await.is_some() {} }).await.is_err() {
         tracing::warn!(
             timeout = ?grace,
@@ -182,10 +200,5 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     // Every runner is stopped and reaped before the daemon exits.
     scheduler.shutdown().await;
     wait_synced(&store, grace).await;
-    save_listing(store, &paths).await;
-    if let Some(e) = failure {
-        return Err(e);
-    }
-    tracing::info!("corrald stopped");
-    Ok(())
+    save_listing(store, paths).await;
 }

@@ -2,10 +2,13 @@
 //! and `blobs/sha256-<hex>`, so an Ollama models directory works as is.
 //!
 //! Crash safety comes from the order of writes: a blob is written to a temporary file
-//! in `blobs/`, synced, checked against its digest and only then renamed into place; a
-//! manifest is written the same way, last, once every blob it names exists.  A crash at
-//! any point leaves at worst a temporary file, removed by [`Store::open`].  A blob is
-//! removed only when no manifest refers to it and no operation in progress has pinned it.
+//! in `blobs/`, checked against its digest and only then renamed into place, synced
+//! before or (with a note on the disk first) after the rename (`unsynced.rs`); a
+//! manifest is written the same way, synced before its rename, last, once every blob it
+//! names exists.  A crash at any point leaves at worst a temporary file, removed by
+//! [`Store::open`], or a blob with a note, synced or removed by
+//! [`Store::recover_unsynced`].  A blob is removed only when no manifest refers to it and
+//! no operation in progress has pinned it.
 //!
 //! Every access below the root goes through `beneath.rs`: opened relative to a directory
 //! descriptor, one component at a time, never following a symbolic link. A link planted
@@ -21,7 +24,7 @@
 //! Where each part is: this file opens the store and pins blobs; `blobs.rs` reads and
 //! writes blobs, `import.rs` adds files and other stores' models, `manifests.rs` writes,
 //! reads, copies and deletes manifests, `list.rs` lists the models, `temp.rs` keeps the
-//! temporary files, `stream.rs` moves blob data in (hashed beside the write, one sync), `error.rs` holds [`StoreError`]; [`create`], [`show`], [`gc`] and
+//! temporary files, `unsynced.rs` syncs new blobs after the reply, `stream.rs` moves blob data in (hashed beside the write, one sync), `error.rs` holds [`StoreError`]; [`create`], [`show`], [`gc`] and
 //! [`registry`] build on them.
 
 mod beneath;
@@ -177,9 +180,11 @@ impl Store {
 
     fn at(root: &Path) -> Result<Self, StoreError> {
         let dir = Dir::open_root(root).map_err(io_err(format!("cannot open the model store {}", root.display())))?;
+        let dir = Arc::new(dir);
         Ok(Self {
             root: root.to_owned(),
-            dir: Arc::new(dir),
+            unsynced: Arc::new(unsynced::Unsynced::new(Arc::clone(&dir))),
+            dir,
             pins: Arc::default(),
             temps: Arc::default(),
             layout: Arc::default(),
@@ -188,7 +193,6 @@ impl Store {
             index: Arc::default(),
             watch: Arc::default(),
             direct_io: true,
-            unsynced: Arc::default(),
         })
     }
 

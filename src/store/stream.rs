@@ -101,6 +101,14 @@ impl Writeback {
         Self { file: file.try_clone().ok(), since: 0, kick: None, thread: None, error: Arc::default() }
     }
 
+    /// One that never syncs: for a blob synced after the reply (`store::unsynced`), whose
+    /// pages are better left to the kernel until then. Syncs while it is written would
+    /// make the note's sync, just before the blob is named, wait for them.
+    #[must_use]
+    pub fn off() -> Self {
+        Self { file: None, since: 0, kick: None, thread: None, error: Arc::default() }
+    }
+
     /// Counts `n` bytes written; starts a background sync each step.
     pub fn wrote(&mut self, n: usize) {
         self.since += n as u64;

@@ -31,6 +31,8 @@ pub struct TempFile {
     written: u64,
     /// Sends what [`TempFile::write_batch`] wrote to disk as it goes.
     writeback: Option<Writeback>,
+    /// Whether to (blobs synced before the reply), or leave the pages to the kernel.
+    sync_while_writing: bool,
     /// Whether the file is open for direct I/O ([`TempFile::direct`]).
     direct: bool,
     /// Whether direct writes keep up: when they do not, the rest goes through the page cache.
@@ -134,7 +136,11 @@ impl TempFile {
     /// Moves past `n` bytes just written, and counts them for the write-back.
     fn wrote(&mut self, n: usize) {
         self.written += n as u64;
-        self.writeback.get_or_insert_with(|| Writeback::new(&self.file)).wrote(n);
+        let file = &self.file;
+        let sync_while_writing = self.sync_while_writing;
+        self.writeback
+            .get_or_insert_with(|| if sync_while_writing { Writeback::new(file) } else { Writeback::off() })
+            .wrote(n);
     }
 
     /// Syncs the file: what is written is on disk.
@@ -212,7 +218,19 @@ impl Store {
                 Ok(file) => {
                     let temps = Arc::clone(&self.temps);
                     let (placed, written, writeback, direct, pace) = (false, 0, None, false, DirectPace::default());
-                    return Ok(TempFile { dir, name, file, temps, placed, written, writeback, direct, pace });
+                    let sync_while_writing = self.syncs_before_reply();
+                    return Ok(TempFile {
+                        dir,
+                        name,
+                        file,
+                        temps,
+                        placed,
+                        written,
+                        writeback,
+                        sync_while_writing,
+                        direct,
+                        pace,
+                    });
                 }
                 Err(e) => {
                     lock(&self.temps).remove(&name);

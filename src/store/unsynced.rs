@@ -22,6 +22,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Read, Write};
+use std::sync::mpsc::{Sender, SyncSender};
 use std::sync::{Arc, Mutex};
 
 use crate::sync::lock;
@@ -40,24 +41,34 @@ const MAX_NOTE_BYTES: u64 = 64;
 /// How a blob's data is made durable (the test hook: a disk that is slow or fails).
 type SyncData = Arc<dyn Fn(&File) -> io::Result<()> + Send + Sync>;
 
-/// When new blobs reach the disk, and the syncs still running.
+/// When new blobs reach the disk, and the syncs still to do.
 pub(super) struct Unsynced {
     /// This boot's id, written in each note; `None` where it cannot be read.
     boot_id: Option<String>,
     /// Whether each new blob is synced before it is named (no notes then).
     before_reply: bool,
-    /// The blobs named and not yet synced, with how many syncs of each are running: the
-    /// note goes when the last one ends (a blob removed and written again meanwhile).
+    shared: Arc<Shared>,
+    /// The syncer's queue, once it is started: one thread per store, so that however many
+    /// blobs arrive at once, their syncs hold one thread and no descriptor while they wait.
+    /// It ends when the store's last clone is dropped.
+    jobs: Mutex<Option<Sender<Job>>>,
+}
+
+/// What the syncer thread shares with the store.
+struct Shared {
+    /// The store's root.
+    root: Arc<Dir>,
+    /// The blobs named and not yet synced, with how many syncs of each are queued: the
+    /// note goes with the last (a blob removed and written again meanwhile).
     pending: Mutex<HashMap<Digest, usize>>,
-    /// The sync threads, for [`Store::wait_synced`]; finished ones are dropped as new start.
-    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     sync_data: SyncData,
 }
 
-impl Default for Unsynced {
-    fn default() -> Self {
-        Self::new(true, None)
-    }
+enum Job {
+    /// Sync blob `digest` (by its name: whatever file holds it now), then drop its note.
+    Sync(Digest),
+    /// Answer once every sync queued before is done.
+    Flush(SyncSender<()>),
 }
 
 impl std::fmt::Debug for Unsynced {
@@ -65,20 +76,16 @@ impl std::fmt::Debug for Unsynced {
         f.debug_struct("Unsynced")
             .field("boot_id", &self.boot_id)
             .field("before_reply", &self.before_reply)
-            .field("pending", &lock(&self.pending).len())
+            .field("pending", &lock(&self.shared.pending).len())
             .finish_non_exhaustive()
     }
 }
 
 impl Unsynced {
-    pub(super) fn new(before_reply: bool, boot_id: Option<String>) -> Self {
-        Self {
-            boot_id,
-            before_reply,
-            pending: Mutex::default(),
-            threads: Mutex::default(),
-            sync_data: Arc::new(File::sync_data),
-        }
+    /// For the store whose root is `root`: synced before the reply.
+    pub(super) fn new(root: Arc<Dir>) -> Self {
+        let shared = Shared { root, pending: Mutex::default(), sync_data: Arc::new(File::sync_data) };
+        Self { boot_id: None, before_reply: true, shared: Arc::new(shared), jobs: Mutex::default() }
     }
 
     /// Whether new blobs are named before they are synced (which needs the boot's id).
@@ -102,7 +109,9 @@ impl Store {
     /// known. A new store syncs before the reply.
     #[must_use]
     pub fn with_blob_syncs(mut self, before_reply: bool, boot_id: Option<String>) -> Self {
-        self.unsynced = Arc::new(Unsynced::new(before_reply, boot_id));
+        let mut unsynced = Unsynced::new(Arc::clone(&self.dir));
+        (unsynced.before_reply, unsynced.boot_id) = (before_reply, boot_id);
+        self.unsynced = Arc::new(unsynced);
         self
     }
 
@@ -120,24 +129,24 @@ impl Store {
             temp.place(blobs, &name)?;
             return blobs.sync().map_err(io_err("cannot sync blobs/"));
         }
-        let file = temp.as_file().try_clone().map_err(io_err(format!("cannot open {}", temp.rel())))?;
         self.note_unsynced(digest)?;
         if let Err(e) = temp.place(blobs, &name) {
             self.forget_unsynced(digest);
             return Err(e);
         }
-        self.sync_later(*digest, file, blobs)
+        self.sync_later(*digest);
+        Ok(())
     }
 
     /// Puts on the disk, before blob `digest` is named, that it is not synced yet.
     pub(super) fn note_unsynced(&self, digest: &Digest) -> Result<(), StoreError> {
         let boot_id = self.unsynced.boot_id.as_deref().unwrap_or_default();
-        let mut pending = lock(&self.unsynced.pending);
+        let mut pending = lock(&self.unsynced.shared.pending);
         let count = pending.entry(*digest).or_default();
         if *count == 0 {
             let name = digest.file_name();
-            let notes = self.notes_dir().map_err(fs_err("create", NOTES.to_owned()))?;
             let written = (|| {
+                let notes = self.notes_dir()?;
                 match notes.remove_file(&name) {
                     Err(e) if !vanished(&e) => return Err(e),
                     _ => {}
@@ -149,7 +158,7 @@ impl Store {
             })();
             if let Err(e) = written {
                 pending.remove(digest);
-                return Err(fs_err("write", notes.rel(&name))(e));
+                return Err(fs_err("write", format!("{NOTES}/{name}"))(e));
             }
         }
         *count += 1;
@@ -168,88 +177,48 @@ impl Store {
         }
     }
 
-    /// Syncs `file`, named blob `digest` in `blobs`, on a thread of its own, then drops
-    /// its note. A blob the disk would not take is removed: it may not hold what its name
-    /// says.
-    pub(super) fn sync_later(&self, digest: Digest, file: File, blobs: &Dir) -> Result<(), StoreError> {
-        let blobs = match blobs.try_clone() {
-            Ok(blobs) => blobs,
-            Err(e) => {
-                // The note stays: the next start syncs the blob.
-                self.synced_keeping_note(&digest);
-                return Err(fs_err("open", "blobs".to_owned())(e));
-            }
-        };
-        let store = self.clone();
-        let spawned = std::thread::Builder::new().name("corral-blob-sync".into()).spawn(move || {
-            let name = digest.file_name();
-            if let Err(e) = (store.unsynced.sync_data)(&file).and_then(|()| blobs.sync()) {
-                tracing::error!(blob = %digest, error = %e, "cannot sync a new blob to the disk; removing it");
-                if let Err(e) = blobs.remove_file(&name).and_then(|()| blobs.sync()) {
-                    if !vanished(&e) {
-                        // Its note stays, so the next start deals with it.
-                        tracing::error!(blob = %digest, error = %e, "cannot remove a blob that did not sync");
-                        store.synced_keeping_note(&digest);
-                        return;
-                    }
-                }
-            }
-            store.synced(&digest);
-        });
-        match spawned {
-            Ok(thread) => {
-                let mut threads = lock(&self.unsynced.threads);
-                threads.retain(|t| !t.is_finished());
-                threads.push(thread);
-                Ok(())
-            }
-            Err(e) => {
-                self.synced_keeping_note(&digest);
-                Err(StoreError::Io { context: "cannot start a thread to sync a new blob".to_owned(), source: e })
-            }
-        }
-    }
-
     /// Blob `digest`, noted, was not named after all.
     pub(super) fn forget_unsynced(&self, digest: &Digest) {
-        self.synced(digest);
+        self.unsynced.shared.done(digest, true);
     }
 
-    /// One sync of `digest` ended (or will not run): its note goes with the last.
-    fn synced(&self, digest: &Digest) {
-        let mut pending = lock(&self.unsynced.pending);
-        if Self::last_of(&mut pending, digest) {
-            let name = digest.file_name();
-            let removed = self.dir.dir(NOTES).and_then(|notes| {
-                notes.remove_file(&name)?;
-                notes.sync()
+    /// Queues the sync of blob `digest`, named and noted, for the store's syncer thread
+    /// (started on first use); where no thread can be started, syncs it now.
+    pub(super) fn sync_later(&self, digest: Digest) {
+        let mut jobs = lock(&self.unsynced.jobs);
+        if jobs.is_none() {
+            let (sender, queue) = std::sync::mpsc::channel();
+            let shared = Arc::clone(&self.unsynced.shared);
+            let spawned = std::thread::Builder::new().name("corral-blob-sync".into()).spawn(move || {
+                for job in queue {
+                    match job {
+                        Job::Sync(digest) => shared.sync(&digest),
+                        Job::Flush(done) => {
+                            let _ = done.send(());
+                        }
+                    }
+                }
             });
-            if let Err(e) = removed {
-                tracing::warn!(note = format!("{NOTES}/{name}"), error = %e, "cannot remove a synced blob's note");
+            match spawned {
+                Ok(_) => *jobs = Some(sender),
+                Err(e) => tracing::warn!(error = %e, "cannot start the thread that syncs new blobs; syncing here"),
             }
         }
-    }
-
-    /// One sync of `digest` ended without the blob on the disk: its note stays.
-    fn synced_keeping_note(&self, digest: &Digest) {
-        Self::last_of(&mut lock(&self.unsynced.pending), digest);
-    }
-
-    fn last_of(pending: &mut HashMap<Digest, usize>, digest: &Digest) -> bool {
-        let Some(count) = pending.get_mut(digest) else { return false };
-        *count -= 1;
-        if *count > 0 {
-            return false;
+        let queued = jobs.as_ref().is_some_and(|jobs| jobs.send(Job::Sync(digest)).is_ok());
+        drop(jobs);
+        if !queued {
+            self.unsynced.shared.sync(&digest);
         }
-        pending.remove(digest);
-        true
     }
 
-    /// Waits for every sync started so far (corrald before it exits).
+    /// Waits for every sync queued so far (corrald before it exits).
     pub fn wait_synced(&self) {
-        let threads = std::mem::take(&mut *lock(&self.unsynced.threads));
-        for thread in threads {
-            let _ = thread.join();
+        let jobs = lock(&self.unsynced.jobs).clone();
+        if let Some(jobs) = jobs {
+            let (done, flushed) = std::sync::mpsc::sync_channel(1);
+            if jobs.send(Job::Flush(done)).is_ok() {
+                let _ = flushed.recv();
+            }
         }
     }
 
@@ -289,7 +258,8 @@ impl Store {
         // The blobs are gone from the disk before their notes are.
         blobs.sync().map_err(io_err("cannot sync blobs/"))?;
         for digest in &recovered.removed {
-            notes.remove_file(&digest.file_name()).map_err(fs_err("remove", notes.rel(&digest.file_name())))?;
+            let name = digest.file_name();
+            notes.remove_file(&name).map_err(fs_err("remove", notes.rel(&name)))?;
         }
         for entry in debris {
             let removed =
@@ -300,18 +270,64 @@ impl Store {
         }
         notes.sync().map_err(io_err(format!("cannot sync {NOTES}/")))?;
         for digest in &recovered.resynced {
-            *lock(&self.unsynced.pending).entry(*digest).or_default() += 1;
-            match blobs.open(&digest.file_name()) {
-                Ok(file) => self.sync_later(*digest, file, &blobs)?,
-                // Removed since (or never named): nothing to sync.
-                Err(e) if vanished(&e) => self.synced(digest),
-                Err(e) => {
-                    self.synced_keeping_note(digest);
-                    return Err(fs_err("open", blobs.rel(&digest.file_name()))(e));
-                }
-            }
+            *lock(&self.unsynced.shared.pending).entry(*digest).or_default() += 1;
+            self.sync_later(*digest);
         }
         Ok(recovered)
+    }
+}
+
+impl Shared {
+    /// Syncs blob `digest` and its name, then drops its note. A blob the disk would not
+    /// take is removed: it may not hold what its name says.
+    fn sync(&self, digest: &Digest) {
+        let name = digest.file_name();
+        let synced = self.root.dir("blobs").and_then(|blobs| {
+            match blobs.open(&name) {
+                Ok(file) => (self.sync_data)(&file)?,
+                // Removed since: nothing to sync.
+                Err(e) if vanished(&e) => {}
+                Err(e) => return Err(e),
+            }
+            blobs.sync().map(|()| blobs)
+        });
+        let mut note_goes = true;
+        if let Err(e) = synced {
+            tracing::error!(blob = %digest, error = %e, "cannot sync a new blob to the disk; removing it");
+            let removed = self.root.dir("blobs").and_then(|blobs| match blobs.remove_file(&name) {
+                Err(e) if !vanished(&e) => Err(e),
+                _ => blobs.sync(),
+            });
+            if let Err(e) = removed {
+                // Its note stays, so the next start deals with it.
+                tracing::error!(blob = %digest, error = %e, "cannot remove a blob that did not sync");
+                note_goes = false;
+            }
+        }
+        self.done(digest, note_goes);
+    }
+
+    /// One sync of `digest` ended (or will not run); the last one's note goes, unless
+    /// `note_goes` is false (the blob is neither synced nor removed).
+    fn done(&self, digest: &Digest, note_goes: bool) {
+        let mut pending = lock(&self.pending);
+        let Some(count) = pending.get_mut(digest) else { return };
+        *count -= 1;
+        if *count > 0 {
+            return;
+        }
+        pending.remove(digest);
+        if !note_goes {
+            return;
+        }
+        let name = digest.file_name();
+        let removed = self.root.dir(NOTES).and_then(|notes| {
+            notes.remove_file(&name)?;
+            notes.sync()
+        });
+        if let Err(e) = removed {
+            tracing::warn!(note = format!("{NOTES}/{name}"), error = %e, "cannot remove a synced blob's note");
+        }
     }
 }
 
@@ -334,8 +350,10 @@ impl Store {
         boot_id: &str,
         sync_data: impl Fn(&File) -> io::Result<()> + Send + Sync + 'static,
     ) -> Self {
-        let mut unsynced = Unsynced::new(false, Some(boot_id.to_owned()));
-        unsynced.sync_data = Arc::new(sync_data);
+        let mut unsynced = Unsynced::new(Arc::clone(&self.dir));
+        (unsynced.before_reply, unsynced.boot_id) = (false, Some(boot_id.to_owned()));
+        unsynced.shared =
+            Arc::new(Shared { root: Arc::clone(&self.dir), pending: Mutex::default(), sync_data: Arc::new(sync_data) });
         self.unsynced = Arc::new(unsynced);
         self
     }

@@ -365,15 +365,16 @@ async fn concurrent_api_copies_deletes_and_listings_answer_no_false_500() {
     }
 }
 
-/// corrald on the store in `dir` (`[store]` keys `store_extra` added), once it is ready.
-fn ready_on_store(dir: &Path, store_extra: &str) -> Corrald {
+/// corrald on the store in `dir` (`[store]` keys `store_extra` added), once it is ready,
+/// and its port.
+fn ready_on_store(dir: &Path, store_extra: &str) -> (Corrald, u16) {
+    let port = crate::support::corrald::free_port();
     let config = write_config(
         dir,
         "corral.toml",
         &format!(
-            "[server]\nlisten = [\"127.0.0.1:{}\"]\n[store]\npath = \"{}\"\n{store_extra}[runner]\n\
+            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = \"{}\"\n{store_extra}[runner]\n\
              llama_server = \"{}\"\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n",
-            crate::support::corrald::free_port(),
             dir.join("models").display(),
             llama::bin_dir().join("llama-server").display(),
         ),
@@ -381,7 +382,7 @@ fn ready_on_store(dir: &Path, store_extra: &str) -> Corrald {
     let notify = NotifyListener::start();
     let corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
     notify.wait_for("READY", "1", DEADLINE);
-    corrald
+    (corrald, port)
 }
 
 #[test]
@@ -394,7 +395,7 @@ fn corrald_collects_garbage_at_start_and_logs_it() {
     fs::write(&partial, b"half").expect("partial");
     let (chat, _, _) = store.manifest(&name("chat")).expect("chat");
     drop(store);
-    let corrald = ready_on_store(dir.path(), "gc_grace = \"0s\"\n");
+    let (corrald, _) = ready_on_store(dir.path(), "gc_grace = \"0s\"\n");
     corrald.wait_stderr("garbage collection removed 1 unused blobs, 1 stale partial downloads", DEADLINE);
     assert!(corrald.stderr().contains("corral_event=\"gc\""), "{}", corrald.stderr());
     let blobs = dir.path().join("models/blobs");
@@ -413,10 +414,77 @@ fn corrald_removes_interrupted_writes_at_the_top_before_ready_and_below_it_after
     drop(store);
     fs::write(&top, b"half").expect("debris");
     fs::write(&nested, b"half").expect("debris");
-    let corrald = ready_on_store(dir.path(), "");
+    let (corrald, _) = ready_on_store(dir.path(), "");
     assert!(!top.exists(), "a write's temporary file is gone by READY=1");
     poll_until(DEADLINE, "the temporary file below a model's directory to go", || {
         if nested.exists() { Err(corrald.stderr()) } else { Ok(()) }
     });
     corrald.wait_stderr("removing a temporary file left by an interrupted write", DEADLINE);
+}
+
+/// What is left in the store's `unsynced/` (nothing if it is not there).
+fn notes_left(dir: &Path) -> Vec<String> {
+    fs::read_dir(dir.join("models/unsynced"))
+        .map(|d| d.map(|e| e.expect("entry").file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default()
+}
+
+/// Before `READY=1`, corrald deals with the notes of blobs an earlier run named and did
+/// not sync: a note from an earlier boot (the machine stopped first) removes its blob, one
+/// from this boot (only corrald stopped; the page cache holds the bytes) gets its blob
+/// synced and kept.
+#[test]
+fn corrald_removes_or_syncs_the_blobs_an_earlier_run_left_unsynced() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = demo_store(dir.path());
+    let (earlier, _) = store.write_blob(&b"named by a boot that ended before its sync"[..], None).expect("blob");
+    let (this, _) = store.write_blob(&b"named by this boot; corrald stopped first"[..], None).expect("blob");
+    drop(store);
+    let notes = dir.path().join("models/unsynced");
+    fs::create_dir(&notes).expect("notes");
+    let boot_id = fs::read_to_string("/proc/sys/kernel/random/boot_id").expect("this boot's id");
+    fs::write(notes.join(earlier.file_name()), "00000000-0000-0000-0000-000000000000\n").expect("note");
+    fs::write(notes.join(this.file_name()), boot_id).expect("note");
+    let (corrald, port) = ready_on_store(dir.path(), "");
+    let blobs = dir.path().join("models/blobs");
+    assert!(!blobs.join(earlier.file_name()).exists(), "removed by READY=1");
+    assert!(blobs.join(this.file_name()).is_file(), "kept");
+    let head = |digest: &Digest| {
+        let path = format!("/api/blobs/{digest}");
+        crate::support::http::tcp(([127, 0, 0, 1], port).into(), "HEAD", &path).status
+    };
+    assert_eq!((head(&earlier), head(&this)), (404, 200), "{}", corrald.stderr());
+    poll_until(DEADLINE, "the notes to go", || {
+        let left = notes_left(dir.path());
+        if left.is_empty() { Ok(()) } else { Err(format!("{left:?}")) }
+    });
+    corrald.wait_stderr("the machine stopped before a new blob reached the disk", DEADLINE);
+    let stderr = corrald.stderr();
+    assert!(stderr.contains("removed=1") && stderr.contains("resynced=1"), "{stderr}");
+}
+
+/// A blob uploaded just before corrald is told to stop is on the disk when it exits:
+/// the stop waits for the syncs still running, so no note outlives a clean stop.
+#[test]
+fn a_clean_stop_waits_for_new_blobs_to_sync() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    drop(demo_store(dir.path()));
+    let (mut corrald, port) = ready_on_store(dir.path(), "");
+    let data: Vec<u8> = (0..64u32 << 20).map(|i| (i % 251) as u8).collect();
+    let digest = Digest::of(&data);
+    let file = dir.path().join("upload");
+    fs::write(&file, &data).expect("upload file");
+    let url = format!("http://127.0.0.1:{port}/api/blobs/{digest}");
+    let uploaded = std::process::Command::new("curl")
+        .args(["-sS", "-f", "-o", "/dev/null", "-w", "%{http_code}", "-T"])
+        .arg(&file)
+        .args(["-X", "POST", &url])
+        .output()
+        .expect("run curl");
+    assert_eq!(String::from_utf8_lossy(&uploaded.stdout), "201", "{}", String::from_utf8_lossy(&uploaded.stderr));
+    corrald.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(corrald.wait_exit(DEADLINE).success(), "{}", corrald.stderr());
+    assert_eq!(notes_left(dir.path()), Vec::<String>::new(), "a note outlived the stop");
+    let blob = dir.path().join("models/blobs").join(digest.file_name());
+    assert_eq!(Digest::of(&fs::read(blob).expect("the blob")), digest);
 }

@@ -219,7 +219,7 @@ impl Partial {
             data_name,
             record_name,
             data_path,
-            writeback: Mutex::new(Writeback::new(&file)),
+            writeback: Mutex::new(if store.syncs_before_reply() { Writeback::new(&file) } else { Writeback::off() }),
             file,
             direct_now: AtomicBool::new(direct.is_some()),
             direct,
@@ -448,29 +448,24 @@ impl Partial {
         }
         let mut finished = lock(&self.finished);
         *finished = true;
-        let file = if before_reply {
-            None
-        } else {
-            let file = self.file.try_clone().map_err(|e| RegistryError::io(format!("cannot open {}", self.what), e))?;
+        if !before_reply {
             self.store.note_unsynced(&self.digest)?;
-            Some(file)
-        };
+        }
         let blob = self.digest.file_name();
         if let Err(e) = self.blobs.rename(&self.data_name, &self.blobs, &blob) {
-            if file.is_some() {
+            if !before_reply {
                 self.store.forget_unsynced(&self.digest);
             }
             let place = self.store.blob_path(&self.digest);
             return Err(RegistryError::io(format!("cannot move the download into place as {}", place.display()), e));
         }
         let _ = self.blobs.remove_file(&self.record_name);
-        match file {
-            Some(file) => Ok(self.store.sync_later(self.digest, file, &self.blobs)?),
-            None => self
-                .blobs
-                .sync()
-                .map_err(|e| RegistryError::io(format!("cannot sync {}", self.store.blobs_dir().display()), e)),
+        if before_reply {
+            let sync_error = |e| RegistryError::io(format!("cannot sync {}", self.store.blobs_dir().display()), e);
+            return self.blobs.sync().map_err(sync_error);
         }
+        self.store.sync_later(self.digest);
+        Ok(())
     }
 
     /// Deletes the data file and the record (or links of those names: never what they point to).
