@@ -188,9 +188,9 @@ pub struct StoreConfig {
     /// disk, which costs more than it saves where the disk is the slower part: a transfer
     /// then goes on through the page cache (`store::stream::DirectPace`).
     pub direct_io: bool,
-    /// Sync each new blob (upload, create, pull) before the request that made it answers,
-    /// instead of after, in the background (`store::unsynced`: a note on the disk lets the
-    /// next start remove a blob the machine stopped before syncing).
+    /// Sync each new blob (upload, create, pull) before the request that made it answers;
+    /// `false`: after, in the background (`store::unsynced`: a note on the disk lets the
+    /// next start remove a blob the machine stopped before syncing), for a disk slow to sync.
     pub sync_before_reply: bool,
 }
 
@@ -203,7 +203,7 @@ impl Default for StoreConfig {
             gc_interval: Some(Duration::from_secs(3600)),
             gc_grace: Duration::from_secs(3600),
             direct_io: true,
-            sync_before_reply: false,
+            sync_before_reply: true,
         }
     }
 }
@@ -886,7 +886,7 @@ mod tests {
         assert_eq!(c.server.store_changes, StoreChanges::Any, "Ollama's: anyone who reaches the port");
         assert_eq!(c.store.gc_interval, Some(Duration::from_secs(3600)));
         assert_eq!(c.store.gc_grace, Duration::from_secs(3600));
-        assert!(c.store.direct_io && !c.store.sync_before_reply, "direct I/O, blobs synced after the reply");
+        assert!(c.store.direct_io && c.store.sync_before_reply, "direct I/O, blobs synced before the reply");
     }
 
     #[test]
@@ -921,7 +921,7 @@ insecure_registries = ["localhost:5000"]
 gc_interval = "off"
 gc_grace = "10m"
 direct_io = false
-sync_before_reply = true
+sync_before_reply = false
 [runner]
 llama_server = "/opt/llama/bin/llama-server"
 llama_fit_params = "/opt/llama/bin/llama-fit-params"
@@ -964,7 +964,7 @@ keep_alive = "10m"
         assert_eq!(c.store.insecure_registries, ["localhost:5000"]);
         assert_eq!((c.store.gc_interval, c.store.gc_grace), (None, Duration::from_secs(600)));
         assert!(!c.store.direct_io);
-        assert!(c.store.sync_before_reply);
+        assert!(!c.store.sync_before_reply);
         assert_eq!(c.runner.llama_server, Path::new("/opt/llama/bin/llama-server"));
         assert_eq!(c.runner.stream_idle_timeout, Duration::from_secs(90));
         assert_eq!(c.runner.llama_fit_params.as_deref(), Some(Path::new("/opt/llama/bin/llama-fit-params")));

@@ -1,9 +1,9 @@
-//! New blobs synced after the reply (`[store] sync_before_reply = false`, the default).
+//! New blobs synced after the reply (`[store] sync_before_reply = false`).
 //!
 //! A written and checked blob is named in `blobs/` at once and synced to the disk by a
 //! thread of its own, so an upload, a create or a pull answers when its bytes are in the
-//! page cache, as `curl -o` or `cp` would, instead of waiting for the disk (which, in an
-//! hour when the disk is slow, took longer than the transfer itself: docs/benchmarks.md).
+//! page cache, as `curl -o` or `cp` would, instead of waiting for the disk: for a disk
+//! slow to sync (on this project's VM, with a quick one, it saves nothing: docs/benchmarks.md).
 //!
 //! What makes that safe is a note, `unsynced/sha256-<hex>`, holding this boot's id
 //! (`/proc/sys/kernel/random/boot_id`). It is on the disk before the blob is named, and
@@ -16,8 +16,8 @@
 //!   may hold less than its name says. It is removed; a model naming it is then missing
 //!   a blob (its load says so), and pulling or creating it again brings the blob back.
 //!
-//! Without a boot id (no `/proc`), or with `sync_before_reply = true`, a blob is synced
-//! before it is named, as `containerd` does.
+//! Without a boot id (no `/proc`), or with `sync_before_reply = true` (the default), a
+//! blob is synced before it is named, as `containerd` does.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -118,6 +118,11 @@ impl Store {
     /// Whether new blobs are synced before the write that made them answers.
     pub(super) fn syncs_before_reply(&self) -> bool {
         !self.unsynced.in_background()
+    }
+
+    /// This boot's id, where it is known (whichever way blobs are synced).
+    pub(super) fn boot_id(&self) -> Option<&str> {
+        self.unsynced.boot_id.as_deref()
     }
 
     /// Names the written and checked `temp` blob `digest` in `blobs`: synced first, or

@@ -469,7 +469,7 @@ fn corrald_removes_or_syncs_the_blobs_an_earlier_run_left_unsynced() {
 fn a_clean_stop_waits_for_new_blobs_to_sync() {
     let dir = tempfile::tempdir().expect("tempdir");
     drop(demo_store(dir.path()));
-    let (mut corrald, port) = ready_on_store(dir.path(), "");
+    let (mut corrald, port) = ready_on_store(dir.path(), "sync_before_reply = false\n");
     let data: Vec<u8> = (0..64u32 << 20).map(|i| (i % 251) as u8).collect();
     let digest = Digest::of(&data);
     let file = dir.path().join("upload");

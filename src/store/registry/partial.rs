@@ -108,6 +108,10 @@ struct Record {
     size: u64,
     /// Byte ranges `[start, end)` of the data file that hold the blob's data.
     done: Vec<(u64, u64)>,
+    /// The boot whose page cache holds those ranges, when they were not synced before the
+    /// record was written (blobs synced after the reply): only that boot resumes from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    unsynced_boot: Option<String>,
 }
 
 /// A blob being downloaded: its data file and the record of what is in it.
@@ -184,7 +188,7 @@ impl Partial {
         let data_name = format!("{}-partial", layer.digest.file_name());
         let record_name = format!("{}-partial.json", layer.digest.file_name());
         let data_path = store.blobs_dir().join(&data_name);
-        let resumed = Self::resumable(&blobs, &data_name, &record_name, layer)?;
+        let resumed = Self::resumable(&blobs, &data_name, &record_name, layer, store.boot_id())?;
         let (file, done) = if let Some((file, done)) = resumed {
             (file, done)
         } else {
@@ -234,13 +238,15 @@ impl Partial {
         })
     }
 
-    /// The data file and the ranges a valid record describes, if there are both. A link
-    /// in place of either is refused.
+    /// The data file and the ranges a valid record describes, if there are both, and the
+    /// ranges are on the disk or in this boot's page cache (`boot_id`). A link in place of
+    /// either is refused.
     fn resumable(
         blobs: &Dir,
         data_name: &str,
         record_name: &str,
         layer: &Layer,
+        boot_id: Option<&str>,
     ) -> Result<Option<(File, Ranges)>, RegistryError> {
         let refusal = |name: &str, e: io::Error| refused_or(blobs, name, e, |e| RegistryError::io("", e));
         let record = match blobs.open(record_name) {
@@ -254,6 +260,11 @@ impl Partial {
         }
         let Ok(record) = serde_json::from_slice::<Record>(&bytes) else { return Ok(None) };
         if record.digest != layer.digest || record.size != layer.size {
+            return Ok(None);
+        }
+        // Written after a boot that did not sync the data: the machine stopped since, so
+        // the data file may hold less than the record says.
+        if record.unsynced_boot.is_some_and(|boot| boot_id != Some(boot.as_str())) {
             return Ok(None);
         }
         let file = match blobs.open_rw(data_name, false, false) {
@@ -394,8 +405,11 @@ impl Partial {
         }
     }
 
-    /// Records on disk which ranges are written: the data first synced, then the record
-    /// replaced atomically, so it never claims data that a crash could lose.
+    /// Records on disk which ranges are written, the record replaced atomically. Where
+    /// blobs are synced before the reply, the data is synced first and then the record, so
+    /// it never claims data that a crash could lose. Where they are synced after, neither
+    /// is (a sync would make the download wait for the disk): the record names this boot,
+    /// and a later boot does not resume from it.
     pub(super) fn checkpoint(&self) -> Result<(), RegistryError> {
         let finished = lock(&self.finished);
         if *finished || !self.dirty.swap(false, Ordering::SeqCst) {
@@ -413,11 +427,18 @@ impl Partial {
     fn write_record(&self, done: &Ranges) -> Result<(), RegistryError> {
         let record_path = self.data_path.with_file_name(&self.record_name);
         let fail = |e: io::Error| Self::write_error(&record_path, &self.what, self.size, e);
-        self.file.sync_data().map_err(fail)?;
-        let record = Record { digest: self.digest, size: self.size, done: done.0.clone() };
+        let synced = self.store.syncs_before_reply();
+        if synced {
+            self.file.sync_data().map_err(fail)?;
+        }
+        let unsynced_boot = if synced { None } else { self.store.boot_id().map(str::to_owned) };
+        let record = Record { digest: self.digest, size: self.size, done: done.0.clone(), unsynced_boot };
         let mut temp = self.store.temp_in(&self.blobs)?;
         let json = serde_json::to_vec(&record).expect("a record always serializes");
-        temp.write_all(&json).and_then(|()| temp.as_file().sync_all()).map_err(fail)?;
+        temp.write_all(&json).map_err(fail)?;
+        if synced {
+            temp.as_file().sync_all().map_err(fail)?;
+        }
         temp.place(&self.blobs, &self.record_name)?;
         Ok(())
     }
@@ -565,6 +586,39 @@ mod tests {
             let next = partial.write_direct(batches * PIPELINE_BATCH as u64, batch.data()).expect("write");
             assert_eq!(next, !slow_disk, "{seed}: the next batch goes direct only while the disk keeps up");
         }
+    }
+
+    /// A download's progress, recorded while blobs are synced after the reply, is resumed
+    /// in the same boot only: its data was not synced, so after a restart of the machine
+    /// the download starts again. Progress recorded with the data synced resumes anywhere.
+    #[test]
+    fn unsynced_progress_is_resumed_in_the_same_boot_only() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path()).expect("store");
+        let after_reply = |boot: &str| store.clone().with_background_syncs_by(boot, std::fs::File::sync_data);
+        let data = vec![9u8; 2 << 20];
+        let layer = Layer { media_type: "x".into(), digest: Digest::of(&data), size: data.len() as u64, from: None };
+        let half = data.len() as u64 / 2;
+        let open = |store: Store| Partial::open(store, &layer, "registry.example".into(), "x".into()).expect("open");
+        let record = dir.path().join("blobs").join(format!("{}-partial.json", layer.digest.file_name()));
+
+        let partial = open(after_reply("boot-a"));
+        partial.write_at(0, &data[..data.len() / 2]).expect("write");
+        partial.checkpoint().expect("checkpoint");
+        drop(partial);
+        let text = std::fs::read_to_string(&record).expect("record");
+        assert!(text.contains(r#""unsynced_boot":"boot-a""#), "{text}");
+        assert_eq!(open(after_reply("boot-a")).completed(), half, "the same boot resumes");
+        assert_eq!(open(after_reply("boot-b")).completed(), 0, "a later boot starts again");
+
+        let synced = store.clone().with_blob_syncs(true, Some("boot-b".into()));
+        let partial = open(synced.clone());
+        partial.write_at(0, &data[..data.len() / 2]).expect("write");
+        partial.checkpoint().expect("checkpoint");
+        drop(partial);
+        let text = std::fs::read_to_string(&record).expect("record");
+        assert!(!text.contains("unsynced_boot"), "{text}");
+        assert_eq!(open(after_reply("boot-c")).completed(), half, "synced progress resumes in any boot");
     }
 
     /// A finished download, with blobs synced after the reply: the blob is named with its
