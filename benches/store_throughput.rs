@@ -23,6 +23,12 @@
 //! `CORRAL_BENCH_SIZES_MIB` sets the sizes (default `256,1024`), `CORRAL_BENCH_ROUNDS` the
 //! rounds (default 3), `CORRAL_BENCH_CORRALD` another corrald binary to measure.
 //!
+//! On a VM whose balloon device reports free pages to its host, page cache that a removed
+//! file freed goes back to the host and every later write through the page cache fetches
+//! it again: such writes swing 2-3x from round to round, and the run says so first. Turn
+//! reporting off for the run (`echo 11 > /sys/module/page_reporting/parameters/page_reporting_order`,
+//! above the largest order; 9 again afterwards) to compare builds.
+//!
 //! Run with `cargo bench --bench store_throughput` (needs `curl` and `docker-registry`).
 
 #![allow(clippy::print_stdout, reason = "a benchmark reports on stdout")]
@@ -275,6 +281,16 @@ fn remove(path: &Path) {
     let _ = fs::remove_file(path);
 }
 
+/// The order of the free memory blocks the guest reports to its host (a balloon device's
+/// free page reporting), when it reports any: blocks above the largest order never are.
+fn free_page_reporting() -> Option<u32> {
+    let parameters = Path::new("/sys/module/page_reporting/parameters");
+    let reported: u64 = fs::read_to_string(parameters.join("reported_kib")).ok()?.trim().parse().ok()?;
+    let order: u32 = fs::read_to_string(parameters.join("page_reporting_order")).ok()?.trim().parse().ok()?;
+    // 10 is the largest order of x86-64's and arm64's default configurations.
+    (reported > 0 && order <= 10).then_some(order)
+}
+
 /// Removes `paths`, then syncs every file system.
 fn settle(paths: &[&Path]) {
     for path in paths {
@@ -310,6 +326,13 @@ fn main() {
         "SHA-256 (the store's hasher) on 256 MiB in memory: {:.0} MB/s; CPU sha_ni: {sha_ni}",
         268.435_456 / hash_s
     );
+
+    if let Some(order) = free_page_reporting() {
+        println!(
+            "free page reporting is on (order {order}): freed page cache goes back to the host and comes \
+             back slowly, so writes through the page cache swing 2-3x (docs/benchmarks.md, session 24)"
+        );
+    }
 
     let (mut registry, host) = start_registry(dir);
     let (mut daemon, base) = start_corrald(dir, &host);
