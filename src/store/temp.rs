@@ -31,7 +31,8 @@ pub struct TempFile {
     written: u64,
     /// Sends what [`TempFile::write_batch`] wrote to disk as it goes.
     writeback: Option<Writeback>,
-    /// Whether to (blobs synced before the reply), or leave the pages to the kernel.
+    /// Whether the write-back starts as the file is written (blobs synced before the
+    /// reply), or the pages are left to the kernel until the blob's sync.
     sync_while_writing: bool,
     /// Whether the file is open for direct I/O ([`TempFile::direct`]).
     direct: bool,
