@@ -183,7 +183,7 @@ impl Store {
         let dir = Arc::new(dir);
         Ok(Self {
             root: root.to_owned(),
-            unsynced: Arc::new(unsynced::Unsynced::new(Arc::clone(&dir))),
+            unsynced: Arc::new(unsynced::Unsynced::new(Arc::clone(&dir), true, None, Arc::new(fs::File::sync_data))),
             dir,
             pins: Arc::default(),
             temps: Arc::default(),

@@ -101,12 +101,17 @@ impl Writeback {
         Self { file: file.try_clone().ok(), since: 0, kick: None, thread: None, error: Arc::default() }
     }
 
-    /// One that never syncs: for a blob synced after the reply (`store::unsynced`), whose
-    /// pages are better left to the kernel until then. Syncs while it is written would
-    /// make the note's sync, just before the blob is named, wait for them.
+    /// One for `file` where `on`, else one that never syncs: for a blob synced after the
+    /// reply (`store::unsynced`), whose pages are better left to the kernel until then.
+    /// Syncs while it is written would make the note's sync, just before the blob is
+    /// named, wait for them.
     #[must_use]
-    pub fn off() -> Self {
-        Self { file: None, since: 0, kick: None, thread: None, error: Arc::default() }
+    pub fn new_if(on: bool, file: &File) -> Self {
+        if on {
+            Self::new(file)
+        } else {
+            Self { file: None, since: 0, kick: None, thread: None, error: Arc::default() }
+        }
     }
 
     /// Counts `n` bytes written; starts a background sync each step.

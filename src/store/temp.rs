@@ -137,11 +137,8 @@ impl TempFile {
     /// Moves past `n` bytes just written, and counts them for the write-back.
     fn wrote(&mut self, n: usize) {
         self.written += n as u64;
-        let file = &self.file;
-        let sync_while_writing = self.sync_while_writing;
-        self.writeback
-            .get_or_insert_with(|| if sync_while_writing { Writeback::new(file) } else { Writeback::off() })
-            .wrote(n);
+        let (file, on) = (&self.file, self.sync_while_writing);
+        self.writeback.get_or_insert_with(|| Writeback::new_if(on, file)).wrote(n);
     }
 
     /// Syncs the file: what is written is on disk.

@@ -39,7 +39,7 @@ const NOTES: &str = "unsynced";
 const MAX_NOTE_BYTES: u64 = 64;
 
 /// How a blob's data is made durable (the test hook: a disk that is slow or fails).
-type SyncData = Arc<dyn Fn(&File) -> io::Result<()> + Send + Sync>;
+pub(super) type SyncData = Arc<dyn Fn(&File) -> io::Result<()> + Send + Sync>;
 
 /// When new blobs reach the disk, and the syncs still to do.
 pub(super) struct Unsynced {
@@ -82,10 +82,10 @@ impl std::fmt::Debug for Unsynced {
 }
 
 impl Unsynced {
-    /// For the store whose root is `root`: synced before the reply.
-    pub(super) fn new(root: Arc<Dir>) -> Self {
-        let shared = Shared { root, pending: Mutex::default(), sync_data: Arc::new(File::sync_data) };
-        Self { boot_id: None, before_reply: true, shared: Arc::new(shared), jobs: Mutex::default() }
+    /// For the store whose root is `root`, its blobs' data made durable by `sync_data`.
+    pub(super) fn new(root: Arc<Dir>, before_reply: bool, boot_id: Option<String>, sync_data: SyncData) -> Self {
+        let shared = Shared { root, pending: Mutex::default(), sync_data };
+        Self { boot_id, before_reply, shared: Arc::new(shared), jobs: Mutex::default() }
     }
 
     /// Whether new blobs are named before they are synced (which needs the boot's id).
@@ -109,9 +109,8 @@ impl Store {
     /// known. A new store syncs before the reply.
     #[must_use]
     pub fn with_blob_syncs(mut self, before_reply: bool, boot_id: Option<String>) -> Self {
-        let mut unsynced = Unsynced::new(Arc::clone(&self.dir));
-        (unsynced.before_reply, unsynced.boot_id) = (before_reply, boot_id);
-        self.unsynced = Arc::new(unsynced);
+        let sync_data = Arc::clone(&self.unsynced.shared.sync_data);
+        self.unsynced = Arc::new(Unsynced::new(Arc::clone(&self.dir), before_reply, boot_id, sync_data));
         self
     }
 
@@ -125,18 +124,32 @@ impl Store {
         self.unsynced.boot_id.as_deref()
     }
 
-    /// Names the written and checked `temp` blob `digest` in `blobs`: synced first, or
-    /// synced in the background once the blob's note is on the disk.
+    /// Names the written and checked `temp` blob `digest` in `blobs` ([`Store::name_new_blob`]).
     pub(super) fn name_blob(&self, mut temp: TempFile, blobs: &Dir, digest: &Digest) -> Result<(), StoreError> {
-        let name = digest.file_name();
+        self.name_new_blob(digest, blobs, |sync_first| {
+            if sync_first {
+                temp.sync().map_err(io_err(format!("cannot sync {}", temp.rel())))?;
+            }
+            temp.place(blobs, &digest.file_name())
+        })
+    }
+
+    /// Names new blob `digest` in `blobs` with `place`, told whether to sync the data
+    /// first: synced before the reply, `blobs/` is synced after; else the blob's note is
+    /// on the disk before `place` runs, and the sync is queued after it.
+    pub(super) fn name_new_blob<E: From<StoreError>>(
+        &self,
+        digest: &Digest,
+        blobs: &Dir,
+        place: impl FnOnce(bool) -> Result<(), E>,
+    ) -> Result<(), E> {
         if self.syncs_before_reply() {
-            temp.sync().map_err(io_err(format!("cannot sync {}", temp.rel())))?;
-            temp.place(blobs, &name)?;
-            return blobs.sync().map_err(io_err("cannot sync blobs/"));
+            place(true)?;
+            return Ok(blobs.sync().map_err(io_err("cannot sync blobs/"))?);
         }
         self.note_unsynced(digest)?;
-        if let Err(e) = temp.place(blobs, &name) {
-            self.forget_unsynced(digest);
+        if let Err(e) = place(false) {
+            self.unsynced.shared.done(digest, true);
             return Err(e);
         }
         self.sync_later(*digest);
@@ -144,7 +157,7 @@ impl Store {
     }
 
     /// Puts on the disk, before blob `digest` is named, that it is not synced yet.
-    pub(super) fn note_unsynced(&self, digest: &Digest) -> Result<(), StoreError> {
+    fn note_unsynced(&self, digest: &Digest) -> Result<(), StoreError> {
         let boot_id = self.unsynced.boot_id.as_deref().unwrap_or_default();
         let mut pending = lock(&self.unsynced.shared.pending);
         let count = pending.entry(*digest).or_default();
@@ -182,14 +195,9 @@ impl Store {
         }
     }
 
-    /// Blob `digest`, noted, was not named after all.
-    pub(super) fn forget_unsynced(&self, digest: &Digest) {
-        self.unsynced.shared.done(digest, true);
-    }
-
     /// Queues the sync of blob `digest`, named and noted, for the store's syncer thread
     /// (started on first use); where no thread can be started, syncs it now.
-    pub(super) fn sync_later(&self, digest: Digest) {
+    fn sync_later(&self, digest: Digest) {
         let mut jobs = lock(&self.unsynced.jobs);
         if jobs.is_none() {
             let (sender, queue) = std::sync::mpsc::channel();
@@ -355,10 +363,7 @@ impl Store {
         boot_id: &str,
         sync_data: impl Fn(&File) -> io::Result<()> + Send + Sync + 'static,
     ) -> Self {
-        let mut unsynced = Unsynced::new(Arc::clone(&self.dir));
-        (unsynced.before_reply, unsynced.boot_id) = (false, Some(boot_id.to_owned()));
-        unsynced.shared =
-            Arc::new(Shared { root: Arc::clone(&self.dir), pending: Mutex::default(), sync_data: Arc::new(sync_data) });
+        let unsynced = Unsynced::new(Arc::clone(&self.dir), false, Some(boot_id.to_owned()), Arc::new(sync_data));
         self.unsynced = Arc::new(unsynced);
         self
     }
@@ -481,6 +486,27 @@ mod tests {
         assert_eq!(fs::read(store.blob_path(&this)).expect("kept"), b"this boot");
         assert_eq!(fs::read(store.blob_path(&kept)).expect("not followed"), b"kept");
         assert_eq!(store.recover_unsynced().expect("again"), Recovered::default(), "nothing left");
+    }
+
+    /// A link planted as `unsynced` itself is never followed: the start's recovery and a
+    /// new blob's note are refused, naming it, and what the link points to stays as it was.
+    #[test]
+    fn a_link_planted_as_the_notes_directory_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let outside = tempfile::tempdir().expect("outside");
+        let digest = Digest::of(b"a note's victim");
+        fs::write(outside.path().join(digest.file_name()), "boot-0\n").expect("outside file");
+        let store = Store::open(dir.path()).expect("store").with_background_syncs_by("boot-a", fs::File::sync_data);
+        symlink(outside.path(), dir.path().join(NOTES)).expect("link");
+        let refused = store.recover_unsynced().expect_err("a link is not the notes directory");
+        assert!(refused.to_string().contains(NOTES), "{refused}");
+        let refused = store.write_blob(&b"new"[..], None).expect_err("no note, so no blob");
+        assert!(refused.to_string().contains(NOTES), "{refused}");
+        assert!(!store.has_blob(&Digest::of(b"new")), "not named without its note");
+        let left: Vec<_> =
+            fs::read_dir(outside.path()).expect("outside").map(|e| e.expect("entry").file_name()).collect();
+        assert_eq!(left, [std::ffi::OsString::from(digest.file_name())], "untouched");
+        assert_eq!(fs::read_to_string(outside.path().join(digest.file_name())).expect("outside file"), "boot-0\n");
     }
 
     /// A store never written in the background has nothing to recover.

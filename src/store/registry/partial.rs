@@ -223,7 +223,7 @@ impl Partial {
             data_name,
             record_name,
             data_path,
-            writeback: Mutex::new(if store.syncs_before_reply() { Writeback::new(&file) } else { Writeback::off() }),
+            writeback: Mutex::new(Writeback::new_if(store.syncs_before_reply(), &file)),
             file,
             direct_now: AtomicBool::new(direct.is_some()),
             direct,
@@ -452,12 +452,6 @@ impl Partial {
                 detail: format!("{}: only {completed} of {} bytes arrived", self.what, self.size),
             });
         }
-        let before_reply = self.store.syncs_before_reply();
-        if before_reply {
-            let sync_error = |e| Self::write_error(&self.data_path, &self.what, self.size, e);
-            lock(&self.writeback).finish().map_err(sync_error)?;
-            self.file.sync_all().map_err(sync_error)?;
-        }
         // What the hash has not reached yet is read back through the file this download
         // wrote, not by its name.
         let mut hashed = lock(&self.hashed);
@@ -468,25 +462,20 @@ impl Partial {
             return Err(RegistryError::DigestMismatch { registry: self.registry.clone(), digest: self.digest, actual });
         }
         let mut finished = lock(&self.finished);
-        *finished = true;
-        if !before_reply {
-            self.store.note_unsynced(&self.digest)?;
-        }
-        let blob = self.digest.file_name();
-        if let Err(e) = self.blobs.rename(&self.data_name, &self.blobs, &blob) {
-            if !before_reply {
-                self.store.forget_unsynced(&self.digest);
+        self.store.name_new_blob(&self.digest, &self.blobs, |sync_first| {
+            if sync_first {
+                let sync_error = |e| Self::write_error(&self.data_path, &self.what, self.size, e);
+                lock(&self.writeback).finish().map_err(sync_error)?;
+                self.file.sync_all().map_err(sync_error)?;
             }
-            let place = self.store.blob_path(&self.digest);
-            return Err(RegistryError::io(format!("cannot move the download into place as {}", place.display()), e));
-        }
-        let _ = self.blobs.remove_file(&self.record_name);
-        if before_reply {
-            let sync_error = |e| RegistryError::io(format!("cannot sync {}", self.store.blobs_dir().display()), e);
-            return self.blobs.sync().map_err(sync_error);
-        }
-        self.store.sync_later(self.digest);
-        Ok(())
+            *finished = true;
+            self.blobs.rename(&self.data_name, &self.blobs, &self.digest.file_name()).map_err(|e| {
+                let place = self.store.blob_path(&self.digest);
+                RegistryError::io(format!("cannot move the download into place as {}", place.display()), e)
+            })?;
+            let _ = self.blobs.remove_file(&self.record_name);
+            Ok(())
+        })
     }
 
     /// Deletes the data file and the record (or links of those names: never what they point to).
