@@ -544,25 +544,26 @@ mod tests {
         use std::sync::atomic::Ordering;
         use std::time::Duration;
 
-        use crate::store::stream::{Aligned, PIPELINE_BATCH};
+        use crate::store::stream::{Aligned, PIPELINE_BATCH, SLOW_WINDOWS};
 
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Store::open(dir.path()).expect("store");
         let mut batch = Aligned::new();
         batch.spare().fill(7);
         batch.filled(PIPELINE_BATCH);
-        // A window's worth of batches: 64 MiB.
+        // A window's worth of batches: 64 MiB, written again for each window it takes.
         let batches = 16;
         // Margins wide enough for a loaded machine: a slow write lasts far longer than the
         // loop's gap between two writes, a pause far longer than a real 4 MiB write.
-        for (seed, slow_disk, pause_between) in [("slow", true, 0), ("quick", false, 100)] {
+        for (seed, slow_disk, pause_between) in [("slow", true, 0), ("quick", false, 40)] {
             let size = (batches + 1) * PIPELINE_BATCH as u64;
             let layer = Layer { media_type: "x".into(), digest: Digest::of(seed.as_bytes()), size, from: None };
             let partial =
                 Partial::open(store.clone(), &layer, "registry.example".into(), seed.into()).expect("partial");
-            for i in 0..batches {
+            for i in 0..batches * u64::from(SLOW_WINDOWS) {
                 std::thread::sleep(Duration::from_millis(pause_between));
-                let wrote = partial.write_direct_with(i * PIPELINE_BATCH as u64, batch.data(), |file, data, at| {
+                let at = i % batches * PIPELINE_BATCH as u64;
+                let wrote = partial.write_direct_with(at, batch.data(), |file, data, at| {
                     file.write_all_at(data, at)?;
                     if slow_disk {
                         std::thread::sleep(Duration::from_millis(20));
