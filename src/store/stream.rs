@@ -219,7 +219,7 @@ impl DirectPace {
         let elapsed = ended.saturating_duration_since(*start);
         let share = if elapsed.is_zero() { 0.0 } else { busy.as_secs_f64() / elapsed.as_secs_f64() };
         self.window = None;
-        self.slow = if share >= SLOW_DISK_SHARE { self.slow + 1 } else { 0 };
+        self.slow = if share >= SLOW_DISK_SHARE { self.slow.saturating_add(1) } else { 0 };
         self.slow >= SLOW_WINDOWS
     }
 }

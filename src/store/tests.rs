@@ -602,8 +602,8 @@ fn a_direct_write_refused_for_its_alignment_is_written_through_the_cache() {
     assert_eq!(error.raw_os_error(), Some(libc::ENOSPC));
 }
 
-/// An upload's direct writes that keep its writer busy for a whole window (a disk slower
-/// than the data, made here by a direct write that takes its time) send the rest through
+/// An upload's direct writes that keep its writer busy for whole windows in a row (a disk
+/// slower than the data, made here by a direct write that takes its time) send the rest through
 /// the page cache; writes that leave the writer waiting for data stay direct. Either way
 /// the blob is what was appended.
 #[test]
@@ -614,13 +614,13 @@ fn a_blob_file_whose_disk_is_the_slower_part_takes_the_rest_through_the_cache() 
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(dir.path()).expect("open");
     let (batch, at) = aligned_data(super::stream::PIPELINE_BATCH, 5);
-    // A window's worth of batches, and one more.
-    let batches = 17;
+    // The windows' worth of batches that may make the disk the slower part, and one more.
+    let batches = 16 * super::stream::SLOW_WINDOWS as usize + 1;
     let expected = batch[at.clone()].repeat(batches);
     let digest = Digest::of(&expected);
     // Margins wide enough for a loaded machine: a slow write lasts far longer than the
     // loop's gap between two writes, a pause far longer than a real 4 MiB write.
-    for (slow_disk, pause_between) in [(true, Duration::ZERO), (false, Duration::from_millis(100))] {
+    for (slow_disk, pause_between) in [(true, Duration::ZERO), (false, Duration::from_millis(40))] {
         let mut temp = direct_blob_file(&store);
         for i in 0..batches {
             std::thread::sleep(pause_between);
