@@ -166,7 +166,7 @@ impl Drop for Writeback {
 
 /// How much a writer writes directly between two looks at the disk's pace
 /// ([`DirectPace`]): 16 of the pipelines' batches.
-const PACE_WINDOW: u64 = 64 << 20;
+pub const PACE_WINDOW: u64 = 64 << 20;
 
 /// The share of a window's time spent in direct writes from which the window counts as
 /// slow: the next batch was nearly always waiting for the write before it.

@@ -615,7 +615,8 @@ fn a_blob_file_whose_disk_is_the_slower_part_takes_the_rest_through_the_cache() 
     let store = Store::open(dir.path()).expect("open");
     let (batch, at) = aligned_data(super::stream::PIPELINE_BATCH, 5);
     // The windows' worth of batches that may make the disk the slower part, and one more.
-    let batches = 16 * super::stream::SLOW_WINDOWS as usize + 1;
+    let window = usize::try_from(super::stream::PACE_WINDOW).expect("fits") / super::stream::PIPELINE_BATCH;
+    let batches = window * super::stream::SLOW_WINDOWS as usize + 1;
     let expected = batch[at.clone()].repeat(batches);
     let digest = Digest::of(&expected);
     // Margins wide enough for a loaded machine: a slow write lasts far longer than the
