@@ -685,7 +685,7 @@ async fn a_refused_token_is_unauthorized() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_errors_and_bad_answers_are_named() {
     let world = World::new();
-    let (manifest, _) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
     let model = manifest.model().clone();
     let proxy = Proxy::start(world.registry.addr());
     let store = world.store("dest");
@@ -729,6 +729,38 @@ async fn server_errors_and_bad_answers_are_named() {
     let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("bad manifest");
     assert!(matches!(error, RegistryError::BadManifest { .. }), "{error:?}");
     assert!(error.to_string().starts_with(&format!("registry {} sent a bad manifest for test/tiny:v1", proxy.host())));
+
+    // A manifest that declares its model layer exabytes long: the download's parts are
+    // cut as they start (listed whole, they were more than memory holds and the pull
+    // aborted the daemon), and the pull ends at the blob's real end, named.
+    let mut exabytes: serde_json::Value = serde_json::from_slice(&published.manifest).expect("the manifest's JSON");
+    for layer in exabytes["layers"].as_array_mut().expect("layers") {
+        if layer["digest"] == model.digest.to_string() {
+            layer["size"] = serde_json::json!(u64::MAX);
+        }
+    }
+    let exabytes = exabytes.to_string();
+    proxy.rule(move |seen| {
+        if seen.path.contains("/manifests/") {
+            Action::Respond { status: 200, headers: vec![], body: exabytes.clone() }
+        } else {
+            Action::Pass
+        }
+    });
+    let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("exabytes");
+    assert!(matches!(error, RegistryError::BadRange { .. }), "{error:?}");
+    let message = error.to_string();
+    assert!(message.contains(&format!("blob {} of test/tiny:v1", model.digest)), "{message}");
+    assert!(
+        message.ends_with(&format!(
+            "asked for bytes 0-{} of {}, got 206 with Content-Range bytes 0-{}/{}",
+            PART - 1,
+            u64::MAX,
+            PART - 1,
+            model.size
+        )),
+        "{message}"
+    );
 
     // A server that ignores Range.
     let digest = model.digest.to_string();

@@ -229,17 +229,15 @@ impl Drop for Download {
 async fn fetch_blob(remote: &Remote, partial: &Arc<Partial>, landing: &Landing) -> Result<(), RegistryError> {
     let config = remote.config();
     let max_parts = config.max_parts.max(1);
-    let mut parts = Vec::new();
-    for (start, end) in partial.missing() {
-        let mut at = start;
-        while at < end {
-            let stop = end.min(at.saturating_add(config.part_size.max(1)));
-            parts.push((at, stop));
-            at = stop;
-        }
-    }
+    let part_size = config.part_size.max(1);
+    // Cut as they are started, never listed whole: a manifest can declare a size of
+    // exabytes, which listed whole is more parts than memory holds.
+    let mut parts = partial.missing().into_iter().flat_map(move |(start, end)| {
+        std::iter::successors(Some(start), move |at| Some(at.saturating_add(part_size)))
+            .take_while(move |at| *at < end)
+            .map(move |at| (at, end.min(at.saturating_add(part_size))))
+    });
     let fetches = async {
-        let mut parts = parts.into_iter();
         let mut running = FuturesUnordered::new();
         let mut width = 1;
         let mut widen = tokio::time::interval(WIDEN_EVERY);
