@@ -24,8 +24,15 @@ pub(super) struct EventScanner {
 impl EventScanner {
     /// The events whose lines `bytes` completed, in order.
     pub(super) fn feed(&mut self, bytes: &[u8]) -> Vec<Value> {
+        // Only the new bytes are searched: what waits holds no line end, and a line can be
+        // as long as the request it echoes (llama-server's last event repeats a request's
+        // `stop` list and grammar), so searching all of it per piece grew with its square.
+        let Some(end) = bytes.iter().rposition(|b| *b == b'\n') else {
+            self.pending.extend_from_slice(bytes);
+            return Vec::new();
+        };
+        let last = self.pending.len() + end;
         self.pending.extend_from_slice(bytes);
-        let Some(last) = self.pending.iter().rposition(|b| *b == b'\n') else { return Vec::new() };
         let complete: Vec<u8> = self.pending.drain(..=last).collect();
         complete.split(|b| *b == b'\n').filter_map(data).collect()
     }
@@ -130,6 +137,24 @@ mod tests {
         for cut in 0..=stream.len() {
             assert_eq!(scan(stream, &[cut]).0, [json!({"text": "hé"}), json!({"n": 2})], "cut at {cut}");
         }
+    }
+
+    /// A line of 16 MiB (llama-server's last event echoes a request's `stop` list and
+    /// grammar, which can be as large as a request) in 8 KiB pieces is read once, whole:
+    /// searching the whole waiting line for its end at each piece took minutes.
+    #[test]
+    fn a_long_line_in_small_pieces_is_read_whole() {
+        let stop: Vec<String> = (0..1_700_000).map(|i| format!("s{i}")).collect();
+        let line = format!("data: {}\n\n", json!({ "stop": stop }));
+        assert!(line.len() > 16 << 20, "{} bytes", line.len());
+        let mut scanner = EventScanner::default();
+        let mut events = Vec::new();
+        for piece in line.as_bytes().chunks(8 << 10) {
+            events.extend(scanner.feed(piece));
+        }
+        assert_eq!(events.len(), 1);
+        assert_eq!(events[0]["stop"].as_array().map(Vec::len), Some(stop.len()));
+        assert!(scanner.pending().is_empty());
     }
 
     #[test]
