@@ -389,7 +389,9 @@ fn unescape(text: &str) -> String {
 /// `{1F600}` at the start of `text`: the character and the bytes it took.
 fn unicode_escape(text: &str) -> Option<(char, usize)> {
     let inner = text.strip_prefix('{')?;
-    let end = inner.find('}')?;
+    // The `}` is looked for among the next seven bytes only (six digits at most): looked
+    // for to the end, a value of many `\u{` without one took the square of its length.
+    let end = inner.bytes().take(7).position(|b| b == b'}')?;
     let hex = &inner[..end];
     if hex.is_empty() || hex.len() > 6 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
@@ -707,6 +709,17 @@ lines"""
             .expect("valid");
         assert_eq!(serde_json::to_string(&m.parameters).expect("json"), r#"{"seed":-1,"temperature":1,"top_p":1.0}"#);
         assert_eq!(Modelfile::parse(&m.write("").expect("write")).expect("back"), m);
+    }
+
+    /// A `"` value of two million `\u{` with no `}` parses in one pass, each kept as it
+    /// was written (each looked for its `}` to the value's end, hours for 8 MB).
+    #[test]
+    fn unclosed_unicode_escapes_are_kept_in_one_pass() {
+        let escapes = "\\u{".repeat(2_000_000);
+        let m = Modelfile::parse(&format!("FROM x\nSYSTEM \"{escapes}\"\n")).expect("valid");
+        assert_eq!(m.system.as_deref(), Some(escapes.as_str()));
+        let m = Modelfile::parse("FROM x\nSYSTEM \"\\u{1F600}\\u{1234567}\\u{}\"\n").expect("valid");
+        assert_eq!(m.system.as_deref(), Some("\u{1F600}\\u{1234567}\\u{}"));
     }
 
     #[test]
