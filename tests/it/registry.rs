@@ -682,6 +682,17 @@ async fn a_refused_token_is_unauthorized() {
     assert_nothing_written(&store, &name, &manifest, false);
 }
 
+/// `manifest` with the layer `digest` declared `size` bytes long.
+fn resized(manifest: &[u8], digest: &Digest, size: u64) -> String {
+    let mut manifest: serde_json::Value = serde_json::from_slice(manifest).expect("the manifest's JSON");
+    for layer in manifest["layers"].as_array_mut().expect("layers") {
+        if layer["digest"] == digest.to_string() {
+            layer["size"] = size.into();
+        }
+    }
+    manifest.to_string()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_errors_and_bad_answers_are_named() {
     let world = World::new();
@@ -733,13 +744,7 @@ async fn server_errors_and_bad_answers_are_named() {
     // A manifest that declares its model layer exabytes long: the download's parts are
     // cut as they start (listed whole, they were more than memory holds and the pull
     // aborted the daemon), and the pull ends at the blob's real end, named.
-    let mut exabytes: serde_json::Value = serde_json::from_slice(&published.manifest).expect("the manifest's JSON");
-    for layer in exabytes["layers"].as_array_mut().expect("layers") {
-        if layer["digest"] == model.digest.to_string() {
-            layer["size"] = serde_json::json!(u64::MAX);
-        }
-    }
-    let exabytes = exabytes.to_string();
+    let exabytes = resized(&published.manifest, &model.digest, u64::MAX);
     proxy.rule(move |seen| {
         if seen.path.contains("/manifests/") {
             Action::Respond { status: 200, headers: vec![], body: exabytes.clone() }

@@ -25,6 +25,7 @@
 //! memory straight to the disk, no copy into the page cache and no write-back after it.
 //! The rest (a blob's last bytes, a part resumed mid-block) goes through the page cache.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{FileExt, MetadataExt};
@@ -46,41 +47,52 @@ use crate::store::manifest::Layer;
 use crate::store::stream::{ALIGN, BATCH, DirectPace, Writeback};
 use crate::store::{Pin, Store, StoreError};
 
-/// Byte ranges `[start, end)`, sorted, disjoint and not touching.
+/// Byte ranges `[start, end)`, disjoint and not touching, by start: each insert and
+/// lookup costs the log of their number (a planted record of tens of thousands of ranges
+/// is filled gap by gap, each gap's bytes inserted as they land).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-struct Ranges(Vec<(u64, u64)>);
+struct Ranges(BTreeMap<u64, u64>);
 
 impl Ranges {
     fn insert(&mut self, start: u64, end: u64) {
-        if start < end {
-            self.0.push((start, end));
-            self.merge();
+        if start >= end {
+            return;
         }
+        let (mut start, mut end) = (start, end);
+        // The range before that reaches `start`, and those after that `end` reaches, join.
+        if let Some((&s, &e)) = self.0.range(..=start).next_back()
+            && e >= start
+        {
+            start = s;
+            end = end.max(e);
+        }
+        while let Some((&s, &e)) = self.0.range(start..).next()
+            && s <= end
+        {
+            end = end.max(e);
+            self.0.remove(&s);
+        }
+        self.0.insert(start, end);
     }
 
-    /// Sorts the ranges and merges those that overlap or touch.
-    fn merge(&mut self) {
-        self.0.sort_unstable();
-        self.0.dedup_by(|next, last| {
-            let joins = next.0 <= last.1;
-            if joins {
-                last.1 = last.1.max(next.1);
-            }
-            joins
-        });
-    }
-
-    /// From a record on disk: clamped to `size`, sorted and merged once (a record holds up
-    /// to `MAX_RECORD_BYTES` of ranges, in whatever order its writer chose).
+    /// From a record on disk: clamped to `size` (a record holds up to `MAX_RECORD_BYTES`
+    /// of ranges, in whatever order its writer chose).
     fn from_record(ranges: &[(u64, u64)], size: u64) -> Self {
-        let mut out = Self(ranges.iter().map(|&(s, e)| (s.min(size), e.min(size))).filter(|(s, e)| s < e).collect());
-        out.merge();
+        let mut out = Self::default();
+        for &(s, e) in ranges {
+            out.insert(s.min(size), e.min(size));
+        }
         out
+    }
+
+    /// The ranges in order, as a record keeps them.
+    fn list(&self) -> Vec<(u64, u64)> {
+        self.0.iter().map(|(&s, &e)| (s, e)).collect()
     }
 
     /// The end of the range that holds `at`, or `at` when none does.
     fn end_from(&self, at: u64) -> u64 {
-        self.0.iter().find(|&&(s, e)| s <= at && at < e).map_or(at, |&(_, e)| e)
+        self.0.range(..=at).next_back().filter(|&(_, &e)| at < e).map_or(at, |(_, &e)| e)
     }
 
     fn covered(&self) -> u64 {
@@ -90,7 +102,7 @@ impl Ranges {
     fn missing(&self, size: u64) -> Vec<(u64, u64)> {
         let mut gaps = Vec::new();
         let mut at = 0;
-        for &(s, e) in &self.0 {
+        for (&s, &e) in &self.0 {
             if s > at {
                 gaps.push((at, s));
             }
@@ -278,7 +290,10 @@ impl Partial {
         let done = Ranges::from_record(&record.done, layer.size);
         // The file holds at least every recorded byte, and never more than the blob.
         // It is the store's own, too: a hard link planted here is not resumed into.
-        if meta.len() > layer.size || done.0.last().is_some_and(|&(_, end)| end > meta.len()) || meta.nlink() != 1 {
+        if meta.len() > layer.size
+            || done.0.last_key_value().is_some_and(|(_, &end)| end > meta.len())
+            || meta.nlink() != 1
+        {
             return Ok(None);
         }
         Ok(Some((file, done)))
@@ -434,7 +449,7 @@ impl Partial {
             self.file.sync_data().map_err(fail)?;
         }
         let unsynced_boot = if synced { None } else { self.store.boot_id().map(str::to_owned) };
-        let record = Record { digest: self.digest, size: self.size, done: done.0.clone(), unsynced_boot };
+        let record = Record { digest: self.digest, size: self.size, done: done.list(), unsynced_boot };
         let mut temp = self.store.temp_in(&self.blobs)?;
         let json = serde_json::to_vec(&record).expect("a record always serializes");
         temp.write_all(&json).map_err(fail)?;
@@ -649,12 +664,12 @@ mod tests {
         r.insert(30, 40);
         r.insert(20, 25);
         r.insert(5, 5);
-        assert_eq!(r.0, vec![(10, 25), (30, 40)]);
+        assert_eq!(r.list(), vec![(10, 25), (30, 40)]);
         assert_eq!(r.covered(), 25);
         assert_eq!(r.missing(50), vec![(0, 10), (25, 30), (40, 50)]);
         r.insert(0, 50);
         assert_eq!(r.missing(50), vec![]);
-        assert_eq!(Ranges::from_record(&[(40, 80), (0, 10), (5, 12)], 50).0, vec![(0, 12), (40, 50)]);
+        assert_eq!(Ranges::from_record(&[(40, 80), (0, 10), (5, 12)], 50).list(), vec![(0, 12), (40, 50)]);
     }
     /// A record holds as many ranges as fit in its 1 MiB cap, in any order: they are
     /// sorted and merged once, not once per range (each sort a pass over all before it:
@@ -668,10 +683,19 @@ mod tests {
         assert!(
             serde_json::to_vec(&record).expect("json").len() < usize::try_from(super::MAX_RECORD_BYTES).expect("fits")
         );
-        let merged = Ranges::from_record(&ranges, 3 * count);
-        assert_eq!(merged.0.len(), ranges.len());
-        assert_eq!((merged.0[0], merged.0[merged.0.len() - 1]), ((0, 2), (3 * count - 3, 3 * count - 1)));
+        let mut merged = Ranges::from_record(&ranges, 3 * count);
+        let list = merged.list();
+        assert_eq!(list.len(), ranges.len());
+        assert_eq!((list[0], list[list.len() - 1]), ((0, 2), (3 * count - 3, 3 * count - 1)));
         assert_eq!(merged.covered(), 2 * count);
+        // Its gaps filled one by one, from the first, as a resumed download fills them
+        // (each fill sorted the whole list again before).
+        for (s, e) in merged.missing(3 * count) {
+            assert_eq!(merged.end_from(s), s);
+            merged.insert(s, e);
+            assert_eq!(merged.end_from(s), merged.end_from(0));
+        }
+        assert_eq!(merged.list(), [(0, 3 * count)]);
     }
 
     proptest::proptest! {
@@ -686,13 +710,15 @@ mod tests {
             for &(start, len) in &inserts {
                 r.insert(start, start + len);
             }
-            for pair in r.0.windows(2) {
-                proptest::prop_assert!(pair[0].0 < pair[0].1 && pair[0].1 < pair[1].0, "{:?}", r.0);
+            let list = r.list();
+            for pair in list.windows(2) {
+                proptest::prop_assert!(pair[0].0 < pair[0].1 && pair[0].1 < pair[1].0, "{:?}", list);
             }
             for &(start, len) in &inserts {
-                proptest::prop_assert!(len == 0 || r.0.iter().any(|&(s, e)| s <= start && start + len <= e));
+                proptest::prop_assert!(len == 0 || list.iter().any(|&(s, e)| s <= start && start + len <= e));
+                proptest::prop_assert!(len == 0 || r.end_from(start) >= start + len);
             }
-            let clamped = Ranges::from_record(&r.0, size);
+            let clamped = Ranges::from_record(&list, size);
             let gaps = clamped.missing(size);
             let missing: u64 = gaps.iter().map(|(s, e)| e - s).sum();
             proptest::prop_assert_eq!(clamped.covered() + missing, size);
