@@ -3,7 +3,7 @@
 //! messages). Blobs are pinned from the first write until the manifest is written, and
 //! the manifest is written last, so a failure at any step leaves no model behind.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -80,19 +80,35 @@ impl CreateSpec {
     }
 
     /// Checks the text and JSON this spec adds against the caps the store reads them with.
+    /// Also their number, and their bytes together, so that a request of a million
+    /// licenses is refused before the first is written.
     fn check_sizes(&self) -> Result<(), StoreError> {
-        let texts = (self.template.iter().map(|t| (SmallBlob::Template, t)))
-            .chain(self.system.iter().map(|t| (SmallBlob::System, t)))
-            .chain(self.licenses.iter().map(|t| (SmallBlob::License, t)));
-        for (kind, text) in texts {
-            limits::check_data(kind, text.as_bytes())?;
+        for (count, kind) in [(self.adapters.len(), "adapters"), (self.licenses.len(), "licenses")] {
+            if count > limits::LAYERS_OF_A_KIND_MAX {
+                return Err(StoreError::Invalid(format!(
+                    "{count} {kind}; a model takes at most {}",
+                    limits::LAYERS_OF_A_KIND_MAX
+                )));
+            }
         }
-        if !self.parameters.is_empty() {
-            let json = serde_json::to_vec(&self.parameters).expect("a JSON map serializes");
-            limits::check_data(SmallBlob::Params, &json)?;
+        let texts = (self.template.iter().map(|t| (SmallBlob::Template, t.as_bytes().to_vec())))
+            .chain(self.system.iter().map(|t| (SmallBlob::System, t.as_bytes().to_vec())))
+            .chain(self.licenses.iter().map(|t| (SmallBlob::License, t.as_bytes().to_vec())))
+            .chain(
+                (!self.parameters.is_empty())
+                    .then(|| (SmallBlob::Params, serde_json::to_vec(&self.parameters).expect("a JSON map serializes"))),
+            )
+            .chain(
+                (!self.messages.is_empty())
+                    .then(|| (SmallBlob::Messages, serde_json::to_vec(&self.messages).expect("messages serialize"))),
+            );
+        let mut total = 0u64;
+        for (kind, bytes) in texts {
+            limits::check_data(kind, &bytes)?;
+            total = total.saturating_add(bytes.len() as u64);
         }
-        if !self.messages.is_empty() {
-            limits::check_data(SmallBlob::Messages, &serde_json::to_vec(&self.messages).expect("messages serialize"))?;
+        if total > limits::MODEL_SMALL_BLOBS_MAX {
+            return Err(limits::TooLarge::total(total).into());
         }
         Ok(())
     }
@@ -238,8 +254,8 @@ impl Store {
         let digest = self.write_manifest(name, &manifest)?;
         // Layers the replaced manifest had and the new one does not may now be unused.
         if let Some((old, _, _)) = old {
-            let candidates =
-                old.blobs().map(|l| l.digest).filter(|d| !manifest.blobs().any(|l| l.digest == *d)).collect();
+            let kept: HashSet<Digest> = manifest.blobs().map(|l| l.digest).collect();
+            let candidates = old.blobs().map(|l| l.digest).filter(|d| !kept.contains(d)).collect();
             self.remove_unreferenced(candidates);
         }
         drop(pins);

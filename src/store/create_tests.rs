@@ -145,6 +145,12 @@ fn bad_inputs_are_named_and_change_nothing() {
             &format!("FROM ./tiny.gguf\n{}", "LICENSE \"\"\"{}\"\"\"\n".replace("{}", &"x".repeat(1 << 20)).repeat(4)),
             "more than the limit of 4 MiB for one model's text, JSON and config layers together",
         ),
+        (
+            &format!("FROM ./tiny.gguf\n{}", "LICENSE \"\"\"{}\"\"\"\n".replace("{}", &"x".repeat(1 << 20)).repeat(5)),
+            "the text, JSON and config layers of the model is 5 MiB (5242880 bytes), more than the limit of 4 MiB",
+        ),
+        (&format!("FROM ./tiny.gguf\n{}", "LICENSE MIT\n".repeat(65)), "65 licenses; a model takes at most 64"),
+        (&format!("FROM ./tiny.gguf\n{}", "ADAPTER ./tiny.gguf\n".repeat(65)), "65 adapters; a model takes at most 64"),
     ];
     for (modelfile, message) in cases {
         let err = create(&store, "new", modelfile, dir.path()).expect_err(modelfile).to_string();
@@ -215,4 +221,22 @@ fn details_are_read_once_until_the_manifest_changes() {
 
     store.delete(&name("cached")).expect("delete");
     assert!(matches!(store.details(&name("cached")), Err(StoreError::NotFound(_))));
+}
+
+/// A manifest the store would refuse to read back (over 4 MiB) is never written: the
+/// write is refused, naming the model, the size and the cap, and the model's manifest
+/// stays as it was.
+#[test]
+fn a_manifest_over_its_cap_is_not_written() {
+    let (dir, store) = setup();
+    let (digest, _) = create(&store, "keep", "FROM ./tiny.gguf\nLICENSE MIT\n", dir.path()).expect("create");
+    let (manifest, _, _) = store.manifest(&name("keep")).expect("manifest");
+    let license = manifest.layers().iter().find(|l| l.media_type == manifest::LICENSE).expect("license").clone();
+    let layers: Vec<_> =
+        std::iter::once(manifest.model().clone()).chain(std::iter::repeat_n(license, 30_000)).collect();
+    let huge = manifest::Manifest::new(manifest.config().clone(), layers).expect("a manifest");
+    let err = store.write_manifest(&name("keep"), &huge).expect_err("over the cap").to_string();
+    assert!(err.starts_with("the manifest of keep:latest is 4.1 MiB"), "{err}");
+    assert!(err.ends_with("more than the limit of 4 MiB for a manifest"), "{err}");
+    assert_eq!(store.manifest(&name("keep")).expect("still there").1, digest);
 }

@@ -12,6 +12,7 @@
 //! | the config blob                        | 1 MiB | under 2 KB             |
 //! | all of the above of one model together | 4 MiB | under 100 KB           |
 //! | a manifest                             | 4 MiB | under 2 KB             |
+//! | the adapters, the licenses a create adds | 64 each | one or two           |
 //!
 //! Weights, projectors and adapters are never read whole (the GGUF reader has its own
 //! limits), and layers of kinds corral does not know are stored but never read.
@@ -38,6 +39,10 @@ pub const CONFIG_FAMILIES_MAX: usize = 16;
 pub const MODEL_SMALL_BLOBS_MAX: u64 = 4 << 20;
 /// The most bytes of a manifest, from a registry or on disk.
 pub const MANIFEST_MAX: u64 = 4 << 20;
+/// The most adapters, and the most licenses, a create gives a model: each is a layer
+/// written (and an adapter's header read) before the manifest, so their number is bounded
+/// before anything is written, not only the bytes they come to.
+pub const LAYERS_OF_A_KIND_MAX: usize = 64;
 
 /// A blob the store reads whole.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,7 +133,12 @@ impl TooLarge {
         }
     }
 
-    fn total(size: u64) -> Self {
+    /// The manifest of a create, over [`MANIFEST_MAX`].
+    pub(super) fn manifest(name: &str, size: u64) -> Self {
+        Self { what: format!("the manifest of {name}"), kind: "a manifest".to_owned(), size, limit: MANIFEST_MAX }
+    }
+
+    pub(super) fn total(size: u64) -> Self {
         Self {
             what: "the text, JSON and config layers of the model".to_owned(),
             kind: "one model's text, JSON and config layers together".to_owned(),

@@ -31,6 +31,10 @@ impl Store {
         if let Some(missing) = manifest.blobs().find(|l| !self.has_blob(&l.digest)) {
             return Err(StoreError::MissingBlob(missing.digest));
         }
+        // What the store would refuse to read back is not written.
+        if bytes.len() as u64 > limits::MANIFEST_MAX {
+            return Err(limits::TooLarge::manifest(&name.to_string(), bytes.len() as u64).into());
+        }
         // Written and synced in `manifests/` itself, which is always there; only the
         // rename into the model's directory happens under the layout lock.
         let manifests = self.manifests()?;
