@@ -8,7 +8,7 @@ use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::error::{self, ApiError, bad, internal};
@@ -18,6 +18,35 @@ use super::state::AppState;
 
 /// How long one embedding call to a runner may take.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The most inputs one `/api/embed` takes, as OpenAI's embeddings endpoint: each comes
+/// back as a vector of thousands of numbers, which corral holds to reshape the answer
+/// (a 4 MiB request of a million one-letter inputs asked for tens of GB).
+const MAX_INPUTS: usize = 2048;
+
+/// The most bytes of a runner's embeddings answer read (2048 inputs of 8192 dimensions
+/// come to about 400 MB of JSON).
+const MAX_REPLY: usize = 512 << 20;
+
+/// A runner's `/v1/embeddings` answer, read into what `/api/embed` gives back.
+#[derive(Deserialize)]
+struct Reply {
+    data: Vec<Embedding>,
+    #[serde(default)]
+    usage: Usage,
+}
+
+#[derive(Deserialize)]
+struct Embedding {
+    index: u64,
+    embedding: Vec<f64>,
+}
+
+#[derive(Default, Deserialize)]
+struct Usage {
+    #[serde(default)]
+    prompt_tokens: u64,
+}
 
 #[derive(Serialize)]
 struct EmbedResponse {
@@ -64,6 +93,9 @@ pub(super) fn inputs(request: &Map<String, Value>, path: &str) -> Result<Vec<Str
     match request.get("input") {
         None | Some(Value::Null) => Ok(Vec::new()),
         Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(items)) if items.len() > MAX_INPUTS => {
+            Err(bad(format!("input holds {} items; one request takes at most {MAX_INPUTS}", items.len()), path))
+        }
         Some(Value::Array(items)) => items
             .iter()
             .map(|i| i.as_str().map(str::to_owned))
@@ -100,6 +132,12 @@ async fn run(
     let mut reply = Vec::new();
     while let Some(piece) = upstream.chunk().await {
         match piece {
+            Ok(piece) if reply.len() + piece.len() > MAX_REPLY => {
+                drop(upstream);
+                drop(lease);
+                let limit = bytesize::ByteSize::b(MAX_REPLY as u64).display().iec();
+                return Err(internal(format!("the model runner's answer is larger than {limit}"), path));
+            }
             Ok(piece) => reply.extend_from_slice(&piece),
             Err(e) => {
                 drop(upstream);
@@ -109,31 +147,21 @@ async fn run(
         }
     }
     drop(lease);
-    let reply: Value = serde_json::from_slice(&reply)
-        .map_err(|e| internal(format!("the model runner sent an unreadable answer: {e}"), path))?;
     if !status.is_success() {
+        let reply: Value = serde_json::from_slice(&reply).unwrap_or(Value::Null);
         return Err(error::runner_refused(status, &reply, path));
     }
-    let mut data: Vec<(u64, Vec<f64>)> = reply["data"]
-        .as_array()
-        .map(|items| {
-            items
-                .iter()
-                .filter_map(|item| {
-                    let index = item["index"].as_u64()?;
-                    let vector =
-                        item["embedding"].as_array()?.iter().map(Value::as_f64).collect::<Option<Vec<f64>>>()?;
-                    Some((index, vector))
-                })
-                .collect()
-        })
-        .unwrap_or_default();
+    // Hundreds of megabytes of numbers are read off the async workers.
+    let reply = tokio::task::spawn_blocking(move || serde_json::from_slice::<Reply>(&reply))
+        .await
+        .map_err(|e| internal(format!("reading the model runner's answer failed: {e}"), path))?
+        .map_err(|e| internal(format!("the model runner sent an unreadable answer: {e}"), path))?;
+    let mut data: Vec<(u64, Vec<f64>)> = reply.data.into_iter().map(|e| (e.index, e.embedding)).collect();
     data.sort_by_key(|(index, _)| *index);
     if data.len() != inputs.len() {
         return Err(internal("the model runner returned the wrong number of embeddings", path));
     }
-    let prompt_tokens = reply["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
-    Ok((model, data.into_iter().map(|(_, v)| v).collect(), load, prompt_tokens))
+    Ok((model, data.into_iter().map(|(_, v)| v).collect(), load, reply.usage.prompt_tokens))
 }
 
 pub(super) fn object(body: &[u8], path: &str) -> Result<Map<String, Value>, ApiError> {

@@ -73,7 +73,9 @@ async fn bad_embedding_requests_are_named_and_load_nothing() {
         (r#"{"model":"embed","input":"x","keep_alive":"300"}"#, StatusCode::BAD_REQUEST, "invalid keep_alive"),
         (r#"{"model":"chat","input":"x"}"#, StatusCode::BAD_REQUEST, "does not support embeddings"),
     ];
-    for (body, status, message) in cases {
+    let many = json!({ "model": "embed", "input": vec!["a"; 2049] }).to_string();
+    let many = (many.as_str(), StatusCode::BAD_REQUEST, "input holds 2049 items; one request takes at most 2048");
+    for (body, status, message) in cases.into_iter().chain([many]) {
         let (got, reply) = post(&state, "/api/embed", body).await;
         assert_eq!(got, status, "{body}: {reply}");
         let error = reply["error"].as_str().unwrap_or_default();
