@@ -72,7 +72,7 @@ impl From<ScheduleError> for Error {
     fn from(error: ScheduleError) -> Self {
         let message = public(&error);
         match error {
-            ScheduleError::QueueFull(_) => Self::Busy(message),
+            ScheduleError::QueueFull(_) | ScheduleError::TooManyNames { .. } => Self::Busy(message),
             ScheduleError::InsufficientMemory { .. } => Self::InsufficientMemory(message),
             ScheduleError::LoadFailed { class, .. } => match class {
                 FailureClass::OutOfMemory => Self::InsufficientMemory(message),

@@ -127,7 +127,10 @@ pub(super) fn runner_refused(status: StatusCode, reply: &Value, path: &str) -> A
 /// ([`load_failed_status`]); the rest 500.
 pub(super) fn schedule(error: &ScheduleError, path: &str) -> ApiError {
     let status = match error {
-        ScheduleError::QueueFull(_) | ScheduleError::BackingOff { .. } | ScheduleError::ShuttingDown => {
+        ScheduleError::QueueFull(_)
+        | ScheduleError::BackingOff { .. }
+        | ScheduleError::ShuttingDown
+        | ScheduleError::TooManyNames { .. } => {
             return busy(error.to_string(), path, "1");
         }
         ScheduleError::InsufficientMemory { .. } => StatusCode::INSUFFICIENT_STORAGE,

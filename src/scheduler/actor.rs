@@ -85,7 +85,28 @@ struct Entry {
     load_task: Option<tokio::task::AbortHandle>,
 }
 
+/// The most models one runner serves (copies of one model, or Modelfiles over the same
+/// weights with the same load options). Each model's D-Bus object lists the others it
+/// shares with, so a join changes every one of them: the views' work grows with the
+/// square of this number at each join.
+pub(crate) const MAX_NAMES_PER_RUNNER: usize = 64;
+
+/// `name` joined runner `id`, which now serves `users`, in the journal.
+fn log_share(id: RunnerId, name: &str, users: &[String]) {
+    tracing::info!(corral_event = "share", corral_model = %name, runner = id, "{name} shares the runner of {} (same weights and load options)", users[0]);
+}
+
 impl Entry {
+    /// The refusal of model `name`, which would join this runner once it serves as many
+    /// models as one may.
+    fn too_many_names(&self, name: &str) -> ScheduleError {
+        ScheduleError::TooManyNames {
+            model: name.to_owned(),
+            limit: MAX_NAMES_PER_RUNNER,
+            first: self.main().to_owned(),
+        }
+    }
+
     /// The model it serves first (the one it was loaded for, unless that one moved on).
     fn main(&self) -> &str {
         self.users.first().unwrap_or(&self.request.name)
@@ -224,6 +245,10 @@ impl Scheduler {
         // The fast path: a ready runner with this key that takes requests.
         if let Some((&id, entry)) = self.runners.iter_mut().find(|(_, e)| e.request.key == request.key && !e.draining) {
             let joined = !entry.users.contains(&request.name);
+            if joined && !matches!(entry.phase, Phase::Unloading { .. }) && entry.users.len() >= MAX_NAMES_PER_RUNNER {
+                let _ = reply.send(Err(entry.too_many_names(&request.name)));
+                return;
+            }
             if joined && !matches!(entry.phase, Phase::Unloading { .. }) {
                 entry.users.push(request.name.clone());
             }
@@ -342,7 +367,7 @@ impl Scheduler {
 
     /// Model `name` joined runner `id`, which now serves `users`.
     fn shares(&self, id: RunnerId, name: &str, users: Vec<String>) {
-        tracing::info!(corral_event = "share", corral_model = %name, runner = id, "{name} shares the runner of {} (same weights and load options)", users[0]);
+        log_share(id, name, &users);
         self.notify(Notice::Serving { runner: id, names: users });
     }
 
@@ -512,19 +537,31 @@ impl Scheduler {
         let (joining, rest): (VecDeque<_>, VecDeque<_>) =
             std::mem::take(&mut self.queue).into_iter().partition(|(queued, _)| queued.key == key);
         self.queue = rest;
-        if let Some(Entry { phase: Phase::Loading { waiters }, users, .. }) = self.runners.get_mut(&id) {
+        if let Some(entry) = self.runners.get_mut(&id)
+            && let Phase::Loading { .. } = entry.phase
+        {
             let mut joined = Vec::new();
             for (queued, reply) in joining {
                 // Another model of the same weights and options shares the load.
-                if !users.contains(&queued.name) {
-                    users.push(queued.name.clone());
+                if !entry.users.contains(&queued.name) {
+                    if entry.users.len() >= MAX_NAMES_PER_RUNNER {
+                        let _ = reply.send(Err(entry.too_many_names(&queued.name)));
+                        continue;
+                    }
+                    entry.users.push(queued.name.clone());
                     joined.push(queued.name);
                 }
-                waiters.push(reply);
+                if let Phase::Loading { waiters } = &mut entry.phase {
+                    waiters.push(reply);
+                }
             }
-            let users = users.clone();
-            for name in joined {
-                self.shares(id, &name, users.clone());
+            // One notice for all who joined: the views update each name it lists.
+            if !joined.is_empty() {
+                let users = entry.users.clone();
+                for name in &joined {
+                    log_share(id, name, &users);
+                }
+                self.notify(Notice::Serving { runner: id, names: users });
             }
         }
         let backend = Arc::clone(&self.backend);

@@ -623,6 +623,39 @@ async fn a_shared_load_under_way_is_joined_by_another_model() {
     assert_eq!(handle.loaded().await.expect("loaded")[0].names, ["tiny", "tiny2"]);
 }
 
+/// One runner serves at most `MAX_NAMES_PER_RUNNER` models: the next model of the same
+/// weights and options is refused, naming the limit and what to do, while the runner's
+/// models keep being served; whether the runner is loading or ready.
+#[tokio::test(start_paused = true)]
+async fn a_runner_serves_at_most_its_number_of_models() {
+    use super::actor::MAX_NAMES_PER_RUNNER;
+    let (fake, handle) = scheduler(1000, Limits { max_queue: 512, ..limits() });
+    // All at once, while the load is under way.
+    let requests = (0..=MAX_NAMES_PER_RUNNER).map(|i| handle.acquire(same_as("tiny", &format!("tiny{i}"), 100)));
+    let results = futures_util::future::join_all(requests).await;
+    let refused: Vec<&ScheduleError> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    let message = refused[0].to_string();
+    assert!(
+        message.starts_with(&format!(
+            "model 'tiny{MAX_NAMES_PER_RUNNER}' would share the runner that already serves {MAX_NAMES_PER_RUNNER} models"
+        )),
+        "{message}"
+    );
+    assert!(message.contains("(tiny0, …)") && message.ends_with("use one of their names, or stop one of them"));
+    assert_eq!(fake.lines(), ["start 1 tiny0"]);
+    drop(results);
+    // Once ready: one more name is refused, the names it serves are served.
+    let error = handle.acquire(same_as("tiny", "another", 100)).await.expect_err("one too many");
+    assert!(matches!(error, ScheduleError::TooManyNames { limit: MAX_NAMES_PER_RUNNER, .. }), "{error:?}");
+    drop(handle.acquire(same_as("tiny", "tiny3", 100)).await.expect("a name it serves"));
+    let loaded = handle.loaded().await.expect("loaded");
+    assert_eq!(loaded.len(), 1);
+    assert_eq!(loaded[0].names.len(), MAX_NAMES_PER_RUNNER);
+    handle.unload_model("tiny3").await.expect("unload");
+    assert_eq!(fake.lines(), ["start 1 tiny0", "stop 1"], "unloading one model stops the shared runner");
+}
+
 #[tokio::test(start_paused = true)]
 async fn other_options_for_another_model_never_replace_a_runner_it_does_not_own() {
     let (fake, handle) = scheduler(1000, limits());

@@ -106,6 +106,20 @@ pub enum ScheduleError {
         /// Time left before a new attempt.
         retry_in: Duration,
     },
+    /// As many models as one runner serves already share the runner this model would
+    /// share (the same weights and load options).
+    #[error(
+        "model '{model}' would share the runner that already serves {limit} models with the same weights and \
+         load options ({first}, …), the most one runner serves; use one of their names, or stop one of them"
+    )]
+    TooManyNames {
+        /// The model.
+        model: String,
+        /// The most names one runner serves.
+        limit: usize,
+        /// The first of the names it serves.
+        first: String,
+    },
     /// No model by that name is loaded.
     #[error("model '{0}' is not loaded")]
     NotLoaded(String),
