@@ -77,6 +77,11 @@ pub const DEFAULT_MAX_LINE: usize = 16 * 1024;
 /// How many error lines a [`LoadReport`] keeps (the most recent ones).
 pub const MAX_ERROR_LINES: usize = 8;
 
+/// How many buffers (by component, buffer and kind) a [`LoadReport`] keeps: a load prints
+/// a few per device. Names come from the child's output, which a worker's devices can
+/// shape; the report's readers look each device up among them.
+pub const MAX_BUFFERS: usize = 256;
+
 /// Reassembles lines from the byte chunks of a child's output.
 ///
 /// Feed every chunk to [`push`](Self::push) in order, and call [`finish`](Self::finish)
@@ -601,8 +606,8 @@ pub struct ErrorLine {
 /// What one llama-server load reported, accumulated from its [`LogEvent`]s.
 ///
 /// The supervisor feeds it every line of a child, from spawn until it is ready or dead.
-/// It holds a bounded amount of data: one entry per buffer line pattern and at most
-/// [`MAX_ERROR_LINES`] error lines.
+/// It holds a bounded amount of data: one entry per buffer line pattern, at most
+/// [`MAX_BUFFERS`] of them (more are left out), and at most [`MAX_ERROR_LINES`] error lines.
 ///
 /// Known limit: a speculative-decoding draft model prints the same buffer lines as the
 /// main model, so its sizes replace the main model's instead of adding to them.
@@ -641,7 +646,9 @@ impl LoadReport {
             }
             LogEvent::Buffer { component, buffer, kind, bytes } => {
                 let key = BufferKey { component: component.clone(), buffer: buffer.clone(), kind: *kind };
-                self.buffers.insert(key, *bytes);
+                if self.buffers.len() < MAX_BUFFERS || self.buffers.contains_key(&key) {
+                    self.buffers.insert(key, *bytes);
+                }
             }
             LogEvent::FitFinished => {
                 self.buffers.clear();
@@ -806,6 +813,21 @@ mod tests {
         assert_eq!(report.vram_bytes(), u64::MAX);
         assert_eq!(report.ram_bytes(), u64::MAX);
         assert_eq!(report.buffer_bytes("CPU", BufferKind::Model), 17_592_186_044_415 << 20);
+    }
+
+    /// Buffers beyond [`MAX_BUFFERS`] are left out, so a child printing a million names
+    /// cannot grow the report (nor the per-device lookups over it); those kept still
+    /// take their last size.
+    #[test]
+    fn a_report_keeps_at_most_its_number_of_buffers() {
+        let mut report = LoadReport::new();
+        for i in 0..10 * MAX_BUFFERS {
+            report.feed(&format!("load_tensors:   RPC{i} model buffer size = 1.00 MiB"));
+        }
+        report.feed("load_tensors:   RPC0 model buffer size = 3.00 MiB");
+        assert_eq!(report.devices().len(), MAX_BUFFERS);
+        assert_eq!(report.vram_bytes(), (MAX_BUFFERS as u64 + 2) << 20);
+        assert_eq!(report.buffer_bytes("RPC0", BufferKind::Model), 3 << 20);
     }
 
     #[test]
