@@ -14,6 +14,14 @@ use super::{GgufArray, GgufValue};
 /// The key naming the architecture, which prefixes the shape keys.
 pub const KEY_ARCHITECTURE: &str = "general.architecture";
 
+/// The most bytes of a string fact read into [`ModelInfo`] (an architecture, a name, a
+/// type: a word or a title), which listings and the details cache keep per model.
+pub const FACT_MAX: usize = 4096;
+
+/// The most layers a per-layer list may give: eight times llama.cpp's `LLAMA_MAX_LAYERS`
+/// (512, the size of its per-layer arrays), so a model it can load always reads.
+pub const LAYERS_MAX: usize = 4096;
+
 /// What a GGUF file is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ModelKind {
@@ -115,6 +123,26 @@ pub enum MetadataError {
         /// What it holds.
         found: String,
     },
+    /// A string fact longer than any model's (an architecture, a name, a type).
+    #[error("GGUF metadata key {key} is {len} bytes long, more than the {max} corral reads")]
+    TooLong {
+        /// The key.
+        key: String,
+        /// Its length in bytes.
+        len: usize,
+        /// The most bytes read.
+        max: usize,
+    },
+    /// A per-layer list longer than any model's.
+    #[error("GGUF metadata key {key} lists {len} layers, more than the {max} corral reads")]
+    TooManyLayers {
+        /// The key.
+        key: String,
+        /// The list's length.
+        len: usize,
+        /// The most layers read.
+        max: usize,
+    },
     /// A per-layer list whose length is not the layer count.
     #[error("GGUF metadata key {key} lists {len} layers, but the model has {layers} ({block_count_key})")]
     LayerCount {
@@ -159,8 +187,6 @@ pub struct ModelInfo {
     pub file_type: Option<u32>,
     /// `tokenizer.ggml.model`: `llama` (sentencepiece), `gpt2` (BPE), `bert`, …
     pub tokenizer_model: Option<String>,
-    /// `tokenizer.chat_template` (Jinja).
-    pub chat_template: Option<String>,
     /// `general.parameter_count`, or the elements of all tensors when absent.
     pub parameter_count: u64,
     /// `<arch>.pooling_type`, set for embedding models.
@@ -172,7 +198,7 @@ impl ModelInfo {
     /// required; a key of the wrong type or a per-layer list of the wrong length is an error.
     pub fn from_file(file: &GgufFile) -> Result<Self, MetadataError> {
         let architecture = string(file, KEY_ARCHITECTURE)
-            .map_err(|_| MetadataError::MissingArchitecture)?
+            .map_err(|e| if let MetadataError::TooLong { .. } = e { e } else { MetadataError::MissingArchitecture })?
             .ok_or(MetadataError::MissingArchitecture)?;
         let arch = |suffix: &str| format!("{architecture}.{suffix}");
         let block_count = uint(file, &arch("block_count"))?;
@@ -219,7 +245,6 @@ impl ModelInfo {
             value_length,
             file_type,
             tokenizer_model: string(file, "tokenizer.ggml.model")?,
-            chat_template: string(file, "tokenizer.chat_template")?,
             parameter_count: parameter_count(file),
             pooling_type: uint(file, &arch("pooling_type"))?.map(PoolingType::from_id),
             architecture,
@@ -506,6 +531,9 @@ fn wrong_type(key: &str, expected: &'static str, file: &GgufFile) -> MetadataErr
 fn string(file: &GgufFile, key: &str) -> Result<Option<String>, MetadataError> {
     match file.get(key) {
         None => Ok(None),
+        Some(GgufValue::String(s)) if s.len() > FACT_MAX => {
+            Err(MetadataError::TooLong { key: key.to_owned(), len: s.len(), max: FACT_MAX })
+        }
         Some(GgufValue::String(s)) => Ok(Some(s.clone())),
         Some(_) => Err(wrong_type(key, "a string", file)),
     }
@@ -540,6 +568,9 @@ fn head_count(file: &GgufFile, key: &str) -> Result<Option<HeadCount>, MetadataE
     }
     let list = match file.get(key) {
         None => return Ok(None),
+        Some(GgufValue::Array(a)) if a.len() > LAYERS_MAX => {
+            return Err(MetadataError::TooManyLayers { key: key.to_owned(), len: a.len(), max: LAYERS_MAX });
+        }
         Some(GgufValue::Array(a)) => match a {
             GgufArray::U8(v) => each(v, |x| Some(x.into())),
             GgufArray::U16(v) => each(v, |x| Some(x.into())),
@@ -567,8 +598,8 @@ mod tests {
     use super::super::reader::GgufFile;
     use super::super::{GgufArray, GgufValue, GgufWriter, TensorType};
     use super::{
-        HeadCount, MetadataError, ModelInfo, ModelKind, PoolingType, SHOWN_ARRAY_MAX, file_type_name, model_info,
-        to_json,
+        FACT_MAX, HeadCount, LAYERS_MAX, MetadataError, ModelInfo, ModelKind, PoolingType, SHOWN_ARRAY_MAX,
+        file_type_name, model_info, to_json,
     };
 
     fn tiny(which: &str) -> GgufFile {
@@ -611,7 +642,6 @@ mod tests {
         assert_eq!(info.file_type, Some(1));
         assert_eq!(info.file_type_name(), Some("F16"));
         assert_eq!(info.tokenizer_model.as_deref(), Some("llama"));
-        assert!(info.chat_template.as_deref().is_some_and(|t| t.contains("<|im_start|>")));
         assert_eq!(info.pooling_type, None);
         let elements: u64 = file.tensors().iter().map(|t| t.dims.iter().product::<u64>()).sum();
         assert!(info.parameter_count > 100_000);
@@ -632,7 +662,6 @@ mod tests {
         assert_eq!(info.head_count_kv, Some(HeadCount::Uniform(4)), "defaults to the head count");
         assert_eq!(info.file_type_name(), Some("F16"));
         assert_eq!(info.tokenizer_model.as_deref(), Some("bert"));
-        assert_eq!(info.chat_template, None);
         assert_eq!(info.pooling_type, Some(PoolingType::Mean));
         assert!(info.parameter_count > 0);
         assert_eq!(info.kv_cache_bytes(512, 1), 2 * 4 * 4 * 16 * 512 * 2);
@@ -706,6 +735,42 @@ mod tests {
         assert!(e.to_string().contains("holds an array of 4 f32"), "{e}");
         let e = info(&pairs("2".into())).expect_err("string");
         assert!(e.to_string().contains("holds a string (\"2\"), where a non-negative integer"), "{e}");
+    }
+
+    /// A hostile header's lists and strings are refused past what any model has, before
+    /// they are copied into the facts every listing and the details cache keep.
+    #[test]
+    fn facts_past_any_models_are_refused() {
+        let layers = u32::try_from(LAYERS_MAX + 1).expect("fits");
+        let e = info(&[
+            ("general.architecture", "llama".into()),
+            ("llama.block_count", layers.into()),
+            ("llama.attention.head_count", vec![1u8; LAYERS_MAX + 1].into()),
+        ])
+        .expect_err("too many layers");
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "GGUF metadata key llama.attention.head_count lists {} layers, more than the 4096 corral reads",
+                LAYERS_MAX + 1
+            )
+        );
+        let at_most = info(&[
+            ("general.architecture", "llama".into()),
+            ("llama.block_count", 4096u32.into()),
+            ("llama.attention.head_count", vec![1u8; LAYERS_MAX].into()),
+        ]);
+        assert_eq!(at_most.expect("at the limit").kv_head_count_sum(), 4096);
+        for key in ["general.architecture", "general.name", "general.type", "tokenizer.ggml.model"] {
+            let mut pairs = vec![("general.architecture", GgufValue::from("llama"))];
+            pairs.retain(|(k, _)| *k != key);
+            pairs.push((key, "x".repeat(FACT_MAX + 1).as_str().into()));
+            let e = info(&pairs).expect_err(key);
+            assert_eq!(
+                e.to_string(),
+                format!("GGUF metadata key {key} is 4097 bytes long, more than the 4096 corral reads")
+            );
+        }
     }
 
     #[test]

@@ -221,6 +221,27 @@ fn details_are_read_once_until_the_manifest_changes() {
 
     store.delete(&name("cached")).expect("delete");
     assert!(matches!(store.details(&name("cached")), Err(StoreError::NotFound(_))));
+    assert_eq!(crate::sync::lock(&store.details).held(), (0, 0), "a deleted model's details are let go");
+}
+
+/// Copies of a model with a large system prompt, each read: the cache keeps within its
+/// bound, letting the details read longest ago go, which are read again when asked for.
+#[test]
+fn the_details_cache_keeps_within_its_bytes() {
+    let (dir, store) = setup();
+    let system = "s".repeat(900 << 10);
+    create(&store, "big", &format!("FROM ./tiny.gguf\nSYSTEM \"\"\"{system}\"\"\"\n"), dir.path()).expect("create");
+    let copies = super::show::DETAILS_CACHE_MAX / (900 << 10) + 8;
+    for i in 0..copies {
+        store.copy(&name("big"), &name(&format!("big{i}"))).expect("copy");
+        assert_eq!(store.details(&name(&format!("big{i}"))).expect("details").system.as_deref(), Some(system.as_str()));
+    }
+    let (models, bytes) = crate::sync::lock(&store.details).held();
+    assert!(bytes <= super::show::DETAILS_CACHE_MAX, "{bytes} bytes");
+    assert!(models < copies && models > copies - 16, "{models} of {copies} kept");
+    let first = store.details(&name("big0")).expect("read again");
+    assert_eq!(first.system.as_deref(), Some(system.as_str()));
+    assert!(std::sync::Arc::ptr_eq(&first, &store.details(&name("big0")).expect("cached again")));
 }
 
 /// A manifest the store would refuse to read back (over 4 MiB) is never written: the

@@ -145,6 +145,7 @@ impl Store {
         let (bytes, _) = self.read_manifest(name)?;
         let removed = self.remove_manifest(name);
         if removed.is_ok() {
+            lock(&self.details).remove(name);
             self.changed();
         }
         // Every digest the file names, so a manifest that does not parse is deleted too.

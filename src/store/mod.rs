@@ -82,7 +82,7 @@ pub struct Store {
     /// Counts manifest writes and removals, for views that follow the list of models.
     changes: Arc<tokio::sync::watch::Sender<u64>>,
     /// What requests read of a model, by name, with the manifest file it came from.
-    details: Arc<Mutex<HashMap<ModelName, show::Cached>>>,
+    details: Arc<Mutex<show::DetailsCache>>,
     /// The listing kept between calls (`list.rs`).
     index: Arc<Mutex<list::Index>>,
     /// inotify on the manifest directories, once asked for and where it works (`watch.rs`).

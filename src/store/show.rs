@@ -1,7 +1,7 @@
 //! What `/api/show` and `corralctl show` tell about a model: details from its config,
 //! its text layers, a Modelfile that recreates it, and the GGUF metadata.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -47,10 +47,76 @@ pub struct ModelDetails {
 
 /// A model's details as read from one version of its manifest file.
 #[derive(Debug)]
-pub(super) struct Cached {
+struct Cached {
     /// The manifest file's identity: inode, size and modification time.
     file: (u64, u64, SystemTime),
     details: Arc<ModelDetails>,
+    /// About what it holds ([`held_bytes`]).
+    bytes: usize,
+    /// When it was put in, in insertions: the oldest goes first.
+    added: u64,
+}
+
+/// The most bytes the details cache holds, by [`held_bytes`]: a model's texts may be
+/// megabytes and copies of a model are cached apiece, so the number of models alone does
+/// not bound it. Real models take a few kilobytes each.
+pub const DETAILS_CACHE_MAX: usize = 64 << 20;
+
+/// The details kept per model name ([`Store::details`]), within [`DETAILS_CACHE_MAX`].
+#[derive(Debug, Default)]
+pub(super) struct DetailsCache {
+    entries: HashMap<ModelName, Cached>,
+    bytes: usize,
+    added: u64,
+}
+
+impl DetailsCache {
+    fn get(&self, name: &ModelName, file: (u64, u64, SystemTime)) -> Option<Arc<ModelDetails>> {
+        self.entries.get(name).filter(|c| c.file == file).map(|c| Arc::clone(&c.details))
+    }
+
+    /// Keeps `details`, leaving out the entries put in longest ago while the cache would
+    /// hold more than its bound (details larger than the bound alone are not kept).
+    fn insert(&mut self, name: ModelName, file: (u64, u64, SystemTime), details: Arc<ModelDetails>) {
+        self.remove(&name);
+        let bytes = held_bytes(&details);
+        if bytes > DETAILS_CACHE_MAX {
+            return;
+        }
+        while self.bytes + bytes > DETAILS_CACHE_MAX {
+            let Some(oldest) = self.entries.iter().min_by_key(|(_, c)| c.added).map(|(n, _)| n.clone()) else { break };
+            self.remove(&oldest);
+        }
+        self.added += 1;
+        self.bytes += bytes;
+        self.entries.insert(name, Cached { file, details, bytes, added: self.added });
+    }
+
+    /// How many models it holds, and its count of their bytes.
+    #[cfg(test)]
+    pub(super) fn held(&self) -> (usize, usize) {
+        (self.entries.len(), self.bytes)
+    }
+
+    pub(super) fn remove(&mut self, name: &ModelName) {
+        if let Some(gone) = self.entries.remove(name) {
+            self.bytes -= gone.bytes;
+        }
+    }
+}
+
+/// About the bytes a model's details hold: its texts, and a few hundred bytes for each
+/// layer and everything else.
+fn held_bytes(d: &ModelDetails) -> usize {
+    let texts = d.template.iter().chain(&d.system).chain(&d.licenses).map(String::len).sum::<usize>();
+    let messages = d.messages.iter().map(|m| m.role.len() + m.content.len() + 64).sum::<usize>();
+    let parameters = d.parameters.iter().map(|(k, v)| k.len() + 64 + v.to_string().len()).sum::<usize>();
+    let info = [&Some(d.info.architecture.clone()), &d.info.name, &d.info.general_type, &d.info.tokenizer_model]
+        .into_iter()
+        .flatten()
+        .map(String::len)
+        .sum::<usize>();
+    1024 + 256 * d.manifest.layers().len() + texts + messages + parameters + info
 }
 
 impl Store {
@@ -64,8 +130,7 @@ impl Store {
             return Ok(hit);
         }
         let details = Arc::new(self.read_details(name, None)?);
-        let entry = Cached { file, details: Arc::clone(&details) };
-        lock(&self.details).insert(name.clone(), entry);
+        lock(&self.details).insert(name.clone(), file, Arc::clone(&details));
         Ok(details)
     }
 
@@ -95,7 +160,7 @@ impl Store {
     #[allow(clippy::type_complexity)]
     fn lookup(&self, name: &ModelName) -> Result<((u64, u64, SystemTime), Option<Arc<ModelDetails>>), StoreError> {
         let file = self.manifest_identity(name)?;
-        let cached = lock(&self.details).get(name).and_then(|c| (c.file == file).then(|| Arc::clone(&c.details)));
+        let cached = lock(&self.details).get(name, file);
         Ok((file, cached))
     }
 
