@@ -181,6 +181,9 @@ struct PullProgress {
     error: Option<String>,
 }
 
+/// The most bytes of one line of an NDJSON reply (corrald's are under a few kilobytes).
+const MAX_LINE: usize = 64 << 20;
+
 /// Reads an NDJSON body, one line at a time, until `line` says it is done (`Ok(true)`);
 /// `Ok(false)` when the body ended first.
 async fn ndjson(
@@ -191,17 +194,39 @@ async fn ndjson(
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| CtlError::Http { message: format!("the reply broke off: {e}") })?;
         let Ok(data) = frame.into_data() else { continue };
-        pending.extend_from_slice(&data);
-        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
-            let text: Vec<u8> = pending.drain(..=end).collect();
-            let text = text.trim_ascii();
-            if !text.is_empty() && line(text)? {
-                return Ok(true);
-            }
+        if lines(&mut pending, &data, &mut line)? {
+            return Ok(true);
         }
     }
     let rest = pending.trim_ascii();
     Ok(!rest.is_empty() && line(rest)?)
+}
+
+/// Adds `data` to the unfinished line `pending` and hands `line` each line it completes,
+/// until `line` says it is done (`Ok(true)`). What waits holds no line end, so only the new
+/// bytes are searched for one (searching it all per piece grew with the square of a long
+/// line); a line past [`MAX_LINE`] is an error.
+fn lines(
+    pending: &mut Vec<u8>,
+    data: &[u8],
+    line: &mut impl FnMut(&[u8]) -> Result<bool, CtlError>,
+) -> Result<bool, CtlError> {
+    let mut from = pending.len();
+    pending.extend_from_slice(data);
+    let mut start = 0;
+    while let Some(at) = pending[from..].iter().position(|&b| b == b'\n') {
+        let text = pending[start..from + at].trim_ascii();
+        (start, from) = (from + at + 1, from + at + 1);
+        if !text.is_empty() && line(text)? {
+            return Ok(true);
+        }
+    }
+    pending.drain(..start);
+    if pending.len() > MAX_LINE {
+        let limit = bytesize::ByteSize::b(MAX_LINE as u64).display().iec();
+        return Err(CtlError::Http { message: format!("a line of the reply is longer than {limit}") });
+    }
+    Ok(false)
 }
 
 /// One message of the conversation.
@@ -420,7 +445,50 @@ pub async fn ensure_model(api: &Api, model: &str, insecure: bool) -> Result<(), 
 
 #[cfg(test)]
 mod tests {
-    use super::{Stats, duration};
+    use super::{MAX_LINE, Stats, duration, lines};
+
+    /// The lines `pieces` make, fed one after the other; and what is left unfinished.
+    fn split(pieces: &[&[u8]]) -> (Vec<String>, Vec<u8>) {
+        let mut pending = Vec::new();
+        let mut seen = Vec::new();
+        for piece in pieces {
+            let done = lines(&mut pending, piece, &mut |l: &[u8]| {
+                seen.push(String::from_utf8_lossy(l).into_owned());
+                Ok(false)
+            });
+            assert!(!done.expect("within bounds"));
+        }
+        (seen, pending)
+    }
+
+    #[test]
+    fn reply_lines_are_the_same_however_the_pieces_fall() {
+        let reply = b"{\"a\":1}\n\n  {\"b\":2}\r\n{\"c\":3}";
+        let whole = split(&[reply]);
+        assert_eq!(whole, (vec!["{\"a\":1}".to_owned(), "{\"b\":2}".to_owned()], b"{\"c\":3}".to_vec()));
+        for cut in 0..=reply.len() {
+            assert_eq!(split(&[&reply[..cut], &reply[cut..]]), whole, "cut at {cut}");
+        }
+        let bytes: Vec<&[u8]> = reply.chunks(1).collect();
+        assert_eq!(split(&bytes), whole);
+    }
+
+    /// A line of 16 MiB in 8 KiB pieces is read once, whole; a line past the bound is an
+    /// error naming it, not memory without end.
+    #[test]
+    fn a_long_line_is_read_whole_and_an_endless_one_refused() {
+        let long = [vec![b'x'; 16 << 20], b"\n".to_vec()].concat();
+        let pieces: Vec<&[u8]> = long.chunks(8 << 10).collect();
+        let (seen, pending) = split(&pieces);
+        assert_eq!((seen.len(), seen[0].len(), pending.len()), (1, 16 << 20, 0));
+        let mut pending = Vec::new();
+        let piece = vec![b'x'; 1 << 20];
+        let mut never = |_: &[u8]| -> Result<bool, super::CtlError> { unreachable!("no line ends") };
+        let error = (0..=MAX_LINE >> 20)
+            .find_map(|_| lines(&mut pending, &piece, &mut never).err())
+            .expect("refused past the bound");
+        assert!(error.to_string().contains("a line of the reply is longer than 64.0 MiB"), "{error}");
+    }
 
     #[test]
     fn durations_are_for_people() {

@@ -112,20 +112,15 @@ pub(super) async fn fetch_range(
         .map_err(|_| stalled())?
         .map_err(|e| transport(format!("cannot send the request: {e}")))?;
     let mut read = Vec::with_capacity(8 << 10);
-    let head = loop {
-        let n = tokio::time::timeout(config.read_timeout, stream.read_buf(&mut read))
-            .await
-            .map_err(|_| stalled())?
-            .map_err(|e| transport(format!("cannot read the answer: {e}")))?;
-        if n == 0 {
-            return Err(transport("the connection closed before an answer".to_owned()));
+    let head = match read_head(&mut stream, &mut read, config.read_timeout).await {
+        Ok(head) => head,
+        Err(HeadFail::Stalled) => return Err(stalled()),
+        Err(HeadFail::Read(e)) => return Err(transport(format!("cannot read the answer: {e}"))),
+        Err(HeadFail::Closed) => return Err(transport("the connection closed before an answer".to_owned())),
+        Err(HeadFail::TooLarge) => {
+            return Err(protocol(remote, format!("an answer's head is larger than {MAX_HEAD} bytes")));
         }
-        match parse_answer_head(&read) {
-            Ok(Some(head)) => break head,
-            Ok(None) if read.len() < MAX_HEAD => {}
-            Ok(None) => return Err(protocol(remote, format!("an answer's head is larger than {MAX_HEAD} bytes"))),
-            Err(detail) => return Err(protocol(remote, detail)),
-        }
+        Err(HeadFail::Bad(detail)) => return Err(protocol(remote, detail)),
     };
     if head.status == StatusCode::UNAUTHORIZED || head.status.is_redirection() || head.encoded {
         if head.status.is_redirection() {
@@ -210,6 +205,50 @@ pub fn parse_answer_head(read: &[u8]) -> Result<Option<AnswerHead>, String> {
         }
     }
     Ok(Some(head))
+}
+
+/// Why no answer head was read.
+#[derive(Debug)]
+enum HeadFail {
+    /// Nothing came for the read timeout.
+    Stalled,
+    /// Reading failed.
+    Read(std::io::Error),
+    /// The connection closed before the head ended.
+    Closed,
+    /// More than [`MAX_HEAD`] bytes without the head's end.
+    TooLarge,
+    /// Not an HTTP answer head ([`parse_answer_head`]'s reason).
+    Bad(String),
+}
+
+/// Reads an answer's head into `read` (which then holds it and what came after it), each
+/// read within `timeout`.
+async fn read_head(
+    stream: &mut (impl tokio::io::AsyncRead + Unpin),
+    read: &mut Vec<u8>,
+    timeout: Duration,
+) -> Result<AnswerHead, HeadFail> {
+    loop {
+        let n = tokio::time::timeout(timeout, stream.read_buf(read))
+            .await
+            .map_err(|_| HeadFail::Stalled)?
+            .map_err(HeadFail::Read)?;
+        // A head ends at an empty line: it is parsed once one may have come (parsed at each
+        // read, a head sent a byte at a time cost the square of its length).
+        let fresh = &read[(read.len() - n).saturating_sub(2)..];
+        let may_end = fresh.windows(2).any(|w| w == b"\n\n") || fresh.windows(3).any(|w| w == b"\n\r\n");
+        if n > 0 && !may_end && read.len() < MAX_HEAD {
+            continue;
+        }
+        match parse_answer_head(read) {
+            Ok(Some(head)) => return Ok(head),
+            Ok(None) if n == 0 => return Err(HeadFail::Closed),
+            Ok(None) if read.len() < MAX_HEAD => {}
+            Ok(None) => return Err(HeadFail::TooLarge),
+            Err(detail) => return Err(HeadFail::Bad(detail)),
+        }
+    }
 }
 
 /// The start of an error answer's body: what came with the head, then up to
@@ -350,8 +389,60 @@ impl Receiving {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_answer_head as parse_head;
+    use std::time::Duration;
+
+    use super::{HeadFail, MAX_HEAD, parse_answer_head as parse_head, read_head};
     use reqwest::StatusCode;
+    use tokio::io::AsyncWriteExt as _;
+
+    /// `answer` sent in pieces of at most `size` bytes (the pipe holds no more, so no read
+    /// gets more), the connection kept open (`close`: closed) after it: what `read_head`
+    /// makes of it.
+    async fn head_of(answer: &[u8], size: usize, close: bool) -> (Result<super::AnswerHead, HeadFail>, Vec<u8>) {
+        let (mut server, mut client) = tokio::io::duplex(size);
+        let (done, read_done) = tokio::sync::oneshot::channel::<()>();
+        let answer = answer.to_vec();
+        let sender = tokio::spawn(async move {
+            for piece in answer.chunks(size) {
+                if server.write_all(piece).await.is_err() {
+                    return;
+                }
+            }
+            if !close {
+                let _ = read_done.await;
+            }
+        });
+        let mut read = Vec::new();
+        let head = read_head(&mut client, &mut read, Duration::from_secs(5)).await;
+        let _ = done.send(());
+        drop(client);
+        sender.await.expect("sender");
+        (head, read)
+    }
+
+    /// The head is found wherever its end falls between reads, with either line end, while
+    /// the connection stays open, and what came after it stays for the body; a head cut
+    /// off, too large or no HTTP is named.
+    #[tokio::test]
+    async fn a_head_is_read_however_it_arrives() {
+        let crlf = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4\r\n\r\nbody".as_slice();
+        let lf = b"HTTP/1.1 206 Partial Content\nContent-Length: 4\n\nbody".as_slice();
+        for answer in [crlf, lf] {
+            for size in [1, 2, 3, 5, 7, answer.len()] {
+                let (head, read) = head_of(answer, size, false).await;
+                let head = head.unwrap_or_else(|e| panic!("{size}: {e:?}"));
+                assert_eq!((head.status, head.content_length), (StatusCode::PARTIAL_CONTENT, Some(4)), "{size}");
+                assert!(b"body".starts_with(&read[head.length..]), "{size}: {:?}", &read[head.length..]);
+            }
+        }
+        let (head, _) = head_of(b"HTTP/1.1 206 Partial Content\r\nContent-Le", 3, true).await;
+        assert!(matches!(head, Err(HeadFail::Closed)), "{head:?}");
+        let (head, _) = head_of(b"SSH-2.0-OpenSSH_9.2\r\n", 1, true).await;
+        assert!(matches!(&head, Err(HeadFail::Bad(why)) if why.starts_with("a malformed answer")), "{head:?}");
+        let endless = [b"HTTP/1.1 200 OK\r\nX: ".as_slice(), &vec![b'x'; MAX_HEAD]].concat();
+        let (head, _) = head_of(&endless, 4096, false).await;
+        assert!(matches!(head, Err(HeadFail::TooLarge)), "{head:?}");
+    }
 
     #[test]
     fn heads_parse_and_bad_ones_are_named() {
