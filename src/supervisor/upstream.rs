@@ -86,12 +86,26 @@ fn connection_lost(error: &hyper::Error) -> bool {
     false
 }
 
-/// `GET path` on the runner at `socket`, on a new connection; returns status and body.
+/// The most bytes of an answer [`get`] reads (`/health` answers a few bytes).
+const GET_MAX: usize = 1 << 20;
+
+/// `GET path` on the runner at `socket`, on a new connection; returns status and body
+/// (at most [`GET_MAX`] bytes of it).
 pub async fn get(socket: &Path, path: &'static str, timeout: Duration) -> Result<(StatusCode, Bytes), UpstreamError> {
     let exchange = async {
         let (response, driver) = send(socket, Method::GET, path, Bytes::new()).await?;
         let status = response.status();
-        let body = response.into_body().collect().await?.to_bytes();
+        let mut body = Vec::new();
+        let mut stream = response.into_body();
+        while let Some(frame) = stream.frame().await {
+            if let Ok(data) = frame?.into_data() {
+                body.extend_from_slice(&data[..data.len().min(GET_MAX - body.len())]);
+            }
+            if body.len() == GET_MAX {
+                break;
+            }
+        }
+        let body = Bytes::from(body);
         driver.abort();
         Ok((status, body))
     };
@@ -393,29 +407,6 @@ impl Pool {
         };
         tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
     }
-
-    /// [`Pool::post_json_stream`] with the whole body read (which keeps the connection
-    /// for the next request); `timeout` bounds the whole exchange.
-    ///
-    /// # Errors
-    /// The socket refused, the exchange failed, or it did not end in time.
-    pub async fn post_json(
-        &self,
-        socket: &Path,
-        path: &'static str,
-        body: Vec<u8>,
-        timeout: Duration,
-    ) -> Result<(StatusCode, Bytes), UpstreamError> {
-        let exchange = async {
-            let (status, mut stream) = self.post_json_stream(socket, path, body, timeout).await?;
-            let mut whole = Vec::new();
-            while let Some(piece) = stream.chunk().await {
-                whole.extend_from_slice(&piece?);
-            }
-            Ok((status, Bytes::from(whole)))
-        };
-        tokio::time::timeout(timeout, exchange).await.map_err(|_| UpstreamError::Timeout(timeout))?
-    }
 }
 
 #[cfg(test)]
@@ -476,6 +467,26 @@ mod tests {
             }
         });
         (accepted, closed)
+    }
+
+    /// A `GET` reads at most [`GET_MAX`] bytes of an answer, however long the runner's
+    /// (a health check answered with an endless body holds nothing more).
+    #[tokio::test]
+    async fn a_get_reads_at_most_its_bound() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("runner.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).expect("bind");
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.expect("accept");
+            let mut head = [0u8; 1024];
+            let _ = stream.read(&mut head).await;
+            let body = vec![b'x'; 3 * GET_MAX];
+            let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+            let _ = stream.write_all(answer.as_bytes()).await;
+            let _ = stream.write_all(&body).await;
+        });
+        let (status, body) = get(&socket, "/health", Duration::from_secs(5)).await.expect("get");
+        assert_eq!((status, body.len()), (StatusCode::OK, GET_MAX));
     }
 
     /// Sends a request; returns once its answer's headers arrived.
