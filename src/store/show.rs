@@ -57,9 +57,9 @@ struct Cached {
     added: u64,
 }
 
-/// The most bytes the details cache holds, by [`held_bytes`]: a model's texts may be
-/// megabytes and copies of a model are cached apiece, so the number of models alone does
-/// not bound it. Real models take a few kilobytes each.
+/// The most bytes the details cache holds, by an estimate of its texts and layers: a
+/// model's texts may be megabytes and copies of a model are cached apiece, so the number
+/// of models alone does not bound it. Real models take a few kilobytes each.
 pub const DETAILS_CACHE_MAX: usize = 64 << 20;
 
 /// The details kept per model name ([`Store::details`]), within [`DETAILS_CACHE_MAX`].

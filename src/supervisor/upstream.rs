@@ -90,7 +90,7 @@ fn connection_lost(error: &hyper::Error) -> bool {
 const GET_MAX: usize = 1 << 20;
 
 /// `GET path` on the runner at `socket`, on a new connection; returns status and body
-/// (at most [`GET_MAX`] bytes of it).
+/// (at most 1 MiB of it).
 pub async fn get(socket: &Path, path: &'static str, timeout: Duration) -> Result<(StatusCode, Bytes), UpstreamError> {
     let exchange = async {
         let (response, driver) = send(socket, Method::GET, path, Bytes::new()).await?;
