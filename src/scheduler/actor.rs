@@ -537,9 +537,7 @@ impl Scheduler {
         let (joining, rest): (VecDeque<_>, VecDeque<_>) =
             std::mem::take(&mut self.queue).into_iter().partition(|(queued, _)| queued.key == key);
         self.queue = rest;
-        if let Some(entry) = self.runners.get_mut(&id)
-            && let Phase::Loading { .. } = entry.phase
-        {
+        if let Some(entry) = self.runners.get_mut(&id).filter(|e| matches!(e.phase, Phase::Loading { .. })) {
             let mut joined = Vec::new();
             for (queued, reply) in joining {
                 // Another model of the same weights and options shares the load.

@@ -60,15 +60,11 @@ impl Ranges {
         }
         let (mut start, mut end) = (start, end);
         // The range before that reaches `start`, and those after that `end` reaches, join.
-        if let Some((&s, &e)) = self.0.range(..=start).next_back()
-            && e >= start
-        {
+        if let Some((&s, &e)) = self.0.range(..=start).next_back().filter(|&(_, &e)| e >= start) {
             start = s;
             end = end.max(e);
         }
-        while let Some((&s, &e)) = self.0.range(start..).next()
-            && s <= end
-        {
+        while let Some((&s, &e)) = self.0.range(start..).next().filter(|&(&s, _)| s <= end) {
             end = end.max(e);
             self.0.remove(&s);
         }
