@@ -3,7 +3,7 @@
 //! messages). Blobs are pinned from the first write until the manifest is written, and
 //! the manifest is written last, so a failure at any step leaves no model behind.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -132,16 +132,18 @@ impl Store {
         let _inputs = self.pin(blob_inputs);
         // Every input is checked before anything is written: a bad file or reference changes nothing.
         spec.check_sizes()?;
+        // The blobs' headers, read once (a blob never changes under its digest).
+        let mut headers = HashMap::new();
         if let Source::Model(base) = &spec.from {
             self.manifest(base)?;
         } else {
-            self.check_gguf(&spec.from, ModelKind::Model)?;
+            self.check_gguf(&spec.from, ModelKind::Model, &mut headers)?;
         }
         for adapter in &spec.adapters {
-            self.check_gguf(adapter, ModelKind::Adapter)?;
+            self.check_gguf(adapter, ModelKind::Adapter, &mut headers)?;
         }
         let mut added = Vec::new();
-        let result = self.write_model(name, spec, progress, &mut added);
+        let result = self.write_model(name, spec, &headers, progress, &mut added);
         if result.is_err() {
             // A failure while writing (a full disk) takes back the blobs this create added.
             self.remove_unreferenced(added.into_iter().collect());
@@ -149,12 +151,20 @@ impl Store {
         result
     }
 
-    fn check_gguf(&self, source: &Source, expected: ModelKind) -> Result<(), StoreError> {
+    fn check_gguf(
+        &self,
+        source: &Source,
+        expected: ModelKind,
+        headers: &mut HashMap<Digest, ModelInfo>,
+    ) -> Result<(), StoreError> {
         let (path, what) = match source {
             Source::File(path) => (path.clone(), path.display().to_string()),
             Source::Blob(digest) => {
                 let what = digest.to_string();
-                return check_kind(&self.inspect_blob(digest, &what)?, expected, &what);
+                if !headers.contains_key(digest) {
+                    headers.insert(*digest, self.inspect_blob(digest, &what)?);
+                }
+                return check_kind(&headers[digest], expected, &what);
             }
             Source::Model(name) => {
                 return Err(StoreError::Invalid(format!(
@@ -169,6 +179,7 @@ impl Store {
         &self,
         name: &ModelName,
         spec: &CreateSpec,
+        headers: &HashMap<Digest, ModelInfo>,
         progress: &mut dyn FnMut(String),
         added: &mut Vec<Digest>,
     ) -> Result<Digest, StoreError> {
@@ -186,13 +197,13 @@ impl Store {
             }
             source => {
                 progress("parsing GGUF".to_owned());
-                let (layer, info) = self.gguf_layer(source, manifest::MODEL, &mut pins, added, progress)?;
+                let (layer, info) = self.gguf_layer(source, manifest::MODEL, headers, &mut pins, added, progress)?;
                 layers.push(layer);
                 info
             }
         };
         for adapter in &spec.adapters {
-            let (layer, _) = self.gguf_layer(adapter, manifest::ADAPTER, &mut pins, added, progress)?;
+            let (layer, _) = self.gguf_layer(adapter, manifest::ADAPTER, headers, &mut pins, added, progress)?;
             layers.push(layer);
         }
 
@@ -268,6 +279,7 @@ impl Store {
         &self,
         source: &Source,
         media_type: &str,
+        headers: &HashMap<Digest, ModelInfo>,
         pins: &mut Vec<super::Pin>,
         added: &mut Vec<Digest>,
         progress: &mut dyn FnMut(String),
@@ -290,7 +302,10 @@ impl Store {
             }
             Source::Model(name) => return Err(StoreError::Invalid(format!("{name} is not a GGUF file or blob"))),
         };
-        let info = self.inspect_blob(&digest, &digest.to_string())?;
+        let info = match headers.get(&digest) {
+            Some(info) => info.clone(),
+            None => self.inspect_blob(&digest, &digest.to_string())?,
+        };
         Ok((Layer { media_type: media_type.to_owned(), digest, size, from }, info))
     }
 

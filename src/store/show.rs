@@ -111,11 +111,8 @@ fn held_bytes(d: &ModelDetails) -> usize {
     let texts = d.template.iter().chain(&d.system).chain(&d.licenses).map(String::len).sum::<usize>();
     let messages = d.messages.iter().map(|m| m.role.len() + m.content.len() + 64).sum::<usize>();
     let parameters = d.parameters.iter().map(|(k, v)| k.len() + 64 + v.to_string().len()).sum::<usize>();
-    let info = [&Some(d.info.architecture.clone()), &d.info.name, &d.info.general_type, &d.info.tokenizer_model]
-        .into_iter()
-        .flatten()
-        .map(String::len)
-        .sum::<usize>();
+    let facts = [&d.info.name, &d.info.general_type, &d.info.adapter_type, &d.info.tokenizer_model];
+    let info = d.info.architecture.len() + facts.into_iter().flatten().map(String::len).sum::<usize>();
     1024 + 256 * d.manifest.layers().len() + texts + messages + parameters + info
 }
 
