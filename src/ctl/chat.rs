@@ -88,7 +88,8 @@ impl Api {
         if status.is_success() {
             return Ok(response);
         }
-        let bytes = response.into_body().collect().await.map(http_body_util::Collected::to_bytes).unwrap_or_default();
+        // An error's body is a line or two; one past the bound (or cut off) leaves the status.
+        let bytes = whole(response.into_body(), ERROR_MAX).await.unwrap_or_default();
         let message = serde_json::from_slice::<Chunk>(&bytes)
             .ok()
             .and_then(|c| c.error)
@@ -113,12 +114,7 @@ impl Api {
             return Ok(None);
         }
         let response = self.checked(response).await?;
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| CtlError::Http { message: format!("the reply broke off: {e}") })?
-            .to_bytes();
+        let bytes = whole(response.into_body(), MAX_LINE).await?;
         serde_json::from_slice(&bytes)
             .map(Some)
             .map_err(|e| CtlError::Http { message: format!("an unexpected reply to show: {e}") })
@@ -181,8 +177,29 @@ struct PullProgress {
     error: Option<String>,
 }
 
-/// The most bytes of one line of an NDJSON reply (corrald's are under a few kilobytes).
+/// The most bytes of one line of an NDJSON reply, or of a whole JSON reply (corrald's are
+/// under a few kilobytes; a show of a model with megabytes of text, a few megabytes).
 const MAX_LINE: usize = 64 << 20;
+
+/// The most bytes of an error's body read (an API error is a line).
+const ERROR_MAX: usize = 1 << 20;
+
+/// A whole reply body, at most `limit` bytes of it (more is an error naming the bound).
+async fn whole<B>(body: B, limit: usize) -> Result<Bytes, CtlError>
+where
+    B: hyper::body::Body,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let bytes = http_body_util::Limited::new(body, limit).collect().await.map_err(|e| {
+        let message = if e.is::<http_body_util::LengthLimitError>() {
+            format!("the reply is longer than {}", bytesize::ByteSize::b(limit as u64).display().iec())
+        } else {
+            format!("the reply broke off: {e}")
+        };
+        CtlError::Http { message }
+    })?;
+    Ok(bytes.to_bytes())
+}
 
 /// Reads an NDJSON body, one line at a time, until `line` says it is done (`Ok(true)`);
 /// `Ok(false)` when the body ended first.
@@ -471,6 +488,15 @@ mod tests {
         }
         let bytes: Vec<&[u8]> = reply.chunks(1).collect();
         assert_eq!(split(&bytes), whole);
+    }
+
+    /// A whole reply is read up to its bound; past it, the error names the bound.
+    #[tokio::test]
+    async fn a_whole_reply_is_read_within_its_bound() {
+        let body = http_body_util::Full::new(hyper::body::Bytes::from(vec![b'x'; 1 << 20]));
+        assert_eq!(super::whole(body.clone(), 1 << 20).await.expect("at the bound").len(), 1 << 20);
+        let error = super::whole(body, (1 << 20) - 1).await.expect_err("past the bound");
+        assert!(error.to_string().contains("the reply is longer than 1024.0 KiB"), "{error}");
     }
 
     /// A line of 16 MiB in 8 KiB pieces is read once, whole; a line past the bound is an
