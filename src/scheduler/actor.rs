@@ -245,11 +245,11 @@ impl Scheduler {
         // The fast path: a ready runner with this key that takes requests.
         if let Some((&id, entry)) = self.runners.iter_mut().find(|(_, e)| e.request.key == request.key && !e.draining) {
             let joined = !entry.users.contains(&request.name);
-            if joined && !matches!(entry.phase, Phase::Unloading { .. }) && entry.users.len() >= MAX_NAMES_PER_RUNNER {
-                let _ = reply.send(Err(entry.too_many_names(&request.name)));
-                return;
-            }
             if joined && !matches!(entry.phase, Phase::Unloading { .. }) {
+                if entry.users.len() >= MAX_NAMES_PER_RUNNER {
+                    let _ = reply.send(Err(entry.too_many_names(&request.name)));
+                    return;
+                }
                 entry.users.push(request.name.clone());
             }
             let users = entry.users.clone();

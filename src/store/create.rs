@@ -3,6 +3,7 @@
 //! messages). Blobs are pinned from the first write until the manifest is written, and
 //! the manifest is written last, so a failure at any step leaves no model behind.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
@@ -91,17 +92,18 @@ impl CreateSpec {
                 )));
             }
         }
-        let texts = (self.template.iter().map(|t| (SmallBlob::Template, t.as_bytes().to_vec())))
-            .chain(self.system.iter().map(|t| (SmallBlob::System, t.as_bytes().to_vec())))
-            .chain(self.licenses.iter().map(|t| (SmallBlob::License, t.as_bytes().to_vec())))
-            .chain(
-                (!self.parameters.is_empty())
-                    .then(|| (SmallBlob::Params, serde_json::to_vec(&self.parameters).expect("a JSON map serializes"))),
-            )
-            .chain(
-                (!self.messages.is_empty())
-                    .then(|| (SmallBlob::Messages, serde_json::to_vec(&self.messages).expect("messages serialize"))),
-            );
+        // The texts as they are, the JSON layers as they will be written.
+        let json = |kind: SmallBlob, bytes: Vec<u8>| (kind, Cow::Owned(bytes));
+        let texts =
+            (self.template.iter().map(|t| (SmallBlob::Template, Cow::Borrowed(t.as_bytes()))))
+                .chain(self.system.iter().map(|t| (SmallBlob::System, Cow::Borrowed(t.as_bytes()))))
+                .chain(self.licenses.iter().map(|t| (SmallBlob::License, Cow::Borrowed(t.as_bytes()))))
+                .chain((!self.parameters.is_empty()).then(|| {
+                    json(SmallBlob::Params, serde_json::to_vec(&self.parameters).expect("a JSON map serializes"))
+                }))
+                .chain((!self.messages.is_empty()).then(|| {
+                    json(SmallBlob::Messages, serde_json::to_vec(&self.messages).expect("messages serialize"))
+                }));
         let mut total = 0u64;
         for (kind, bytes) in texts {
             limits::check_data(kind, &bytes)?;
