@@ -20,8 +20,9 @@ use std::time::{Duration, Instant};
 
 use common::{env_or, ms};
 
+use corral::supervisor::child_log::LogSink;
 use corral::supervisor::command::{LoadOptions, ModelFiles, Placement};
-use corral::supervisor::runner::{self, LogSink, RunnerSpec, SupervisorConfig};
+use corral::supervisor::runner::{self, RunnerSpec, SupervisorConfig};
 
 /// Spawn llama-server directly and wait until it is healthy; returns the elapsed time.
 fn direct(llama_server: &Path, model: &Path, socket: &Path) -> Duration {

@@ -39,8 +39,9 @@ use corral::scheduler::footprints::Footprints;
 use corral::scheduler::keep_alive::{Clamp, KeepAlive};
 use corral::scheduler::policy::{self, Decision, Footprint, GpuView, Placement, RunnerView, Snapshot};
 use corral::scheduler::types::{Limits, ModelRequest, ScheduleError};
+use corral::supervisor::child_log::LogSink;
 use corral::supervisor::command::{LoadOptions, ModelFiles};
-use corral::supervisor::runner::{LogSink, SupervisorConfig};
+use corral::supervisor::runner::SupervisorConfig;
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;

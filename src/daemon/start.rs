@@ -29,8 +29,9 @@ use crate::store::Store;
 use crate::store::name::ModelName;
 use crate::store::registry::{Registry, RegistryConfig};
 use crate::supervisor::cgroup::CgroupTree;
+use crate::supervisor::child_log::LogSink;
 use crate::supervisor::command::INHERITED_VARIABLES;
-use crate::supervisor::runner::{LogSink, SupervisorConfig};
+use crate::supervisor::runner::SupervisorConfig;
 use crate::systemd::{JOURNAL_SOCKET, JournalWriter};
 use crate::workers::{self, CheckSettings, Fleet, FleetView, Monitor};
 

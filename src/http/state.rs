@@ -141,7 +141,8 @@ pub(crate) fn test_limits() -> crate::scheduler::types::Limits {
 #[cfg(test)]
 pub(crate) fn absent_backend() -> Arc<dyn crate::scheduler::backend::Backend> {
     use crate::scheduler::backend::SupervisorBackend;
-    use crate::supervisor::runner::{LogSink, SupervisorConfig};
+    use crate::supervisor::child_log::LogSink;
+    use crate::supervisor::runner::SupervisorConfig;
 
     Arc::new(SupervisorBackend {
         config: SupervisorConfig {

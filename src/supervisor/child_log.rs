@@ -22,9 +22,17 @@ use nix::unistd::Pid;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::logparse::{LineSplitter, LoadReport, ParsedLine, Priorities};
-use super::runner::LogSink;
 use crate::sync::lock;
-use crate::systemd::Priority;
+use crate::systemd::{JournalWriter, Priority};
+
+/// Where a child's output goes besides the parser.
+#[derive(Debug, Clone)]
+pub enum LogSink {
+    /// journald, one entry per line with `SYSLOG_IDENTIFIER=llama-server`.
+    Journal(Arc<JournalWriter>),
+    /// The daemon's own log (stderr when not under systemd).
+    Tracing,
+}
 
 /// How long the reader of a ready runner's log waits between reads.
 pub const SETTLED_PAUSE: Duration = Duration::from_millis(25);

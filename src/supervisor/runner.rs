@@ -22,21 +22,11 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
 use super::cgroup::{CgroupTree, MemoryUsage, RunnerCgroup};
-use super::child_log::{ChildLog, Milestone};
+use super::child_log::{ChildLog, LogSink, Milestone};
 use super::command::{self, Invocation, LoadOptions, ModelFiles, Placement, PlannedDevice};
 use super::logparse::{ErrorClass, LoadReport};
 use super::upstream;
 use super::worker_links;
-use crate::systemd::JournalWriter;
-
-/// Where a child's output goes besides the parser.
-#[derive(Debug, Clone)]
-pub enum LogSink {
-    /// journald, one entry per line with `SYSLOG_IDENTIFIER=llama-server`.
-    Journal(Arc<JournalWriter>),
-    /// The daemon's own log (stderr when not under systemd).
-    Tracing,
-}
 
 /// What every runner shares: the executable, directories, environment and containment.
 #[derive(Debug, Clone)]

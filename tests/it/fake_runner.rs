@@ -13,8 +13,9 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use corral::supervisor::child_log::LogSink;
 use corral::supervisor::command::{LoadOptions, ModelFiles, Placement};
-use corral::supervisor::runner::{self, Exit, Failure, LoadError, LogSink, Runner, RunnerSpec, SupervisorConfig};
+use corral::supervisor::runner::{self, Exit, Failure, LoadError, Runner, RunnerSpec, SupervisorConfig};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value, json};

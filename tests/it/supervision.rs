@@ -5,9 +5,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use corral::supervisor::child_log::LogSink;
 use corral::supervisor::command::{LoadOptions, ModelFiles, Placement};
 use corral::supervisor::logparse::BufferKind;
-use corral::supervisor::runner::{self, Failure, LoadError, LogSink, RunnerSpec, SupervisorConfig};
+use corral::supervisor::runner::{self, Failure, LoadError, RunnerSpec, SupervisorConfig};
 use nix::sys::signal::{Signal, kill};
 
 use crate::support::corrald::free_port;

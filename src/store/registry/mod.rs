@@ -57,6 +57,7 @@
 //! - `auth.rs`: the token dance (Bearer challenges, the token service);
 //! - `download.rs`: the shared, resumable blob downloads and their ranged requests;
 //! - `plain_http.rs`: a ranged request over plain HTTP, its body read by blocking reads;
+//! - `ranged.rs`: what an answer to a ranged request must be, and its errors;
 //! - `landing.rs`: the batch buffers, the writer and hash threads of a download;
 //! - `partial.rs`: a partial download on disk, the record of what is in it, the final check;
 //! - `push.rs`: uploading a blob;
@@ -70,6 +71,7 @@ mod partial;
 mod plain_http;
 mod protocol;
 mod push;
+mod ranged;
 
 use std::collections::BTreeSet;
 use std::io;
@@ -83,10 +85,10 @@ use tokio::sync::watch;
 
 pub use self::auth::parse_bearer_challenge;
 use self::download::Inflight;
-pub use self::download::parse_content_range;
 pub use self::error::RegistryError;
 use self::error::chain;
 pub use self::plain_http::{AnswerHead, parse_answer_head};
+pub use self::ranged::parse_content_range;
 use super::digest::Digest;
 use super::limits;
 use super::manifest::{Layer, MANIFEST_MEDIA_TYPE, Manifest};

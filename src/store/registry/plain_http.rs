@@ -33,10 +33,10 @@ use reqwest::header::HeaderValue;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
-use super::download::{Asked, check_range_answer, writing_stopped};
 use super::landing::{Feed, Filling};
 use super::partial::Partial;
 use super::protocol::{EXCERPT_BYTES, Remote, excerpt_text};
+use super::ranged::{Asked, check_range_answer, writing_stopped};
 use super::{RegistryError, USER_AGENT};
 use crate::durations::human;
 use crate::sync::lock;

@@ -20,7 +20,8 @@ use corral::store::Store;
 use corral::store::create::CreateSpec;
 use corral::store::modelfile::Modelfile;
 use corral::store::name::ModelName;
-use corral::supervisor::runner::{LogSink, SupervisorConfig};
+use corral::supervisor::child_log::LogSink;
+use corral::supervisor::runner::SupervisorConfig;
 
 use tower::ServiceExt;
 
