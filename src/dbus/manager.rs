@@ -216,7 +216,7 @@ impl Manager {
     #[zbus(property(emits_changed_signal = "false"))]
     async fn devices(&self) -> zbus::fdo::Result<Vec<(String, String, String, u64, u64, u64)>> {
         let stats = self.shared.context.scheduler.stats().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
-        Ok(crate::gpu::usage(&self.shared.context.fleet.inventory(), &stats.loaded)
+        Ok(crate::scheduler::device_use::usage(&self.shared.context.fleet.inventory(), &stats.loaded)
             .into_iter()
             .map(|d| (d.kind.to_owned(), d.name, d.description, d.total_bytes, d.usable_bytes, d.used_bytes))
             .collect())

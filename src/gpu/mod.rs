@@ -9,19 +9,18 @@
 //! ([`crate::workers`]) adds them as the workers come up and takes them out (by index, in
 //! [`Inventory::offline`]) as they go down.  Every filesystem root, program and the NVML
 //! handle are passed in, so tests point them at a temporary directory.
-//! [`usage`] is the per-device view the D-Bus, `/metrics` and `/api/ps` show.
+//! What corral's runners take on each device is the scheduler's view
+//! ([`crate::scheduler::device_use`]).
 
 pub mod amd;
 pub mod fixed;
 pub mod host;
 pub mod nvml;
 pub mod rpc;
-mod usage;
 
 use std::path::PathBuf;
 
 pub use crate::supervisor::command::Backend;
-pub use usage::{DeviceUse, HOST_NAME, model_devices, usage};
 
 use crate::config::GpuConfig;
 

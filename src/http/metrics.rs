@@ -22,7 +22,7 @@ pub async fn metrics(State(app): State<AppState>) -> Result<Response, ApiError> 
     let snapshot = app.scheduler.stats().await.map_err(|e| super::error::scheduler_view(&e, "/metrics"))?;
     let mut text = render(&snapshot);
     let fleet = app.fleet.now();
-    text.push_str(&render_devices(&crate::gpu::usage(&fleet.inventory, &snapshot.loaded)));
+    text.push_str(&render_devices(&crate::scheduler::device_use::usage(&fleet.inventory, &snapshot.loaded)));
     text.push_str(&render_workers(&fleet.workers));
     let (prompt, generated) = app.tokens.totals();
     let _ = writeln!(
@@ -109,7 +109,7 @@ pub fn render(stats: &Stats) -> String {
 
 /// The per-device series of `devices`.
 #[must_use]
-pub fn render_devices(devices: &[crate::gpu::DeviceUse]) -> String {
+pub fn render_devices(devices: &[crate::scheduler::device_use::DeviceUse]) -> String {
     let mut out = String::from(
         "# HELP corral_device_memory_bytes Memory of each device and the host: total, usable by corral, used by \
          corral's runners.\n# TYPE corral_device_memory_bytes gauge\n",
@@ -172,7 +172,7 @@ mod tests {
     use std::time::Duration;
 
     use super::{escape, render, render_devices, render_workers};
-    use crate::gpu::DeviceUse;
+    use crate::scheduler::device_use::DeviceUse;
     use crate::scheduler::keep_alive::KeepAlive;
     use crate::scheduler::policy::{Footprint, Placement};
     use crate::scheduler::types::{Counters, LoadedModel, Stats};

@@ -10,10 +10,12 @@
 //! - [`footprints`]: what models really used, learned at each load and kept on disk;
 //! - [`request`]: from a model name and a client's options to what the actor needs;
 //! - [`key`]: the [`RunnerKey`](key::RunnerKey) that says which requests share a runner;
-//! - [`failure`]: why a load failed, as a class the edges map.
+//! - [`failure`]: why a load failed, as a class the edges map;
+//! - [`device_use`]: each device with what the runners take on it, for the views.
 
 pub mod actor;
 pub mod backend;
+pub mod device_use;
 pub mod failure;
 pub mod footprints;
 pub mod handle;

@@ -2,9 +2,9 @@
 //! views (D-Bus `Devices`, `/metrics`, `/api/ps`).  Pure: the caller brings the scheduler's
 //! runners.
 
-use super::Inventory;
-use crate::scheduler::policy::{Footprint, Placement};
-use crate::scheduler::types::LoadedModel;
+use super::policy::{Footprint, Placement};
+use super::types::LoadedModel;
+use crate::gpu::Inventory;
 
 /// The host's name among the devices.
 pub const HOST_NAME: &str = "host";
