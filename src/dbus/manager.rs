@@ -10,6 +10,7 @@ use zbus::{Connection, interface};
 use super::error::Error;
 use super::job::{self, Work};
 use super::{Shared, TEXT, lock, model_path, options, reply_fits, texts};
+use crate::scheduler::device_use;
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request;
 use crate::scheduler::types::ScheduleError;
@@ -216,7 +217,7 @@ impl Manager {
     #[zbus(property(emits_changed_signal = "false"))]
     async fn devices(&self) -> zbus::fdo::Result<Vec<(String, String, String, u64, u64, u64)>> {
         let stats = self.shared.context.scheduler.stats().await.map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?;
-        Ok(crate::scheduler::device_use::usage(&self.shared.context.fleet.inventory(), &stats.loaded)
+        Ok(device_use::usage(&self.shared.context.fleet.inventory(), &stats.loaded)
             .into_iter()
             .map(|d| (d.kind.to_owned(), d.name, d.description, d.total_bytes, d.usable_bytes, d.used_bytes))
             .collect())

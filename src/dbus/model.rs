@@ -18,6 +18,7 @@ use zbus::{Connection, Message, ObjectServer, interface};
 
 use super::error::Error;
 use super::{Shared, lock, manager};
+use crate::scheduler::device_use::model_devices;
 use crate::scheduler::types::LoadedModel;
 use crate::store::name::ModelName;
 use crate::store::show::{BlobFacts, ModelDetails};
@@ -441,14 +442,10 @@ impl Live {
             .map_or(0, |at| epoch_micros(SystemTime::now() + at.saturating_duration_since(now)));
         let active_requests = serving().map(|m| m.leases).sum();
         let (devices, memory) = serving().next().map_or_else(Default::default, |runner| {
-            let devices = crate::scheduler::device_use::model_devices(
-                &shared.context.fleet.inventory(),
-                &runner.placement,
-                runner.footprint,
-            )
-            .into_iter()
-            .map(|(kind, device, bytes)| (device, kind.to_owned(), bytes))
-            .collect();
+            let devices = model_devices(&shared.context.fleet.inventory(), &runner.placement, runner.footprint)
+                .into_iter()
+                .map(|(kind, device, bytes)| (device, kind.to_owned(), bytes))
+                .collect();
             let memory = runner.devices.iter().map(|d| (d.device.clone(), d.planned.unwrap_or(0), d.actual)).collect();
             (devices, memory)
         });

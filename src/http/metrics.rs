@@ -15,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::error::ApiError;
 use super::state::AppState;
+use crate::scheduler::device_use::{self, DeviceUse};
 use crate::scheduler::types::Stats;
 
 /// The handler.
@@ -22,7 +23,7 @@ pub async fn metrics(State(app): State<AppState>) -> Result<Response, ApiError> 
     let snapshot = app.scheduler.stats().await.map_err(|e| super::error::scheduler_view(&e, "/metrics"))?;
     let mut text = render(&snapshot);
     let fleet = app.fleet.now();
-    text.push_str(&render_devices(&crate::scheduler::device_use::usage(&fleet.inventory, &snapshot.loaded)));
+    text.push_str(&render_devices(&device_use::usage(&fleet.inventory, &snapshot.loaded)));
     text.push_str(&render_workers(&fleet.workers));
     let (prompt, generated) = app.tokens.totals();
     let _ = writeln!(
@@ -109,7 +110,7 @@ pub fn render(stats: &Stats) -> String {
 
 /// The per-device series of `devices`.
 #[must_use]
-pub fn render_devices(devices: &[crate::scheduler::device_use::DeviceUse]) -> String {
+pub fn render_devices(devices: &[DeviceUse]) -> String {
     let mut out = String::from(
         "# HELP corral_device_memory_bytes Memory of each device and the host: total, usable by corral, used by \
          corral's runners.\n# TYPE corral_device_memory_bytes gauge\n",
@@ -171,8 +172,7 @@ fn escape(value: &str) -> String {
 mod tests {
     use std::time::Duration;
 
-    use super::{escape, render, render_devices, render_workers};
-    use crate::scheduler::device_use::DeviceUse;
+    use super::{DeviceUse, escape, render, render_devices, render_workers};
     use crate::scheduler::keep_alive::KeepAlive;
     use crate::scheduler::policy::{Footprint, Placement};
     use crate::scheduler::types::{Counters, LoadedModel, Stats};

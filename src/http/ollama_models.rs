@@ -22,6 +22,7 @@ use tokio::time::Instant;
 use super::error::{self, ApiError, StoreWork, bad};
 use super::state::AppState;
 use crate::gpu::Inventory;
+use crate::scheduler::device_use::{HOST_NAME, model_devices};
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::types::LoadedModel;
 use crate::store::manifest::ModelConfig;
@@ -244,7 +245,7 @@ fn ps_model(
             (String::new(), Details::default())
         }
     };
-    let devices: Vec<PsDevice> = crate::scheduler::device_use::model_devices(inventory, &m.placement, m.footprint)
+    let devices: Vec<PsDevice> = model_devices(inventory, &m.placement, m.footprint)
         .into_iter()
         .map(|(kind, name, bytes)| PsDevice { name, kind, bytes })
         .collect();
@@ -253,7 +254,7 @@ fn ps_model(
         model: name.to_owned(),
         size: m.footprint.total(),
         // Ollama's "in VRAM": on any offload device, RPC devices included.
-        size_vram: devices.iter().filter(|d| d.kind != crate::scheduler::device_use::HOST_NAME).map(|d| d.bytes).sum(),
+        size_vram: devices.iter().filter(|d| d.kind != HOST_NAME).map(|d| d.bytes).sum(),
         digest,
         details,
         expires_at: rfc3339(expires),
