@@ -85,6 +85,7 @@ fn client(hosts: &[String], tweak: impl FnOnce(&mut RegistryConfig)) -> Registry
         connect_timeout: Duration::from_secs(10),
         read_timeout: Duration::from_secs(30),
         request_timeout: Duration::from_secs(30),
+        max_downloads: 16,
     };
     tweak(&mut config);
     Registry::new(config)
@@ -554,6 +555,51 @@ async fn parts_come_at_once_while_the_hash_waits_for_data_and_the_blob_is_still_
     assert_eq!(asked, every_part, "each part asked for once");
     assert_eq!(snapshot(&store, &name), published);
     assert_pull_progress(&events, &manifest);
+}
+
+/// At most `max_downloads` blobs are downloaded at once, over every pull: with one allowed
+/// and the first pull's weights held by the registry, a second pull into another store asks
+/// for nothing until that download has ended, then gets its blob whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_download_past_the_bound_waits_for_one_to_end() {
+    let world = World::new();
+    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let model = manifest.model().clone();
+    let proxy = Proxy::start(world.registry.addr());
+    let gate = Gate::new();
+    let (held, digest) = (gate.clone(), model.digest.to_string());
+    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Hold(held.clone()) } else { Action::Pass });
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let client = client(&[proxy.host()], |c| {
+        c.max_downloads = 1;
+        c.max_parts = 1;
+    });
+    let (first, second) = (world.store("first"), world.store("second"));
+    let (sender, mut events) = mpsc::unbounded_channel();
+    let one = spawn_pull(&client, &first, &name, 1, &sender);
+    within("the first pull's request for its weights", gate.arrivals(1)).await;
+    let two = spawn_pull(&client, &second, &name, 2, &sender);
+    within("the second pull's manifest", async {
+        while events.recv().await.expect("a pull ended early") != (2, Progress::step("pulling manifest")) {}
+    })
+    .await;
+    // Without the bound, its request for the weights comes to the gate at once.
+    let asked = tokio::time::timeout(Duration::from_millis(500), gate.arrivals(2)).await;
+    assert!(asked.is_err(), "the second download asked while the only one allowed ran: {:?}", proxy.seen());
+    assert!(
+        std::iter::from_fn(|| events.try_recv().ok()).all(|(id, p)| id != 2 || p.digest != Some(model.digest)),
+        "the waiting download reports no progress"
+    );
+
+    gate.open();
+    for (pull, store) in [(one, &first), (two, &second)] {
+        let (result, _) = within("pull", pull).await.expect("the pull's task");
+        result.expect("pull");
+        assert_eq!(snapshot(store, &name), published);
+    }
+    let every_part = parts_from(0, model.size);
+    let one_after_the_other: Vec<_> = every_part.iter().chain(&every_part).copied().collect();
+    assert_eq!(blob_ranges(&proxy.seen(), &model.digest), one_after_the_other, "the second began once the first ended");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -162,6 +162,7 @@ fn client(hosts: &[String], tweak: impl FnOnce(&mut RegistryConfig)) -> Registry
         connect_timeout: Duration::from_secs(10),
         read_timeout: Duration::from_secs(30),
         request_timeout: Duration::from_secs(30),
+        max_downloads: 16,
     };
     tweak(&mut config);
     Registry::new(config)

@@ -137,6 +137,19 @@ impl Download {
         if self.store.has_blob(&self.layer.digest) {
             return Some(Ok(()));
         }
+        // Held until the files are settled: the threads it bounds run until then.
+        let _slot = loop {
+            tokio::select! {
+                permit = Arc::clone(&self.inner.downloads).acquire_owned() => {
+                    break permit.expect("the semaphore is never closed");
+                }
+                () = self.sender.closed() => {
+                    if self.forget_if_unwatched() {
+                        return None;
+                    }
+                }
+            }
+        };
         let what = format!("blob {} of {}", self.layer.digest, self.remote.model);
         let (store, layer, registry) = (self.store.clone(), self.layer.clone(), self.remote.registry.clone());
         let partial = match blocking(move || Partial::open(store, &layer, registry, what)).await {

@@ -81,7 +81,7 @@ use std::time::Duration;
 use reqwest::header::CONTENT_TYPE;
 use reqwest::{Client, StatusCode};
 use serde::{Deserialize, Serialize};
-use tokio::sync::watch;
+use tokio::sync::{Semaphore, watch};
 
 pub use self::auth::parse_bearer_challenge;
 use self::download::Inflight;
@@ -129,6 +129,12 @@ pub struct RegistryConfig {
     pub part_attempts: u32,
     /// The wait before the first retry of a part; doubled for each further one.
     pub retry_delay: Duration,
+    /// The most blobs downloaded at once, over every pull: a download holds two threads of
+    /// the blocking pool (its writer and its hash) and, over plain HTTP, one per part, for
+    /// as long as its registry keeps sending, so without a bound pulls from slow registries
+    /// could take every thread the store's other work needs. One more waits, its progress
+    /// not started, until one ends (or every pull waiting on it has gone).
+    pub max_downloads: usize,
 }
 
 impl Default for RegistryConfig {
@@ -142,6 +148,7 @@ impl Default for RegistryConfig {
             max_parts: 8,
             part_attempts: 4,
             retry_delay: Duration::from_secs(1),
+            max_downloads: 16,
         }
     }
 }
@@ -208,6 +215,8 @@ struct Inner {
     /// daemon that never pulls should not pay for at start (time, and memory it touches).
     client: OnceLock<Result<Client, String>>,
     inflight: Mutex<Inflight>,
+    /// One permit per download that may run ([`RegistryConfig::max_downloads`]).
+    downloads: Arc<Semaphore>,
 }
 
 impl Inner {
@@ -228,7 +237,8 @@ impl Registry {
     /// A client with this configuration; its HTTP client is built when first needed.
     #[must_use]
     pub fn new(config: RegistryConfig) -> Self {
-        Self { inner: Arc::new(Inner { config, client: OnceLock::new(), inflight: Mutex::default() }) }
+        let downloads = Arc::new(Semaphore::new(config.max_downloads.max(1)));
+        Self { inner: Arc::new(Inner { config, client: OnceLock::new(), inflight: Mutex::default(), downloads }) }
     }
 
     /// The configuration.
