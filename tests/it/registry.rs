@@ -566,9 +566,7 @@ async fn a_download_past_the_bound_waits_for_one_to_end() {
     let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
     let model = manifest.model().clone();
     let proxy = Proxy::start(world.registry.addr());
-    let gate = Gate::new();
-    let (held, digest) = (gate.clone(), model.digest.to_string());
-    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Hold(held.clone()) } else { Action::Pass });
+    let gate = hold_gets_of(&proxy, &model.digest);
     let name = name_on(&proxy.host(), "test/tiny:v1");
     let client = client(&[proxy.host()], |c| {
         c.max_downloads = 1;
@@ -864,6 +862,14 @@ async fn server_errors_and_bad_answers_are_named() {
 /// Progress events tagged with the pull they come from.
 type Events = mpsc::UnboundedReceiver<(usize, Progress)>;
 
+/// Holds every request for the blob `digest` at the gate returned, until it opens.
+fn hold_gets_of(proxy: &Proxy, digest: &Digest) -> Gate {
+    let gate = Gate::new();
+    let (held, digest) = (gate.clone(), digest.to_string());
+    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Hold(held.clone()) } else { Action::Pass });
+    gate
+}
+
 /// Starts a pull in its own task, its progress sent to `events` tagged with `id`.
 fn spawn_pull(
     client: &Registry,
@@ -905,9 +911,7 @@ async fn two_pulls_of_the_same_model_share_one_download() {
     let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
     let model = manifest.model().clone();
     let proxy = Proxy::start(world.registry.addr());
-    let gate = Gate::new();
-    let (held, digest) = (gate.clone(), model.digest.to_string());
-    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Hold(held.clone()) } else { Action::Pass });
+    let gate = hold_gets_of(&proxy, &model.digest);
     let store = world.store("dest");
     let name = name_on(&proxy.host(), "test/tiny:v1");
     let client = client(&[proxy.host()], |c| c.part_size = 64 << 20);
@@ -946,9 +950,7 @@ async fn deleting_a_model_keeps_the_blobs_a_running_pull_shares() {
     let name_b = name_on(&proxy.host(), "test/tiny:b");
     within("pull a", client.pull(&store, &name_a, |_| {})).await.expect("pull a");
 
-    let gate = Gate::new();
-    let (held, digest) = (gate.clone(), template_b.to_string());
-    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Hold(held.clone()) } else { Action::Pass });
+    let gate = hold_gets_of(&proxy, &template_b);
     let (sender, mut events) = mpsc::unbounded_channel();
     let pull_b = spawn_pull(&client, &store, &name_b, 1, &sender);
     wait_for_progress(&mut events, &[1], template_b).await;
@@ -1119,10 +1121,8 @@ async fn large_layers_download_at_once_and_report_progress_one_after_the_other()
     let (manifest, published) = publish_two_large_layers(&world, "test/two:v1").await;
     let (weights, adapter) = (manifest.layers()[0].digest, manifest.layers()[1].digest);
     let proxy = Proxy::start(world.registry.addr());
-    let gate = Gate::new();
-    let (held, digest) = (gate.clone(), weights.to_string());
     // Every request for the weights waits: the adapter's only start if layers run at once.
-    proxy.rule(move |seen| if seen.is_blob_get(&digest) { Action::Hold(held.clone()) } else { Action::Pass });
+    let gate = hold_gets_of(&proxy, &weights);
     let store = world.store("dest");
     let name = name_on(&proxy.host(), "test/two:v1");
     let client = client(&[proxy.host()], |c| c.part_size = 1 << 20);
