@@ -44,7 +44,8 @@ impl Asked<'_> {
 }
 
 /// The reason a part stopped when the download's writer did (a failed write, which
-/// [`Landing::finish`] reports) or the download was given up.
+/// [`Landing::finish`](super::landing::Landing::finish) reports) or the download was
+/// given up.
 pub(super) fn writing_stopped() -> RegistryError {
     RegistryError::io("a file operation failed", std::io::Error::other("the download's writing stopped"))
 }
