@@ -4,12 +4,12 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::sync::Arc;
-use std::time::SystemTime;
 
 use serde_json::{Map, Value};
 
 use super::digest::Digest;
 use super::limits::{self, ReadError, SmallBlob};
+use super::list::FileId;
 use super::manifest::{self, Layer, Manifest, ModelConfig, RootFs};
 use super::modelfile::{Message, Modelfile, WriteError};
 use super::name::ModelName;
@@ -49,7 +49,7 @@ pub struct ModelDetails {
 #[derive(Debug)]
 struct Cached {
     /// The manifest file's identity: inode, size and modification time.
-    file: (u64, u64, SystemTime),
+    file: FileId,
     details: Arc<ModelDetails>,
     /// About what it holds ([`held_bytes`]).
     bytes: usize,
@@ -66,29 +66,34 @@ pub const DETAILS_CACHE_MAX: usize = 64 << 20;
 #[derive(Debug, Default)]
 pub(super) struct DetailsCache {
     entries: HashMap<ModelName, Cached>,
+    /// The names by when they were put in, so the oldest is found without a scan.
+    order: BTreeMap<u64, ModelName>,
     bytes: usize,
     added: u64,
 }
 
 impl DetailsCache {
-    fn get(&self, name: &ModelName, file: (u64, u64, SystemTime)) -> Option<Arc<ModelDetails>> {
+    fn get(&self, name: &ModelName, file: FileId) -> Option<Arc<ModelDetails>> {
         self.entries.get(name).filter(|c| c.file == file).map(|c| Arc::clone(&c.details))
     }
 
     /// Keeps `details`, leaving out the entries put in longest ago while the cache would
     /// hold more than its bound (details larger than the bound alone are not kept).
-    fn insert(&mut self, name: ModelName, file: (u64, u64, SystemTime), details: Arc<ModelDetails>) {
+    fn insert(&mut self, name: ModelName, file: FileId, details: Arc<ModelDetails>) {
         self.remove(&name);
         let bytes = held_bytes(&details);
         if bytes > DETAILS_CACHE_MAX {
             return;
         }
         while self.bytes + bytes > DETAILS_CACHE_MAX {
-            let Some(oldest) = self.entries.iter().min_by_key(|(_, c)| c.added).map(|(n, _)| n.clone()) else { break };
-            self.remove(&oldest);
+            let Some((_, oldest)) = self.order.pop_first() else { break };
+            if let Some(gone) = self.entries.remove(&oldest) {
+                self.bytes -= gone.bytes;
+            }
         }
         self.added += 1;
         self.bytes += bytes;
+        self.order.insert(self.added, name.clone());
         self.entries.insert(name, Cached { file, details, bytes, added: self.added });
     }
 
@@ -101,6 +106,7 @@ impl DetailsCache {
     pub(super) fn remove(&mut self, name: &ModelName) {
         if let Some(gone) = self.entries.remove(name) {
             self.bytes -= gone.bytes;
+            self.order.remove(&gone.added);
         }
     }
 }
@@ -154,8 +160,7 @@ impl Store {
     }
 
     /// The manifest file's identity, and the cached details if they came from it.
-    #[allow(clippy::type_complexity)]
-    fn lookup(&self, name: &ModelName) -> Result<((u64, u64, SystemTime), Option<Arc<ModelDetails>>), StoreError> {
+    fn lookup(&self, name: &ModelName) -> Result<(FileId, Option<Arc<ModelDetails>>), StoreError> {
         let file = self.manifest_identity(name)?;
         let cached = lock(&self.details).get(name, file);
         Ok((file, cached))
