@@ -138,18 +138,8 @@ impl Download {
             return Some(Ok(()));
         }
         // Held until the files are settled: the threads it bounds run until then.
-        let _slot = loop {
-            tokio::select! {
-                permit = Arc::clone(&self.inner.downloads).acquire_owned() => {
-                    break permit.expect("the semaphore is never closed");
-                }
-                () = self.sender.closed() => {
-                    if self.forget_if_unwatched() {
-                        return None;
-                    }
-                }
-            }
-        };
+        let slot = Arc::clone(&self.inner.downloads).acquire_owned();
+        let _slot = self.while_watched(slot).await?.expect("the semaphore is never closed");
         let what = format!("blob {} of {}", self.layer.digest, self.remote.model);
         let (store, layer, registry) = (self.store.clone(), self.layer.clone(), self.remote.registry.clone());
         let partial = match blocking(move || Partial::open(store, &layer, registry, what)).await {
@@ -165,18 +155,7 @@ impl Download {
             status.completed = resumed;
         });
         let landing = Landing::start(&partial, &self.sender, 1 + LANDING_BUFFERS);
-        let mut work = Box::pin(fetch_blob(&self.remote, &partial, &landing));
-        let fetched = loop {
-            tokio::select! {
-                outcome = &mut work => break Some(outcome),
-                () = self.sender.closed() => {
-                    if self.forget_if_unwatched() {
-                        break None;
-                    }
-                }
-            }
-        };
-        drop(work);
+        let fetched = self.while_watched(fetch_blob(&self.remote, &partial, &landing)).await;
         // Every batch handed on is written (and hashed) before the blob is checked or the
         // download's progress recorded; a failed write is the reason the parts stopped.
         let landed = landing.finish().await;
@@ -213,6 +192,22 @@ impl Download {
 
     /// Takes the download out of the map if no pull waits on it any more (checked under the
     /// map's lock, so that no pull can join it after that).
+    /// `work`'s outcome, or `None` (and `work` dropped) once every pull waiting on this
+    /// download has gone.
+    async fn while_watched<T>(&self, work: impl Future<Output = T>) -> Option<T> {
+        let mut work = std::pin::pin!(work);
+        loop {
+            tokio::select! {
+                outcome = &mut work => return Some(outcome),
+                () = self.sender.closed() => {
+                    if self.forget_if_unwatched() {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
     fn forget_if_unwatched(&self) -> bool {
         let mut inflight = self.inner.lock_inflight();
         if self.sender.receiver_count() > 0 {
