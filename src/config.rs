@@ -61,11 +61,21 @@ impl Default for WorkerHealthConfig {
 }
 
 /// `[dbus]`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DbusConfig {
     /// Which bus serves `org.corral.Corral1`.
     pub bus: BusKind,
+    /// Store jobs (Pull, Push, Create, Copy, Delete) running at once; more are refused
+    /// with `org.corral.Corral1.Error.Busy` until one finishes.
+    #[serde(deserialize_with = "positive_count")]
+    pub max_jobs: u32,
+}
+
+impl Default for DbusConfig {
+    fn default() -> Self {
+        Self { bus: BusKind::default(), max_jobs: 16 }
+    }
 }
 
 /// A message bus to serve on.
@@ -879,6 +889,7 @@ mod tests {
         assert!(c.server.cors_origins.iter().any(|o| o == "http://localhost:*"));
         assert_eq!(c.server.max_body, 64 << 20);
         assert_eq!(c.dbus.bus, BusKind::System);
+        assert_eq!(c.dbus.max_jobs, 16);
         assert_eq!(c.server.exit_on_idle, None);
         assert_eq!(c.server.header_timeout, Duration::from_secs(10));
         assert_eq!(c.server.body_idle_timeout, Duration::from_secs(60));
@@ -939,6 +950,7 @@ num_parallel = 2
 [gpu]
 [dbus]
 bus = "session"
+max_jobs = 3
 [models."qwen3:8b"]
 pinned = true
 preload = true
@@ -976,7 +988,7 @@ keep_alive = "10m"
         assert_eq!(c.scheduler.keep_alive_max, Some(Duration::from_secs(86_400)));
         assert_eq!(c.scheduler.load_timeout, Duration::from_secs(600));
         assert_eq!((c.scheduler.num_ctx, c.scheduler.num_parallel), (8192, 2));
-        assert_eq!(c.dbus.bus, BusKind::Session);
+        assert_eq!((c.dbus.bus, c.dbus.max_jobs), (BusKind::Session, 3));
         let m = &c.models["qwen3:8b"];
         assert!(m.pinned && m.preload);
         assert_eq!(m.keep_alive, Some(Duration::from_secs(600)));
@@ -1098,6 +1110,8 @@ keep_alive = "10m"
                 &["corral.toml:2", "server.max_uploads", "expected at least 1"],
             ),
             (&[("corral.toml", "[server]\nmax_uploads = -2\n")], &["server.max_uploads", "-2"]),
+            (&[("corral.toml", "[dbus]\nmax_jobs = 0\n")], &["corral.toml:2", "dbus.max_jobs", "expected at least 1"]),
+            (&[("corral.toml", "[dbus]\nmax_jobs = \"many\"\n")], &["dbus.max_jobs", "many"]),
             (&[("corral.toml", "[server]\nallowed_hosts = [1]\n")], &["server.allowed_hosts", "expected a string"]),
             (&[("corral.toml", "[store]\npath = \"models\"\n")], &["store.path", "not an absolute path"]),
             (

@@ -230,6 +230,7 @@ pub(super) async fn serve_dbus(config: &Config, state: &http::AppState) -> Optio
         fleet: state.fleet.clone(),
         limits,
         read_only: config.store.read_only,
+        max_jobs: config.dbus.max_jobs,
         tokens: Arc::clone(&state.tokens),
     };
     match dbus::serve(config.dbus.bus, context).await {

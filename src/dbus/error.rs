@@ -40,7 +40,8 @@ pub enum Error {
     /// llama-server crashed or failed otherwise while loading the model (or failed
     /// recently and is backing off).
     LoadFailed(String),
-    /// Too many requests are waiting for models to load.
+    /// Too many requests are waiting for models to load, or `[dbus] max_jobs` store jobs
+    /// are running.
     Busy(String),
     /// The store is read-only (`[store] read_only`).
     ReadOnly(String),

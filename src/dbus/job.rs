@@ -2,6 +2,7 @@
 //! and shown as objects at `/org/corral/Corral1/jobs/<n>` until 32 newer ones finished.
 
 use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -154,6 +155,7 @@ pub(super) async fn start(
     model: &str,
     work: Work,
 ) -> Result<OwnedObjectPath, Error> {
+    reserve(shared)?;
     let number = {
         let mut jobs = lock(&shared.jobs);
         jobs.next += 1;
@@ -171,11 +173,27 @@ pub(super) async fn start(
     lock(&shared.jobs).shown.push((path.clone(), Arc::clone(&data)));
     if let Err(e) = connection.object_server().at(&path, job).await {
         lock(&shared.jobs).shown.retain(|(shown, _)| *shown != path);
+        shared.jobs_running.fetch_sub(1, Ordering::Relaxed);
         return Err(e.into());
     }
-    shared.jobs_running.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     tokio::spawn(run(Arc::clone(shared), connection.clone(), path.clone(), data, cancel, work));
     Ok(path)
+}
+
+/// Counts a new job as running, unless `[dbus] max_jobs` are: each holds an object, a
+/// task and (for a pull or push) connections to a registry until it ends, so a caller
+/// starting jobs in a loop must not grow them without end. Refused rather than queued,
+/// as an upload past `[server] max_uploads` is: the caller learns at once and retries
+/// after a `JobFinished`.
+fn reserve(shared: &Shared) -> Result<(), Error> {
+    let max = shared.context.max_jobs;
+    let room = |n: usize| (u32::try_from(n).is_ok_and(|n| n < max)).then_some(n + 1);
+    shared.jobs_running.fetch_update(Ordering::Relaxed, Ordering::Relaxed, room).map(drop).map_err(|_| {
+        Error::Busy(format!(
+            "{max} store jobs are already running, the most [dbus] max_jobs allows; \
+             start this one after a JobFinished signal"
+        ))
+    })
 }
 
 /// Runs the work, reports progress, then the outcome; retires old jobs.
@@ -225,7 +243,7 @@ async fn run(
             d.status = "success".into();
         }
     }
-    shared.jobs_running.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    shared.jobs_running.fetch_sub(1, Ordering::Relaxed);
     if let Err(e) = announce(&connection, &path, outcome.is_ok(), &error).await {
         tracing::warn!(job = %path, error = %e, "cannot signal the end of a D-Bus job");
     }

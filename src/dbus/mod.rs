@@ -67,6 +67,8 @@ pub struct Context {
     pub limits: Limits,
     /// Whether the store refuses writes (`[store] read_only`).
     pub read_only: bool,
+    /// Store jobs running at once (`[dbus] max_jobs`).
+    pub max_jobs: u32,
     /// The HTTP API's token counters (each model's last speed).
     pub tokens: Arc<crate::http::state::Tokens>,
 }

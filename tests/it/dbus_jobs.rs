@@ -237,3 +237,54 @@ async fn a_running_job_keeps_an_idle_daemon_up() {
     assert!(status.0.success(), "a clean exit: {}\n{}", status.0, status.1);
     assert!(status.1.contains("corral_event=\"idle\""), "{}", status.1);
 }
+
+/// At most `[dbus] max_jobs` store jobs run at once: with two pulls held at the registry,
+/// every kind of job is refused with Busy naming the key, before it starts and without
+/// touching the store; once one job ends, the next is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_past_max_jobs_are_refused_until_one_ends() {
+    use crate::support::registry::{Action, Gate, Proxy};
+
+    let registry = DockerRegistry::start();
+    let proxy = Proxy::start(registry.addr());
+    let gate = Gate::new();
+    let held = gate.clone();
+    proxy.rule(move |_| Action::Hold(held.clone()));
+    let daemon = BusDaemon::with_store(&format!("insecure_registries = [\"{}\"]", proxy.host()), "max_jobs = 2\n");
+    let connection = daemon.connect().await;
+    let manager = ManagerProxy::new(&connection).await.expect("manager");
+    let before = manager.list_models().await.expect("ListModels");
+
+    let first = manager.pull(&format!("{}/corral/one:v1", proxy.host()), HashMap::new()).await.expect("Pull");
+    let second = manager.pull(&format!("{}/corral/two:v1", proxy.host()), HashMap::new()).await.expect("Pull");
+    tokio::time::timeout(WAIT, gate.arrivals(2)).await.expect("both pulls reached the registry");
+
+    let gguf = daemon.path().join("tiny.gguf");
+    let refusals = [
+        manager.pull(&format!("{}/corral/three:v1", proxy.host()), HashMap::new()).await,
+        manager.push("chat", HashMap::new()).await,
+        manager.create("made", &format!("FROM {}\n", gguf.display())).await,
+        manager.copy("chat", "chat2").await,
+        manager.delete("chat").await,
+    ];
+    for refused in refusals {
+        let err = refused.expect_err("past max_jobs").to_string();
+        assert!(err.contains("org.corral.Corral1.Error.Busy") && err.contains("[dbus] max_jobs"), "{err}");
+        assert!(err.contains("2 store jobs are already running"), "{err}");
+    }
+    assert_eq!(proxy.seen().len(), 2, "a refused pull never reached the registry");
+    assert_eq!(manager.list_models().await.expect("ListModels"), before, "refused jobs changed nothing");
+
+    // One ends (cancelled): the next job is taken and runs to its end.
+    let job = JobProxy::builder(&connection).path(&first).expect("path").build().await.expect("job");
+    let mut finished = job.receive_finished().await.expect("subscribe");
+    job.cancel().await.expect("Cancel");
+    tokio::time::timeout(WAIT, finished.next()).await.expect("Finished in time").expect("a signal");
+    let copy = manager.copy("chat", "chat2").await.expect("Copy once a job ended");
+    assert_eq!(finish(&connection, &copy).await, (true, String::new()));
+    assert!(manager.get_model("chat2").await.is_ok());
+
+    gate.open();
+    let (success, error) = finish(&connection, &second).await;
+    assert!(!success && error.contains("two"), "the registry has no such model: {error}");
+}
