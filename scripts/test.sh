@@ -13,6 +13,8 @@ scripts/setup-packaging.sh >/dev/null
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked --quiet
+# The private items' docs too: their links are the codemap inside each module.
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked --quiet --document-private-items
 # Licences, bans and sources of the dependency graph (offline: no advisory database).
 # cargo-deny reads the whole graph, every platform's crates included: fetched first, as a
 # fresh machine's build fetches only this platform's.

@@ -12,7 +12,7 @@
 //! [`run`] is the loop; each job it calls on has a file: `start` builds the parts,
 //! `reload` reads the configuration again, `supervise` watches the vital tasks and pings
 //! the watchdog, `idle` decides when to exit on idle, `llama_server` checks the
-//! configured executable, and [`refuse`] answers while the configuration is rejected.
+//! configured executable, and [`refuse()`] answers while the configuration is rejected.
 
 use std::os::fd::OwnedFd;
 use std::time::Duration;

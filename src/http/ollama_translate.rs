@@ -320,7 +320,7 @@ impl ToolCalls {
 
 /// Renders a request's `template` (Go template syntax, as Ollama's: `{{ .System }}`,
 /// `{{ .Prompt }}`, `{{ .Response }}`, `if`/`range`, trim markers) off the async workers,
-/// within [`prompt_template`]'s limits. Every refusal is the request's fault (400) and
+/// within [`crate::prompt_template`]'s limits. Every refusal is the request's fault (400) and
 /// names the limit, except too many renders at once (503, retry) and a render thread
 /// that could not start (500).
 pub(super) async fn render_template(

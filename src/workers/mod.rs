@@ -1,7 +1,7 @@
 //! RPC workers' health and membership.
 //!
 //! Each `[[workers]]` endpoint is checked at start and every `[worker_health] interval`
-//! ([`check`]): connected to within `timeout`, and its devices listed through
+//! ([`check()`]): connected to within `timeout`, and its devices listed through
 //! llama-server when it comes up.  [`Fleet`] holds who is up and the inventory with the
 //! up workers' devices in it; the [`Monitor`] task owns it, publishes it to the views
 //! (D-Bus `Workers`, `/metrics`, `/api/ps`) through a watch channel, and sends every
