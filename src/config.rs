@@ -130,6 +130,10 @@ pub struct ServerConfig {
     /// Blob uploads (`/api/blobs/…`) at once; more are answered 503 with `Retry-After`.
     #[serde(deserialize_with = "positive_count")]
     pub max_uploads: u32,
+    /// A connection whose client takes none of an answer's bytes this long (it stopped
+    /// reading) is closed, and its request ends.
+    #[serde(deserialize_with = "positive_duration")]
+    pub send_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -154,6 +158,7 @@ impl Default for ServerConfig {
             header_timeout: Duration::from_secs(10),
             body_idle_timeout: Duration::from_secs(60),
             max_uploads: 8,
+            send_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -894,6 +899,7 @@ mod tests {
         assert_eq!(c.server.header_timeout, Duration::from_secs(10));
         assert_eq!(c.server.body_idle_timeout, Duration::from_secs(60));
         assert_eq!(c.server.max_uploads, 8);
+        assert_eq!(c.server.send_timeout, Duration::from_secs(60), "nginx's send_timeout");
         assert_eq!(c.server.store_changes, StoreChanges::Any, "Ollama's: anyone who reaches the port");
         assert_eq!(c.store.gc_interval, Some(Duration::from_secs(3600)));
         assert_eq!(c.store.gc_grace, Duration::from_secs(3600));
@@ -925,6 +931,7 @@ exit_on_idle = "15m"
 header_timeout = "5s"
 body_idle_timeout = "2m"
 max_uploads = 2
+send_timeout = "20s"
 [store]
 path = "/srv/models"
 read_only = true
@@ -971,6 +978,7 @@ keep_alive = "10m"
         assert_eq!(c.server.header_timeout, Duration::from_secs(5));
         assert_eq!(c.server.body_idle_timeout, Duration::from_secs(120));
         assert_eq!(c.server.max_uploads, 2);
+        assert_eq!(c.server.send_timeout, Duration::from_secs(20));
         assert_eq!(c.store.path.as_deref(), Some(Path::new("/srv/models")));
         assert!(c.store.read_only);
         assert_eq!(c.store.insecure_registries, ["localhost:5000"]);
@@ -1110,6 +1118,11 @@ keep_alive = "10m"
                 &["corral.toml:2", "server.max_uploads", "expected at least 1"],
             ),
             (&[("corral.toml", "[server]\nmax_uploads = -2\n")], &["server.max_uploads", "-2"]),
+            (
+                &[("corral.toml", "[server]\nsend_timeout = \"0s\"\n")],
+                &["corral.toml:2", "server.send_timeout", "\"0s\" is zero", "above zero"],
+            ),
+            (&[("corral.toml", "[server]\nsend_timeout = \"off\"\n")], &["server.send_timeout", "\"off\""]),
             (&[("corral.toml", "[dbus]\nmax_jobs = 0\n")], &["corral.toml:2", "dbus.max_jobs", "expected at least 1"]),
             (&[("corral.toml", "[dbus]\nmax_jobs = \"many\"\n")], &["dbus.max_jobs", "many"]),
             (&[("corral.toml", "[server]\nallowed_hosts = [1]\n")], &["server.allowed_hosts", "expected a string"]),

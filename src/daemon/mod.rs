@@ -111,7 +111,7 @@ pub async fn run(daemon: Daemon) -> anyhow::Result<()> {
     let mut bus = serve_dbus(&loaded.config, &state).await;
     let router = http::router(state).layer(from_fn_with_state(requests.clone(), count_requests));
     for listener in listeners {
-        servers.spawn(listener.serve(router.clone(), loaded.config.server.header_timeout, shutdown.clone()));
+        servers.spawn(listener.serve(router.clone(), listeners::Timeouts::of(&loaded.config.server), shutdown.clone()));
     }
     // The sockets are listening and their accept loops are spawned: connections are served.
     notifier.ready(&status);

@@ -55,7 +55,9 @@ pub async fn refuse(sockets: Vec<(String, OwnedFd)>) {
     let shutdown = CancellationToken::new();
     let mut servers = JoinSet::new();
     for listener in listeners {
-        servers.spawn(listener.serve(router.clone(), Duration::from_secs(5), shutdown.clone()));
+        // Short answers only: a client that reads nothing of one is let go as soon.
+        let timeouts = listeners::Timeouts { header: Duration::from_secs(5), send: Duration::from_secs(5) };
+        servers.spawn(listener.serve(router.clone(), timeouts, shutdown.clone()));
     }
     let started = Instant::now();
     loop {

@@ -11,6 +11,7 @@ use axum::body::Body;
 use axum::serve::ListenerExt as _;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use nix::sys::socket::{AddressFamily, SockType, SockaddrLike, SockaddrStorage, getsockname, getsockopt, sockopt};
+use tokio_io_timeout::TimeoutWriter;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt as _;
@@ -84,10 +85,9 @@ impl Listener {
         }
     }
 
-    /// Serves `router` until `shutdown` is cancelled, then finishes open requests.
-    /// A connection that has not sent a whole request head `header_timeout` after it
-    /// opened (or after its last answer) is closed.
-    pub async fn serve(self, router: Router, header_timeout: Duration, shutdown: CancellationToken) -> io::Result<()> {
+    /// Serves `router` until `shutdown` is cancelled, then finishes open requests; each
+    /// connection within `timeouts`.
+    pub async fn serve(self, router: Router, timeouts: Timeouts, shutdown: CancellationToken) -> io::Result<()> {
         // Every request learns its connection's kind: the Host rule and the store-change
         // rule depend on it.
         match self {
@@ -98,14 +98,14 @@ impl Listener {
                         tracing::debug!(error = %e, "cannot set TCP_NODELAY on a connection");
                     }
                 });
-                serve_on(l, router, header_timeout, shutdown, |tcp: &tokio::net::TcpStream| Transport::Tcp {
+                serve_on(l, router, timeouts, shutdown, |tcp: &tokio::net::TcpStream| Transport::Tcp {
                     // Unknown counts as loopback: the stricter rule.
                     loopback: tcp.local_addr().map_or(true, |a| is_loopback(a.ip())),
                 })
                 .await;
             }
             Self::Unix { listener, owned } => {
-                serve_on(listener, router, header_timeout, shutdown, |unix: &tokio::net::UnixStream| {
+                serve_on(listener, router, timeouts, shutdown, |unix: &tokio::net::UnixStream| {
                     let peer = unix.peer_cred().ok().map(|c| Peer { uid: c.uid(), gid: c.gid(), pid: c.pid() });
                     Transport::Unix { peer }
                 })
@@ -114,6 +114,26 @@ impl Listener {
             }
         }
         Ok(())
+    }
+}
+
+/// How long a client may keep its connection waiting (`[server]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// A connection that has not sent a whole request head this long after it opened
+    /// (or after its last answer) is closed (`header_timeout`).
+    pub header: Duration,
+    /// A connection whose client takes none of the answer's bytes for this long is
+    /// closed (`send_timeout`): a client that stops reading would otherwise hold its
+    /// request, and the runner's slot serving it, for as long as it stays connected.
+    pub send: Duration,
+}
+
+impl Timeouts {
+    /// The configured ones.
+    #[must_use]
+    pub fn of(server: &crate::config::ServerConfig) -> Self {
+        Self { header: server.header_timeout, send: server.send_timeout }
     }
 }
 
@@ -128,13 +148,14 @@ pub const MAX_HEAD: usize = 64 << 10;
 const MAX_READ: usize = 1 << 20;
 
 /// The accept loop: one task per connection, served by hyper's HTTP/1 with a timer for
-/// the header timeout (which `axum::serve` does not set); each request carries what
-/// `transport` says of its connection. On `shutdown` it stops accepting, asks every
-/// connection to finish its request in progress, and waits.
+/// the header timeout (which `axum::serve` does not set) and its socket's writes timed
+/// (hyper has no timeout for them); each request carries what `transport` says of its
+/// connection. On `shutdown` it stops accepting, asks every connection to finish its
+/// request in progress, and waits.
 async fn serve_on<L>(
     mut listener: L,
     router: Router,
-    header_timeout: Duration,
+    timeouts: Timeouts,
     shutdown: CancellationToken,
     transport: impl Fn(&L::Io) -> Transport,
 ) where
@@ -142,7 +163,7 @@ async fn serve_on<L>(
 {
     let connections = TaskTracker::new();
     let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new()).header_read_timeout(header_timeout).max_header_size(MAX_HEAD).max_buf_size(MAX_READ);
+    http.timer(TokioTimer::new()).header_read_timeout(timeouts.header).max_header_size(MAX_HEAD).max_buf_size(MAX_READ);
     loop {
         // Accept errors are logged and retried by `accept` (after a second when out of files).
         let (io, _) = tokio::select! {
@@ -156,7 +177,11 @@ async fn serve_on<L>(
             request.extensions_mut().insert(transport);
             router.clone().oneshot(request)
         });
-        let connection = http.serve_connection(TokioIo::new(io), service);
+        // A write that stays pending (the socket's buffers full) for `send` fails with
+        // `TimedOut`, which ends the connection and drops its request.
+        let mut io = TimeoutWriter::new(io);
+        io.set_timeout(Some(timeouts.send));
+        let connection = http.serve_connection(TokioIo::new(Box::pin(io)), service);
         let shutdown = shutdown.clone();
         connections.spawn(async move {
             let mut connection = std::pin::pin!(connection);
@@ -167,14 +192,34 @@ async fn serve_on<L>(
                     connection.await
                 }
             };
-            if let Err(e) = result {
-                tracing::debug!(error = %e, "an HTTP connection ended with an error");
+            match result {
+                Err(e) if stopped_reading(&e) => tracing::info!(
+                    corral_event = "send_timeout",
+                    "closed an HTTP connection whose client took none of its answer for {} s \
+                     ([server] send_timeout)",
+                    timeouts.send.as_secs_f64()
+                ),
+                Err(e) => tracing::debug!(error = %e, "an HTTP connection ended with an error"),
+                Ok(()) => {}
             }
         });
     }
     drop(listener);
     connections.close();
     connections.wait().await;
+}
+
+/// Whether a connection ended because its client stopped reading (the timed writes'
+/// error, somewhere in hyper's chain of causes).
+fn stopped_reading(error: &hyper::Error) -> bool {
+    let mut cause = std::error::Error::source(error);
+    while let Some(e) = cause {
+        if e.downcast_ref::<io::Error>().is_some_and(|e| e.kind() == io::ErrorKind::TimedOut) {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 /// Turns the sockets systemd passed into listeners: all those named `http`, TCP or UNIX.
@@ -260,6 +305,7 @@ fn remove_stale_socket(path: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use std::os::fd::OwnedFd;
+    use std::time::Duration;
 
     use super::{ListenAddr, ListenError, Listener, adopt, bind};
 
@@ -314,11 +360,8 @@ mod tests {
         let addr = tcp.local_addr().expect("addr");
         let shutdown = tokio_util::sync::CancellationToken::new();
         for listener in listeners {
-            tokio::spawn(listener.serve(
-                crate::http::router(state.clone()),
-                std::time::Duration::from_secs(10),
-                shutdown.clone(),
-            ));
+            let timeouts = super::Timeouts::of(&crate::config::ServerConfig::default());
+            tokio::spawn(listener.serve(crate::http::router(state.clone()), timeouts, shutdown.clone()));
         }
         let tcp = || async { tokio::net::TcpStream::connect(addr).await.expect("connect") };
         let close = "Connection: close\r\n";
@@ -330,6 +373,60 @@ mod tests {
         assert_eq!(status_line(tcp().await, old).await, "HTTP/1.0 200 OK");
         let unix = tokio::net::UnixStream::connect(&sock).await.expect("connect");
         assert_eq!(status_line(unix, &no_host).await, "HTTP/1.1 200 OK");
+        shutdown.cancel();
+    }
+
+    /// A client that stops reading is let go after `send_timeout`: its connection closes
+    /// and the answer's body (which holds a runner's slot) is dropped.
+    #[tokio::test]
+    async fn a_client_that_stops_reading_is_let_go_after_the_send_timeout() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        /// Says when the body that owns it is dropped.
+        struct Guard(Arc<AtomicBool>);
+        impl Drop for Guard {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let dropped = Arc::new(AtomicBool::new(false));
+        let endless = {
+            let dropped = Arc::clone(&dropped);
+            move || async move {
+                let (guard, chunk) = (Guard(dropped), axum::body::Bytes::from(vec![b'x'; 64 << 10]));
+                axum::body::Body::from_stream(futures_util::stream::repeat_with(move || {
+                    let _owned = &guard;
+                    Ok::<_, std::convert::Infallible>(chunk.clone())
+                }))
+            }
+        };
+        let router = axum::Router::new().route("/endless", axum::routing::get(endless));
+        let mut listeners = bind(&[ListenAddr::Tcp("127.0.0.1:0".parse().expect("addr"))]).await.expect("bind");
+        let Some(Listener::Tcp(tcp)) = listeners.first() else { panic!("tcp") };
+        let addr = tcp.local_addr().expect("addr");
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let timeouts = super::Timeouts { header: Duration::from_secs(10), send: Duration::from_secs(1) };
+        tokio::spawn(listeners.remove(0).serve(router, timeouts, shutdown.clone()));
+
+        let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        client.write_all(b"GET /endless HTTP/1.1\r\nHost: localhost\r\n\r\n").await.expect("request");
+        // It reads nothing: once the socket's buffers are full, a second later, the server
+        // lets the answer go.
+        tokio::time::timeout(Duration::from_secs(60), async {
+            while !dropped.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the answer dropped once its client stopped reading");
+        // And the connection is closed: what was buffered drains, then the stream ends.
+        let mut sink = vec![0; 1 << 20];
+        let drained = tokio::time::timeout(Duration::from_secs(60), async {
+            while client.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+        });
+        drained.await.expect("the connection closed");
         shutdown.cancel();
     }
 

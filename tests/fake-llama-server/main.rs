@@ -3,8 +3,8 @@
 //! Only for what the real server cannot be made to do on demand: hang while loading,
 //! load slowly while printing progress, exit or die at a chosen moment, run out of memory
 //! (the model's context, or the projector only while it is offloaded), ignore SIGTERM,
-//! leave a grandchild behind, stream slowly. Everything else is tested against the real
-//! `llama-server`.
+//! leave a grandchild behind, stream slowly or in large tokens. Everything else is tested
+//! against the real `llama-server`.
 //!
 //! # Command line
 //!
@@ -98,6 +98,9 @@ struct Behaviour {
     grandchild: bool,
     /// The time per token of `/completion`.
     stream_delay_ms: u64,
+    /// Streamed tokens are this many bytes of text at least (padded with `x`): a stream
+    /// that fills a client's socket buffers in a moment.
+    token_bytes: usize,
     /// Die (as `exit_code`/`exit_signal` say) on the first generation request, before
     /// answering it: a runner that crashed just before a request reached it.
     crash_on_request: bool,
@@ -123,6 +126,7 @@ impl Default for Behaviour {
             ignore_sigterm: false,
             grandchild: false,
             stream_delay_ms: 0,
+            token_bytes: 0,
             crash_on_request: false,
             silent_after_tokens: None,
             first_start_only: false,
@@ -426,7 +430,7 @@ async fn completion(State(shared): State<Arc<Shared>>, body: Bytes) -> Response 
         return Json(json!({ "content": content, "tokens_predicted": n, "stop": true, "stop_type": "limit" }))
             .into_response();
     }
-    let silent_after = shared.behaviour.silent_after_tokens;
+    let (silent_after, token_bytes) = (shared.behaviour.silent_after_tokens, shared.behaviour.token_bytes);
     events(
         move |i| {
             if i == n {
@@ -437,7 +441,7 @@ async fn completion(State(shared): State<Arc<Shared>>, body: Bytes) -> Response 
             if silent_after == Some(i) {
                 return Step::Silent;
             }
-            let event = json!({ "index": 0, "content": format!(" t{i}"), "tokens": [i], "stop": false });
+            let event = json!({ "index": 0, "content": token(i, token_bytes), "tokens": [i], "stop": false });
             Step::Send(format!("data: {event}\n\n"))
         },
         delay,
@@ -471,7 +475,7 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Res
             json!({ "index": 0, "message": { "role": "assistant", "content": content }, "finish_reason": "length" });
         return Json(json!({ "object": "chat.completion", "choices": [choice], "usage": usage })).into_response();
     }
-    let silent_after = shared.behaviour.silent_after_tokens;
+    let (silent_after, token_bytes) = (shared.behaviour.silent_after_tokens, shared.behaviour.token_bytes);
     events(
         move |i| {
             let chunk = |delta: serde_json::Value, finish: serde_json::Value| {
@@ -489,10 +493,18 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: Bytes) -> Res
             if silent_after == Some(i) {
                 return Step::Silent;
             }
-            Step::Send(chunk(json!({ "content": format!(" t{i}") }), serde_json::Value::Null))
+            Step::Send(chunk(json!({ "content": token(i, token_bytes) }), serde_json::Value::Null))
         },
         delay,
     )
+}
+
+/// The `i`-th streamed token: ` t<i>`, padded with `x` to `bytes`.
+fn token(i: u64, bytes: usize) -> String {
+    let mut text = format!(" t{i}");
+    let padding = bytes.saturating_sub(text.len());
+    text.extend(std::iter::repeat_n('x', padding));
+    text
 }
 
 /// `POST /v1/embeddings`: a vector `[i, 1]` for the `i`-th input.

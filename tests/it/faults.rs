@@ -14,8 +14,7 @@ use corral::http::AppState;
 use corral::scheduler::actor::Scheduler;
 use corral::scheduler::backend::SupervisorBackend;
 use corral::scheduler::footprints::Footprints;
-use corral::scheduler::request::{self, Defaults};
-use corral::store::name::ModelName;
+use corral::scheduler::request::Defaults;
 use corral::supervisor::child_log::LogSink;
 use corral::supervisor::runner::SupervisorConfig;
 use corral::supervisor::upstream::Pool;
@@ -23,7 +22,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value, json};
 
-use crate::support::api::{call, demo_store, limits};
+use crate::support::api::{call, demo_store, fake_behaviour, limits, model_blob};
 
 /// The most any one step may take, however loaded the machine.
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -43,10 +42,7 @@ impl World {
         std::fs::create_dir(&runtime).expect("runtime dir");
         let defaults = Defaults { num_ctx: 512, parallel: 1 };
         for name in ["chat", "embed"] {
-            let model = Self::blob(&store, name, defaults);
-            let mut beside = model.into_os_string();
-            beside.push(".fake.json");
-            std::fs::write(beside, behaviour.to_string()).expect("write the behaviour");
+            fake_behaviour(&store, name, behaviour);
         }
         let backend = SupervisorBackend {
             config: SupervisorConfig {
@@ -71,17 +67,9 @@ impl World {
         Self { _dir: dir, state }
     }
 
-    fn blob(store: &corral::store::Store, name: &str, defaults: Defaults) -> PathBuf {
-        let name = ModelName::parse(name).expect("name");
-        request::build(store, &name, &request::LoadOverrides::default(), None, false, defaults)
-            .expect("request")
-            .files
-            .model
-    }
-
     /// The pids of the fake's starts for `model`, in order.
     fn starts(&self, model: &str) -> Vec<i32> {
-        let blob = Self::blob(&self.state.store, model, Defaults { num_ctx: 512, parallel: 1 });
+        let blob = model_blob(&self.state.store, model);
         let mut path = blob.into_os_string();
         path.push(".starts");
         std::fs::read_to_string(PathBuf::from(path))

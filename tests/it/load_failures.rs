@@ -17,13 +17,12 @@ use corral::gguf::{GgufWriter, TensorType};
 use corral::http::AppState;
 use corral::scheduler::actor::Scheduler;
 use corral::scheduler::footprints::Footprints;
-use corral::scheduler::request::{self, Defaults, LoadOverrides};
+use corral::scheduler::request::Defaults;
 use corral::store::Store;
-use corral::store::name::ModelName;
 use serde_json::{Value, json};
 use zbus::proxy::CacheProperties;
 
-use crate::support::api::{backend, call, demo_store, limits};
+use crate::support::api::{backend, call, demo_store, fake_behaviour, limits, model_blob};
 use crate::support::dbus::BusDaemon;
 use crate::support::http;
 
@@ -36,10 +35,7 @@ async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
 
 /// The store's blob of `model`'s weights.
 fn blob(dir: &Path, model: &str) -> PathBuf {
-    let store = Store::open(&dir.join("models")).expect("store");
-    let name = ModelName::parse(model).expect("name");
-    let defaults = Defaults { num_ctx: 512, parallel: 1 };
-    request::build(&store, &name, &LoadOverrides::default(), None, false, defaults).expect("request").files.model
+    model_blob(&Store::open(&dir.join("models")).expect("store"), model)
 }
 
 /// `POST path` with `body` on corrald's UNIX socket.
@@ -100,9 +96,7 @@ async fn a_model_whose_file_is_not_a_gguf_is_a_bad_model_over_http_and_d_bus() {
 async fn failed_load(behaviour: &Value, load_timeout: Duration, program: Option<&str>) -> (u16, String) {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = demo_store(dir.path());
-    let mut beside = blob(dir.path(), "chat").into_os_string();
-    beside.push(".fake.json");
-    std::fs::write(beside, behaviour.to_string()).expect("the behaviour");
+    fake_behaviour(&store, "chat", behaviour);
     let runtime = dir.path().join("run");
     std::fs::create_dir(&runtime).expect("runtime dir");
     let mut backend = backend(&runtime);

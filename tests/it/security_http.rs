@@ -23,7 +23,7 @@ use corral::store::Store;
 use corral::store::digest::Digest;
 use tower::ServiceExt;
 
-use crate::support::api::{demo_store, limits};
+use crate::support::api::{demo_store, fake_behaviour, limits};
 use crate::support::container::poll_until;
 use crate::support::corrald::{CORRALD, Corrald, free_port, write_config};
 use crate::support::http::{self, Response};
@@ -43,6 +43,11 @@ fn corrald(dir: &Path, server: &str, notify: &NotifyListener) -> (Corrald, u16) 
 }
 
 fn config(dir: &Path, server: &str) -> (PathBuf, u16) {
+    config_with(dir, server, MISSING_LLAMA)
+}
+
+/// [`config`] with `llama_server` as the runner.
+fn config_with(dir: &Path, server: &str, llama_server: &str) -> (PathBuf, u16) {
     drop(demo_store(dir));
     let port = free_port();
     let config = write_config(
@@ -50,7 +55,7 @@ fn config(dir: &Path, server: &str) -> (PathBuf, u16) {
         "corral.toml",
         &format!(
             "[server]\nlisten = [\"127.0.0.1:{port}\"]\n{server}\n[store]\npath = \"{}\"\n[runner]\n\
-             llama_server = \"{MISSING_LLAMA}\"\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n[dbus]\nbus = \"off\"\n",
+             llama_server = \"{llama_server}\"\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n[dbus]\nbus = \"off\"\n",
             dir.join("models").display(),
         ),
     );
@@ -394,6 +399,52 @@ fn request_heads_over_their_bounds_are_answered_431_and_the_daemon_serves_on() {
         let answer = send_and_read_answer(port, head.as_bytes());
         assert!(answer.starts_with("HTTP/1.1 200 OK"), "{}", answer.chars().take(300).collect::<String>());
     }
+}
+
+/// A client that asks for an endless stream and reads none of it is let go after
+/// `send_timeout`: its request ends, which frees the runner's one slot for the next
+/// request, and the log says why.
+#[test]
+fn a_client_that_stops_reading_its_answer_is_let_go_after_send_timeout() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let notify = NotifyListener::start();
+    let (config, port) = config_with(dir.path(), "send_timeout = \"3s\"", env!("CARGO_BIN_EXE_fake-llama-server"));
+    // Tokens of 64 KiB: the socket's buffers (4 MiB on loopback) fill in a moment.
+    let store = Store::open(&dir.path().join("models")).expect("store");
+    fake_behaviour(&store, "chat", &serde_json::json!({ "token_bytes": 65536 }));
+    let corrald = Corrald::start(&["--config", config.to_str().expect("utf-8")], Some(notify.path()));
+    notify.wait_for("READY", "1", WAIT);
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    // The runner's requests in flight, from /metrics.
+    let active = || {
+        let metrics = http::tcp(addr, "GET", "/metrics").body;
+        let line = metrics.lines().find(|l| l.starts_with("corral_runner_active_requests{model=\"chat:latest\""));
+        line.and_then(|l| l.rsplit(' ').next()?.parse::<u32>().ok()).ok_or_else(|| metrics.clone())
+    };
+
+    // The fake runner streams a billion tokens, as fast as they are taken.
+    let body = r#"{"model":"chat","prompt":"hi","options":{"num_predict":1000000000}}"#;
+    let mut stalled = TcpStream::connect(addr).expect("connect");
+    let head = format!("POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n\r\n", body.len());
+    stalled.write_all(format!("{head}{body}").as_bytes()).expect("request");
+    poll_until(WAIT, "the stream to hold the runner", || match active()? {
+        1 => Ok(()),
+        n => Err(format!("{n} requests")),
+    });
+    poll_until(WAIT, "the stalled client's request to end", || match active()? {
+        0 => Ok(()),
+        n => Err(format!("{n} requests")),
+    });
+    assert!(corrald.stderr().contains("[server] send_timeout"), "{}", corrald.stderr());
+    // Its connection is closed: what was buffered drains, then the stream ends.
+    stalled.set_read_timeout(Some(WAIT)).expect("timeout");
+    let mut sink = vec![0; 1 << 20];
+    while stalled.read(&mut sink).expect("read until closed") > 0 {}
+
+    // The next request gets the runner's slot.
+    let body = r#"{"model":"chat","prompt":"hi","stream":false,"options":{"num_predict":3}}"#;
+    let response = raw(port, "POST /api/generate HTTP/1.1\r\nHost: localhost", body.as_bytes());
+    assert_eq!(response.status, 200, "{}", response.body);
 }
 
 #[test]

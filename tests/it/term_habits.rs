@@ -287,22 +287,7 @@ fn ctrl_c_ends_the_reply_not_the_session() {
         "[scheduler]\nnum_ctx = 512\n[gpu]\nfixed = true\nhost_memory = \"4GiB\"\n",
     );
     let store = corral::store::Store::open(&rig.path().join("models")).expect("store");
-    let name = corral::store::name::ModelName::parse("chat").expect("name");
-    let defaults = corral::scheduler::request::Defaults { num_ctx: 512, parallel: 1 };
-    let blob = corral::scheduler::request::build(
-        &store,
-        &name,
-        &corral::scheduler::request::LoadOverrides::default(),
-        None,
-        false,
-        defaults,
-    )
-    .expect("request")
-    .files
-    .model;
-    let mut beside = blob.into_os_string();
-    beside.push(".fake.json");
-    std::fs::write(beside, r#"{"stream_delay_ms": 100}"#).expect("the fake's behaviour");
+    crate::support::api::fake_behaviour(&store, "chat", &serde_json::json!({ "stream_delay_ms": 100 }));
 
     let host = format!("http://127.0.0.1:{}", rig.port);
     let term = Tmux::start(

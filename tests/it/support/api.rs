@@ -114,6 +114,22 @@ pub async fn leases_reach_zero(state: &AppState) {
     }
 }
 
+/// The GGUF file `model` runs in `store`.
+pub fn model_blob(store: &Store, model: &str) -> std::path::PathBuf {
+    let name = ModelName::parse(model).expect("name");
+    let defaults = Defaults { num_ctx: 512, parallel: 1 };
+    let overrides = corral::scheduler::request::LoadOverrides::default();
+    corral::scheduler::request::build(store, &name, &overrides, None, false, defaults).expect("request").files.model
+}
+
+/// Makes `fake-llama-server` behave as `behaviour` when it runs `model` (it reads
+/// `<blob>.fake.json`).
+pub fn fake_behaviour(store: &Store, model: &str, behaviour: &serde_json::Value) {
+    let mut beside = model_blob(store, model).into_os_string();
+    beside.push(".fake.json");
+    std::fs::write(beside, behaviour.to_string()).expect("the fake's behaviour");
+}
+
 /// The names in the store's blob directory, sorted.
 pub fn blob_files(state: &AppState) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(state.store.blobs_dir())
