@@ -16,7 +16,7 @@ use std::time::{Instant, SystemTime};
 use super::beneath::{Dir, Kind};
 use super::digest::Digest;
 use super::manifest::{Manifest, ModelConfig};
-use super::manifests::read_manifest_file;
+use super::manifests::{FileId, read_manifest_file};
 use super::name::ModelName;
 use super::show::BlobFacts;
 use super::{Store, StoreError, fs_err, vanished};
@@ -43,9 +43,6 @@ pub struct Listed {
     /// blob cannot be read, as Ollama lists such a model.
     pub config: ModelConfig,
 }
-
-/// A manifest file's identity: inode, size, modification time.
-pub(super) type FileId = (u64, u64, SystemTime);
 
 /// The listing kept between calls (see the module documentation).
 #[derive(Debug, Default)]

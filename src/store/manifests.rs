@@ -14,6 +14,10 @@ use super::name::ModelName;
 use super::temp::readable;
 use super::{Store, StoreError, fs_err, io_err, limits, vanished};
 
+/// A manifest file's identity: inode, size, modification time. The listing and the
+/// details cache keep what they read of a manifest until its identity changes.
+pub(super) type FileId = (u64, u64, SystemTime);
+
 impl Store {
     /// Writes a model's manifest, atomically, after checking every blob it names exists.
     /// Returns the manifest's digest.
@@ -87,8 +91,8 @@ impl Store {
         self.read_manifest(name).map(|(bytes, _)| bytes)
     }
 
-    /// The manifest file's identity (inode, size, modification time), without reading it.
-    pub(crate) fn manifest_identity(&self, name: &ModelName) -> Result<(u64, u64, SystemTime), StoreError> {
+    /// The manifest file's identity, without reading it.
+    pub(crate) fn manifest_identity(&self, name: &ModelName) -> Result<FileId, StoreError> {
         let not_found = || StoreError::NotFound(name.to_string());
         let [.., dir] = self.model_dirs(name)?.ok_or_else(not_found)?;
         let path = dir.rel(name.tag());

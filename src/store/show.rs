@@ -9,8 +9,8 @@ use serde_json::{Map, Value};
 
 use super::digest::Digest;
 use super::limits::{self, ReadError, SmallBlob};
-use super::list::FileId;
 use super::manifest::{self, Layer, Manifest, ModelConfig, RootFs};
+use super::manifests::FileId;
 use super::modelfile::{Message, Modelfile, WriteError};
 use super::name::ModelName;
 use super::{Store, StoreError};
