@@ -99,6 +99,7 @@ impl Api {
             StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
                 CtlError::HttpDenied { host: self.host.describe(), message }
             }
+            StatusCode::SERVICE_UNAVAILABLE => CtlError::HttpUnavailable { message },
             _ => CtlError::Http { message },
         })
     }

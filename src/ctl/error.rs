@@ -2,6 +2,7 @@
 //!
 //! Exit codes follow sysexits.h where one fits: 0 success, 1 any other failure, 2 bad
 //! usage (clap's own), 69 (`EX_UNAVAILABLE`) when corrald or its bus cannot be reached,
+//! 75 (`EX_TEMPFAIL`) when corrald is busy or stopping (the same command may work later),
 //! 77 (`EX_NOPERM`) when the bus policy refuses the call.
 
 /// A failed command, with no exit code yet.
@@ -74,6 +75,12 @@ pub enum CtlError {
         /// Its message.
         message: String,
     },
+    /// The HTTP API answered 503: too busy for the request, or stopping.
+    #[error("{message}")]
+    HttpUnavailable {
+        /// Its message.
+        message: String,
+    },
     /// The HTTP API answered with an error.
     #[error("{message}")]
     Http {
@@ -95,6 +102,8 @@ pub enum CtlError {
 
 /// sysexits.h: a service is unavailable.
 pub const EX_UNAVAILABLE: u8 = 69;
+/// sysexits.h: a temporary failure; the command may work if tried again.
+pub const EX_TEMPFAIL: u8 = 75;
 /// sysexits.h: permission denied.
 pub const EX_NOPERM: u8 = 77;
 
@@ -105,6 +114,8 @@ impl CtlError {
         match self {
             Self::NoBus { .. } | Self::NotRunning { .. } | Self::HttpUnreachable { .. } => EX_UNAVAILABLE,
             Self::AccessDenied { .. } | Self::HttpDenied { .. } => EX_NOPERM,
+            Self::HttpUnavailable { .. } => EX_TEMPFAIL,
+            Self::Daemon { name, .. } if matches!(name.as_str(), "Busy" | "ShuttingDown") => EX_TEMPFAIL,
             _ => 1,
         }
     }

@@ -29,6 +29,11 @@ not on the bus asked for, or the bus itself cannot be reached; for \fBrun\fR, it
 does not answer. Reading (\fBlist\fR, \fBps\fR, \fBshow\fR, \fBstatus\fR) never starts
 corrald; the other commands start it by bus activation when it is stopped.
 .TP
+\fB75\fR
+A temporary failure (EX_TEMPFAIL): corrald is too busy for the request (its queue of
+loads is full, or as many store jobs run as it allows) or is stopping; the same command
+may work later.
+.TP
 \fB77\fR
 Permission denied (EX_NOPERM): the bus policy allows loading, unloading and changing
 models only to root and members of the group \fBcorral\fR.

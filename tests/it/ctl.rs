@@ -306,6 +306,19 @@ fn corralctl_says_when_corrald_is_not_running() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach corrald's HTTP API"), "{}", describe(&out));
 }
 
+/// A daemon too busy for the request is a temporary failure (75, `EX_TEMPFAIL`) over
+/// D-Bus and over HTTP alike, so that a script knows to try again.
+#[test]
+fn corralctl_exits_75_when_corrald_is_too_busy() {
+    ensure_user(OUTSIDER, &[]);
+    // No room in the queue of loads at all: every load is refused as busy.
+    let rig = Rig { daemon: BusDaemon::start("[scheduler]\nmax_queue = 0\n") };
+    rig.fails(None, &["load", "chat"], 75, "server busy");
+    rig.fails(None, &["run", "chat", "Hi", "--host", &rig.http()], 75, "server busy");
+    // Other failures keep exit code 1.
+    rig.fails(None, &["load", "nope"], 1, "not found");
+}
+
 #[test]
 fn corralctl_prints_completions() {
     for (shell, marker) in [("bash", "complete -F"), ("zsh", "#compdef corralctl"), ("fish", "complete -c corralctl")] {
