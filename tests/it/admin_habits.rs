@@ -2,7 +2,7 @@
 //! behaviour under real systemd is in `systemd_container.rs`): a rejected configuration
 //! answered and named, a missing llama-server named at start and at load, reading that
 //! never starts corrald, a bus that is down blamed as such, `--user` on the session bus,
-//! and model names in shell completion.
+//! model names in shell completion, and every journal event in the README's table.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -331,6 +331,50 @@ fn the_daemon_manual_names_shipped_files_and_the_configuration_manual() {
         );
     }
     assert!(page.contains("RestartPreventExitStatus=78") && page.contains("\\-\\-user"), "{page}");
+}
+
+/// Every journal event corrald logs (`corral_event = "…"` in its source, `CORRAL_EVENT=` in
+/// the journal) has a row in the README's table of them, which admins filter by.
+#[test]
+fn every_journal_event_is_in_the_readmes_table() {
+    fn sources(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).expect("read src/") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                sources(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+    let root = crate::support::container::repo_root();
+    let mut files = Vec::new();
+    sources(&root.join("src"), &mut files);
+    let logged = regex::Regex::new(r#"corral_event = "([a-z_-]+)""#).expect("regex");
+    let events: std::collections::BTreeSet<String> = files
+        .iter()
+        .flat_map(|f| {
+            let text = std::fs::read_to_string(f).expect("a source file");
+            logged.captures_iter(&text).map(|c| c[1].to_owned()).collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(events.len() > 20 && events.contains("offload"), "the pattern finds the events: {events:?}");
+    // The table's first cells: "| `create`, `delete` | …".
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+    let table = readme.split("| `CORRAL_EVENT` | when |").nth(1).expect("the table of events");
+    let named = regex::Regex::new(r"`([a-z_-]+)`").expect("regex");
+    let documented: std::collections::BTreeSet<String> = table
+        .lines()
+        .skip(1)
+        .take_while(|l| l.starts_with('|'))
+        .flat_map(|l| {
+            named.captures_iter(l.split('|').nth(1).unwrap_or_default()).map(|c| c[1].to_owned()).collect::<Vec<_>>()
+        })
+        .collect();
+    let missing: Vec<&String> = events.difference(&documented).collect();
+    assert!(missing.is_empty(), "logged but not in the README's table: {missing:?}");
+    let stale: Vec<&String> = documented.difference(&events).collect();
+    assert!(stale.is_empty(), "in the README's table but never logged: {stale:?}");
 }
 
 /// corrald keeps its listing of the models in its state directory between runs: after a
