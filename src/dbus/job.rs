@@ -187,7 +187,7 @@ pub(super) async fn start(
 /// after a `JobFinished`.
 fn reserve(shared: &Shared) -> Result<(), Error> {
     let max = shared.context.max_jobs;
-    let room = |n: usize| (u32::try_from(n).is_ok_and(|n| n < max)).then_some(n + 1);
+    let room = |n: usize| (n < usize::try_from(max).unwrap_or(usize::MAX)).then_some(n + 1);
     shared.jobs_running.fetch_update(Ordering::Relaxed, Ordering::Relaxed, room).map(drop).map_err(|_| {
         Error::Busy(format!(
             "{max} store jobs are already running, the most [dbus] max_jobs allows; \
