@@ -16,7 +16,7 @@ use std::time::{Instant, SystemTime};
 use super::beneath::{Dir, Kind};
 use super::digest::Digest;
 use super::manifest::{Manifest, ModelConfig};
-use super::manifests::{FileId, read_manifest_file};
+use super::manifests::{FileId, file_id, read_manifest_file};
 use super::name::ModelName;
 use super::show::BlobFacts;
 use super::{Store, StoreError, fs_err, vanished};
@@ -237,7 +237,7 @@ impl Store {
             };
             let path = dir.rel(tag);
             let id = match dir.stat(tag) {
-                Ok(Some(meta)) if meta.kind == Kind::File => (meta.ino, meta.len, meta.modified),
+                Ok(Some(meta)) if meta.kind == Kind::File => file_id(&meta),
                 Ok(_) => return,
                 Err(e) if vanished(&e) => return,
                 Err(e) => return tracing::warn!(path, error = %e, "skipping an unreadable manifest"),

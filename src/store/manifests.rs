@@ -7,7 +7,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::time::SystemTime;
 
-use super::beneath::{self, Dir, Kind};
+use super::beneath::{self, Dir, Kind, Meta};
 use super::digest::Digest;
 use super::manifest::Manifest;
 use super::name::ModelName;
@@ -17,6 +17,11 @@ use super::{Store, StoreError, fs_err, io_err, limits, vanished};
 /// A manifest file's identity: inode, size, modification time. The listing and the
 /// details cache keep what they read of a manifest until its identity changes.
 pub(super) type FileId = (u64, u64, SystemTime);
+
+/// The identity of the file `meta` describes.
+pub(super) fn file_id(meta: &Meta) -> FileId {
+    (meta.ino, meta.len, meta.modified)
+}
 
 impl Store {
     /// Writes a model's manifest, atomically, after checking every blob it names exists.
@@ -98,7 +103,7 @@ impl Store {
         let path = dir.rel(name.tag());
         match dir.stat(name.tag()).map_err(fs_err("read", path.clone()))? {
             None => Err(not_found()),
-            Some(meta) if meta.kind == Kind::File => Ok((meta.ino, meta.len, meta.modified)),
+            Some(meta) if meta.kind == Kind::File => Ok(file_id(&meta)),
             Some(meta) => Err(StoreError::Refused {
                 path,
                 reason: if meta.kind == Kind::Symlink {

@@ -48,7 +48,7 @@ pub struct ModelDetails {
 /// A model's details as read from one version of its manifest file.
 #[derive(Debug)]
 struct Cached {
-    /// The manifest file's identity: inode, size and modification time.
+    /// The manifest file it was read from.
     file: FileId,
     details: Arc<ModelDetails>,
     /// About what it holds ([`held_bytes`]).
@@ -86,10 +86,8 @@ impl DetailsCache {
             return;
         }
         while self.bytes + bytes > DETAILS_CACHE_MAX {
-            let Some((_, oldest)) = self.order.pop_first() else { break };
-            if let Some(gone) = self.entries.remove(&oldest) {
-                self.bytes -= gone.bytes;
-            }
+            let Some(oldest) = self.order.values().next().cloned() else { break };
+            self.remove(&oldest);
         }
         self.added += 1;
         self.bytes += bytes;

@@ -190,8 +190,6 @@ impl Download {
         outcome
     }
 
-    /// Takes the download out of the map if no pull waits on it any more (checked under the
-    /// map's lock, so that no pull can join it after that).
     /// `work`'s outcome, or `None` (and `work` dropped) once every pull waiting on this
     /// download has gone.
     async fn while_watched<T>(&self, work: impl Future<Output = T>) -> Option<T> {
@@ -208,6 +206,8 @@ impl Download {
         }
     }
 
+    /// Takes the download out of the map if no pull waits on it any more (checked under the
+    /// map's lock, so that no pull can join it after that).
     fn forget_if_unwatched(&self) -> bool {
         let mut inflight = self.inner.lock_inflight();
         if self.sender.receiver_count() > 0 {
