@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the official Python clients (`ollama`, `openai`) from PyPI, pinned, into a
+# Install the official Python clients (`ollama`, `openai`, `anthropic`) from PyPI, pinned, into a
 # virtual environment in a cache outside the checkout, once; later runs only check the
 # pins and print the path.
 #
@@ -10,7 +10,7 @@
 #                      else ${XDG_CACHE_HOME:-~/.cache}/corral-dev)
 set -euo pipefail
 
-PINS=(ollama==0.6.3 openai==3.57.0)
+PINS=(ollama==0.6.3 openai==3.57.0 anthropic==2.17.0)
 if [[ $(id -u) == 0 ]]; then default_cache=/var/cache/corral-dev
 else default_cache=${XDG_CACHE_HOME:-$HOME/.cache}/corral-dev; fi
 VENV=${CORRAL_DEV_CACHE:-$default_cache}/python-clients
@@ -39,6 +39,6 @@ else
 fi
 log "pip install ${PINS[*]}"
 "${pip[@]}" install --quiet --disable-pip-version-check "${PINS[@]}" >&2
-"$PY" -c 'import ollama, openai' >&2
+"$PY" -c 'import ollama, openai, anthropic' >&2
 echo "${PINS[*]}" >"$STAMP"
 echo "$PY"

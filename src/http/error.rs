@@ -1,6 +1,7 @@
 //! Errors as HTTP responses, in the shape the client expects: Ollama's
-//! `{"error": "..."}` on `/api/*` and elsewhere, OpenAI's
-//! `{"error": {"message", "type", "code"}}` on `/v1/*`.
+//! `{"error": "..."}` on `/api/*` and elsewhere, Anthropic's
+//! `{"type": "error", "error": {"type", "message"}}` on `/v1/messages` (and below it),
+//! OpenAI's `{"error": {"message", "type", "code"}}` on the rest of `/v1/*`.
 //!
 //! Every message passes [`crate::redact::for_client`] on its way out: core errors name
 //! the files they failed on, which is for the journal (where the original is logged),
@@ -27,21 +28,44 @@ use crate::store::registry::RegistryError;
 pub struct ApiError {
     status: StatusCode,
     message: String,
-    openai: bool,
+    shape: Shape,
     header: Option<(HeaderName, HeaderValue)>,
 }
+
+/// Whose error body a client of a path expects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    Ollama,
+    OpenAi,
+    Anthropic,
+}
+
+impl Shape {
+    fn of(path: &str) -> Self {
+        if path == ANTHROPIC || path.strip_prefix(ANTHROPIC).is_some_and(|rest| rest.starts_with('/')) {
+            Self::Anthropic
+        } else if path.starts_with("/v1/") {
+            Self::OpenAi
+        } else {
+            Self::Ollama
+        }
+    }
+}
+
+/// Anthropic's Messages API, whose clients read Anthropic's error shape.
+const ANTHROPIC: &str = "/v1/messages";
 
 impl ApiError {
     /// An error for a request to `path`, whose prefix decides the body's shape.
     pub fn new(status: StatusCode, message: impl Into<String>, path: &str) -> Self {
         let message = crate::redact::for_client(message.into(), path);
-        Self { status, message, openai: path.starts_with("/v1/"), header: None }
+        Self { status, message, shape: Shape::of(path), header: None }
     }
 
     /// An error whose message holds nothing of the server's but the request's own URL
     /// path (404, 405), which is shown as sent.
     pub fn about_url(status: StatusCode, message: impl Into<String>, path: &str) -> Self {
-        Self { status, message: message.into(), openai: path.starts_with("/v1/"), header: None }
+        Self { status, message: message.into(), shape: Shape::of(path), header: None }
     }
 
     /// The status.
@@ -66,15 +90,30 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = if self.openai {
-            let kind = match self.status {
-                StatusCode::NOT_FOUND => "not_found_error",
-                s if s.is_server_error() => "server_error",
-                _ => "invalid_request_error",
-            };
-            json!({ "error": { "message": self.message, "type": kind, "code": self.status.as_u16() } })
-        } else {
-            json!({ "error": self.message })
+        let body = match self.shape {
+            Shape::Ollama => json!({ "error": self.message }),
+            Shape::OpenAi => {
+                let kind = match self.status {
+                    StatusCode::NOT_FOUND => "not_found_error",
+                    s if s.is_server_error() => "server_error",
+                    _ => "invalid_request_error",
+                };
+                json!({ "error": { "message": self.message, "type": kind, "code": self.status.as_u16() } })
+            }
+            Shape::Anthropic => {
+                // Anthropic's error types by status (its API's "Errors" page).
+                let kind = match self.status {
+                    StatusCode::UNAUTHORIZED => "authentication_error",
+                    StatusCode::FORBIDDEN => "permission_error",
+                    StatusCode::NOT_FOUND => "not_found_error",
+                    StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+                    StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+                    StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
+                    s if s.is_server_error() => "api_error",
+                    _ => "invalid_request_error",
+                };
+                json!({ "type": "error", "error": { "type": kind, "message": self.message } })
+            }
         };
         let mut response = (self.status, Json(body)).into_response();
         if let Some((name, value)) = self.header {
@@ -116,9 +155,47 @@ pub(super) fn busy(message: impl Into<String>, path: &str, seconds: &'static str
 /// A runner's refusal (`status` not a success, `reply` its JSON body or null): its own
 /// message, a 400 when it blamed the request, else a 500.
 pub(super) fn runner_refused(status: StatusCode, reply: &Value, path: &str) -> ApiError {
-    let message = reply["error"]["message"].as_str().unwrap_or("the model runner refused the request");
     let status = if status.is_client_error() { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR };
-    ApiError::new(status, message, path)
+    ApiError::new(status, refusal_message(reply), path)
+}
+
+/// The server-sent event that ends a passed-through stream whose runner failed mid-answer,
+/// in the shape the client of `path` reads: Anthropic's and the Responses API's `error`
+/// event, else the `data:` line with an error that OpenAI's clients raise on.
+pub(super) fn stream_error_event(message: &str, path: &str) -> String {
+    let message = crate::redact::for_client(message.to_owned(), path);
+    match Shape::of(path) {
+        Shape::Anthropic => {
+            let event = json!({ "type": "error", "error": { "type": "api_error", "message": message } });
+            format!("event: error\ndata: {event}\n\n")
+        }
+        _ if path == RESPONSES => {
+            let event = json!({ "type": "error", "code": "server_error", "message": message, "param": null });
+            format!("event: error\ndata: {event}\n\n")
+        }
+        _ => {
+            let event = json!({ "error": { "message": message, "type": "server_error", "code": 500 } });
+            format!("data: {event}\n\n")
+        }
+    }
+}
+
+/// OpenAI's Responses API, whose streams are named events.
+const RESPONSES: &str = "/v1/responses";
+
+/// Whether a client of `path` reads errors in OpenAI's shape, the one runners answer in.
+pub(super) fn reads_runners_errors(path: &str) -> bool {
+    Shape::of(path) == Shape::OpenAi
+}
+
+/// A runner's refusal of a request passed through to it, for a client that reads
+/// another error shape ([`reads_runners_errors`]): the runner's status and message.
+pub(super) fn passed_refusal(status: StatusCode, reply: &Value, path: &str) -> ApiError {
+    ApiError::new(status, refusal_message(reply), path)
+}
+
+fn refusal_message(reply: &Value) -> &str {
+    reply["error"]["message"].as_str().unwrap_or("the model runner refused the request")
 }
 
 /// The scheduler's refusals of a lease, a load or an unload as HTTP: busy is 503 with a
@@ -252,8 +329,10 @@ pub(super) fn template(error: &TemplateError, path: &str) -> ApiError {
 #[cfg(test)]
 mod tests {
     use axum::http::StatusCode;
+    use axum::response::IntoResponse;
+    use serde_json::{Value, json};
 
-    use super::schedule;
+    use super::{ApiError, schedule};
     use crate::scheduler::failure::FailureClass;
     use crate::scheduler::types::ScheduleError;
 
@@ -286,5 +365,67 @@ mod tests {
                 .ends_with("; down, so not counted: worker w (10.0.0.2:50052): cannot connect"),
             "a down worker is named"
         );
+    }
+
+    async fn body_of(error: ApiError) -> (StatusCode, Value) {
+        let response = error.into_response();
+        let status = response.status();
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.expect("a body");
+        (status, serde_json::from_slice(&bytes).expect("JSON"))
+    }
+
+    #[tokio::test]
+    async fn each_api_gets_its_own_error_shape() {
+        for (path, status, expected) in [
+            ("/api/chat", StatusCode::NOT_FOUND, json!({ "error": "why" })),
+            ("/", StatusCode::BAD_REQUEST, json!({ "error": "why" })),
+            (
+                "/v1/chat/completions",
+                StatusCode::NOT_FOUND,
+                json!({ "error": { "message": "why", "type": "not_found_error", "code": 404 } }),
+            ),
+            (
+                "/v1/messagesx",
+                StatusCode::BAD_REQUEST,
+                json!({ "error": { "message": "why", "type": "invalid_request_error", "code": 400 } }),
+            ),
+            (
+                "/v1/responses",
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({ "error": { "message": "why", "type": "server_error", "code": 503 } }),
+            ),
+            (
+                "/v1/messages",
+                StatusCode::NOT_FOUND,
+                json!({ "type": "error", "error": { "type": "not_found_error", "message": "why" } }),
+            ),
+            (
+                "/v1/messages/count_tokens",
+                StatusCode::BAD_REQUEST,
+                json!({ "type": "error", "error": { "type": "invalid_request_error", "message": "why" } }),
+            ),
+            (
+                "/v1/messages",
+                StatusCode::UNAUTHORIZED,
+                json!({ "type": "error", "error": { "type": "authentication_error", "message": "why" } }),
+            ),
+            (
+                "/v1/messages",
+                StatusCode::PAYLOAD_TOO_LARGE,
+                json!({ "type": "error", "error": { "type": "request_too_large", "message": "why" } }),
+            ),
+            (
+                "/v1/messages",
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({ "type": "error", "error": { "type": "overloaded_error", "message": "why" } }),
+            ),
+            (
+                "/v1/messages",
+                StatusCode::INSUFFICIENT_STORAGE,
+                json!({ "type": "error", "error": { "type": "api_error", "message": "why" } }),
+            ),
+        ] {
+            assert_eq!(body_of(ApiError::new(status, "why", path)).await, (status, expected), "{path} {status}");
+        }
     }
 }

@@ -2,6 +2,7 @@
 //!
 //! Handlers are views: they hold no scheduling state of their own.
 
+mod anthropic;
 mod error;
 pub mod listeners;
 pub(crate) mod metrics;
@@ -62,6 +63,9 @@ pub fn router(state: AppState) -> Router {
         .route("/api/generate", post(ollama_generate::generate))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/responses", post(openai::responses))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/embeddings", post(openai::embeddings))
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{*model}", get(openai::model))

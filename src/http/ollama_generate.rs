@@ -275,7 +275,7 @@ async fn run(
     path: &str,
 ) -> Result<Response, ApiError> {
     let model = request.name.clone();
-    let (lease, status, mut upstream, load) = match route {
+    let (lease, status, upstream, load) = match route {
         direct @ (Route::Chat | Route::Completion) => {
             let upstream_path = if matches!(direct, Route::Chat) { "/v1/chat/completions" } else { "/completion" };
             let body = serde_json::to_vec(&Value::Object(body)).expect("JSON values serialize");
@@ -309,12 +309,8 @@ async fn run(
         }
     };
     if !status.is_success() {
-        let mut reply = Vec::new();
-        while let Some(Ok(piece)) = upstream.chunk().await {
-            reply.extend_from_slice(&piece);
-        }
+        let reply = runner_call::refusal(upstream).await;
         drop(lease);
-        let reply: Value = serde_json::from_slice(&reply).unwrap_or(Value::Null);
         return Err(error::runner_refused(status, &reply, path));
     }
     let generation = Generation {

@@ -1,7 +1,7 @@
-//! OpenAI's endpoints: `POST /v1/chat/completions`, `/v1/completions` and
-//! `/v1/embeddings` pass through to the same endpoint of the leased runner, with only
-//! the model's name rewritten to the runner's alias; `GET /v1/models` and
-//! `GET /v1/models/{model}` list the store.
+//! OpenAI's endpoints: `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`
+//! and `/v1/embeddings` pass through to the same endpoint of the leased runner, with only
+//! the model's name rewritten to the runner's alias ([`pass_through`], which Anthropic's
+//! endpoints use too); `GET /v1/models` and `GET /v1/models/{model}` list the store.
 //!
 //! The runner's answer is forwarded as it arrives (status kept, server-sent events
 //! unchanged, `data: [DONE]` included). The response body holds the lease: it is
@@ -17,7 +17,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 
 use super::error::{self, ApiError, StoreWork, bad, internal};
 use super::model_request;
@@ -34,7 +34,7 @@ const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// What a passed-through endpoint needs of the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Needs {
+pub(super) enum Needs {
     Generation,
     Embedding,
 }
@@ -49,13 +49,24 @@ pub async fn completions(State(state): State<AppState>, body: Bytes) -> Result<R
     pass_through(&state, &body, "/v1/completions", Needs::Generation).await
 }
 
+/// `POST /v1/responses` (OpenAI's Responses API; llama-server keeps no responses, so a
+/// `previous_response_id` is the runner's error to give).
+pub async fn responses(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    pass_through(&state, &body, "/v1/responses", Needs::Generation).await
+}
+
 /// `POST /v1/embeddings`.
 pub async fn embeddings(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     pass_through(&state, &body, "/v1/embeddings", Needs::Embedding).await
 }
 
 /// Leases a runner for the request's model and forwards the request to its `path`.
-async fn pass_through(state: &AppState, body: &[u8], path: &'static str, needs: Needs) -> Result<Response, ApiError> {
+pub(super) async fn pass_through(
+    state: &AppState,
+    body: &[u8],
+    path: &'static str,
+    needs: Needs,
+) -> Result<Response, ApiError> {
     let mut request = object(body, path)?;
     let (name_text, name) = model_request::model_name(&request, false, path)?;
     let stream = request.get("stream").and_then(Value::as_bool).unwrap_or(false);
@@ -69,6 +80,11 @@ async fn pass_through(state: &AppState, body: &[u8], path: &'static str, needs: 
     let body = serde_json::to_vec(&Value::Object(request)).expect("JSON values serialize");
     let runner_call::Answer { lease, status, body: upstream, .. } =
         runner_call::send(state, model_request, path, body, UPSTREAM_TIMEOUT, path).await?;
+    if !status.is_success() && !error::reads_runners_errors(path) {
+        let reply = runner_call::refusal(upstream).await;
+        drop(lease);
+        return Err(error::passed_refusal(status, &reply, path));
+    }
     // The runner's own content type; should it send none, what it sends for such a
     // request: server-sent events for a streaming one, else (errors included) JSON.
     let content_type = upstream.content_type().cloned().unwrap_or_else(|| {
@@ -82,6 +98,7 @@ async fn pass_through(state: &AppState, body: &[u8], path: &'static str, needs: 
         lease: Some(lease),
         scheduler: state.scheduler.clone(),
         events,
+        path,
     };
     let pieces = futures_util::stream::unfold(forwarded, |mut forwarded| async move {
         let piece = forwarded.upstream.as_mut()?.chunk().await?;
@@ -97,8 +114,7 @@ async fn pass_through(state: &AppState, body: &[u8], path: &'static str, needs: 
                 let message = runner_call::failed_mid_answer(&forwarded.scheduler, forwarded.lease.take(), &e).await;
                 if forwarded.events {
                     // An event stream ends with an error event the client can read.
-                    let event = json!({ "error": { "message": message, "type": "server_error", "code": 500 } });
-                    Some((Ok(Bytes::from(format!("data: {event}\n\n"))), forwarded))
+                    Some((Ok(Bytes::from(error::stream_error_event(&message, forwarded.path))), forwarded))
                 } else {
                     // A JSON answer cut short cannot be mended: the connection is broken off.
                     Some((Err(std::io::Error::other(message)), forwarded))
@@ -126,6 +142,8 @@ struct Forwarded {
     scheduler: Handle,
     /// Server-sent events (an error can still be told in the stream).
     events: bool,
+    /// The client's path, which decides the shape of that error.
+    path: &'static str,
 }
 
 impl Drop for Forwarded {
@@ -141,8 +159,8 @@ impl Drop for Forwarded {
 const JSON_TAIL: usize = 64 * 1024;
 
 /// Counts an answer's tokens for `/metrics` as its pieces pass by, unchanged and
-/// undelayed: from `usage` (a JSON answer's, or the one in the last event of a stream),
-/// else a stream's `timings`, else one token per streamed piece of text.
+/// undelayed: from `usage` (a JSON answer's, or the latest in a stream's events), else a
+/// stream's `timings`; the answer's tokens never fewer than its streamed pieces of text.
 #[derive(Debug)]
 pub(super) struct Usage {
     /// How the answer is read: as events, or as a JSON answer's last bytes.
@@ -173,23 +191,38 @@ impl Usage {
         };
         for event in events {
             self.usage(&event["usage"]);
+            // Anthropic's `message_start`, the Responses API's `response.completed`.
+            self.usage(&event["message"]["usage"]);
+            self.usage(&event["response"]["usage"]);
             if let Some(timings) = event.get("timings") {
                 if let (Some(p), Some(n)) = (timings["prompt_n"].as_u64(), timings["predicted_n"].as_u64()) {
                     self.timings = Some((p, n));
                 }
             }
             let choice = &event["choices"][0];
-            let text = choice["delta"]["content"].as_str().or(choice["text"].as_str());
+            let text = (choice["delta"]["content"].as_str())
+                .or(choice["text"].as_str())
+                // Anthropic's `content_block_delta`, the Responses API's `….delta`.
+                .or(event["delta"]["text"].as_str())
+                .or(event["delta"].as_str());
             if text.is_some_and(|t| !t.is_empty()) {
                 self.pieces += 1;
             }
         }
     }
 
+    /// Reads a `usage` object in OpenAI's chat and completions shape (`prompt_tokens`,
+    /// `completion_tokens`) or Anthropic's and the Responses API's (`input_tokens`,
+    /// `output_tokens`; Anthropic counts the prompt's cached tokens apart, in
+    /// `cache_read_input_tokens`). A count it lacks keeps the one seen before.
     fn usage(&mut self, usage: &Value) {
         if usage.is_object() {
-            self.prompt = usage["prompt_tokens"].as_u64().or(self.prompt);
-            self.completion = usage["completion_tokens"].as_u64().or(self.completion);
+            let input = usage["input_tokens"]
+                .as_u64()
+                .map(|n| n.saturating_add(usage["cache_read_input_tokens"].as_u64().unwrap_or(0)));
+            self.prompt = usage["prompt_tokens"].as_u64().or(input).or(self.prompt);
+            self.completion =
+                usage["completion_tokens"].as_u64().or(usage["output_tokens"].as_u64()).or(self.completion);
         }
     }
 
@@ -202,7 +235,9 @@ impl Usage {
         }
         let (timed_prompt, timed_completion) = self.timings.unzip();
         let prompt = self.prompt.or(timed_prompt).unwrap_or(0);
-        let completion = self.completion.or(timed_completion).unwrap_or(self.pieces);
+        // Each streamed piece is at least a token, so the pieces bound the count from below:
+        // a stream cut short after Anthropic's first count (0) still counts what it sent.
+        let completion = self.completion.or(timed_completion).unwrap_or(0).max(self.pieces);
         self.tokens.record(prompt, completion);
     }
 }
@@ -288,7 +323,7 @@ mod tests {
 
     #[tokio::test]
     async fn requests_without_a_usable_model_are_refused_in_openais_shape() {
-        for path in ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"] {
+        for path in ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"] {
             for (body, status, message) in [
                 ("{}", StatusCode::BAD_REQUEST, "model is required"),
                 (r#"{"model":3}"#, StatusCode::BAD_REQUEST, "model must be a string"),
@@ -344,6 +379,79 @@ mod tests {
         }
         usage.record();
         assert_eq!(tokens.totals(), (3, 4));
+    }
+
+    #[tokio::test]
+    async fn anthropics_endpoints_refuse_in_anthropics_shape() {
+        for path in ["/v1/messages", "/v1/messages/count_tokens"] {
+            for (body, status, kind, message) in [
+                ("{}", StatusCode::BAD_REQUEST, "invalid_request_error", "model is required"),
+                ("{nope", StatusCode::BAD_REQUEST, "invalid_request_error", "invalid JSON"),
+                (r#"{"model":"ghost"}"#, StatusCode::NOT_FOUND, "not_found_error", "model 'ghost' not found"),
+            ] {
+                let (got, json) = call(Method::POST, path, body).await;
+                assert_eq!(got, status, "{path} {body}: {json}");
+                assert_eq!(json["type"], "error", "{path} {body}: {json}");
+                assert_eq!(json["error"]["type"], kind, "{path} {body}: {json}");
+                let text = json["error"]["message"].as_str().expect("message");
+                assert!(text.starts_with(message), "{path} {body}: {json}");
+            }
+        }
+    }
+
+    /// Counts what `pieces` of an answer (events or JSON) say, as `/metrics` would.
+    fn counted(events: bool, pieces: &[&[u8]]) -> (u64, u64) {
+        use std::sync::Arc;
+
+        use super::Usage;
+        use crate::http::state::Tokens;
+
+        let tokens = Arc::new(Tokens::default());
+        let mut usage = Usage::new(events, Arc::clone(&tokens));
+        for piece in pieces {
+            usage.observe(piece);
+        }
+        usage.record();
+        tokens.totals()
+    }
+
+    #[test]
+    fn anthropics_and_the_responses_apis_usage_is_counted() {
+        // As llama-server streams them: the prompt's cached tokens apart in Anthropic's
+        // `message_start`, the answer's count in `message_delta`.
+        let anthropic = concat!(
+            "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":",
+            "{\"cache_read_input_tokens\":19,\"input_tokens\":1,\"output_tokens\":0}}}\n\n",
+            "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,",
+            "\"delta\":{\"type\":\"text_delta\",\"text\":\"f\"}}\n\n",
+            "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,",
+            "\"delta\":{\"type\":\"text_delta\",\"text\":\" first\"}}\n\n",
+            "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"max_tokens\"},",
+            "\"usage\":{\"output_tokens\":3}}\n\n",
+            "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+        );
+        let split: Vec<&[u8]> = anthropic.as_bytes().chunks(7).collect();
+        assert_eq!(counted(true, &split), (20, 3));
+        let cut = &anthropic.as_bytes()[..anthropic.find("event: message_delta").expect("in the stream")];
+        assert_eq!(counted(true, &[cut]), (20, 2), "a stream cut short counts its pieces of text");
+
+        let responses = concat!(
+            "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"f\"}\n\n",
+            "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"s\"}\n\n",
+            "event: response.output_text.done\ndata: {\"type\":\"response.output_text.done\",\"text\":\"fs\"}\n\n",
+            "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":",
+            "{\"input_tokens\":20,\"output_tokens\":3,\"input_tokens_details\":{\"cached_tokens\":19}}}}\n\n",
+        );
+        assert_eq!(counted(true, &[responses.as_bytes()]), (20, 3));
+        let cut = &responses.as_bytes()[..responses.find("event: response.completed").expect("in the stream")];
+        assert_eq!(counted(true, &[cut]), (0, 2), "deltas are pieces of text; the whole text is not");
+
+        let message = br#"{"type":"message","content":[],"usage":{"cache_read_input_tokens":0,"input_tokens":20,"output_tokens":8}}"#;
+        assert_eq!(counted(false, &[message]), (20, 8));
+        let response =
+            br#"{"object":"response","output":[],"usage":{"input_tokens":20,"output_tokens":8,"total_tokens":28}}"#;
+        assert_eq!(counted(false, &[response]), (20, 8));
+        assert_eq!(counted(false, &[br#"{"input_tokens":20}"#]), (0, 0), "a count of tokens generates none");
     }
 
     #[tokio::test]

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::http::StatusCode;
+use serde_json::Value;
 
 use super::error::{self, ApiError, internal};
 use super::state::AppState;
@@ -71,6 +72,22 @@ pub(super) async fn send(
 /// The runner failed before its answer began.
 pub(super) fn unanswered(error: &UpstreamError, path: &str) -> ApiError {
     internal(format!("the model runner did not answer: {error}"), path)
+}
+
+/// The most of a runner's refusal that is read: its error is a line or two.
+const MAX_REFUSAL: usize = 1 << 20;
+
+/// A runner's refusal (an answer whose status is not a success) read whole: its JSON, or
+/// null when it is none, is cut short, or passes [`MAX_REFUSAL`].
+pub(super) async fn refusal(mut body: BodyStream) -> Value {
+    let mut reply = Vec::new();
+    while let Some(piece) = body.chunk().await {
+        match piece {
+            Ok(piece) if reply.len() + piece.len() <= MAX_REFUSAL => reply.extend_from_slice(&piece),
+            _ => return Value::Null,
+        }
+    }
+    serde_json::from_slice(&reply).unwrap_or(Value::Null)
 }
 
 /// How long a request whose runner died under it waits to learn why (the runner reaped,

@@ -33,7 +33,8 @@
 //!    echoing it. Other origins get no CORS headers (their preflight goes on to the
 //!    router, which refuses `OPTIONS`), so the browser keeps the answer from the page.
 //! 4. **Bearer tokens**: with `api_tokens` set, every request but `GET /` and `HEAD /`
-//!    needs `Authorization: Bearer <token>`, else 401 (with `store_changes = "token"`
+//!    needs `Authorization: Bearer <token>` (or `x-api-key: <token>`, as Anthropic's
+//!    clients send it), else 401 (with `store_changes = "token"`
 //!    the tokens guard only the store changes over TCP, 7. below). Tokens are compared in constant
 //!    time: the SHA-256 digests of the presented token and of every configured one are
 //!    compared with an xor fold over all 32 bytes, for every token, without an early exit.
@@ -156,7 +157,7 @@ impl LocalNames {
 /// The methods a preflight is told the API allows.
 const ALLOW_METHODS: &str = "GET, HEAD, POST, PUT, DELETE, OPTIONS";
 /// The request headers a preflight is told the API allows when it does not name any.
-const ALLOW_HEADERS: &str = "Authorization, Content-Type, User-Agent, Accept, X-Requested-With";
+const ALLOW_HEADERS: &str = "Authorization, Content-Type, User-Agent, Accept, X-Requested-With, X-Api-Key";
 /// How long a client refused for too many uploads is told to wait, in seconds.
 const UPLOAD_RETRY_AFTER: &str = "5";
 
@@ -283,14 +284,18 @@ pub fn is_loopback(ip: IpAddr) -> bool {
     ip.to_canonical().is_loopback()
 }
 
-/// The bearer token a request presents, if any.
+/// The token a request presents, if any: a bearer token, else an `x-api-key` (what
+/// Anthropic's clients send their key in).
 fn presented_token(headers: &HeaderMap) -> Option<&str> {
-    headers
+    let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-        .map(str::trim)
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")));
+    bearer.or_else(|| headers.get(API_KEY).and_then(|v| v.to_str().ok())).map(str::trim)
 }
+
+/// The header Anthropic's API takes its key in.
+const API_KEY: &str = "x-api-key";
 
 fn digest(bytes: &[u8]) -> [u8; 32] {
     let mut out = [0u8; 32];
@@ -428,7 +433,10 @@ pub async fn guard(State(safety): State<Arc<Safety>>, request: Request, next: Ne
     // With `store_changes = "token"` the tokens guard the store changes only (`store_change`).
     if !open && !safety.token_digests.is_empty() && safety.store_changes != StoreChanges::Token {
         let refusal = match presented_token(request.headers()) {
-            None => Some("this server needs an API token: send \"Authorization: Bearer <token>\"".to_owned()),
+            None => Some(
+                "this server needs an API token: send \"Authorization: Bearer <token>\" (or \"x-api-key: <token>\")"
+                    .to_owned(),
+            ),
             Some(token) if !safety.token_valid(token) => Some("the API token is not valid".to_owned()),
             Some(_) => None,
         };
@@ -970,6 +978,25 @@ mod tests {
         let (response, json) = send(&config, Request::post("/v1/models").body(Body::empty()).expect("r")).await;
         assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
         assert!(json["error"]["message"].is_string(), "OpenAI's shape under /v1/: {json}");
+
+        // Anthropic's clients send their key in `x-api-key`; a bearer token, when sent, is
+        // the one that counts.
+        let keyed = |key: &str, bearer: Option<&str>| {
+            let builder = get("/api/version").header("x-api-key", key);
+            let builder = match bearer {
+                Some(b) => builder.header(header::AUTHORIZATION, b),
+                None => builder,
+            };
+            builder.body(Body::empty()).expect("request")
+        };
+        assert_eq!(send(&config, keyed("two", None)).await.0.status(), StatusCode::OK);
+        assert_eq!(send(&config, keyed("three", None)).await.0.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(send(&config, keyed("one", Some("Bearer three"))).await.0.status(), StatusCode::UNAUTHORIZED);
+        let (response, json) = send(&config, Request::post("/v1/messages").body(Body::empty()).expect("r")).await;
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(json["type"], "error", "Anthropic's shape under /v1/messages: {json}");
+        assert_eq!(json["error"]["type"], "authentication_error", "{json}");
+        assert!(json["error"]["message"].as_str().expect("a message").contains("x-api-key"), "{json}");
     }
 
     #[tokio::test]

@@ -50,6 +50,16 @@ def main(base):
     r = client.embeddings.create(model="embed", input="hello")
     check(len(r.data) == 1 and len(r.data[0].embedding) == 64, "embeddings take a string", r.data)
 
+    r = client.responses.create(model="chat", input="hello", max_output_tokens=8)
+    check(r.output_text, "response has output_text", r)
+    check(r.usage.output_tokens == 8, "response usage.output_tokens is max_output_tokens", r.usage)
+    check(r.model.startswith("chat"), "response names the model", r.model)
+    events = list(client.responses.create(model="chat", input="hello", max_output_tokens=8, stream=True))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    check(text, "response stream collects text", [e.type for e in events])
+    check(events[-1].type == "response.completed", "response stream ends completed", events[-1].type)
+    check(events[-1].response.output_text == text, "response stream's completed text is its deltas", events[-1])
+
     ids = [m.id for m in client.models.list()]
     check("chat:latest" in ids and "embed:latest" in ids, "models.list contains both models", ids)
     m = client.models.retrieve("chat:latest")

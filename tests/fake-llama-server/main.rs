@@ -249,6 +249,10 @@ async fn main() {
         .route("/health", get(health))
         .route("/completion", post(completion))
         .route("/v1/chat/completions", post(chat_completions))
+        // Anthropic's messages and OpenAI's responses pass through as chat does; the
+        // fake answers them in chat's shape, which is all a pass-through's faults need.
+        .route("/v1/messages", post(chat_completions))
+        .route("/v1/responses", post(chat_completions))
         // Enough of OpenAI's completions for a pass-through: llama-server's own answer.
         .route("/v1/completions", post(completion))
         .route("/v1/embeddings", post(embeddings))

@@ -1,4 +1,4 @@
-//! The official Python clients from `PyPI` (`ollama`, `openai`, pinned and installed once by
+//! The official Python clients from `PyPI` (`ollama`, `openai`, `anthropic`, pinned and installed once by
 //! `scripts/setup-python-clients.sh`) against a real corrald with real llama-server
 //! runners: the scripts in `tests/clients/` make the calls people make and assert on
 //! the answers.
@@ -58,4 +58,9 @@ fn the_ollama_python_client_works() {
 #[test]
 fn the_openai_python_client_works() {
     run_client("openai_client.py");
+}
+
+#[test]
+fn the_anthropic_python_client_works() {
+    run_client("anthropic_client.py");
 }

@@ -118,6 +118,8 @@ fn routes() -> Vec<(&'static str, &'static str, Value)> {
         ("chat", "/api/generate", json!({ "model": "chat", "prompt": "hi", "raw": true, "stream": false })),
         ("chat", "/v1/chat/completions", json!({ "model": "chat", "messages": [{ "role": "user", "content": "hi" }] })),
         ("chat", "/v1/completions", json!({ "model": "chat", "prompt": "hi" })),
+        ("chat", "/v1/responses", json!({ "model": "chat", "input": "hi" })),
+        ("chat", "/v1/messages", json!({ "model": "chat", "messages": [{ "role": "user", "content": "hi" }] })),
         ("embed", "/api/embed", json!({ "model": "embed", "input": ["a", "b"] })),
         ("embed", "/v1/embeddings", json!({ "model": "embed", "input": "a" })),
     ]
@@ -182,7 +184,7 @@ async fn a_runner_silent_mid_stream_ends_the_request_with_an_error_and_is_stoppe
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_runner_silent_mid_stream_ends_openai_streams_with_an_error_event_and_waiting_answers_with_500() {
+async fn a_runner_silent_mid_stream_ends_v1_streams_with_their_apis_error_event_and_waiting_answers_with_500() {
     let mut world = World::new(&json!({ "silent_after_tokens": 1 }), 3);
     world.state.upstream = Pool::new(Duration::from_secs(1));
     let body = json!({ "model": "chat", "messages": [{ "role": "user", "content": "hi" }], "stream": true });
@@ -194,6 +196,23 @@ async fn a_runner_silent_mid_stream_ends_openai_streams_with_an_error_event_and_
     let message = error["error"]["message"].as_str().unwrap_or_else(|| panic!("an error event: {text}"));
     assert!(message.contains("sent nothing for 1 s"), "{message}");
     assert_eq!(error["error"]["type"], "server_error");
+
+    // Anthropic's and the Responses API's streams end with their own `error` event.
+    let user = json!([{ "role": "user", "content": "hi" }]);
+    for (path, body, pointer) in [
+        ("/v1/messages", json!({ "model": "chat", "messages": user, "stream": true }), "/error/message"),
+        ("/v1/responses", json!({ "model": "chat", "input": "hi", "stream": true }), "/message"),
+    ] {
+        let (status, text) = request(&world, path, &body).await;
+        assert_eq!(status, 200, "{path}: {text}");
+        let last = text.trim_end().rsplit("\n\n").next().unwrap_or_default();
+        let data =
+            last.strip_prefix("event: error\ndata: ").unwrap_or_else(|| panic!("{path}: an error event last: {text}"));
+        let error: Value = serde_json::from_str(data).expect("a JSON event");
+        assert_eq!(error["type"], "error", "{path}: {error}");
+        let message = error.pointer(pointer).and_then(Value::as_str).unwrap_or_else(|| panic!("{path}: {error}"));
+        assert!(message.contains("sent nothing for 1 s"), "{path}: {message}");
+    }
 
     // A non-streaming Ollama answer had not begun: a 500 naming the stall.
     let body = json!({ "model": "chat", "prompt": "hi", "stream": false });
