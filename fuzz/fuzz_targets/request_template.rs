@@ -26,7 +26,7 @@ fuzz_target!(|data: &[u8]| {
         }));
     });
     let Ok(template) = std::str::from_utf8(data) else { return };
-    let fields = [("System", "You are brief."), ("Prompt", "Why is the sky blue?"), ("Response", "")];
+    let fields = [("System", "You are brief."), ("Prompt", "Why is the sky blue?"), ("Suffix", ""), ("Response", "")];
     match render_blocking(template, &fields, &Limits::default()) {
         Ok(out) => assert!(out.len() <= MAX_OUTPUT, "{} bytes of output", out.len()),
         Err(TemplateError::Thread(e)) => panic!("no render thread: {e}"),

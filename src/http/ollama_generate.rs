@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime};
 use axum::Json;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{HeaderValue, header};
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 
@@ -87,16 +87,25 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
     let prompt = string(&request, "prompt", PATH)?.unwrap_or_default();
     let system = string(&request, "system", PATH)?;
     let template = string(&request, "template", PATH)?.filter(|t| !t.is_empty());
+    let suffix = string(&request, "suffix", PATH)?.filter(|s| !s.is_empty());
     let raw = match request.get("raw") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(bad("raw must be true or false", PATH)),
     };
+    let legacy_context = matches!(request.get("context"), Some(Value::Array(tokens)) if !tokens.is_empty());
+    if raw && (template.is_some() || system.as_deref().is_some_and(|s| !s.is_empty()) || legacy_context) {
+        // Ollama's refusal, word for word: a raw prompt is sent as it is.
+        return Err(bad("raw mode does not support template, system, or context", PATH));
+    }
     let images = translate::images(request.get("images"), PATH)?;
     // A raw or templated prompt goes to /completion as it is.
     let direct = raw || template.is_some();
     if direct && !images.is_empty() {
         return Err(bad("images are not supported with raw or template; send them without either", PATH));
+    }
+    if suffix.is_some() && !images.is_empty() {
+        return Err(bad("images cannot be combined with a suffix: send one or the other", PATH));
     }
     let schema = translate::format(&request, PATH)?;
     if !images.is_empty() && schema.is_some() {
@@ -105,36 +114,42 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
     let fields = translate::think(&request, PATH)?;
     // Checked before anything loads, even when the prompt is empty.
     if let Some(template) = &template {
-        translate::render_template(&state.templates, template, "", "", PATH).await?;
+        translate::render_template(&state.templates, template, "", "", "", PATH).await?;
     }
     let common = Common::parse(&request, PATH)?;
     let prepared = prepare(&state, &common, !images.is_empty(), PATH).await?;
     if prompt.is_empty() {
         return load_or_unload(&state, prepared.request, &common, Kind::Generate, started, PATH).await;
     }
-    let system = system.or(prepared.system).filter(|s| !s.is_empty());
-    if direct {
-        let prompt = match &template {
-            Some(template) if !raw => {
-                translate::render_template(
-                    &state.templates,
-                    template,
-                    system.as_deref().unwrap_or_default(),
-                    &prompt,
-                    PATH,
-                )
-                .await?
-            }
-            _ => prompt,
-        };
+    // With a suffix, as in Ollama, the prompt and the suffix are all a template gets.
+    let system = system.or(prepared.system).filter(|s| !s.is_empty() && suffix.is_none());
+    if direct || suffix.is_some() {
         let mut body = sampling(&prepared.options, "n_predict", PATH)?;
         if let Some(schema) = schema {
             body.insert("json_schema".into(), schema);
         }
-        body.insert("prompt".into(), Value::String(prompt));
         body.insert("stream".into(), Value::Bool(true));
-        return run(&state, prepared.request, Route::Completion, body, Kind::Generate, common.stream, started, PATH)
-            .await;
+        let route = match (&template, suffix) {
+            // A raw prompt is sent as it is, a suffix or not (as Ollama does).
+            _ if raw => {
+                body.insert("prompt".into(), Value::String(prompt));
+                Route::Completion
+            }
+            (Some(template), suffix) => {
+                let system = system.unwrap_or_default();
+                let suffix = suffix.unwrap_or_default();
+                let rendered =
+                    translate::render_template(&state.templates, template, &system, &prompt, &suffix, PATH).await?;
+                body.insert("prompt".into(), Value::String(rendered));
+                Route::Completion
+            }
+            (None, suffix) => {
+                body.insert("input_prefix".into(), Value::String(prompt));
+                body.insert("input_suffix".into(), Value::String(suffix.unwrap_or_default()));
+                Route::Infill
+            }
+        };
+        return run(&state, prepared.request, route, body, Kind::Generate, common.stream, started, PATH).await;
     }
     let mut messages = Vec::new();
     if let Some(system) = system {
@@ -179,6 +194,9 @@ pub(super) enum Route {
     Chat,
     /// `/completion` with the prompt as it is.
     Completion,
+    /// `/infill`: the prompt and the suffix around the model's own fill-in-the-middle
+    /// tokens (a `suffix` on `/api/generate`).
+    Infill,
     /// `/completion` with the prompt `/apply-template` renders from this request body.
     Rendered(Value),
 }
@@ -275,9 +293,14 @@ async fn run(
     path: &str,
 ) -> Result<Response, ApiError> {
     let model = request.name.clone();
+    let infill = matches!(route, Route::Infill);
     let (lease, status, upstream, load) = match route {
-        direct @ (Route::Chat | Route::Completion) => {
-            let upstream_path = if matches!(direct, Route::Chat) { "/v1/chat/completions" } else { "/completion" };
+        direct @ (Route::Chat | Route::Completion | Route::Infill) => {
+            let upstream_path = match direct {
+                Route::Chat => "/v1/chat/completions",
+                Route::Infill => "/infill",
+                _ => "/completion",
+            };
             let body = serde_json::to_vec(&Value::Object(body)).expect("JSON values serialize");
             let answer = runner_call::send(state, request, upstream_path, body, UPSTREAM_TIMEOUT, path).await?;
             (answer.lease, answer.status, answer.body, answer.waited)
@@ -311,6 +334,11 @@ async fn run(
     if !status.is_success() {
         let reply = runner_call::refusal(upstream).await;
         drop(lease);
+        if infill && status == StatusCode::NOT_IMPLEMENTED {
+            // llama.cpp found no fill-in-the-middle tokens in the model's vocabulary.
+            let why = reply["error"]["message"].as_str().unwrap_or_default();
+            return Err(bad(format!("\"{model}\" does not support insert: {why}"), path));
+        }
         return Err(error::runner_refused(status, &reply, path));
     }
     let generation = Generation {

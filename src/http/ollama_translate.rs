@@ -328,9 +328,10 @@ pub(super) async fn render_template(
     template: &str,
     system: &str,
     prompt: &str,
+    suffix: &str,
     path: &str,
 ) -> Result<String, ApiError> {
-    let fields = [("System", system), ("Prompt", prompt), ("Response", "")];
+    let fields = [("System", system), ("Prompt", prompt), ("Suffix", suffix), ("Response", "")];
     renderer.render(template, &fields).await.map_err(|e| error::template(&e, path))
 }
 
@@ -566,7 +567,7 @@ mod tests {
             let (template, system, prompt, path) =
                 (template.to_owned(), system.to_owned(), prompt.to_owned(), path.to_owned());
             let renderer = renderer.clone();
-            async move { super::render_template(&renderer, &template, &system, &prompt, &path).await }
+            async move { super::render_template(&renderer, &template, &system, &prompt, "", &path).await }
         };
         let template = "{{ if .System }}<sys>{{ .System }}</sys>{{ end }}<user>{{ .Prompt }}</user>{{ .Response }}";
         assert_eq!(
@@ -582,5 +583,10 @@ mod tests {
         let error = render_template(&deep, "", "p", "/api/generate").await.expect_err("deep");
         assert!(message_of(&error).contains("status: 400"), "{error:?}");
         assert!(message_of(&error).contains("template nests deeper than 64 levels"), "{error:?}");
+
+        // A fill-in-the-middle template, as Ollama's code models carry: the suffix as `.Suffix`.
+        let fim = "{{ if .Suffix }}<PRE>{{ .Prompt }}<SUF>{{ .Suffix }}<MID>{{ else }}{{ .Prompt }}{{ end }}";
+        let filled = super::render_template(&renderer, fim, "", "def f(", "):", "/api/generate").await;
+        assert_eq!(filled.expect("renders"), "<PRE>def f(<SUF>):<MID>");
     }
 }

@@ -73,9 +73,10 @@ async fn generate_streams_templated_and_raw_and_answers_whole() {
     let dir = tempfile::tempdir().expect("tempdir");
     let state = state(dir.path());
     for raw in [false, true] {
-        let request = format!(
-            r#"{{"model":"chat","prompt":"once upon","system":"be brief","raw":{raw},"options":{{"num_predict":8}}}}"#
-        );
+        // A raw prompt is sent as it is: with a system prompt it is refused (below).
+        let system = if raw { "" } else { r#""system":"be brief","# };
+        let request =
+            format!(r#"{{"model":"chat","prompt":"once upon",{system}"raw":{raw},"options":{{"num_predict":8}}}}"#);
         let (status, ctype, lines) = post(&state, "/api/generate", &request).await;
         assert_eq!(status, StatusCode::OK, "raw {raw}: {lines:?}");
         assert_eq!(ctype, "application/x-ndjson");
@@ -173,6 +174,31 @@ async fn bad_generation_requests_are_named_and_load_nothing() {
             "invalid template",
         ),
         ("/api/generate", r#"{"model":"chat","prompt":"x","template":7}"#, StatusCode::BAD_REQUEST, "template must be"),
+        ("/api/generate", r#"{"model":"chat","prompt":"x","suffix":7}"#, StatusCode::BAD_REQUEST, "suffix must be"),
+        (
+            "/api/generate",
+            r#"{"model":"chat","prompt":"x","suffix":"y","images":["iVBORw0KGgo="]}"#,
+            StatusCode::BAD_REQUEST,
+            "images cannot be combined with a suffix",
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"chat","prompt":"x","raw":true,"system":"be brief"}"#,
+            StatusCode::BAD_REQUEST,
+            "raw mode does not support template, system, or context",
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"chat","prompt":"x","raw":true,"template":"{{ .Prompt }}"}"#,
+            StatusCode::BAD_REQUEST,
+            "raw mode does not support template, system, or context",
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"chat","prompt":"x","raw":true,"context":[1,2]}"#,
+            StatusCode::BAD_REQUEST,
+            "raw mode does not support template, system, or context",
+        ),
     ];
     for (path, body, status, message) in cases {
         let (got, _, reply) = post(&state, path, body).await;
@@ -281,4 +307,81 @@ async fn a_request_template_renders_the_prompt() {
     let (status, _, lines) = post(&state, "/api/generate", body).await;
     assert_eq!(status, StatusCode::OK, "{lines:?}");
     assert_final(&lines[0], "length", 3);
+}
+
+/// Adds `coder` to the store: the tiny llama with fill-in-the-middle tokens named in its
+/// metadata, as code models' GGUFs name theirs.
+fn add_coder(state: &AppState, dir: &std::path::Path) {
+    use corral::gguf::GgufValue;
+    use corral::store::create::CreateSpec;
+    use corral::store::modelfile::Modelfile;
+    use corral::store::name::ModelName;
+
+    let fim = ["fim_pre", "fim_suf", "fim_mid"].iter().zip([3, 4, 2]);
+    let extra = fim.map(|(key, id)| (format!("tokenizer.ggml.{key}_token_id"), GgufValue::U32(id))).collect();
+    let bytes = corral::demo_model::tiny_llama_bytes_with(extra).expect("a tiny llama");
+    std::fs::write(dir.join("coder.gguf"), bytes).expect("write");
+    let spec =
+        CreateSpec::from_modelfile(&Modelfile::parse("FROM ./coder.gguf\n").expect("modelfile"), dir).expect("spec");
+    state.store.create(&ModelName::parse("coder").expect("name"), &spec, &mut |_| {}).expect("create");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suffix_fills_in_the_middle_on_a_model_with_the_tokens_for_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    add_coder(&state, dir.path());
+    let fill = |suffix: &str, stream: bool| {
+        format!(
+            r#"{{"model":"coder","prompt":"once upon","suffix":"{suffix}","stream":{stream},"options":{{"num_predict":4}}}}"#
+        )
+    };
+    let (status, ctype, lines) = post(&state, "/api/generate", &fill("the end", true)).await;
+    assert_eq!((status, ctype.as_str()), (StatusCode::OK, "application/x-ndjson"), "{lines:?}");
+    let (last, chunks) = lines.split_last().expect("lines");
+    assert_eq!(chunks.len(), 4, "{lines:?}");
+    assert!(chunks.iter().all(|c| c["response"].as_str().is_some_and(|r| !r.is_empty())), "{lines:?}");
+    assert_final(last, "length", 4);
+
+    // The suffix reaches the runner: a longer one is a longer prompt, and both are
+    // longer than the prompt alone.
+    let (status, _, short) = post(&state, "/api/generate", &fill("the end", false)).await;
+    assert_eq!(status, StatusCode::OK, "{short:?}");
+    assert_final(&short[0], "length", 4);
+    let (_, _, long) = post(&state, "/api/generate", &fill("the end of the story is here", false)).await;
+    let bare = r#"{"model":"coder","prompt":"once upon","raw":true,"stream":false,"options":{"num_predict":4}}"#;
+    let (_, _, bare) = post(&state, "/api/generate", bare).await;
+    let evaluated = |lines: &[Value]| lines[0]["prompt_eval_count"].as_u64().expect("prompt_eval_count");
+    assert!(evaluated(&long) > evaluated(&short), "{long:?} vs {short:?}");
+    assert!(evaluated(&short) > evaluated(&bare), "{short:?} vs {bare:?}");
+
+    // A raw prompt is sent as it is, the suffix left out (as Ollama does).
+    let raw = r#"{"model":"coder","prompt":"once upon","suffix":"the end","raw":true,"stream":false,"options":{"num_predict":4}}"#;
+    let (status, _, raw) = post(&state, "/api/generate", raw).await;
+    assert_eq!(status, StatusCode::OK, "{raw:?}");
+    assert_eq!(evaluated(&raw), evaluated(&bare), "{raw:?} vs {bare:?}");
+
+    // A request template gets the suffix as `.Suffix`.
+    let templated = r#"{"model":"coder","prompt":"once upon","suffix":"the end","stream":false,
+        "template":"{{ .Prompt }} ... {{ .Suffix }} {{ .Suffix }}","options":{"num_predict":4}}"#;
+    let (status, _, templated) = post(&state, "/api/generate", templated).await;
+    assert_eq!(status, StatusCode::OK, "{templated:?}");
+    assert!(evaluated(&templated) > evaluated(&bare) + 4, "{templated:?} vs {bare:?}");
+    leases_reach_zero(&state).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suffix_on_a_model_without_the_tokens_for_it_is_refused_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let body = r#"{"model":"chat","prompt":"once upon","suffix":"the end","stream":false}"#;
+    let (status, _, reply) = post(&state, "/api/generate", body).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{reply:?}");
+    let error = reply[0]["error"].as_str().unwrap_or_default();
+    assert!(error.starts_with("\"chat:latest\" does not support insert"), "{error}");
+    assert!(error.contains("prefix token is missing"), "llama.cpp's reason: {error}");
+    // The model itself serves on.
+    let (status, _, lines) = post(&state, "/api/generate", r#"{"model":"chat","prompt":"x","stream":false}"#).await;
+    assert_eq!(status, StatusCode::OK, "{lines:?}");
+    leases_reach_zero(&state).await;
 }
