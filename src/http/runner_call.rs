@@ -79,11 +79,17 @@ const MAX_REFUSAL: usize = 1 << 20;
 
 /// A runner's refusal (an answer whose status is not a success) read whole: its JSON, or
 /// null when it is none, is cut short, or passes [`MAX_REFUSAL`].
-pub(super) async fn refusal(mut body: BodyStream) -> Value {
+pub(super) async fn refusal(body: BodyStream) -> Value {
+    json_answer(body, MAX_REFUSAL).await
+}
+
+/// A runner's answer read whole as JSON: null when it is none, is cut short, or passes
+/// `max` bytes.
+pub(super) async fn json_answer(mut body: BodyStream, max: usize) -> Value {
     let mut reply = Vec::new();
     while let Some(piece) = body.chunk().await {
         match piece {
-            Ok(piece) if reply.len() + piece.len() <= MAX_REFUSAL => reply.extend_from_slice(&piece),
+            Ok(piece) if reply.len() + piece.len() <= max => reply.extend_from_slice(&piece),
             _ => return Value::Null,
         }
     }

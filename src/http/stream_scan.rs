@@ -1,8 +1,9 @@
 //! Reading a runner's answer as it streams past, however the network cut it: the events
-//! of a server-sent event stream ([`EventScanner`]), or the end of a JSON answer
-//! ([`JsonTail`]). Both `/api/chat` and `/api/generate` (which turn the events into
-//! Ollama's NDJSON) and `/v1/*` (which counts the tokens passing through) read the
-//! runner's stream here; what they make of each event is theirs.
+//! of a server-sent event stream ([`EventScanner`]), the end of a JSON answer
+//! ([`JsonTail`]), or the first ids of a `/tokenize` answer ([`TokenPrefix`]). Both
+//! `/api/chat` and `/api/generate` (which turn the events into Ollama's NDJSON) and
+//! `/v1/*` (which counts the tokens passing through) read the runner's stream here, and
+//! `/api/embed` its token counts; what they make of each is theirs.
 //!
 //! What either gives does not depend on where the cuts fall (the tests below and the
 //! `sse_stream` fuzz target check it).
@@ -90,12 +91,99 @@ impl JsonTail {
     }
 }
 
+/// The first ids of a runner's `/tokenize` answer (`{"tokens":[1,2,…]}`), read as it
+/// streams past: at most `limit + 1` are kept, so a long input's tokens are counted only
+/// as far as a request can hold them, never all held. Written by hand because a JSON
+/// parser reads a list whole; this reads only the one list of integers it expects.
+#[derive(Debug)]
+pub(super) struct TokenPrefix {
+    limit: usize,
+    tokens: Vec<u32>,
+    /// The number being read, if a digit came since the last separator.
+    current: Option<u32>,
+    /// Whether space followed that number (only a separator may come next).
+    spaced: bool,
+    state: TokenState,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TokenState {
+    /// Before the list's `[`.
+    Before,
+    InList,
+    /// The list ended, or more than `limit` ids came.
+    Done,
+    /// Not a list of token ids.
+    Malformed,
+}
+
+impl TokenPrefix {
+    /// Keeps at most `limit + 1` ids.
+    pub(super) fn new(limit: usize) -> Self {
+        Self { limit, tokens: Vec::new(), current: None, spaced: false, state: TokenState::Before }
+    }
+
+    /// Reads the next piece; true once nothing more is needed (the list ended, more than
+    /// `limit` ids came, or the answer is not a list of ids).
+    pub(super) fn feed(&mut self, bytes: &[u8]) -> bool {
+        for &b in bytes {
+            match self.state {
+                TokenState::Before if b == b'[' => self.state = TokenState::InList,
+                TokenState::Before => {}
+                TokenState::InList => self.read(b),
+                TokenState::Done | TokenState::Malformed => break,
+            }
+        }
+        matches!(self.state, TokenState::Done | TokenState::Malformed)
+    }
+
+    fn read(&mut self, b: u8) {
+        match b {
+            b'0'..=b'9' if self.spaced => self.state = TokenState::Malformed,
+            b'0'..=b'9' => {
+                let digit = u32::from(b - b'0');
+                match self.current.unwrap_or(0).checked_mul(10).and_then(|n| n.checked_add(digit)) {
+                    Some(n) => self.current = Some(n),
+                    None => self.state = TokenState::Malformed,
+                }
+            }
+            b',' | b']' => {
+                self.spaced = false;
+                match self.current.take() {
+                    Some(id) => self.tokens.push(id),
+                    // `[]` is an empty list; `[,` or `1,,2` is not a list of ids.
+                    None if b == b']' && self.tokens.is_empty() => {}
+                    None => self.state = TokenState::Malformed,
+                }
+                if b == b']' || self.tokens.len() > self.limit {
+                    self.state = if self.state == TokenState::Malformed { self.state } else { TokenState::Done };
+                }
+            }
+            b' ' | b'\t' | b'\r' | b'\n' => self.spaced = self.current.is_some(),
+            _ => self.state = TokenState::Malformed,
+        }
+    }
+
+    /// `None` when the answer held at most `limit` ids; else the first `limit`.
+    pub(super) fn finish(mut self) -> Result<Option<Vec<u32>>, &'static str> {
+        match self.state {
+            TokenState::Done if self.tokens.len() > self.limit => {
+                self.tokens.truncate(self.limit);
+                Ok(Some(self.tokens))
+            }
+            TokenState::Done => Ok(None),
+            TokenState::Malformed => Err("not a list of token ids"),
+            TokenState::Before | TokenState::InList => Err("a list of token ids cut short"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
     use serde_json::{Value, json};
 
-    use super::{EventScanner, JsonTail};
+    use super::{EventScanner, JsonTail, TokenPrefix};
 
     /// Everything the scanner gives for `bytes` cut at `cuts` (offsets, any order), and
     /// what it still holds.
@@ -223,6 +311,47 @@ mod tests {
                 tail.feed(piece);
             }
             prop_assert_eq!(tail.bytes(), &bytes[bytes.len().saturating_sub(keep)..]);
+        }
+    }
+
+    /// What a [`TokenPrefix`] of `limit` makes of `answer` fed in pieces of `piece` bytes.
+    fn prefix(answer: &str, limit: usize, piece: usize) -> Result<Option<Vec<u32>>, &'static str> {
+        let mut scanner = TokenPrefix::new(limit);
+        for chunk in answer.as_bytes().chunks(piece.max(1)) {
+            if scanner.feed(chunk) {
+                break;
+            }
+        }
+        scanner.finish()
+    }
+
+    #[test]
+    fn a_token_list_is_read_up_to_its_limit_however_it_is_cut() {
+        let answer = r#"{"tokens":[12, 7,4294967295 ,0]}"#;
+        for piece in 1..=answer.len() {
+            assert_eq!(prefix(answer, 4, piece), Ok(None), "all four fit ({piece})");
+            assert_eq!(prefix(answer, 2, piece), Ok(Some(vec![12, 7])), "more than two ({piece})");
+            assert_eq!(prefix(answer, 0, piece), Ok(Some(vec![])), "{piece}");
+        }
+        assert_eq!(prefix(r#"{"tokens":[]}"#, 0, 3), Ok(None));
+        // Once past its limit the scanner stops reading: what follows is never looked at.
+        assert_eq!(prefix(r#"{"tokens":[1,2,3,oops"#, 1, 1), Ok(Some(vec![1])));
+        for wrong in
+            [r#"{"tokens":[1,,2]}"#, r#"{"tokens":[1,-2]}"#, r#"{"tokens":[4294967296]}"#, r#"{"tokens":[1 2]}"#]
+        {
+            assert_eq!(prefix(wrong, 8, 2), Err("not a list of token ids"), "{wrong}");
+        }
+        for short in [r#"{"tokens":[1,2"#, r#"{"error":"x"}"#, ""] {
+            assert_eq!(prefix(short, 8, 2), Err("a list of token ids cut short"), "{short}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn a_token_prefix_is_the_lists_first_ids(ids in proptest::collection::vec(any::<u32>(), 0..64), limit in 0usize..80, piece in 1usize..16) {
+            let answer = json!({ "tokens": ids }).to_string();
+            let expected = if ids.len() > limit { Some(ids[..limit].to_vec()) } else { None };
+            prop_assert_eq!(prefix(&answer, limit, piece), Ok(expected));
         }
     }
 }

@@ -235,6 +235,10 @@ pub fn keep_alive(source: &(impl OptionSource + ?Sized), key: &str) -> Result<Op
     }
 }
 
+/// An embedding model's `num_batch` (and physical batch) when neither the model nor the
+/// client sets one, if its context is no smaller: the longest input it embeds, in tokens.
+pub const EMBEDDING_BATCH: u32 = 2048;
+
 /// Builds the scheduler's request for model `name` with the client's load `options`.
 pub fn build(
     store: &Store,
@@ -287,6 +291,9 @@ pub fn from_details(
             PoolingType::Mean => Pooling::Mean,
             _ => Pooling::ModelDefault,
         });
+        // llama-server embeds an input in one physical batch (512 tokens unless set), so
+        // without this a longer input fails however large the context: Ollama's default.
+        load.num_batch = load.num_batch.or(Some(load.num_ctx.min(EMBEDDING_BATCH)));
     }
 
     let kv = shown.info.kv_cache_bytes(u64::from(load.num_ctx), u64::from(load.parallel));
@@ -401,6 +408,15 @@ mod tests {
         let name = ModelName::parse("m").expect("name");
         let r = build(&store, &name, &LoadOverrides::default(), None, false, DEFAULTS).expect("build");
         assert_eq!(r.options.embedding, Some(Pooling::Mean));
+        // The tiny bert's context is 512 tokens: an input of all of it fits one batch.
+        assert_eq!((r.options.num_ctx, r.options.num_batch), (512, Some(512)));
+        let small = build(&store, &name, &options(&json!({"num_ctx": 100})), None, false, DEFAULTS).expect("build");
+        assert_eq!(small.options.num_batch, Some(100), "the batch follows the context");
+        let set = build(&store, &name, &options(&json!({"num_batch": 64})), None, false, DEFAULTS).expect("build");
+        assert_eq!(set.options.num_batch, Some(64), "the client's batch wins");
+        let (_dir, store) = store_with("FROM ./tiny.gguf\n");
+        let chat = build(&store, &name, &LoadOverrides::default(), None, false, DEFAULTS).expect("build");
+        assert_eq!(chat.options.num_batch, None, "llama-server's own for a generating model");
     }
 
     #[test]
