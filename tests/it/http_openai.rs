@@ -158,20 +158,30 @@ async fn errors_come_in_openais_shape() {
 async fn a_client_that_goes_away_mid_stream_releases_the_runner() {
     let dir = tempfile::tempdir().expect("tempdir");
     let state = state(dir.path());
-    let request = r#"{"model":"chat","prompt":"once upon","max_tokens":100000,"stream":true}"#;
-    let request = Request::post("/v1/completions")
-        .header("content-type", "application/json")
-        .body(Body::from(request))
-        .expect("request");
-    let response = router(state.clone()).oneshot(request).await.expect("infallible");
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut body = response.into_body();
-    let first = body.frame().await.expect("a first piece").expect("no error");
-    assert!(first.data_ref().is_some_and(|d| d.starts_with(b"data:")), "{first:?}");
-    let loaded = state.scheduler.loaded().await.expect("loaded");
-    assert_eq!(loaded.iter().map(|m| m.leases).sum::<u32>(), 1, "the body holds the lease: {loaded:?}");
-    drop(body);
-    leases_reach_zero(&state).await;
+    for (path, request, first_bytes) in [
+        (
+            "/v1/completions",
+            r#"{"model":"chat","prompt":"once upon","max_tokens":100000,"stream":true}"#,
+            &b"data:"[..],
+        ),
+        (
+            "/v1/messages",
+            r#"{"model":"chat","max_tokens":100000,"stream":true,"messages":[{"role":"user","content":"x"}]}"#,
+            &b"event: message_start"[..],
+        ),
+    ] {
+        let request =
+            Request::post(path).header("content-type", "application/json").body(Body::from(request)).expect("request");
+        let response = router(state.clone()).oneshot(request).await.expect("infallible");
+        assert_eq!(response.status(), StatusCode::OK, "{path}");
+        let mut body = response.into_body();
+        let first = body.frame().await.expect("a first piece").expect("no error");
+        assert!(first.data_ref().is_some_and(|d| d.starts_with(first_bytes)), "{path}: {first:?}");
+        let loaded = state.scheduler.loaded().await.expect("loaded");
+        assert_eq!(loaded.iter().map(|m| m.leases).sum::<u32>(), 1, "{path}: the body holds the lease: {loaded:?}");
+        drop(body);
+        leases_reach_zero(&state).await;
+    }
 }
 
 /// The `corral_*_tokens_total` counters.
@@ -366,25 +376,5 @@ async fn anthropic_errors_come_in_anthropics_shape() {
             "'messages' is required",
         );
     }
-    leases_reach_zero(&state).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_anthropic_client_that_goes_away_mid_stream_releases_the_runner() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let state = state(dir.path());
-    let request = r#"{"model":"chat","max_tokens":100000,"stream":true,"messages":[{"role":"user","content":"x"}]}"#;
-    let request = Request::post("/v1/messages")
-        .header("content-type", "application/json")
-        .body(Body::from(request))
-        .expect("request");
-    let response = router(state.clone()).oneshot(request).await.expect("infallible");
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut body = response.into_body();
-    let first = body.frame().await.expect("a first piece").expect("no error");
-    assert!(first.data_ref().is_some_and(|d| d.starts_with(b"event: message_start")), "{first:?}");
-    let loaded = state.scheduler.loaded().await.expect("loaded");
-    assert_eq!(loaded.iter().map(|m| m.leases).sum::<u32>(), 1, "the body holds the lease: {loaded:?}");
-    drop(body);
     leases_reach_zero(&state).await;
 }
