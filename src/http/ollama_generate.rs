@@ -76,7 +76,7 @@ pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response
         messages.insert(0, json!({ "role": "system", "content": system }));
     }
     let (route, body) = chat_route(&prepared.options, fields, messages, schema, PATH)?;
-    run(&state, prepared.request, route, body, Kind::Chat, common.stream, started, PATH).await
+    run(&state, prepared.request, route, body, common.reply(Kind::Chat), started, PATH).await
 }
 
 /// `POST /api/generate`.
@@ -149,7 +149,7 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
                 Route::Infill
             }
         };
-        return run(&state, prepared.request, route, body, Kind::Generate, common.stream, started, PATH).await;
+        return run(&state, prepared.request, route, body, common.reply(Kind::Generate), started, PATH).await;
     }
     let mut messages = Vec::new();
     if let Some(system) = system {
@@ -158,7 +158,7 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
     let content = if images.is_empty() { Value::String(prompt) } else { translate::content_parts(&prompt, &images) };
     messages.push(json!({ "role": "user", "content": content }));
     let (route, body) = chat_route(&prepared.options, fields, messages, schema, PATH)?;
-    run(&state, prepared.request, route, body, Kind::Generate, common.stream, started, PATH).await
+    run(&state, prepared.request, route, body, common.reply(Kind::Generate), started, PATH).await
 }
 
 /// Where a chat goes and with what: `/v1/chat/completions`, or, with a JSON schema to
@@ -208,7 +208,12 @@ pub(super) struct Common {
     pub(super) options: Map<String, Value>,
     keep_alive: Option<KeepAlive>,
     stream: bool,
+    /// With `logprobs`, how many of the likeliest tokens each token's entry lists.
+    logprobs: Option<usize>,
 }
+
+/// The most `top_logprobs` a request may ask for, as Ollama (and OpenAI) take.
+const MAX_TOP_LOGPROBS: u64 = 20;
 
 impl Common {
     pub(super) fn parse(request: &Map<String, Value>, path: &str) -> Result<Self, ApiError> {
@@ -219,8 +224,35 @@ impl Common {
             Some(Value::Bool(b)) => *b,
             Some(_) => return Err(bad("stream must be true or false", path)),
         };
-        Ok(Self { name_text, name, options, keep_alive, stream })
+        let logprobs = match request.get("logprobs") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(bad("logprobs must be true or false", path)),
+        };
+        // Checked whether or not logprobs are asked for, as Ollama does.
+        let top = match request.get("top_logprobs") {
+            None | Some(Value::Null) => 0,
+            Some(value) => match value.as_u64().filter(|n| *n <= MAX_TOP_LOGPROBS) {
+                Some(n) => usize::try_from(n).unwrap_or(0),
+                None => return Err(bad(format!("top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"), path)),
+            },
+        };
+        Ok(Self { name_text, name, options, keep_alive, stream, logprobs: logprobs.then_some(top) })
     }
+
+    /// How the answer is to be given.
+    fn reply(&self, kind: Kind) -> Reply {
+        Reply { kind, stream: self.stream, logprobs: self.logprobs }
+    }
+}
+
+/// How a generation's answer is given: its endpoint's shape, streamed or whole, with
+/// each token's log probability or not.
+#[derive(Debug, Clone, Copy)]
+struct Reply {
+    kind: Kind,
+    stream: bool,
+    logprobs: Option<usize>,
 }
 
 /// The scheduler's request, the model's parameters under the client's options, and the
@@ -281,19 +313,27 @@ async fn load_or_unload(
 }
 
 /// Leases a runner, sends `body` to its `upstream_path`, and answers in Ollama's shape.
-#[allow(clippy::too_many_arguments)]
 async fn run(
     state: &AppState,
     request: ModelRequest,
     route: Route,
     mut body: Map<String, Value>,
-    kind: Kind,
-    stream: bool,
+    reply: Reply,
     started: Instant,
     path: &str,
 ) -> Result<Response, ApiError> {
     let model = request.name.clone();
     let infill = matches!(route, Route::Infill);
+    if let Some(top) = reply.logprobs {
+        // llama-server gives a token's log probability only with at least one alternative
+        // (the parser leaves out what was not asked for).
+        if matches!(route, Route::Chat) {
+            body.insert("logprobs".into(), Value::Bool(true));
+            body.insert("top_logprobs".into(), json!(top.max(1)));
+        } else {
+            body.insert("n_probs".into(), json!(top.max(1)));
+        }
+    }
     let (lease, status, upstream, load) = match route {
         direct @ (Route::Chat | Route::Completion | Route::Infill) => {
             let upstream_path = match direct {
@@ -344,8 +384,8 @@ async fn run(
     let generation = Generation {
         upstream: Some(upstream),
         lease: Some(lease),
-        parser: Parser::default(),
-        kind,
+        parser: Parser::with_logprobs(reply.logprobs),
+        kind: reply.kind,
         model,
         started,
         load,
@@ -353,7 +393,7 @@ async fn run(
         tokens: Arc::clone(&state.tokens),
         scheduler: state.scheduler.clone(),
     };
-    if stream {
+    if reply.stream {
         let lines = futures_util::stream::unfold(generation, |mut generation| async move {
             let out = generation.next_lines().await?;
             Some((Ok::<Bytes, Infallible>(out), generation))
@@ -390,6 +430,7 @@ async fn whole(mut generation: Generation, path: &str) -> Result<Response, ApiEr
                 Event::Content(text) => whole.content.push_str(&text),
                 Event::Thinking(text) => whole.thinking.push_str(&text),
                 Event::ToolCalls(calls) => whole.tool_calls.extend(calls),
+                Event::Logprobs(entries) => whole.logprobs.extend(entries),
                 Event::Error(message) => return Err(internal(&message, path)),
             }
         }
@@ -427,13 +468,25 @@ impl Generation {
             let upstream = self.upstream.as_mut()?;
             match upstream.chunk().await {
                 Some(Ok(piece)) => {
+                    let mut deltas: Vec<Delta> = Vec::new();
                     for event in self.parser.feed(&piece) {
                         let delta = match event {
                             Event::Content(content) => Delta { content, ..Delta::default() },
                             Event::Thinking(thinking) => Delta { thinking, ..Delta::default() },
                             Event::ToolCalls(tool_calls) => Delta { tool_calls, ..Delta::default() },
+                            // A token's log probability goes with its text, which came just before.
+                            Event::Logprobs(logprobs) => match deltas.last_mut() {
+                                Some(last) if last.logprobs.is_empty() && last.tool_calls.is_empty() => {
+                                    last.logprobs = logprobs;
+                                    continue;
+                                }
+                                _ => Delta { logprobs, ..Delta::default() },
+                            },
                             Event::Error(message) => {
                                 self.finish();
+                                for delta in &deltas {
+                                    push_line(&mut out, &Value::Object(chunk(self.kind, &self.model, delta)));
+                                }
                                 push_line(
                                     &mut out,
                                     &json!({ "error": crate::redact::for_client(message, PATH_STREAM) }),
@@ -441,7 +494,10 @@ impl Generation {
                                 return Some(Bytes::from(out));
                             }
                         };
-                        push_line(&mut out, &Value::Object(chunk(self.kind, &self.model, &delta)));
+                        deltas.push(delta);
+                    }
+                    for delta in &deltas {
+                        push_line(&mut out, &Value::Object(chunk(self.kind, &self.model, delta)));
                     }
                     if !out.is_empty() {
                         return Some(Bytes::from(out));
@@ -503,6 +559,8 @@ struct Delta {
     content: String,
     thinking: String,
     tool_calls: Vec<Value>,
+    /// Its tokens' log probabilities in Ollama's shape, when asked for.
+    logprobs: Vec<Value>,
 }
 
 /// One non-final object: `message` for chat, `response` (and `thinking`) for generate.
@@ -530,6 +588,9 @@ fn chunk(kind: Kind, model: &str, delta: &Delta) -> Map<String, Value> {
             }
         }
     }
+    if !delta.logprobs.is_empty() {
+        object.insert("logprobs".into(), Value::Array(delta.logprobs.clone()));
+    }
     object.insert("done".into(), Value::Bool(false));
     object
 }
@@ -546,6 +607,8 @@ pub(super) enum Event {
     Thinking(String),
     /// Tool calls, whole, in Ollama's shape: sent once the runner finished them.
     ToolCalls(Vec<Value>),
+    /// The log probabilities of the tokens of the text just before, in Ollama's shape.
+    Logprobs(Vec<Value>),
     Error(String),
 }
 
@@ -560,9 +623,17 @@ pub(super) struct Parser {
     prompt_ns: Option<u64>,
     eval_ns: Option<u64>,
     tool_calls: ToolCalls,
+    /// With log probabilities asked for, how many of the likeliest tokens each lists.
+    logprobs: Option<usize>,
 }
 
 impl Parser {
+    /// A parser that gives each token's log probability, with its `top` likeliest
+    /// alternatives, when `logprobs` is `Some(top)`.
+    pub(super) fn with_logprobs(logprobs: Option<usize>) -> Self {
+        Self { logprobs, ..Self::default() }
+    }
+
     /// What is left at the end of the stream: tool calls without a finish reason.
     pub(super) fn flush(&mut self) -> Vec<Event> {
         if self.tool_calls.is_empty() { Vec::new() } else { vec![Event::ToolCalls(self.tool_calls.take())] }
@@ -591,6 +662,7 @@ impl Parser {
             if let Some(text) = delta["content"].as_str().filter(|t| !t.is_empty()) {
                 events.push(Event::Content(text.to_owned()));
             }
+            self.logprobs(&choice["logprobs"]["content"], events);
             self.tool_calls.add(&delta["tool_calls"]);
             if let Some(reason) = choice["finish_reason"].as_str() {
                 self.finish_reason = Some(reason.to_owned());
@@ -606,6 +678,7 @@ impl Parser {
             if let Some(text) = event["content"].as_str().filter(|t| !t.is_empty()) {
                 events.push(Event::Content(text.to_owned()));
             }
+            self.logprobs(&event["completion_probabilities"], events);
             if event["stop"] == Value::Bool(true) {
                 let limit = event["stop_type"] == "limit";
                 self.finish_reason = Some(if limit { "length" } else { "stop" }.to_owned());
@@ -620,6 +693,39 @@ impl Parser {
             self.eval_ns = timings["predicted_ms"].as_f64().map(ms_to_ns).or(self.eval_ns);
         }
     }
+
+    /// The runner's entries for an event's tokens (`/v1/chat/completions`' `logprobs.content`
+    /// or `/completion`'s `completion_probabilities`: `{id, token, bytes, logprob,
+    /// top_logprobs}`) in Ollama's shape, when they were asked for.
+    fn logprobs(&self, entries: &Value, events: &mut Vec<Event>) {
+        let (Some(top), Some(entries)) = (self.logprobs, entries.as_array()) else { return };
+        let shaped: Vec<Value> = entries
+            .iter()
+            .map(|entry| {
+                let mut shaped = token_logprob(entry);
+                let alternatives = entry["top_logprobs"].as_array().map(Vec::as_slice).unwrap_or_default();
+                if top > 0 {
+                    let listed = alternatives.iter().take(top).map(|a| Value::Object(token_logprob(a))).collect();
+                    shaped.insert("top_logprobs".into(), Value::Array(listed));
+                }
+                Value::Object(shaped)
+            })
+            .collect();
+        if !shaped.is_empty() {
+            events.push(Event::Logprobs(shaped));
+        }
+    }
+}
+
+/// One token's `{token, logprob, bytes}` as Ollama gives it (`bytes` left out when none).
+fn token_logprob(entry: &Value) -> Map<String, Value> {
+    let mut shaped = Map::new();
+    shaped.insert("token".into(), Value::String(entry["token"].as_str().unwrap_or_default().to_owned()));
+    shaped.insert("logprob".into(), json!(entry["logprob"].as_f64().unwrap_or(0.0)));
+    if let Some(bytes) = entry["bytes"].as_array().filter(|b| !b.is_empty()) {
+        shaped.insert("bytes".into(), Value::Array(bytes.clone()));
+    }
+    shaped
 }
 
 #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
@@ -721,6 +827,38 @@ mod tests {
         assert_eq!(events, [Event::Content("a".into()), Event::Error("boom".into())]);
         assert_eq!(parser.finish_reason.as_deref(), Some("stop"));
         assert_eq!((parser.prompt_tokens, parser.eval_tokens), (Some(5), Some(1)));
+    }
+
+    #[test]
+    fn log_probabilities_come_in_ollamas_shape_only_when_asked_for() {
+        // As llama-server sends them: each token's entry and its likeliest alternatives.
+        let entry = |token: &str, logprob: f64| json!({ "id": 7, "token": token, "bytes": [102], "logprob": logprob });
+        let mut chosen = entry("f", -0.25);
+        chosen["top_logprobs"] = json!([entry("f", -0.25), entry("g", -1.5), entry("h", -3.0)]);
+        let chat = format!(
+            "data: {}\n\n",
+            json!({ "choices": [{ "delta": { "content": "f" }, "logprobs": { "content": [chosen.clone()] } }] })
+        );
+        let completion = format!("data: {}\n\n", json!({ "content": "f", "completion_probabilities": [chosen] }));
+        let shaped = |top: Value| {
+            let mut shaped = json!({ "token": "f", "logprob": -0.25, "bytes": [102] });
+            if !top.is_null() {
+                shaped["top_logprobs"] = top;
+            }
+            Event::Logprobs(vec![shaped])
+        };
+        for stream in [&chat, &completion] {
+            let events = Parser::default().feed(stream.as_bytes());
+            assert_eq!(events, [Event::Content("f".into())], "not asked for: none");
+            let mut two = Parser::with_logprobs(Some(2));
+            let top = json!([
+                { "token": "f", "logprob": -0.25, "bytes": [102] },
+                { "token": "g", "logprob": -1.5, "bytes": [102] },
+            ]);
+            assert_eq!(two.feed(stream.as_bytes()), [Event::Content("f".into()), shaped(top)]);
+            let mut none = Parser::with_logprobs(Some(0));
+            assert_eq!(none.feed(stream.as_bytes()), [Event::Content("f".into()), shaped(Value::Null)]);
+        }
     }
 
     #[test]

@@ -138,11 +138,12 @@ pub fn stream_scan(pieces: &[&[u8]], keep: usize) -> (Vec<Value>, Vec<u8>, Vec<u
 }
 
 /// llama-server's event stream of a generation, as `/api/chat` and `/api/generate` read
-/// it, fed in the given pieces: each event the client would see, then the parser's state
-/// (the final counts, and the unfinished line).
+/// it with each token's log probability and two likeliest asked for, fed in the given
+/// pieces: each event the client would see, then the parser's state (the final counts,
+/// and the unfinished line).
 #[must_use]
 pub fn generation_events(pieces: &[&[u8]]) -> (Vec<String>, String) {
-    let mut parser = ollama_generate::Parser::default();
+    let mut parser = ollama_generate::Parser::with_logprobs(Some(2));
     let mut events: Vec<String> = pieces.iter().flat_map(|p| parser.feed(p)).map(|e| format!("{e:?}")).collect();
     events.extend(parser.flush().into_iter().map(|e| format!("{e:?}")));
     (events, format!("{parser:?}"))

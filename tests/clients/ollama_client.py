@@ -39,11 +39,33 @@ def main(base):
     check(len(chunks) >= 2 and chunks[-1].done, "generate stream ends with done", chunks[-1])
     check("".join(c.response or "" for c in chunks), "generate stream collects text")
 
+    r = client.chat(model="chat", messages=messages, options=opts, logprobs=True, top_logprobs=2)
+    check(r.logprobs and len(r.logprobs) == 8, "chat gives a logprob a token", r.logprobs)
+    check(all(len(p.top_logprobs) == 2 for p in r.logprobs), "chat gives the top 2 of each", r.logprobs[0])
+    try:
+        client.generate(model="chat", prompt="hello", suffix="the end", options=opts)
+    except ollama.ResponseError as e:
+        check(e.status_code == 400 and "does not support insert" in e.error, "a suffix needs the tokens for it", e)
+    else:
+        raise AssertionError("a suffix on a model without fill-in-the-middle tokens did not raise")
+
     r = client.embed(model="embed", input=["hello world", "goodbye"])
     check(len(r.embeddings) == 2, "embed returns one vector per input", len(r.embeddings))
     check(all(len(v) == 64 for v in r.embeddings), "embed vectors have 64 dims", [len(v) for v in r.embeddings])
     r = client.embed(model="embed", input="hello")
     check(len(r.embeddings) == 1 and len(r.embeddings[0]) == 64, "embed takes a string", r)
+    r = client.embed(model="embed", input="hello", dimensions=16)
+    check(len(r.embeddings[0]) == 16, "embed keeps the dimensions asked for", len(r.embeddings[0]))
+    norm = sum(x * x for x in r.embeddings[0]) ** 0.5
+    check(abs(norm - 1.0) < 1e-6, "embed normalizes the kept dimensions", norm)
+    r = client.embed(model="embed", input="hello world " * 400)
+    check(len(r.embeddings[0]) == 64, "embed cuts an input longer than the context", r.prompt_eval_count)
+    try:
+        client.embed(model="embed", input="hello world " * 400, truncate=False)
+    except ollama.ResponseError as e:
+        check(e.status_code == 400 and "context length" in e.error, "embed without truncate refuses", e)
+    else:
+        raise AssertionError("embed of a long input with truncate=False did not raise")
     r = client.embeddings(model="embed", prompt="hello")
     check(len(r.embedding) == 64, "legacy embeddings", len(r.embedding))
 

@@ -174,6 +174,27 @@ async fn bad_generation_requests_are_named_and_load_nothing() {
             "invalid template",
         ),
         ("/api/generate", r#"{"model":"chat","prompt":"x","template":7}"#, StatusCode::BAD_REQUEST, "template must be"),
+    ];
+    assert_refused_by_name(&state, &cases).await;
+}
+
+/// Sends each `(path, body)`, expects its status and an error containing its words, and
+/// that none of them loaded a model.
+async fn assert_refused_by_name(state: &AppState, cases: &[(&str, &str, StatusCode, &str)]) {
+    for &(path, body, status, message) in cases {
+        let (got, _, reply) = post(state, path, body).await;
+        assert_eq!(got, status, "{path} {body}: {reply:?}");
+        let error = reply.first().and_then(|r| r["error"].as_str()).unwrap_or_default();
+        assert!(error.contains(message), "{path} {body}: {error}");
+    }
+    assert!(state.scheduler.loaded().await.expect("loaded").is_empty(), "no bad request loaded a model");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_suffixes_raw_prompts_and_logprobs_are_named_and_load_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let cases = [
         ("/api/generate", r#"{"model":"chat","prompt":"x","suffix":7}"#, StatusCode::BAD_REQUEST, "suffix must be"),
         (
             "/api/generate",
@@ -199,14 +220,21 @@ async fn bad_generation_requests_are_named_and_load_nothing() {
             StatusCode::BAD_REQUEST,
             "raw mode does not support template, system, or context",
         ),
+        ("/api/chat", r#"{"model":"chat","messages":[],"logprobs":1}"#, StatusCode::BAD_REQUEST, "logprobs must be"),
+        (
+            "/api/chat",
+            r#"{"model":"chat","messages":[],"logprobs":true,"top_logprobs":21}"#,
+            StatusCode::BAD_REQUEST,
+            "top_logprobs must be between 0 and 20",
+        ),
+        (
+            "/api/generate",
+            r#"{"model":"chat","prompt":"x","top_logprobs":-1}"#,
+            StatusCode::BAD_REQUEST,
+            "top_logprobs must be between 0 and 20",
+        ),
     ];
-    for (path, body, status, message) in cases {
-        let (got, _, reply) = post(&state, path, body).await;
-        assert_eq!(got, status, "{path} {body}: {reply:?}");
-        let error = reply.first().and_then(|r| r["error"].as_str()).unwrap_or_default();
-        assert!(error.contains(message), "{path} {body}: {error}");
-    }
-    assert!(state.scheduler.loaded().await.expect("loaded").is_empty(), "no bad request loaded a model");
+    assert_refused_by_name(&state, &cases).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -383,5 +411,57 @@ async fn a_suffix_on_a_model_without_the_tokens_for_it_is_refused_by_name() {
     // The model itself serves on.
     let (status, _, lines) = post(&state, "/api/generate", r#"{"model":"chat","prompt":"x","stream":false}"#).await;
     assert_eq!(status, StatusCode::OK, "{lines:?}");
+    leases_reach_zero(&state).await;
+}
+
+/// Each line's `logprobs` entries, in order.
+fn logprobs_of(lines: &[Value]) -> Vec<Value> {
+    lines.iter().filter_map(|l| l["logprobs"].as_array()).flatten().cloned().collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_come_with_each_token_when_asked_for() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    let chat = r#"{"model":"chat","messages":[{"role":"user","content":"hi"}],"logprobs":true,"top_logprobs":2,"options":{"num_predict":4}}"#;
+    let raw = r#"{"model":"chat","prompt":"once upon","raw":true,"logprobs":true,"top_logprobs":2,"options":{"num_predict":4}}"#;
+    for (path, body, text) in [("/api/chat", chat, "/message/content"), ("/api/generate", raw, "/response")] {
+        let (status, _, lines) = post(&state, path, body).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {lines:?}");
+        let (last, chunks) = lines.split_last().expect("lines");
+        assert!(last.get("logprobs").is_none(), "{path}: the final line has none: {last}");
+        // Each streamed line carries the entries of its own text.
+        for line in chunks {
+            let said = line.pointer(text).and_then(Value::as_str).expect("text");
+            let tokens: String = logprobs_of(std::slice::from_ref(line))
+                .iter()
+                .map(|e| e["token"].as_str().expect("a token").to_owned())
+                .collect();
+            assert_eq!(tokens, said, "{path}: {line}");
+        }
+        let entries = logprobs_of(chunks);
+        assert_eq!(entries.len(), 4, "{path}: one entry a token: {lines:?}");
+        for entry in &entries {
+            assert!(entry["logprob"].as_f64().is_some_and(|p| p <= 0.0), "{path}: {entry}");
+            assert!(entry["bytes"].as_array().is_some_and(|b| !b.is_empty()), "{path}: {entry}");
+            assert!(entry.get("id").is_none(), "{path}: Ollama's shape: {entry}");
+            let top = entry["top_logprobs"].as_array().unwrap_or_else(|| panic!("{path}: {entry}"));
+            assert_eq!(top.len(), 2, "{path}: {entry}");
+            assert!(top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64(), "{path}: likeliest first: {entry}");
+        }
+
+        // Whole, the same entries in one list; without top_logprobs, none of those.
+        let whole = body.replace("\"top_logprobs\":2", "\"stream\":false");
+        let (status, _, whole) = post(&state, path, &whole).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {whole:?}");
+        let entries = whole[0]["logprobs"].as_array().unwrap_or_else(|| panic!("{path}: {whole:?}"));
+        assert_eq!(entries.len(), 4, "{path}: {whole:?}");
+        assert!(entries.iter().all(|e| e.get("top_logprobs").is_none()), "{path}: {whole:?}");
+
+        // Not asked for, none.
+        let plain = body.replace("\"logprobs\":true,", "");
+        let (_, _, plain) = post(&state, path, &plain).await;
+        assert!(logprobs_of(&plain).is_empty(), "{path}: {plain:?}");
+    }
     leases_reach_zero(&state).await;
 }
