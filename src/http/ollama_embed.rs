@@ -167,10 +167,12 @@ async fn run(
         drop(state.scheduler.acquire(model_request).await.map_err(|e| error::schedule(&e, path))?);
         return Ok((model, Vec::new(), waited.elapsed(), 0));
     }
-    let inputs = fit(state, &model_request, inputs, truncate, path).await?;
+    let (inputs, fitting) = fit(state, &model_request, inputs, truncate, path).await?;
     let body = serde_json::to_vec(&json!({ "input": inputs })).expect("strings serialize");
     let answer = runner_call::send(state, model_request, "/v1/embeddings", body, UPSTREAM_TIMEOUT, path).await?;
-    let (lease, status, mut upstream, load) = (answer.lease, answer.status, answer.body, answer.waited);
+    let (lease, status, mut upstream) = (answer.lease, answer.status, answer.body);
+    // A load waited for while fitting the inputs counts as the load.
+    let load = answer.waited + fitting;
     let mut reply = Vec::new();
     while let Some(piece) = upstream.chunk().await {
         match piece {
@@ -211,21 +213,24 @@ async fn run(
 /// least as many bytes as that can have as many tokens (a token is at least a byte, and
 /// the space some tokenizers put first is within [`SPECIAL_TOKENS`]): the others, nearly
 /// all, cost nothing. The long ones are counted by the runner's `/tokenize` as far as
-/// the limit, and cut with its `/detokenize`.
+/// the limit, and cut with its `/detokenize`. Also returns how long it waited for the
+/// runner (a load).
 async fn fit(
     state: &AppState,
     request: &ModelRequest,
     inputs: Vec<String>,
     truncate: bool,
     path: &str,
-) -> Result<Vec<String>, ApiError> {
+) -> Result<(Vec<String>, Duration), ApiError> {
     let options = &request.options;
     let batch = options.num_batch.unwrap_or(DEFAULT_UBATCH);
     let limit = usize::try_from(options.num_ctx.min(batch).saturating_sub(SPECIAL_TOKENS)).unwrap_or(usize::MAX);
     if inputs.iter().all(|input| input.len() < limit) {
-        return Ok(inputs);
+        return Ok((inputs, Duration::ZERO));
     }
+    let waited = Instant::now();
     let lease = state.scheduler.acquire(request.clone()).await.map_err(|e| error::schedule(&e, path))?;
+    let waited = waited.elapsed();
     let mut fitted = Vec::with_capacity(inputs.len());
     for input in inputs {
         if input.len() < limit {
@@ -245,7 +250,7 @@ async fn fit(
         let text = text["content"].as_str().ok_or_else(|| internal("the model runner could not detokenize", path))?;
         fitted.push(text.to_owned());
     }
-    Ok(fitted)
+    Ok((fitted, waited))
 }
 
 /// The first `limit` tokens of `input` when it has more, as the runner tokenizes it.

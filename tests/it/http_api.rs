@@ -121,6 +121,8 @@ async fn an_input_longer_than_the_context_is_cut_to_fit_unless_truncate_is_off()
     assert_eq!((vector(&reply, 0).len(), vector(&reply, 1).len()), (64, 64), "{reply}");
     let evaluated = reply["prompt_eval_count"].as_u64().expect("prompt_eval_count");
     assert!((500..=516).contains(&evaluated), "two tokens and 510 or so of the long one: {evaluated}");
+    // The model was loaded to count the long input's tokens: that wait is the load.
+    assert!(reply["load_duration"].as_u64().is_some_and(|ns| ns > 5_000_000), "{}", reply["load_duration"]);
     let (_, alone) = post(&state, "/api/embed", r#"{"model":"embed","input":"hello world"}"#).await;
     assert_eq!(vector(&alone, 0), vector(&reply, 0), "a short input is embedded as it is");
 
