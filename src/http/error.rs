@@ -376,55 +376,28 @@ mod tests {
 
     #[tokio::test]
     async fn each_api_gets_its_own_error_shape() {
+        let openai = |kind: &str, code: u16| json!({ "error": { "message": "why", "type": kind, "code": code } });
         for (path, status, expected) in [
             ("/api/chat", StatusCode::NOT_FOUND, json!({ "error": "why" })),
             ("/", StatusCode::BAD_REQUEST, json!({ "error": "why" })),
-            (
-                "/v1/chat/completions",
-                StatusCode::NOT_FOUND,
-                json!({ "error": { "message": "why", "type": "not_found_error", "code": 404 } }),
-            ),
-            (
-                "/v1/messagesx",
-                StatusCode::BAD_REQUEST,
-                json!({ "error": { "message": "why", "type": "invalid_request_error", "code": 400 } }),
-            ),
-            (
-                "/v1/responses",
-                StatusCode::SERVICE_UNAVAILABLE,
-                json!({ "error": { "message": "why", "type": "server_error", "code": 503 } }),
-            ),
-            (
-                "/v1/messages",
-                StatusCode::NOT_FOUND,
-                json!({ "type": "error", "error": { "type": "not_found_error", "message": "why" } }),
-            ),
-            (
-                "/v1/messages/count_tokens",
-                StatusCode::BAD_REQUEST,
-                json!({ "type": "error", "error": { "type": "invalid_request_error", "message": "why" } }),
-            ),
-            (
-                "/v1/messages",
-                StatusCode::UNAUTHORIZED,
-                json!({ "type": "error", "error": { "type": "authentication_error", "message": "why" } }),
-            ),
-            (
-                "/v1/messages",
-                StatusCode::PAYLOAD_TOO_LARGE,
-                json!({ "type": "error", "error": { "type": "request_too_large", "message": "why" } }),
-            ),
-            (
-                "/v1/messages",
-                StatusCode::SERVICE_UNAVAILABLE,
-                json!({ "type": "error", "error": { "type": "overloaded_error", "message": "why" } }),
-            ),
-            (
-                "/v1/messages",
-                StatusCode::INSUFFICIENT_STORAGE,
-                json!({ "type": "error", "error": { "type": "api_error", "message": "why" } }),
-            ),
+            ("/v1/chat/completions", StatusCode::NOT_FOUND, openai("not_found_error", 404)),
+            ("/v1/messagesx", StatusCode::BAD_REQUEST, openai("invalid_request_error", 400)),
+            ("/v1/responses", StatusCode::SERVICE_UNAVAILABLE, openai("server_error", 503)),
         ] {
+            assert_eq!(body_of(ApiError::new(status, "why", path)).await, (status, expected), "{path} {status}");
+        }
+        // Anthropic's error types by status, on its endpoints.
+        for (path, status, kind) in [
+            ("/v1/messages", StatusCode::NOT_FOUND, "not_found_error"),
+            ("/v1/messages/count_tokens", StatusCode::BAD_REQUEST, "invalid_request_error"),
+            ("/v1/messages", StatusCode::UNAUTHORIZED, "authentication_error"),
+            ("/v1/messages", StatusCode::FORBIDDEN, "permission_error"),
+            ("/v1/messages", StatusCode::PAYLOAD_TOO_LARGE, "request_too_large"),
+            ("/v1/messages", StatusCode::TOO_MANY_REQUESTS, "rate_limit_error"),
+            ("/v1/messages", StatusCode::SERVICE_UNAVAILABLE, "overloaded_error"),
+            ("/v1/messages", StatusCode::INSUFFICIENT_STORAGE, "api_error"),
+        ] {
+            let expected = json!({ "type": "error", "error": { "type": kind, "message": "why" } });
             assert_eq!(body_of(ApiError::new(status, "why", path)).await, (status, expected), "{path} {status}");
         }
     }
