@@ -1,5 +1,5 @@
-//! What the model-using handlers share: reading the model's name from a request body,
-//! building the scheduler's request off the async threads.
+//! What the model-using handlers share: reading the model's name (and a flag) from a
+//! request body, building the scheduler's request off the async threads.
 
 use std::sync::Arc;
 
@@ -75,4 +75,13 @@ pub(super) async fn build(
     let options = load_options(&options, given, path)?;
     request::from_details(&state.store, &shown, &options, keep_alive, false, state.defaults)
         .map_err(|e| error::request(e, given, path))
+}
+
+/// A request's `field` as a boolean, `default` when it is absent or null.
+pub(super) fn boolean(request: &Map<String, Value>, field: &str, default: bool, path: &str) -> Result<bool, ApiError> {
+    match request.get(field) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(bad(format!("{field} must be true or false"), path)),
+    }
 }

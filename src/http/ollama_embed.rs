@@ -18,7 +18,6 @@ use serde_json::{Map, Value, json};
 
 use super::error::{self, ApiError, bad, internal};
 use super::model_request;
-use super::ollama_generate::boolean;
 use super::runner_call;
 use super::state::AppState;
 use super::stream_scan::TokenPrefix;
@@ -82,7 +81,7 @@ pub async fn embed(State(state): State<AppState>, body: Bytes) -> Result<Respons
     let started = Instant::now();
     let request = object(&body, PATH)?;
     let inputs = inputs(&request, PATH)?;
-    let truncate = boolean(&request, "truncate", true, PATH)?;
+    let truncate = model_request::boolean(&request, "truncate", true, PATH)?;
     let dimensions = match request.get("dimensions") {
         None | Some(Value::Null) => None,
         Some(value) => match value.as_u64() {

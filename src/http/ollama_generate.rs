@@ -88,7 +88,7 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Resp
     let system = string(&request, "system", PATH)?;
     let template = string(&request, "template", PATH)?.filter(|t| !t.is_empty());
     let suffix = string(&request, "suffix", PATH)?.filter(|s| !s.is_empty());
-    let raw = boolean(&request, "raw", false, PATH)?;
+    let raw = model_request::boolean(&request, "raw", false, PATH)?;
     let legacy_context = matches!(request.get("context"), Some(Value::Array(tokens)) if !tokens.is_empty());
     if raw && (template.is_some() || system.as_deref().is_some_and(|s| !s.is_empty()) || legacy_context) {
         // Ollama's refusal, word for word: a raw prompt is sent as it is.
@@ -215,8 +215,8 @@ impl Common {
     pub(super) fn parse(request: &Map<String, Value>, path: &str) -> Result<Self, ApiError> {
         let (name_text, name) = model_request::model_name(request, true, path)?;
         let (options, keep_alive) = model_request::options_and_keep_alive(request, path)?;
-        let stream = boolean(request, "stream", true, path)?;
-        let logprobs = boolean(request, "logprobs", false, path)?;
+        let stream = model_request::boolean(request, "stream", true, path)?;
+        let logprobs = model_request::boolean(request, "logprobs", false, path)?;
         // Checked whether or not logprobs are asked for, as Ollama does.
         let top = match request.get("top_logprobs") {
             None | Some(Value::Null) => 0,
@@ -726,15 +726,6 @@ pub(super) fn string(request: &Map<String, Value>, field: &str, path: &str) -> R
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s.clone())),
         Some(_) => Err(bad(format!("{field} must be a string"), path)),
-    }
-}
-
-/// A request's `field` as a boolean, `default` when it is absent or null.
-pub(super) fn boolean(request: &Map<String, Value>, field: &str, default: bool, path: &str) -> Result<bool, ApiError> {
-    match request.get(field) {
-        None | Some(Value::Null) => Ok(default),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(_) => Err(bad(format!("{field} must be true or false"), path)),
     }
 }
 
