@@ -88,9 +88,10 @@ impl ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = match self.shape {
+impl ApiError {
+    /// The body in the shape the client of its path reads.
+    fn body(&self) -> Value {
+        match self.shape {
             Shape::Ollama => json!({ "error": self.message }),
             Shape::OpenAi => {
                 let kind = match self.status {
@@ -114,8 +115,13 @@ impl IntoResponse for ApiError {
                 };
                 json!({ "type": "error", "error": { "type": kind, "message": self.message } })
             }
-        };
-        let mut response = (self.status, Json(body)).into_response();
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, Json(self.body())).into_response();
         if let Some((name, value)) = self.header {
             response.headers_mut().insert(name, value);
         }
@@ -163,20 +169,15 @@ pub(super) fn runner_refused(status: StatusCode, reply: &Value, path: &str) -> A
 /// in the shape the client of `path` reads: Anthropic's and the Responses API's `error`
 /// event, else the `data:` line with an error that OpenAI's clients raise on.
 pub(super) fn stream_error_event(message: &str, path: &str) -> String {
-    let message = crate::redact::for_client(message.to_owned(), path);
-    match Shape::of(path) {
-        Shape::Anthropic => {
-            let event = json!({ "type": "error", "error": { "type": "api_error", "message": message } });
-            format!("event: error\ndata: {event}\n\n")
-        }
+    let error = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message, path);
+    match error.shape {
+        // Anthropic's `error` event carries its error body as it is.
+        Shape::Anthropic => format!("event: error\ndata: {}\n\n", error.body()),
         _ if path == RESPONSES => {
-            let event = json!({ "type": "error", "code": "server_error", "message": message, "param": null });
+            let event = json!({ "type": "error", "code": "server_error", "message": error.message, "param": null });
             format!("event: error\ndata: {event}\n\n")
         }
-        _ => {
-            let event = json!({ "error": { "message": message, "type": "server_error", "code": 500 } });
-            format!("data: {event}\n\n")
-        }
+        _ => format!("data: {}\n\n", error.body()),
     }
 }
 

@@ -121,3 +121,41 @@ pub(super) async fn failed_mid_answer(scheduler: &Handle, lease: Option<Lease>, 
     }
     format!("the model runner failed mid-answer: {error}")
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde_json::{Value, json};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::json_answer;
+    use crate::supervisor::upstream::Pool;
+
+    /// A runner's answer is read only up to its bound: past it, the answer is null, not
+    /// held (a runner's error that echoed a whole request would otherwise be kept whole).
+    #[tokio::test]
+    async fn a_runners_answer_is_read_at_most_to_its_bound() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("runner.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).expect("bind");
+        let body = json!({ "error": { "message": "x".repeat(4096) } }).to_string();
+        let served = body.clone();
+        tokio::spawn(async move {
+            for _ in 0..2 {
+                let (mut stream, _) = listener.accept().await.expect("accept");
+                let mut head = [0u8; 4096];
+                let _ = stream.read(&mut head).await;
+                let answer = format!("HTTP/1.1 400 Bad Request\r\ncontent-length: {}\r\n\r\n{served}", served.len());
+                let _ = stream.write_all(answer.as_bytes()).await;
+            }
+        });
+        let pool = Pool::new(Duration::from_secs(5));
+        for (max, whole) in [(body.len(), true), (body.len() - 1, false)] {
+            let (_, answer) =
+                pool.post_json_stream(&socket, "/x", b"{}".to_vec(), Duration::from_secs(5)).await.expect("post");
+            let read = json_answer(answer, max).await;
+            assert_eq!(read != Value::Null, whole, "read within {max} bytes");
+        }
+    }
+}

@@ -153,10 +153,13 @@ impl TokenPrefix {
                     Some(id) => self.tokens.push(id),
                     // `[]` is an empty list; `[,` or `1,,2` is not a list of ids.
                     None if b == b']' && self.tokens.is_empty() => {}
-                    None => self.state = TokenState::Malformed,
+                    None => {
+                        self.state = TokenState::Malformed;
+                        return;
+                    }
                 }
                 if b == b']' || self.tokens.len() > self.limit {
-                    self.state = if self.state == TokenState::Malformed { self.state } else { TokenState::Done };
+                    self.state = TokenState::Done;
                 }
             }
             b' ' | b'\t' | b'\r' | b'\n' => self.spaced = self.current.is_some(),
