@@ -200,7 +200,7 @@ pub(super) fn app_state(config: &Config, store: Store, scheduler: Handle, fleet:
         insecure: config.store.insecure_registries.clone(),
         ..RegistryConfig::default()
     });
-    http::AppState {
+    http::AppState::from(http::Shared {
         store,
         scheduler,
         safety: Arc::new(http::Safety::new(&config.server, http::LocalNames::system())),
@@ -211,7 +211,7 @@ pub(super) fn app_state(config: &Config, store: Store, scheduler: Handle, fleet:
         templates: crate::prompt_template::Renderer::default(),
         fleet,
         tags: Arc::default(),
-    }
+    })
 }
 
 /// Serves the D-Bus interface, unless `[dbus] bus = "off"`. Without a bus (or the right

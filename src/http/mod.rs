@@ -30,7 +30,7 @@ use serde::Serialize;
 pub use error::ApiError;
 pub use ollama_models::keep_tags_ready;
 pub use safety::{LocalNames, Safety};
-pub use state::AppState;
+pub use state::{AppState, Shared};
 
 /// The Ollama version `/api/version` reports, for clients that gate features on it
 /// (structured outputs need 0.5.0, tool streaming 0.8.0, `think` 0.9.0; some tools refuse

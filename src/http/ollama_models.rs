@@ -142,7 +142,7 @@ async fn tags(State(state): State<AppState>) -> Result<Response, ApiError> {
     if let Some(body) = kept_tags(&state) {
         return Ok(json_body(body));
     }
-    let (store, cache) = (state.store, state.tags);
+    let (store, cache) = (state.store.clone(), std::sync::Arc::clone(&state.tags));
     // The store's index: the tree is walked only when it changed (`store::list`).
     let body = blocking(move || make_tags(&store, &cache)).await.map_err(|e| e.into_api("/api/tags", ""))?;
     Ok(json_body(body))
@@ -202,7 +202,7 @@ async fn ps(State(state): State<AppState>) -> Result<Json<Ps>, ApiError> {
     const PATH: &str = "/api/ps";
     let loaded = state.scheduler.loaded().await.map_err(|e| error::scheduler_view(&e, PATH))?;
     let (now, wall) = (Instant::now(), SystemTime::now());
-    let (store, inventory) = (state.store, state.fleet.inventory());
+    let (store, inventory) = (state.store.clone(), state.fleet.inventory());
     let mut models = blocking(move || {
         // An entry for each model a runner serves: models with the same weights and load
         // options share one.
@@ -275,7 +275,7 @@ async fn show(State(state): State<AppState>, body: Bytes) -> Result<Json<Show>, 
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(bad("invalid type for \"verbose\": expected true or false", PATH)),
     };
-    let store = state.store;
+    let store = state.store.clone();
     let shown = blocking(move || {
         let details = store.show(&name, verbose)?;
         let (_, _, modified) = store.manifest(&name)?;
@@ -309,7 +309,7 @@ async fn copy(State(state): State<AppState>, body: Bytes) -> Result<StatusCode, 
     let request = json_object(PATH, &body)?;
     let (given, source) = model_name(PATH, &request, &["source"])?;
     let (_, destination) = model_name(PATH, &request, &["destination"])?;
-    let store = state.store;
+    let store = state.store.clone();
     blocking(move || store.copy(&source, &destination)).await.map_err(|e| e.into_api(PATH, &given))?;
     Ok(StatusCode::OK)
 }
@@ -319,7 +319,7 @@ async fn delete_model(State(state): State<AppState>, body: Bytes) -> Result<Stat
     const PATH: &str = "/api/delete";
     let request = json_object(PATH, &body)?;
     let (given, name) = model_name(PATH, &request, &["model", "name"])?;
-    let store = state.store;
+    let store = state.store.clone();
     let name_text = name.to_string();
     let removed = blocking(move || store.delete(&name)).await.map_err(|e| e.into_api(PATH, &given))?;
     tracing::info!(corral_event = "delete", corral_model = %name_text, blobs_removed = removed.len(), "deleted {name_text}");

@@ -57,7 +57,7 @@ fn parse_digest(text: &str) -> Result<Digest, ApiError> {
 /// `HEAD /api/blobs/<digest>`: 200 if the store has the blob, else 404.
 async fn head_blob(State(state): State<AppState>, Path(digest): Path<String>) -> Result<StatusCode, ApiError> {
     let digest = parse_digest(&digest)?;
-    let store = state.store;
+    let store = state.store.clone();
     let present = tokio::task::spawn_blocking(move || store.claim_blob(&digest, SystemTime::now()))
         .await
         .map_err(|_| opaque(BLOBS))?;
@@ -78,7 +78,7 @@ async fn post_blob(
     body: Body,
 ) -> Result<StatusCode, ApiError> {
     let digest = parse_digest(&digest)?;
-    let store = state.store;
+    let store = state.store.clone();
     // A file operation: on the blocking pool, as in `head_blob`, not on an async worker.
     let claiming = store.clone();
     if blocking(move || Ok(claiming.claim_blob(&digest, SystemTime::now()))).await? {
@@ -294,7 +294,7 @@ async fn create(State(state): State<AppState>, body: Bytes) -> Response {
         Err(e) => return e.into_response(),
     };
     let (tx, rx) = mpsc::unbounded_channel();
-    let store: Store = state.store;
+    let store: Store = state.store.clone();
     tokio::task::spawn_blocking(move || {
         let progress_tx = tx.clone();
         let mut progress = |status: String| {
@@ -353,7 +353,7 @@ async fn transfer(state: AppState, body: &[u8], kind: Transfer) -> Response {
         Ok(prepared) => prepared,
         Err(e) => return e.into_response(),
     };
-    let store = state.store;
+    let store = state.store.clone();
     if matches!(kind, Transfer::Push) {
         let (store, name) = (store.clone(), name.clone());
         match tokio::task::spawn_blocking(move || store.manifest(&name)).await {

@@ -271,7 +271,7 @@ struct ModelList {
 /// `GET /v1/models`: every model in the store, the most recently written first.
 pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     const PATH: &str = "/v1/models";
-    let store = state.store;
+    let store = state.store.clone();
     let listed = tokio::task::spawn_blocking(move || store.list())
         .await
         .map_err(|e| internal(format!("the request task failed: {e}"), PATH))?
@@ -286,7 +286,7 @@ pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
 pub async fn model(State(state): State<AppState>, Path(name_text): Path<String>) -> Result<Json<Value>, ApiError> {
     let path = format!("/v1/models/{name_text}");
     let Ok(name) = ModelName::parse(&name_text) else { return Err(error::model_not_found(&name_text, &path)) };
-    let store = state.store;
+    let store = state.store.clone();
     let lookup = name.clone();
     let found = tokio::task::spawn_blocking(move || store.manifest(&lookup))
         .await

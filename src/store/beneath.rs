@@ -12,7 +12,9 @@
 //! `openat2` needs Linux 5.6 and some container seccomp filters refuse it, while the
 //! store's paths are at most five components deep, so the walk costs a few system calls
 //! and works on every kernel. rustix gives these calls over owned descriptors without
-//! `unsafe` (nix's equivalents take raw descriptors).
+//! `unsafe` (nix's equivalents take raw descriptors). The one exception is
+//! [`Dir::quick_stat`], on every request's path: there `openat2` does in one call what the
+//! walk does in nine, where the kernel has it, and the walk still answers everything else.
 //!
 //! The root itself is opened following links: where it is, is the administrator's choice.
 
@@ -23,9 +25,10 @@ use std::io;
 use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::SystemTime;
 
-use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags};
 
 /// Why an entry of the store was not used: it is not what the store keeps there.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -129,6 +132,9 @@ impl Meta {
 pub(crate) struct Dir {
     fd: OwnedFd,
     rel: String,
+    /// Whether [`Dir::quick_stat`] may try `openat2` (cleared once the kernel or a
+    /// seccomp filter refuses it).
+    resolves: AtomicBool,
 }
 
 impl std::os::fd::AsFd for Dir {
@@ -149,7 +155,11 @@ impl Dir {
     /// Opens the store's root (following links: its place is configured).
     pub(crate) fn open_root(path: &Path) -> io::Result<Self> {
         let fd = rustix::fs::open(path, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
-        Ok(Self { fd, rel: String::new() })
+        Ok(Self::new(fd, String::new()))
+    }
+
+    fn new(fd: OwnedFd, rel: String) -> Self {
+        Self { fd, rel, resolves: AtomicBool::new(true) }
     }
 
     /// The path of `name` in this directory, relative to the store's root.
@@ -164,7 +174,11 @@ impl Dir {
 
     /// A second handle on the same directory.
     pub(crate) fn try_clone(&self) -> io::Result<Self> {
-        Ok(Self { fd: self.fd.try_clone()?, rel: self.rel.clone() })
+        Ok(Self {
+            fd: self.fd.try_clone()?,
+            rel: self.rel.clone(),
+            resolves: AtomicBool::new(self.resolves.load(Ordering::Relaxed)),
+        })
     }
 
     /// Why `name` could not be opened as `wanted`: a refusal when it is a link or of
@@ -186,7 +200,7 @@ impl Dir {
     pub(crate) fn dir(&self, name: &str) -> io::Result<Self> {
         let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         match rustix::fs::openat(&self.fd, component(name)?, flags, Mode::empty()) {
-            Ok(fd) => Ok(Self { fd, rel: self.rel(name) }),
+            Ok(fd) => Ok(Self::new(fd, self.rel(name))),
             Err(e) => Err(self.classify(name, e.into(), Kind::Dir)),
         }
     }
@@ -245,6 +259,40 @@ impl Dir {
             Err(rustix::io::Errno::NOENT) => Ok(None),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// What the entry at `parts` below this directory is, when one `openat2` that refuses
+    /// every link on the way (`RESOLVE_NO_SYMLINKS`; the last component, a link included,
+    /// is looked at, never followed) can tell; `None` otherwise: a part missing, a link or
+    /// not a directory, or no `openat2` here (Linux before 5.6, a seccomp filter). The
+    /// caller then walks, which says exactly what is wrong; this only makes the common
+    /// case, the path as it should be, one system call instead of one per component.
+    pub(crate) fn quick_stat(&self, parts: &[&str]) -> Option<Meta> {
+        if !self.resolves.load(Ordering::Relaxed) || parts.iter().any(|p| component(p).is_err()) {
+            return None;
+        }
+        let path = parts.join("/");
+        let flags = OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let how = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+        match rustix::fs::openat2(&self.fd, path.as_str(), flags, Mode::empty(), how) {
+            Ok(fd) => rustix::fs::fstat(&fd).ok().map(|stat| Meta::of(&stat)),
+            Err(
+                rustix::io::Errno::NOSYS
+                | rustix::io::Errno::PERM
+                | rustix::io::Errno::INVAL
+                | rustix::io::Errno::TOOBIG,
+            ) => {
+                self.resolves.store(false, Ordering::Relaxed);
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// [`Dir::quick_stat`] never tries `openat2` again: as where the kernel refuses it.
+    #[cfg(test)]
+    pub(crate) fn without_openat2(&self) {
+        self.resolves.store(false, Ordering::Relaxed);
     }
 
     /// Renames `from` in this directory to `to` in `target` (replacing a file there; a
@@ -342,6 +390,23 @@ mod tests {
         assert_eq!(root.stat("file-link").expect("stat").expect("there").kind, Kind::File);
         root.remove_file("dir-link").expect("remove");
         assert_eq!(std::fs::read(outside.path().join("secret")).expect("untouched"), b"secret");
+
+        // The one-call stat tells a file and a link as they are, and leaves everything
+        // else (a link on the way, a missing part) to the walk; without openat2, all of it.
+        std::fs::write(dir.path().join("sub/file"), b"data").expect("write");
+        symlink(outside.path().join("secret"), dir.path().join("sub/link")).expect("symlink");
+        symlink(outside.path(), dir.path().join("sub/dir-link")).expect("symlink");
+        let quick = |parts: &[&str]| root.quick_stat(parts).map(|meta| meta.kind);
+        assert_eq!(quick(&["sub", "file"]), Some(Kind::File), "openat2 is there on the kernels tested on");
+        assert_eq!(quick(&["sub", "link"]), Some(Kind::Symlink), "a link at the end is looked at, not followed");
+        assert_eq!(quick(&["sub", "dir-link", "secret"]), None, "a link on the way");
+        assert_eq!(quick(&["sub", "missing"]), None);
+        assert_eq!(quick(&["sub", "..", "sub", "file"]), None, "one component per part");
+        root.without_openat2();
+        assert_eq!(quick(&["sub", "file"]), None, "the walk answers where openat2 is refused");
+        for name in ["file", "link", "dir-link"] {
+            std::fs::remove_file(dir.path().join("sub").join(name)).expect("remove");
+        }
 
         let mut names: Vec<(String, Kind)> =
             root.entries().expect("entries").into_iter().map(|e| (e.name, e.kind)).collect();

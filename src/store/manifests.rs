@@ -98,6 +98,11 @@ impl Store {
 
     /// The manifest file's identity, without reading it.
     pub(crate) fn manifest_identity(&self, name: &ModelName) -> Result<FileId, StoreError> {
+        // Every request asks this: one system call where it can be, else the walk.
+        let parts = ["manifests", name.registry(), name.namespace(), name.model(), name.tag()];
+        if let Some(meta) = self.dir.quick_stat(&parts).filter(|meta| meta.kind == Kind::File) {
+            return Ok(file_id(&meta));
+        }
         let not_found = || StoreError::NotFound(name.to_string());
         let [.., dir] = self.model_dirs(name)?.ok_or_else(not_found)?;
         let path = dir.rel(name.tag());

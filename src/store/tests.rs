@@ -206,6 +206,54 @@ fn assert_refused<T: std::fmt::Debug>(result: Result<T, StoreError>, what: &str)
     }
 }
 
+/// What every request asks (a model's details, from the cache once read, and its weights'
+/// path for a runner) is answered in one system call where openat2 is there: links planted
+/// after the first read are refused all the same, with openat2 and without.
+#[test]
+fn links_planted_after_a_models_first_use_are_refused_on_every_path() {
+    use std::os::unix::fs::symlink;
+    for openat2 in [true, false] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path()).expect("open");
+        if !openat2 {
+            store.dir.without_openat2();
+        }
+        let gguf = crate::demo_model::tiny_llama_bytes().expect("model");
+        let weights = add_model(&store, "good", &gguf, b"template").model().digest;
+        let mode = if openat2 { "with openat2" } else { "walking" };
+        let use_it = || store.details(&name("good")).and_then(|_| store.blob_file(&weights));
+        assert_eq!(use_it().expect("first use"), store.blob_path(&weights), "{mode}");
+        assert!(std::sync::Arc::ptr_eq(
+            &store.details(&name("good")).expect("a"),
+            &store.details(&name("good")).expect("b")
+        ));
+        let (elsewhere, _) = outside();
+        // Each planted in turn, as a link to a copy of what was there, then put back.
+        let manifest_file = dir.path().join("manifests/registry.ollama.ai/library/good/latest");
+        let model_dir = dir.path().join("manifests/registry.ollama.ai/library/good");
+        let library = dir.path().join("manifests/registry.ollama.ai/library");
+        let blob = store.blob_path(&weights);
+        let blobs = dir.path().join("blobs");
+        for (planted, what) in [
+            (&manifest_file, "a linked manifest"),
+            (&model_dir, "a linked model directory"),
+            (&library, "a linked directory on the way"),
+            (&blob, "linked weights"),
+            (&blobs, "a linked blobs directory"),
+        ] {
+            let moved = elsewhere.path().join("moved");
+            fs::rename(planted, &moved).expect("move");
+            symlink(&moved, planted).expect("symlink");
+            assert_refused(use_it(), &format!("{what}, {mode}"));
+            fs::remove_file(planted).expect("remove the link");
+            fs::rename(&moved, planted).expect("put back");
+            assert_eq!(use_it().expect("back"), blob, "{what} put back, {mode}");
+        }
+        fs::remove_file(&manifest_file).expect("remove");
+        assert!(matches!(store.details(&name("good")), Err(StoreError::NotFound(_))), "{mode}");
+    }
+}
+
 #[test]
 fn links_planted_in_the_store_are_refused_never_followed() {
     use std::os::unix::fs::symlink;
