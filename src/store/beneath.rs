@@ -13,8 +13,9 @@
 //! store's paths are at most five components deep, so the walk costs a few system calls
 //! and works on every kernel. rustix gives these calls over owned descriptors without
 //! `unsafe` (nix's equivalents take raw descriptors). The one exception is
-//! [`Dir::quick_stat`], on every request's path: there `openat2` does in one call what the
-//! walk does in nine, where the kernel has it, and the walk still answers everything else.
+//! [`Dir::quick_stat`], on every request's path: there one `openat2` (then `fstat` and
+//! `close`) does what the walk does in nine calls, where the kernel has it, and the walk
+//! still answers everything else.
 //!
 //! The root itself is opened following links: where it is, is the administrator's choice.
 
@@ -266,7 +267,7 @@ impl Dir {
     /// is looked at, never followed) can tell; `None` otherwise: a part missing, a link or
     /// not a directory, or no `openat2` here (Linux before 5.6, a seccomp filter). The
     /// caller then walks, which says exactly what is wrong; this only makes the common
-    /// case, the path as it should be, one system call instead of one per component.
+    /// case, the path as it should be, one path lookup instead of one per component.
     pub(crate) fn quick_stat(&self, parts: &[&str]) -> Option<Meta> {
         if !self.resolves.load(Ordering::Relaxed) || parts.iter().any(|p| component(p).is_err()) {
             return None;

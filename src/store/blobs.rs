@@ -67,7 +67,7 @@ impl Store {
     /// A blob's path for another program to open, once checked to be a regular file in
     /// the store (not a link to somewhere else).
     pub fn blob_file(&self, digest: &Digest) -> Result<PathBuf, StoreError> {
-        // Every request asks this: one system call where it can be, else the walk (which
+        // Every request asks this: one path lookup where it can be, else the walk (which
         // also says why a blob is refused).
         let regular = self.dir.quick_stat(&["blobs", &digest.file_name()]).is_some_and(|meta| meta.kind == Kind::File);
         if !regular {

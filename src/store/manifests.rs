@@ -98,7 +98,7 @@ impl Store {
 
     /// The manifest file's identity, without reading it.
     pub(crate) fn manifest_identity(&self, name: &ModelName) -> Result<FileId, StoreError> {
-        // Every request asks this: one system call where it can be, else the walk.
+        // Every request asks this: one path lookup where it can be, else the walk.
         let parts = ["manifests", name.registry(), name.namespace(), name.model(), name.tag()];
         if let Some(meta) = self.dir.quick_stat(&parts).filter(|meta| meta.kind == Kind::File) {
             return Ok(file_id(&meta));

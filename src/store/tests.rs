@@ -207,7 +207,7 @@ fn assert_refused<T: std::fmt::Debug>(result: Result<T, StoreError>, what: &str)
 }
 
 /// What every request asks (a model's details, from the cache once read, and its weights'
-/// path for a runner) is answered in one system call where openat2 is there: links planted
+/// path for a runner) is answered with one path lookup where openat2 is there: links planted
 /// after the first read are refused all the same, with openat2 and without.
 #[test]
 fn links_planted_after_a_models_first_use_are_refused_on_every_path() {
