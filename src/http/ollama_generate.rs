@@ -456,7 +456,7 @@ impl Generation {
             let upstream = self.upstream.as_mut()?;
             match upstream.chunk().await {
                 Some(Ok(piece)) => {
-                    let mut deltas: Vec<Delta> = Vec::new();
+                    let (mut deltas, mut error): (Vec<Delta>, _) = (Vec::new(), None);
                     for event in self.parser.feed(&piece) {
                         let delta = match event {
                             Event::Content(content) => Delta { content, ..Delta::default() },
@@ -470,22 +470,21 @@ impl Generation {
                                 }
                                 _ => Delta { logprobs, ..Delta::default() },
                             },
+                            // What came before the error is sent first.
                             Event::Error(message) => {
-                                self.finish();
-                                for delta in &deltas {
-                                    push_line(&mut out, &Value::Object(chunk(self.kind, &self.model, delta)));
-                                }
-                                push_line(
-                                    &mut out,
-                                    &json!({ "error": crate::redact::for_client(message, PATH_STREAM) }),
-                                );
-                                return Some(Bytes::from(out));
+                                error = Some(message);
+                                break;
                             }
                         };
                         deltas.push(delta);
                     }
                     for delta in &deltas {
                         push_line(&mut out, &Value::Object(chunk(self.kind, &self.model, delta)));
+                    }
+                    if let Some(message) = error {
+                        self.finish();
+                        push_line(&mut out, &json!({ "error": crate::redact::for_client(message, PATH_STREAM) }));
+                        return Some(Bytes::from(out));
                     }
                     if !out.is_empty() {
                         return Some(Bytes::from(out));

@@ -69,11 +69,12 @@ impl Store {
     pub fn blob_file(&self, digest: &Digest) -> Result<PathBuf, StoreError> {
         // Every request asks this: one path lookup where it can be, else the walk (which
         // also says why a blob is refused).
-        let regular = self.dir.quick_stat(&["blobs", &digest.file_name()]).is_some_and(|meta| meta.kind == Kind::File);
+        let name = digest.file_name();
+        let regular = self.dir.quick_stat(&["blobs", &name]).is_some_and(|meta| meta.kind == Kind::File);
         if !regular {
             drop(self.open_blob(digest)?);
         }
-        Ok(self.blob_path(digest))
+        Ok(self.blobs_dir().join(name))
     }
 
     /// A new temporary file in `blobs/`, for data on its way to becoming a blob.
