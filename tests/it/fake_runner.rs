@@ -38,14 +38,23 @@ struct Fake {
     projector: Option<PathBuf>,
     config: SupervisorConfig,
     /// Grandchildren to kill when the test ends, whatever happened.
-    reap: Vec<i32>,
+    reap: Vec<Grandchild>,
+}
+
+/// A process the fake left behind, in the fake's process group (the runner's own, which
+/// the supervisor kills whole).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Grandchild {
+    pid: i32,
+    /// The process group it was started in: the fake's pid.
+    group: i32,
 }
 
 /// One start of the fake, from `<model>.starts`.
 #[derive(Debug, Clone)]
 struct Start {
     pid: i32,
-    grandchild: Option<i32>,
+    grandchild: Option<Grandchild>,
     bound: bool,
     args: Vec<String>,
 }
@@ -115,9 +124,10 @@ impl Fake {
             .map(|line| {
                 let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("bad start line {line:?}: {e}"));
                 let pid = |v: &Value| v.as_i64().and_then(|p| i32::try_from(p).ok());
+                let fake = pid(&v["pid"]).expect("pid");
                 Start {
-                    pid: pid(&v["pid"]).expect("pid"),
-                    grandchild: pid(&v["grandchild"]),
+                    pid: fake,
+                    grandchild: pid(&v["grandchild"]).map(|pid| Grandchild { pid, group: fake }),
                     bound: v["bound"] == true,
                     args: v["args"]
                         .as_array()
@@ -147,9 +157,9 @@ impl Fake {
 impl Drop for Fake {
     fn drop(&mut self) {
         // A failed test must not leave its `sleep 1000` behind.
-        for &pid in &self.reap {
-            if !gone(pid) {
-                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        for &grandchild in &self.reap {
+            if !gone(grandchild) {
+                let _ = kill(Pid::from_raw(grandchild.pid), Signal::SIGKILL);
             }
         }
     }
@@ -169,16 +179,18 @@ async fn until(what: &str, mut condition: impl FnMut() -> bool) {
     .await;
 }
 
-/// Whether a process no longer runs: no such pid, a zombie, or the pid reused by
-/// something that is not the fake or its `sleep`.
-fn gone(pid: i32) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return true };
-    // `pid (comm) S …`: the comm may hold spaces and parentheses, the state follows the last `)`.
-    let Some((head, tail)) = stat.rsplit_once(')') else { return true };
-    let comm = head.split_once('(').map_or("", |(_, c)| c);
-    let state = tail.trim_start().chars().next();
-    let ours = comm == "sleep" || comm.starts_with("fake-llama");
-    !ours || matches!(state, Some('Z' | 'X'))
+/// Whether a grandchild no longer runs: no such pid, a zombie, or the pid reused outside
+/// its process group. The group, not the command's name, says it is ours: the shell that
+/// becomes `sleep` is in the group from its fork, before and after its `exec`.
+fn gone(grandchild: Grandchild) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{}/stat", grandchild.pid)) else { return true };
+    // `pid (comm) state ppid pgrp …`: the comm may hold spaces and parentheses, the
+    // fields follow the last `)`.
+    let Some((_, tail)) = stat.rsplit_once(')') else { return true };
+    let mut fields = tail.split_whitespace();
+    let state = fields.next();
+    let group = fields.nth(1).and_then(|g| g.parse::<i32>().ok());
+    group != Some(grandchild.group) || matches!(state, Some("Z" | "X"))
 }
 
 /// The child is reaped: no `/proc` entry at all (a zombie would still have one).
