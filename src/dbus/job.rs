@@ -323,9 +323,7 @@ async fn perform(shared: &Shared, work: Work, progress: impl FnMut(Progress) + S
         }
         Work::Create { name, spec } => {
             let mut progress = progress;
-            let result =
-                blocking(move || store.create(&name, &spec, &mut |status| progress(Progress::step(&status))).map(drop))
-                    .await;
+            let result = blocking(move || store.create(&name, &spec, &mut progress).map(drop)).await;
             flatten(result)
         }
         Work::Copy { from, to } => flatten(blocking(move || store.copy(&from, &to)).await),

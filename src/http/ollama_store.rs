@@ -276,11 +276,6 @@ pub(super) fn create_spec(request: &Map<String, Value>) -> Result<(CreateSpec, S
     Ok((spec, from_text.unwrap_or_default()))
 }
 
-#[derive(Serialize)]
-struct Status {
-    status: String,
-}
-
 /// `POST /api/create` (Ollama's JSON API): a model from uploaded blobs or another model.
 async fn create(State(state): State<AppState>, body: Bytes) -> Response {
     const PATH: &str = "/api/create";
@@ -297,8 +292,8 @@ async fn create(State(state): State<AppState>, body: Bytes) -> Response {
     let store: Store = state.store.clone();
     tokio::task::spawn_blocking(move || {
         let progress_tx = tx.clone();
-        let mut progress = |status: String| {
-            let _ = progress_tx.send(Event::Progress(Status { status }));
+        let mut progress = |step: Progress| {
+            let _ = progress_tx.send(Event::Progress(step));
         };
         match store.create(&name, &spec, &mut progress) {
             // The store's own progress ends with "success": the stream carries it once.

@@ -6,6 +6,7 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use serde_json::Value;
 
@@ -14,6 +15,8 @@ use super::limits::{self, SmallBlob};
 use super::manifest::{self, Layer, Manifest, ModelConfig, RootFs};
 use super::modelfile::{Message, Modelfile};
 use super::name::ModelName;
+use super::passed::PassedFile;
+use super::progress::{PROGRESS_INTERVAL, Progress};
 use super::{Store, StoreError};
 use crate::gguf::metadata::{ModelInfo, ModelKind};
 use crate::gguf::reader::GgufFile;
@@ -23,6 +26,8 @@ use crate::gguf::reader::GgufFile;
 pub enum Source {
     /// A GGUF file on disk.
     File(PathBuf),
+    /// A file the caller passed open (D-Bus `CreateWithFiles`), checked.
+    Passed(PassedFile),
     /// A blob already in the store (uploaded with `POST /api/blobs/<digest>`).
     Blob(Digest),
     /// An existing model, whose layers are inherited.
@@ -69,9 +74,28 @@ pub struct CreateSpec {
 impl CreateSpec {
     /// The spec a Modelfile describes; paths in it are relative to `base_dir`.
     pub fn from_modelfile(modelfile: &Modelfile, base_dir: &Path) -> Result<Self, StoreError> {
+        Self::from_modelfile_passing(modelfile, base_dir, &HashMap::new())
+    }
+
+    /// [`CreateSpec::from_modelfile`] where each `FROM` or `ADAPTER` value that is a key of
+    /// `passed` is read from that file. A key no such line names is refused (a caller's
+    /// mistake, which would otherwise read a path instead).
+    pub fn from_modelfile_passing(
+        modelfile: &Modelfile,
+        base_dir: &Path,
+        passed: &HashMap<String, PassedFile>,
+    ) -> Result<Self, StoreError> {
+        let values = || std::iter::once(&modelfile.from).chain(&modelfile.adapters).map(|v| v.trim());
+        if let Some(unused) = passed.keys().find(|key| !values().any(|v| v == key.as_str())) {
+            return Err(StoreError::Invalid(format!("{unused}: passed for no FROM or ADAPTER line")));
+        }
+        let source = |value: &str| match passed.get(value.trim()) {
+            Some(file) => Ok(Source::Passed(file.clone())),
+            None => Source::parse(value, base_dir),
+        };
         Ok(Self {
-            from: Source::parse(&modelfile.from, base_dir)?,
-            adapters: modelfile.adapters.iter().map(|a| Source::parse(a, base_dir)).collect::<Result<_, _>>()?,
+            from: source(&modelfile.from)?,
+            adapters: modelfile.adapters.iter().map(|a| source(a)).collect::<Result<_, _>>()?,
             template: modelfile.template.clone(),
             system: modelfile.system.clone(),
             licenses: modelfile.licenses.clone(),
@@ -123,7 +147,7 @@ impl Store {
         &self,
         name: &ModelName,
         spec: &CreateSpec,
-        progress: &mut dyn FnMut(String),
+        progress: &mut dyn FnMut(Progress),
     ) -> Result<Digest, StoreError> {
         // Blobs named as inputs are pinned first: a garbage collection never takes one away
         // between the checks and the manifest.
@@ -161,6 +185,10 @@ impl Store {
     ) -> Result<(), StoreError> {
         let (path, what) = match source {
             Source::File(path) => (path.clone(), path.display().to_string()),
+            Source::Passed(passed) => {
+                let gguf = GgufFile::read_seekable(std::io::BufReader::with_capacity(64 << 10, passed.reader()));
+                return check_kind(&model_info(gguf, passed.name())?, expected, passed.name());
+            }
             Source::Blob(digest) => {
                 let what = digest.to_string();
                 if !headers.contains_key(digest) {
@@ -182,7 +210,7 @@ impl Store {
         name: &ModelName,
         spec: &CreateSpec,
         headers: &HashMap<Digest, ModelInfo>,
-        progress: &mut dyn FnMut(String),
+        progress: &mut dyn FnMut(Progress),
         added: &mut Vec<Digest>,
     ) -> Result<Digest, StoreError> {
         let mut pins = Vec::new();
@@ -194,18 +222,20 @@ impl Store {
                 pins.push(self.pin(base_manifest.blobs().map(|l| l.digest)));
                 layers.extend_from_slice(base_manifest.layers());
                 let model = base_manifest.model();
-                progress(format!("using existing layer {}", model.digest));
+                progress(Progress::step(&format!("using existing layer {}", model.digest)));
                 self.inspect_blob(&model.digest, &format!("{base}"))?
             }
             source => {
-                progress("parsing GGUF".to_owned());
-                let (layer, info) = self.gguf_layer(source, manifest::MODEL, headers, &mut pins, added, progress)?;
+                progress(Progress::step("parsing GGUF"));
+                let (layer, info) =
+                    self.gguf_layer(source, (ModelKind::Model, manifest::MODEL), headers, &mut pins, added, progress)?;
                 layers.push(layer);
                 info
             }
         };
         for adapter in &spec.adapters {
-            let (layer, _) = self.gguf_layer(adapter, manifest::ADAPTER, headers, &mut pins, added, progress)?;
+            let (layer, _) =
+                self.gguf_layer(adapter, (ModelKind::Adapter, manifest::ADAPTER), headers, &mut pins, added, progress)?;
             layers.push(layer);
         }
 
@@ -262,7 +292,7 @@ impl Store {
         .map_err(|source| StoreError::Manifest { name: name.to_string(), source })?;
         // Inherited and new layers together within the caps (what the store will read back).
         limits::check_manifest(&manifest)?;
-        progress("writing manifest".to_owned());
+        progress(Progress::step("writing manifest"));
         let old = self.manifest(name).ok();
         let digest = self.write_manifest(name, &manifest)?;
         // Layers the replaced manifest had and the new one does not may now be unused.
@@ -272,34 +302,42 @@ impl Store {
             self.remove_unreferenced(candidates);
         }
         drop(pins);
-        progress("success".to_owned());
+        progress(Progress::step("success"));
         Ok(digest)
     }
 
-    /// Adds a (checked) GGUF as a layer: imports a file, or takes a blob.
+    /// Adds a (checked) GGUF as a layer: imports a file, or takes a blob. A file is checked
+    /// again once in the store: it may have changed since its first check.
     fn gguf_layer(
         &self,
         source: &Source,
-        media_type: &str,
+        kind: (ModelKind, &str),
         headers: &HashMap<Digest, ModelInfo>,
         pins: &mut Vec<super::Pin>,
         added: &mut Vec<Digest>,
-        progress: &mut dyn FnMut(String),
+        progress: &mut dyn FnMut(Progress),
     ) -> Result<(Layer, ModelInfo), StoreError> {
+        let (expected, media_type) = kind;
         let (digest, size, from) = match source {
             Source::File(path) => {
-                let (digest, size, new, pin) = self.import_file_tracked(path, None)?;
-                pins.push(pin);
-                if new {
-                    added.push(digest);
-                }
-                progress(format!("creating new layer {digest}"));
-                (digest, size, path.file_name().map(|n| n.to_string_lossy().into_owned()))
+                let from = file_name(path);
+                let label = path.display().to_string();
+                let imported =
+                    self.import_file_tracked(path, None, &mut copying(from.as_deref().unwrap_or(&label), progress))?;
+                let (digest, size) = self.imported(imported, &label, expected, pins, added, progress)?;
+                (digest, size, from)
+            }
+            Source::Passed(passed) => {
+                let from = file_name(Path::new(passed.name()));
+                let imported =
+                    self.import_passed(passed, &mut copying(from.as_deref().unwrap_or(passed.name()), progress))?;
+                let (digest, size) = self.imported(imported, passed.name(), expected, pins, added, progress)?;
+                (digest, size, from)
             }
             Source::Blob(digest) => {
                 pins.push(self.pin([*digest]));
                 let size = self.blob_size(digest)?;
-                progress(format!("using existing layer {digest}"));
+                progress(Progress::step(&format!("using existing layer {digest}")));
                 (*digest, size, None)
             }
             Source::Model(name) => return Err(StoreError::Invalid(format!("{name} is not a GGUF file or blob"))),
@@ -311,19 +349,35 @@ impl Store {
         Ok((Layer { media_type: media_type.to_owned(), digest, size, from }, info))
     }
 
+    /// Keeps a file just imported (pinned, and noted when new), once its copy in the store
+    /// is checked to be a GGUF of the `expected` kind; the file may have changed since its
+    /// first check.
+    fn imported(
+        &self,
+        (digest, size, new, pin): (Digest, u64, bool, super::Pin),
+        what: &str,
+        expected: ModelKind,
+        pins: &mut Vec<super::Pin>,
+        added: &mut Vec<Digest>,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<(Digest, u64), StoreError> {
+        pins.push(pin);
+        if new {
+            added.push(digest);
+        }
+        check_kind(&self.inspect_blob(&digest, what)?, expected, what)?;
+        progress(Progress::step(&format!("creating new layer {digest}")));
+        Ok((digest, size))
+    }
+
     /// Reads a GGUF file's metadata; `what` names it in errors.
     pub fn inspect(&self, path: &Path, what: &str) -> Result<ModelInfo, StoreError> {
-        let file =
-            GgufFile::open(path).map_err(|e| StoreError::Gguf { what: what.to_owned(), message: e.to_string() })?;
-        ModelInfo::from_file(&file).map_err(|e| StoreError::Gguf { what: what.to_owned(), message: e.to_string() })
+        model_info(GgufFile::open(path), what)
     }
 
     /// Reads a blob's GGUF metadata, opened through the store (a link is refused).
     pub fn inspect_blob(&self, digest: &Digest, what: &str) -> Result<ModelInfo, StoreError> {
-        let file = std::io::BufReader::with_capacity(64 << 10, self.open_blob(digest)?);
-        let gguf = GgufFile::read_seekable(file)
-            .map_err(|e| StoreError::Gguf { what: what.to_owned(), message: e.to_string() })?;
-        ModelInfo::from_file(&gguf).map_err(|e| StoreError::Gguf { what: what.to_owned(), message: e.to_string() })
+        model_info(GgufFile::read_seekable(std::io::BufReader::with_capacity(64 << 10, self.open_blob(digest)?)), what)
     }
 
     fn read_json_blob<T: serde::de::DeserializeOwned>(&self, digest: &Digest) -> Result<T, StoreError> {
@@ -339,7 +393,7 @@ struct TextLayers<'a> {
     layers: &'a mut Vec<Layer>,
     pins: &'a mut Vec<super::Pin>,
     added: &'a mut Vec<Digest>,
-    progress: &'a mut dyn FnMut(String),
+    progress: &'a mut dyn FnMut(Progress),
 }
 
 impl TextLayers<'_> {
@@ -350,7 +404,7 @@ impl TextLayers<'_> {
         }
         let (digest, size, pin) = self.store.write_blob_pinned(data, None)?;
         self.pins.push(pin);
-        (self.progress)(format!("creating new layer {digest}"));
+        (self.progress)(Progress::step(&format!("creating new layer {digest}")));
         if replace {
             self.layers.retain(|l| l.media_type != media_type);
         }
@@ -370,6 +424,30 @@ fn check_kind(info: &ModelInfo, expected: ModelKind, what: &str) -> Result<(), S
         ModelKind::Adapter => "an adapter",
     };
     Err(StoreError::Invalid(format!("{what} is {}, expected {}", name(found), name(expected))))
+}
+
+/// A model's facts from its GGUF metadata, as read; `what` names the file in errors.
+fn model_info(read: Result<GgufFile, crate::gguf::reader::ReadError>, what: &str) -> Result<ModelInfo, StoreError> {
+    let gguf = |e: &dyn std::fmt::Display| StoreError::Gguf { what: what.to_owned(), message: e.to_string() };
+    ModelInfo::from_file(&read.map_err(|e| gguf(&e))?).map_err(|e| gguf(&e))
+}
+
+/// The last component of a file's path, as a layer's `from` and in progress.
+fn file_name(path: &Path) -> Option<String> {
+    path.file_name().map(|n| n.to_string_lossy().into_owned())
+}
+
+/// Reports a file's copy into the store as `copying <name>` with its bytes, at most every
+/// [`PROGRESS_INTERVAL`] and once at the end.
+fn copying<'a>(name: &str, progress: &'a mut dyn FnMut(Progress)) -> impl FnMut(u64, u64) + 'a {
+    let status = format!("copying {name}");
+    let mut reported: Option<Instant> = None;
+    move |done, total| {
+        if done == total || reported.is_none_or(|at| at.elapsed() >= PROGRESS_INTERVAL) {
+            reported = Some(Instant::now());
+            progress(Progress { status: status.clone(), digest: None, total: Some(total), completed: Some(done) });
+        }
+    }
 }
 
 /// A parameter count as Ollama shows it: `225.86K`, `137M`, `3.2B`.

@@ -1,5 +1,6 @@
 //! Creating models from GGUF files, blobs and other models, and showing them.
 
+use std::collections::HashMap;
 use std::fs;
 use std::path::Path;
 
@@ -11,7 +12,7 @@ use super::manifest;
 use super::modelfile::Modelfile;
 use super::name::ModelName;
 use super::show::ModelDetails;
-use super::{Store, StoreError};
+use super::{PassedFile, Progress, Store, StoreError};
 
 fn name(s: &str) -> ModelName {
     ModelName::parse(s).expect("name")
@@ -28,7 +29,7 @@ fn create(store: &Store, model: &str, modelfile: &str, base: &Path) -> Result<(D
     let mf = Modelfile::parse(modelfile).expect("modelfile");
     let spec = CreateSpec::from_modelfile(&mf, base)?;
     let mut statuses = Vec::new();
-    let digest = store.create(&name(model), &spec, &mut |s| statuses.push(s))?;
+    let digest = store.create(&name(model), &spec, &mut |s| statuses.push(s.status))?;
     Ok((digest, statuses))
 }
 
@@ -260,4 +261,127 @@ fn a_manifest_over_its_cap_is_not_written() {
     assert!(err.starts_with("the manifest of keep:latest is 4.1 MiB"), "{err}");
     assert!(err.ends_with("more than the limit of 4 MiB for a manifest"), "{err}");
     assert_eq!(store.manifest(&name("keep")).expect("still there").1, digest);
+}
+
+/// `path` opened and passed, as D-Bus `CreateWithFiles` hands it over, named `key`.
+fn passed(path: &Path, key: &str) -> PassedFile {
+    PassedFile::new(fs::File::open(path).expect("open").into(), key).expect("a regular file")
+}
+
+fn create_passing(
+    store: &Store,
+    model: &str,
+    modelfile: &str,
+    files: &[(&str, PassedFile)],
+) -> Result<(Digest, Vec<Progress>), StoreError> {
+    let files: HashMap<String, PassedFile> = files.iter().map(|(k, f)| ((*k).to_owned(), f.clone())).collect();
+    let spec =
+        CreateSpec::from_modelfile_passing(&Modelfile::parse(modelfile).expect("modelfile"), Path::new("/"), &files)?;
+    let mut steps = Vec::new();
+    let digest = store.create(&name(model), &spec, &mut |p| steps.push(p))?;
+    Ok((digest, steps))
+}
+
+#[test]
+fn a_passed_file_makes_the_model_its_path_makes_without_a_path_to_read() {
+    let (dir, store) = setup();
+    let (by_path, _) = create(&store, "by-path", "FROM ./tiny.gguf\n", dir.path()).expect("by path");
+    let path = dir.path().join("tiny.gguf");
+    let file = passed(&path, "/home/someone/tiny.gguf");
+    let size = fs::metadata(&path).expect("size").len();
+    // The daemon could not reach the caller's path: here there is none at all.
+    let moved = dir.path().join("elsewhere.gguf");
+    fs::rename(&path, &moved).expect("move the file away");
+    let (by_fd, steps) =
+        create_passing(&store, "by-fd", "FROM /home/someone/tiny.gguf\n", &[("/home/someone/tiny.gguf", file)])
+            .expect("by descriptor");
+    assert_eq!(by_fd, by_path, "the same layers, named from the same file name");
+    let copying: Vec<&Progress> = steps.iter().filter(|p| p.status == "copying tiny.gguf").collect();
+    assert_eq!(copying.last().map(|p| (p.total, p.completed)), Some((Some(size), Some(size))), "{steps:?}");
+    let (weights, _) = Digest::of_reader(fs::File::open(&moved).expect("open")).expect("hash");
+    assert!(steps.iter().any(|p| p.status == format!("creating new layer {weights}")), "{steps:?}");
+    assert_eq!(steps.last().map(|p| p.status.as_str()), Some("success"));
+}
+
+#[test]
+fn a_bad_passed_file_is_named_and_changes_nothing() {
+    let (dir, store) = setup();
+    create(&store, "keep", "FROM ./tiny.gguf\n", dir.path()).expect("a model that must stay");
+    let before = blob_files(&store);
+    fs::write(dir.path().join("garbage.gguf"), b"this is not a gguf file").expect("write");
+    crate::demo_model::write_tiny_bert(&dir.path().join("bert.gguf")).expect("bert");
+    let tiny = || passed(&dir.path().join("tiny.gguf"), "/c/tiny.gguf");
+    let cases: Vec<(&str, Vec<(&str, PassedFile)>, &str)> = vec![
+        ("FROM /c/tiny.gguf\n", vec![("/c/other.gguf", tiny())], "/c/other.gguf: passed for no FROM or ADAPTER line"),
+        (
+            "FROM /c/garbage.gguf\n",
+            vec![("/c/garbage.gguf", passed(&dir.path().join("garbage.gguf"), "/c/garbage.gguf"))],
+            "/c/garbage.gguf is not a usable GGUF file",
+        ),
+        (
+            "FROM /c/tiny.gguf\nADAPTER /c/tiny.gguf\n",
+            vec![("/c/tiny.gguf", tiny())],
+            "/c/tiny.gguf is a model, expected an adapter",
+        ),
+        (
+            "FROM keep\nADAPTER /c/bert.gguf\n",
+            vec![("/c/bert.gguf", passed(&dir.path().join("bert.gguf"), "/c/bert.gguf"))],
+            "/c/bert.gguf is a model, expected an adapter",
+        ),
+    ];
+    for (modelfile, files, message) in cases {
+        let err = create_passing(&store, "new", modelfile, &files).expect_err(modelfile).to_string();
+        assert!(err.contains(message), "{modelfile:?}: {err}");
+        assert!(matches!(store.manifest(&name("new")), Err(StoreError::NotFound(_))), "{modelfile:?} left a manifest");
+        assert_eq!(blob_files(&store), before, "{modelfile:?} changed the blobs");
+    }
+    store.show(&name("keep"), false).expect("the existing model is unharmed");
+}
+
+#[test]
+fn a_passed_file_that_shrinks_or_changes_after_its_check_fails_the_create_and_leaves_nothing() {
+    let (dir, store) = setup();
+    let before = blob_files(&store);
+    let path = dir.path().join("tiny.gguf");
+    let bytes = fs::read(&path).expect("read");
+    // Shorter than when it was checked: the copy stops short.
+    let shrinking = passed(&path, "/c/tiny.gguf");
+    fs::OpenOptions::new().write(true).open(&path).expect("open").set_len(bytes.len() as u64 / 2).expect("truncate");
+    let err = create_passing(&store, "new", "FROM /c/tiny.gguf\n", &[("/c/tiny.gguf", shrinking)])
+        .expect_err("shrank")
+        .to_string();
+    assert!(
+        err.contains(&format!(
+            "/c/tiny.gguf shrank while it was read: {} of its {} bytes",
+            bytes.len() / 2,
+            bytes.len()
+        )),
+        "{err}"
+    );
+    assert_eq!(blob_files(&store), before, "a failed copy leaves nothing");
+    // The same length but other bytes: what is stored is checked again, and taken back.
+    fs::write(&path, &bytes).expect("restore");
+    let changing = passed(&path, "/c/tiny.gguf");
+    let mut other = b"not a gguf at all".to_vec();
+    other.resize(bytes.len(), b'.');
+    let spec = CreateSpec::from_modelfile_passing(
+        &Modelfile::parse("FROM /c/tiny.gguf\n").expect("modelfile"),
+        Path::new("/"),
+        &HashMap::from([("/c/tiny.gguf".to_owned(), changing)]),
+    )
+    .expect("spec");
+    let mut swapped = false;
+    let err = store
+        .create(&name("new"), &spec, &mut |p| {
+            // Once the header was checked, before the copy.
+            if p.status == "parsing GGUF" && !swapped {
+                fs::write(&path, &other).expect("swap the bytes");
+                swapped = true;
+            }
+        })
+        .expect_err("changed")
+        .to_string();
+    assert!(err.contains("/c/tiny.gguf is not a usable GGUF file"), "{err}");
+    assert_eq!(blob_files(&store), before, "the changed copy is taken back");
+    assert!(matches!(store.manifest(&name("new")), Err(StoreError::NotFound(_))));
 }

@@ -1,6 +1,7 @@
 //! Files from outside the store, and other stores' models (an Ollama models directory),
 //! added without storing their data twice where the file system allows: a reflink, else a
-//! hard link, else a copy; every digest checked, in the same pass over the data.
+//! hard link, else a copy; every digest checked, in the same pass over the data. Also the
+//! files callers pass open ([`PassedFile`]).
 
 use std::fs::{self, File};
 use std::io::Seek;
@@ -9,7 +10,8 @@ use std::path::Path;
 use super::beneath::Dir;
 use super::digest::Digest;
 use super::name::ModelName;
-use super::stream::copy_hashed;
+use super::passed::{At, PassedFile};
+use super::stream::{Batch, copy_hashed};
 use super::temp::readable;
 use super::{Pin, Store, StoreError, io_err};
 
@@ -27,7 +29,15 @@ impl Store {
                 let source = other.open_blob(&layer.digest)?;
                 let name = layer.digest.file_name();
                 let link = Some((Some(&other_blobs), Path::new(&name)));
-                let (_, _, _, pin) = self.import_open(source, link, &layer.digest.to_string(), Some(&layer.digest))?;
+                let size = source.metadata().map_err(io_err(format!("cannot read blob {}", layer.digest)))?.len();
+                let (_, _, _, pin) = self.import_open(
+                    &source,
+                    size,
+                    link,
+                    &layer.digest.to_string(),
+                    Some(&layer.digest),
+                    &mut |_, _| {},
+                )?;
                 pins.push(pin);
                 Ok::<_, StoreError>(())
             });
@@ -52,52 +62,80 @@ impl Store {
     /// place would change the blob; [`Store::verify_blob`] detects that. With `expected`,
     /// a file that hashes to something else is refused and nothing is written.
     pub fn import_file(&self, path: &Path, expected: Option<&Digest>) -> Result<(Digest, u64), StoreError> {
-        self.import_file_tracked(path, expected).map(|(digest, size, _, _)| (digest, size))
+        self.import_file_tracked(path, expected, &mut |_, _| {}).map(|(digest, size, _, _)| (digest, size))
     }
 
     /// [`Store::import_file`], also saying whether the blob is new to the store, and
-    /// pinning it (before it is put in place).
+    /// pinning it (before it is put in place); `copied` hears how far a copy is (bytes
+    /// copied, bytes in all).
     pub(crate) fn import_file_tracked(
         &self,
         path: &Path,
         expected: Option<&Digest>,
+        copied: &mut dyn FnMut(u64, u64),
     ) -> Result<(Digest, u64, bool, Pin), StoreError> {
         // The file is outside the store, named by whoever asked: its links are theirs to
         // use. It is linked by its real path, so the store gets the file, not a link.
         let real = fs::canonicalize(path).map_err(io_err(format!("cannot open {}", path.display())))?;
         let file = File::open(&real).map_err(io_err(format!("cannot open {}", path.display())))?;
-        self.import_open(file, Some((None, &real)), &path.display().to_string(), expected)
+        let size = file.metadata().map_err(io_err(format!("cannot open {}", path.display())))?.len();
+        self.import_open(&file, size, Some((None, &real)), &path.display().to_string(), expected, copied)
     }
 
-    /// Imports the open file `source`, which `link` names for a hard link (a directory of
-    /// another store and a name in it, or an absolute path); `what` names it in errors.
+    /// Imports a file a caller passed open ([`PassedFile`]): a reflink where the file system
+    /// allows, else a copy of the bytes it had when it was checked.
+    pub(crate) fn import_passed(
+        &self,
+        passed: &PassedFile,
+        copied: &mut dyn FnMut(u64, u64),
+    ) -> Result<(Digest, u64, bool, Pin), StoreError> {
+        self.import_open(passed.file(), passed.size(), None, passed.name(), None, copied)
+    }
+
+    /// Imports the first `size` bytes of the open file `source`, which `link` names for a
+    /// hard link (a directory of another store and a name in it, or an absolute path);
+    /// `what` names it in errors. The file is read at positions of its own: its offset is
+    /// left alone (a passed file shares it with its caller).
     ///
     /// One pass over the data: a reflink or a hard link is hashed once made (what is hashed
     /// is what gets named), and a copy is hashed as it is written.
     fn import_open(
         &self,
-        mut source: File,
+        source: &File,
+        size: u64,
         link: Option<(Option<&Dir>, &Path)>,
         what: &str,
         expected: Option<&Digest>,
+        copied: &mut dyn FnMut(u64, u64),
     ) -> Result<(Digest, u64, bool, Pin), StoreError> {
         let blobs = self.blobs()?;
         let mut temp = self.temp_in(&blobs)?;
-        let cloned = rustix::fs::ioctl_ficlone(temp.as_file(), &source).is_ok();
+        let cloned = rustix::fs::ioctl_ficlone(temp.as_file(), source).is_ok();
         let linked = !cloned && link.is_some_and(|(dir, path)| temp.link_from(dir, path).is_ok());
-        let (digest, size) = if cloned || linked {
+        let (digest, length) = if cloned || linked {
             let mut placed = temp.as_file();
             placed.rewind().map_err(io_err("cannot read the imported blob"))?;
             Digest::of_reader(placed).map_err(io_err(format!("cannot read {what}")))?
         } else {
             temp.reset().map_err(io_err(format!("cannot write {}", temp.rel())))?;
-            source.rewind().map_err(io_err(format!("cannot read {what}")))?;
-            let mut write_failed = false;
-            copy_hashed(&source, |batch| temp.write_batch(batch).inspect_err(|_| write_failed = true)).map_err(|e| {
+            let (mut write_failed, mut done) = (false, 0);
+            let write = |batch: &Batch| {
+                temp.write_batch(batch).inspect_err(|_| write_failed = true)?;
+                done += batch.len() as u64;
+                copied(done, size);
+                Ok(())
+            };
+            let (digest, length) = copy_hashed(At::new(source, size), write).map_err(|e| {
                 let context =
                     if write_failed { format!("cannot write {}", temp.rel()) } else { format!("cannot read {what}") };
                 StoreError::Io { context, source: e }
-            })?
+            })?;
+            if length < size {
+                return Err(StoreError::Invalid(format!(
+                    "{what} shrank while it was read: {length} of its {size} bytes were there"
+                )));
+            }
+            (digest, length)
         };
         if let Some(expected) = expected {
             if *expected != digest {
@@ -106,7 +144,7 @@ impl Store {
         }
         let pin = self.pin([digest]);
         if self.has_blob(&digest) {
-            return Ok((digest, size, false, pin));
+            return Ok((digest, length, false, pin));
         }
         if linked {
             // The caller's own file, on the disk already: only its new name is synced.
@@ -117,6 +155,6 @@ impl Store {
             readable(temp.as_file())?;
             self.name_blob(temp, &blobs, &digest)?;
         }
-        Ok((digest, size, true, pin))
+        Ok((digest, length, true, pin))
     }
 }

@@ -80,7 +80,6 @@ use std::time::Duration;
 
 use reqwest::header::CONTENT_TYPE;
 use reqwest::{Client, StatusCode};
-use serde::{Deserialize, Serialize};
 use tokio::sync::{Semaphore, watch};
 
 pub use self::auth::parse_bearer_challenge;
@@ -93,6 +92,8 @@ use super::digest::Digest;
 use super::limits;
 use super::manifest::{Layer, MANIFEST_MEDIA_TYPE, Manifest};
 use super::name::ModelName;
+use super::progress::PROGRESS_INTERVAL;
+pub use super::progress::Progress;
 use super::{Store, StoreError};
 
 /// Downloaded data is written, and uploaded data read, in pieces of about this size.
@@ -104,8 +105,6 @@ const LAYERS_AT_ONCE: usize = 3;
 const CONCURRENT_LAYER: u64 = 8 << 20;
 /// How corral names itself to registries, through either HTTP path.
 const USER_AGENT: &str = concat!("corral/", env!("CARGO_PKG_VERSION"));
-/// How often progress is reported while bytes flow.
-const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 
 /// How to talk to registries. No global state: every [`Registry`] carries its own.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -149,43 +148,6 @@ impl Default for RegistryConfig {
             part_attempts: 4,
             retry_delay: Duration::from_secs(1),
             max_downloads: 16,
-        }
-    }
-}
-
-/// One progress event of a pull or push, in the shape of Ollama's `/api/pull` stream.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Progress {
-    /// What is happening: `pulling manifest`, `pulling <12 hex digits>`, `verifying sha256
-    /// digest`, `writing manifest`, `success`; for a push `retrieving manifest`, `pushing <12
-    /// hex digits>`, `pushing manifest`, `success`.
-    pub status: String,
-    /// The blob being transferred.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub digest: Option<Digest>,
-    /// The blob's size.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub total: Option<u64>,
-    /// How much of it is in place.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub completed: Option<u64>,
-}
-
-impl Progress {
-    /// A step with no blob attached.
-    #[must_use]
-    pub fn step(status: &str) -> Self {
-        Self { status: status.to_owned(), digest: None, total: None, completed: None }
-    }
-
-    /// A blob transfer: `<verb> <12 hex digits of the digest>`.
-    #[must_use]
-    pub fn blob(verb: &str, digest: Digest, total: u64, completed: u64) -> Self {
-        Self {
-            status: format!("{verb} {}", &digest.hex()[..12]),
-            digest: Some(digest),
-            total: Some(total),
-            completed: Some(completed),
         }
     }
 }
