@@ -66,15 +66,16 @@ pub enum Command {
     Pull(TransferArgs),
     /// Push a model to the registry its name names, showing progress.
     Push(TransferArgs),
-    /// Create (or replace) a model from a Modelfile; its FROM and ADAPTER files are
-    /// uploaded over the HTTP API (each blob once), so corrald needs no access to them.
+    /// Create (or replace) a model from a Modelfile; its FROM and ADAPTER files are passed
+    /// open over D-Bus (read once, hashed as corrald copies them), so corrald needs no
+    /// access to their paths; to a corrald that cannot take them, uploaded over the HTTP API.
     Create {
         /// The new model's name.
         model: String,
         /// The Modelfile; relative FROM and ADAPTER paths are taken from its directory.
         #[arg(short = 'f', long = "file", value_name = "MODELFILE", default_value = "Modelfile")]
         file: PathBuf,
-        /// corrald's HTTP API, for the uploads, as for `run`: without it `CORRAL_HOST`, else
+        /// corrald's HTTP API, for uploads where files cannot be passed, as for `run`: without it `CORRAL_HOST`, else
         /// `OLLAMA_HOST`, else `http://127.0.0.1:11434`.
         #[arg(long, value_name = "URL|SOCKET")]
         host: Option<String>,

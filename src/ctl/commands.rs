@@ -2,11 +2,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 use serde::Serialize;
-use zbus::zvariant::{OwnedObjectPath, Value};
+use zbus::zvariant::{Fd, OwnedObjectPath, Value};
 
 use super::bus::{Bus, OrBus};
 use super::chat::Api;
@@ -508,8 +508,10 @@ pub async fn transfer(bus: &Bus, style: Style, push: bool, args: &TransferArgs) 
     finish(watch.follow(bus, path, style.progress(true)).await?, style)
 }
 
-/// `create`: the Modelfile's local files uploaded as blobs over the HTTP API at `api`
-/// (when it answers), then the model made over D-Bus.
+/// `create`: the Modelfile's local files passed open over D-Bus (`CreateWithFiles`: read
+/// once by corrald, hashed as it copies them); where corrald cannot take them (an older
+/// corrald, a bus without descriptor passing), uploaded as blobs over the HTTP API at `api`
+/// as Ollama's client does, else named by path.
 pub async fn create(
     bus: &Bus,
     style: Style,
@@ -524,28 +526,43 @@ pub async fn create(
         .map_err(|source| CtlError::Io { what: format!("cannot resolve {}", file.display()), source })?;
     let dir = file.parent().unwrap_or(Path::new("/"));
     let prepared = modelfile::prepare(&text, dir, home)?;
-    // A name corrald would refuse is refused before anything is uploaded.
+    // A name corrald would refuse is refused before anything is read or uploaded.
     crate::store::name::ModelName::parse(name).map_err(|e| CtlError::Invalid(e.to_string()))?;
     if !style.json {
         print("gathering model components\n")?;
     }
-    let names = match modelfile::upload(api, &prepared.files, style.progress(true)).await {
-        Ok(names) => names,
-        // Without the HTTP API (or leave to upload on it), corrald reads the files itself,
-        // where it can.
-        Err(e @ (CtlError::HttpUnreachable { .. } | CtlError::HttpDenied { .. })) if !prepared.files.is_empty() => {
+    let manager = bus.manager().await?;
+    if !prepared.files.is_empty() {
+        let opened = modelfile::open(&prepared.files)?;
+        let files = opened.iter().map(|(key, file)| (key.as_str(), Fd::from(file))).collect();
+        let mut watch = Watch::start(bus).await?;
+        match manager.create_with_files(name, &prepared.text(&HashMap::new())?, files).await {
+            Ok(path) => return finish(watch.follow(bus, path, style.progress(true)).await?, style),
+            Err(e) if modelfile::descriptors_refused(&e) => {}
+            Err(e) => return Err(bus.error(e)),
+        }
+    }
+    let names = upload_or_name(&prepared.files, style, api).await?;
+    let text = prepared.text(&names)?;
+    let mut watch = Watch::start(bus).await?;
+    let path = manager.create(name, &text).await.or_bus(bus)?;
+    finish(watch.follow(bus, path, style.progress(true)).await?, style)
+}
+
+/// The files uploaded as blobs over the HTTP API, each named by its digest; without the
+/// API, none (corrald then reads them by path, where it can).
+async fn upload_or_name(files: &[PathBuf], style: Style, api: &Api) -> Result<HashMap<PathBuf, String>, CtlError> {
+    match modelfile::upload(api, files, style.progress(true)).await {
+        Ok(names) => Ok(names),
+        Err(e @ (CtlError::HttpUnreachable { .. } | CtlError::HttpDenied { .. })) => {
             let _ = writeln!(
                 std::io::stderr(),
                 "corralctl: cannot upload the files: {e}; corrald reads them by path instead"
             );
-            HashMap::new()
+            Ok(HashMap::new())
         }
-        Err(e) => return Err(e),
-    };
-    let text = prepared.text(&names)?;
-    let mut watch = Watch::start(bus).await?;
-    let path = bus.manager().await?.create(name, &text).await.or_bus(bus)?;
-    finish(watch.follow(bus, path, style.progress(true)).await?, style)
+        Err(e) => Err(e),
+    }
 }
 
 /// `cp`.

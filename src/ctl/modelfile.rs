@@ -1,7 +1,9 @@
 //! A Modelfile as sent to corrald: checked here first, its local `FROM` and `ADAPTER`
-//! files uploaded as blobs over the HTTP API (as Ollama's client does: corrald may not see
-//! the caller's files, its unit hides `/home`) and named by digest; without the HTTP API,
-//! named by absolute path, since the daemon has no working directory of the caller's.
+//! files passed open over D-Bus (corrald may not see the caller's files, its unit hides
+//! `/home`; it reads each once, hashing as it copies). Where corrald cannot take them, they
+//! are uploaded as blobs over the HTTP API (as Ollama's client does) and named by digest;
+//! without the HTTP API, named by absolute path, since the daemon has no working directory
+//! of the caller's.
 //!
 //! The Modelfile is parsed, its paths changed, and written again by the store's writer,
 //! so the daemon reads exactly the texts the file has (a line inside a quoted value that
@@ -61,14 +63,41 @@ pub fn prepare(text: &str, dir: &Path, home: Option<&Path>) -> Result<Prepared, 
 impl Prepared {
     /// The Modelfile to send, each local file named by `names` (its blob's digest) instead of
     /// its path; a file not in `names` keeps its absolute path.
-    pub fn text(mut self, names: &HashMap<PathBuf, String>) -> Result<String, CtlError> {
-        let values = std::iter::once(&mut self.modelfile.from).chain(self.modelfile.adapters.iter_mut());
+    pub fn text(&self, names: &HashMap<PathBuf, String>) -> Result<String, CtlError> {
+        let mut modelfile = self.modelfile.clone();
+        let values = std::iter::once(&mut modelfile.from).chain(modelfile.adapters.iter_mut());
         for value in values {
             if let Some(name) = names.get(Path::new(value.as_str())) {
                 name.clone_into(value);
             }
         }
-        self.modelfile.write("").map_err(|e| CtlError::Invalid(format!("Modelfile: {e}")))
+        modelfile.write("").map_err(|e| CtlError::Invalid(format!("Modelfile: {e}")))
+    }
+}
+
+/// Each file opened for reading, keyed by its path as the Modelfile sent names it: what
+/// D-Bus `CreateWithFiles` takes.
+pub fn open(files: &[PathBuf]) -> Result<Vec<(String, std::fs::File)>, CtlError> {
+    files
+        .iter()
+        .map(|path| {
+            let file = std::fs::File::open(path)
+                .map_err(|source| CtlError::Io { what: format!("cannot read {}", path.display()), source })?;
+            // `prepare` took only UTF-8 paths.
+            Ok((path.to_string_lossy().into_owned(), file))
+        })
+        .collect()
+}
+
+/// Whether corrald cannot take files passed open, so that they go another way: a corrald
+/// without `CreateWithFiles`, or a connection that cannot pass descriptors.
+pub fn descriptors_refused(error: &zbus::Error) -> bool {
+    const REFUSALS: [&str; 2] = ["org.freedesktop.DBus.Error.UnknownMethod", "org.freedesktop.DBus.Error.NotSupported"];
+    match error {
+        zbus::Error::Unsupported => true,
+        zbus::Error::MethodError(name, _, _) => REFUSALS.contains(&name.as_str()),
+        zbus::Error::FDO(e) => matches!(**e, zbus::fdo::Error::UnknownMethod(_) | zbus::fdo::Error::NotSupported(_)),
+        _ => false,
     }
 }
 

@@ -14,6 +14,7 @@ use crate::scheduler::device_use;
 use crate::scheduler::keep_alive::KeepAlive;
 use crate::scheduler::request;
 use crate::scheduler::types::ScheduleError;
+use crate::store::PassedFile;
 use crate::store::create::CreateSpec;
 use crate::store::modelfile::Modelfile;
 use crate::store::name::ModelName;
@@ -123,12 +124,22 @@ impl Manager {
         modelfile: &str,
         #[zbus(connection)] connection: &Connection,
     ) -> Result<OwnedObjectPath, Error> {
-        let parsed = ModelName::parse(name)?;
-        self.writable()?;
-        let modelfile = Modelfile::parse(modelfile).map_err(|e| Error::InvalidArgument(format!("Modelfile: {e}")))?;
-        // Relative paths would be relative to the daemon, not to the caller: there is none.
-        let spec = CreateSpec::from_modelfile(&modelfile, std::path::Path::new("/"))?;
-        job::start(&self.shared, connection, name, Work::Create { name: parsed, spec: Box::new(spec) }).await
+        self.start_create(name, modelfile, HashMap::new(), connection).await
+    }
+
+    /// Starts creating a model from a Modelfile whose local files the caller passes open;
+    /// returns the job. Each `FROM` or `ADAPTER` value that is a key of `files` is read from
+    /// that descriptor (a regular file open for reading), so corrald needs no access to the
+    /// caller's paths and the bytes move once, hashed as they are copied.
+    #[zbus(out_args("job"))]
+    async fn create_with_files(
+        &self,
+        name: &str,
+        modelfile: &str,
+        files: HashMap<String, zbus::zvariant::OwnedFd>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<OwnedObjectPath, Error> {
+        self.start_create(name, modelfile, files, connection).await
     }
 
     /// Starts copying a model; returns the job.
@@ -271,6 +282,26 @@ impl Manager {
 }
 
 impl Manager {
+    /// `Create` and `CreateWithFiles`: checks everything, then starts the job.
+    async fn start_create(
+        &self,
+        name: &str,
+        modelfile: &str,
+        files: HashMap<String, zbus::zvariant::OwnedFd>,
+        connection: &Connection,
+    ) -> Result<OwnedObjectPath, Error> {
+        let parsed = ModelName::parse(name)?;
+        self.writable()?;
+        let modelfile = Modelfile::parse(modelfile).map_err(|e| Error::InvalidArgument(format!("Modelfile: {e}")))?;
+        let passed = files
+            .into_iter()
+            .map(|(key, fd)| PassedFile::new(fd.into(), &key).map(|file| (key, file)))
+            .collect::<Result<HashMap<_, _>, _>>()?;
+        // Relative paths would be relative to the daemon, not to the caller: there is none.
+        let spec = CreateSpec::from_modelfile_passing(&modelfile, std::path::Path::new("/"), &passed)?;
+        job::start(&self.shared, connection, name, Work::Create { name: parsed, spec: Box::new(spec) }).await
+    }
+
     fn writable(&self) -> Result<(), Error> {
         if self.shared.context.read_only {
             return Err(Error::ReadOnly("the model store is read-only ([store] read_only = true)".into()));

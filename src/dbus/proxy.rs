@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use zbus::proxy;
-use zbus::zvariant::{OwnedObjectPath, Value};
+use zbus::zvariant::{Fd, OwnedObjectPath, Value};
 
 /// `org.corral.Corral1.Manager`.
 #[proxy(
@@ -32,6 +32,13 @@ pub trait Manager {
     fn push(&self, name: &str, options: HashMap<&str, Value<'_>>) -> zbus::Result<OwnedObjectPath>;
     /// Starts a create from a Modelfile.
     fn create(&self, name: &str, modelfile: &str) -> zbus::Result<OwnedObjectPath>;
+    /// Starts a create from a Modelfile whose local files are passed open.
+    fn create_with_files(
+        &self,
+        name: &str,
+        modelfile: &str,
+        files: HashMap<&str, Fd<'_>>,
+    ) -> zbus::Result<OwnedObjectPath>;
     /// Starts a copy.
     fn copy(&self, source: &str, destination: &str) -> zbus::Result<OwnedObjectPath>;
     /// Starts a delete.

@@ -288,3 +288,130 @@ async fn jobs_past_max_jobs_are_refused_until_one_ends() {
     let (success, error) = finish(&connection, &second).await;
     assert!(!success && error.contains("two"), "the registry has no such model: {error}");
 }
+
+/// The Status, Total and Completed of every change of `job`'s properties seen on `changes`,
+/// up to its `success` or failure.
+async fn job_steps(changes: &mut zbus::MessageStream, job: &OwnedObjectPath) -> Vec<(String, u64, u64)> {
+    let mut steps = Vec::new();
+    loop {
+        let message =
+            tokio::time::timeout(WAIT, changes.next()).await.expect("in time").expect("a signal").expect("ok");
+        if message.header().path().map(|p| p.as_str()) != Some(job.as_str()) {
+            continue;
+        }
+        let (_, changed, _): (String, HashMap<String, zbus::zvariant::OwnedValue>, Vec<String>) =
+            message.body().deserialize().expect("PropertiesChanged");
+        let text = |key: &str| changed.get(key).and_then(|v| String::try_from(v.clone()).ok());
+        let number = |key: &str| changed.get(key).and_then(|v| u64::try_from(v).ok()).unwrap_or(0);
+        if let Some(status) = text("Status") {
+            steps.push((status, number("Total"), number("Completed")));
+        }
+        if matches!(text("State").as_deref(), Some("succeeded" | "failed")) {
+            return steps;
+        }
+    }
+}
+
+/// `CreateWithFiles` reads the Modelfile's files from descriptors the caller passes: a file
+/// with no path left anywhere makes the same model its path makes, the job showing the copy
+/// in bytes; every descriptor that is not a regular file open for reading, and every key no
+/// line names, is refused before a job starts, naming it; a file that is no GGUF fails its
+/// job. None of it changes the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_with_files_reads_the_descriptors_passed_and_refuses_what_cannot_be_read() {
+    use zbus::zvariant::Fd;
+
+    let daemon = BusDaemon::start("");
+    let connection = daemon.connect().await;
+    let manager = ManagerProxy::new(&connection).await.expect("manager");
+    let rule = zbus::MatchRule::builder()
+        .msg_type(zbus::message::Type::Signal)
+        .interface("org.freedesktop.DBus.Properties")
+        .expect("interface")
+        .member("PropertiesChanged")
+        .expect("member")
+        .build();
+    let mut changes = zbus::MessageStream::for_match_rule(rule, &connection, None).await.expect("subscribe");
+
+    let work = tempfile::tempdir().expect("tempdir");
+    let gguf = work.path().join("tiny.gguf");
+    corral::demo_model::write_tiny_llama(&gguf).expect("write the tiny llama");
+    let size = std::fs::metadata(&gguf).expect("size").len();
+    let modelfile = |from: &str| format!("FROM {from}\nSYSTEM You are terse.\n");
+    let job = manager.create("by-path", &modelfile(&gguf.display().to_string())).await.expect("Create");
+    assert_eq!(finish(&connection, &job).await, (true, String::new()));
+
+    // Opened, then removed: corrald can only read it through the descriptor.
+    let file = std::fs::File::open(&gguf).expect("open");
+    std::fs::remove_file(&gguf).expect("remove");
+    let key = "/home/someone/tiny.gguf";
+    let job = manager
+        .create_with_files("by-fd", &modelfile(key), HashMap::from([(key, Fd::from(&file))]))
+        .await
+        .expect("CreateWithFiles");
+    let steps = job_steps(&mut changes, &job).await;
+    assert_eq!(finish(&connection, &job).await, (true, String::new()));
+    assert!(steps.contains(&("copying tiny.gguf".to_owned(), size, size)), "{steps:?}");
+    assert_eq!(steps.last().map(|s| s.0.as_str()), Some("success"), "{steps:?}");
+    let listed = manager.list_models().await.expect("ListModels");
+    let digest = |name: &str| listed.iter().find(|m| m.0 == name).map(|m| m.2.clone()).expect(name);
+    assert_eq!(digest("by-fd:latest"), digest("by-path:latest"), "the same model as from the path");
+
+    // What cannot be read as a file is refused before any job, naming the key.
+    let (socket, _peer) = std::os::unix::net::UnixStream::pair().expect("socket pair");
+    let fifo = work.path().join("fifo");
+    rustix::fs::mknodat(rustix::fs::CWD, &fifo, rustix::fs::FileType::Fifo, rustix::fs::Mode::from(0o600), 0)
+        .expect("mkfifo");
+    let pipe = rustix::fs::open(&fifo, rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NONBLOCK, 0.into())
+        .expect("open the FIFO");
+    let dir = std::fs::File::open(work.path()).expect("dir");
+    let zero = std::fs::File::open("/dev/zero").expect("/dev/zero");
+    std::fs::write(work.path().join("garbage.gguf"), b"this is not a GGUF file").expect("write");
+    let write_only =
+        std::fs::OpenOptions::new().write(true).open(work.path().join("garbage.gguf")).expect("write-only");
+    let path_only =
+        rustix::fs::open(work.path().join("garbage.gguf"), rustix::fs::OFlags::PATH, 0.into()).expect("O_PATH");
+    let before = manager.list_models().await.expect("ListModels");
+    let refused: Vec<(Fd<'_>, &str)> = vec![
+        (Fd::from(&socket), "a socket, not a regular file"),
+        (Fd::from(&pipe), "a pipe, not a regular file"),
+        (Fd::from(&dir), "a directory, not a regular file"),
+        (Fd::from(&zero), "a character device, not a regular file"),
+        (Fd::from(&write_only), "open for writing only"),
+        (Fd::from(&path_only), "opened with O_PATH"),
+    ];
+    for (fd, why) in refused {
+        let err = manager
+            .create_with_files("bad", &modelfile(key), HashMap::from([(key, fd)]))
+            .await
+            .expect_err(why)
+            .to_string();
+        assert!(
+            err.contains("Error.InvalidArgument") && err.contains("tiny.gguf: ") && err.contains(why),
+            "{why}: {err}"
+        );
+    }
+    let err = manager
+        .create_with_files("bad", &modelfile(key), HashMap::from([("/other.gguf", Fd::from(&file))]))
+        .await
+        .expect_err("a key no line names")
+        .to_string();
+    assert!(
+        err.contains("Error.InvalidArgument") && err.contains("other.gguf: passed for no FROM or ADAPTER line"),
+        "{err}"
+    );
+
+    // A file that is no GGUF is read, found wrong, and fails its job.
+    let garbage = std::fs::File::open(work.path().join("garbage.gguf")).expect("open");
+    let job = manager
+        .create_with_files(
+            "bad",
+            &modelfile("/c/garbage.gguf"),
+            HashMap::from([("/c/garbage.gguf", Fd::from(&garbage))]),
+        )
+        .await
+        .expect("CreateWithFiles");
+    let (success, error) = finish(&connection, &job).await;
+    assert!(!success && error.contains("garbage.gguf is not a usable GGUF file"), "{error}");
+    assert_eq!(manager.list_models().await.expect("ListModels"), before, "refusals changed the store");
+}
