@@ -311,14 +311,15 @@ fn size(bytes: u64) -> String {
     }
 }
 
-/// Whether a status is a layer's transfer: `pulling`, `pushing` or `copying` (an upload),
-/// and 12 hex digits.
+/// Whether a status is a transfer, drawn with a bar: a layer's (`pulling` or `pushing`
+/// and 12 hex digits) or a file's (`copying` and the 12 hex digits of an upload, or the
+/// name of a file a create copies).
 fn is_layer(status: &str) -> bool {
-    status
-        .strip_prefix("pulling ")
-        .or_else(|| status.strip_prefix("pushing "))
-        .or_else(|| status.strip_prefix("copying "))
-        .is_some_and(|hex| hex.len() == 12 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+    status.starts_with("copying ")
+        || status
+            .strip_prefix("pulling ")
+            .or_else(|| status.strip_prefix("pushing "))
+            .is_some_and(|hex| hex.len() == 12 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 /// Seconds left as `42s`, `3m10s`, `2h5m`.

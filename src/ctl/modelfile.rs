@@ -91,6 +91,7 @@ pub fn open(files: &[PathBuf]) -> Result<Vec<(String, std::fs::File)>, CtlError>
 
 /// Whether corrald cannot take files passed open, so that they go another way: a corrald
 /// without `CreateWithFiles`, or a connection that cannot pass descriptors.
+#[must_use]
 pub fn descriptors_refused(error: &zbus::Error) -> bool {
     const REFUSALS: [&str; 2] = ["org.freedesktop.DBus.Error.UnknownMethod", "org.freedesktop.DBus.Error.NotSupported"];
     match error {
@@ -310,5 +311,50 @@ mod tests {
         assert!(text.starts_with("Modelfile line 2: FROM ./missing.gguf: no such file"), "{text}");
         let e = prepare("PARAMETER temperature 0.5\n", dir.path(), None).expect_err("no FROM");
         assert!(e.to_string().contains("Modelfile line 1: no FROM instruction"), "{e}");
+    }
+
+    #[test]
+    fn only_a_corrald_or_bus_that_cannot_take_descriptors_sends_the_files_another_way() {
+        use zbus::names::OwnedErrorName;
+        let method_error = |name: &str| {
+            let name = OwnedErrorName::try_from(name).expect("an error name");
+            zbus::Error::MethodError(
+                name,
+                Some("no".into()),
+                zbus::Message::signal("/a", "a.b", "C").expect("a message").build(&()).expect("built"),
+            )
+        };
+        let refused = [
+            zbus::Error::Unsupported,
+            method_error("org.freedesktop.DBus.Error.UnknownMethod"),
+            method_error("org.freedesktop.DBus.Error.NotSupported"),
+            zbus::Error::FDO(Box::new(zbus::fdo::Error::UnknownMethod("no".into()))),
+        ];
+        for e in &refused {
+            assert!(super::descriptors_refused(e), "{e}");
+        }
+        // corrald's own answers, and the bus's refusals, are the caller's to see.
+        let answered = [
+            method_error("org.corral.Corral1.Error.InvalidArgument"),
+            method_error("org.freedesktop.DBus.Error.AccessDenied"),
+            method_error("org.corral.Corral1.Error.ReadOnly"),
+            zbus::Error::FDO(Box::new(zbus::fdo::Error::AccessDenied("no".into()))),
+        ];
+        for e in &answered {
+            assert!(!super::descriptors_refused(e), "{e}");
+        }
+    }
+
+    #[test]
+    fn files_are_opened_under_the_paths_the_modelfile_sends() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("m.gguf");
+        std::fs::write(&path, b"weights").expect("write");
+        let opened = super::open(std::slice::from_ref(&path)).expect("open");
+        assert_eq!(opened.len(), 1);
+        assert_eq!(opened[0].0, path.to_str().expect("utf-8"));
+        let missing = dir.path().join("gone.gguf");
+        let err = super::open(std::slice::from_ref(&missing)).expect_err("missing").to_string();
+        assert!(err.contains(&format!("cannot read {}", missing.display())), "{err}");
     }
 }

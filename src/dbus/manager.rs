@@ -290,16 +290,16 @@ impl Manager {
         files: HashMap<String, zbus::zvariant::OwnedFd>,
         connection: &Connection,
     ) -> Result<OwnedObjectPath, Error> {
-        let parsed = ModelName::parse(name)?;
+        let model = ModelName::parse(name)?;
         self.writable()?;
         let modelfile = Modelfile::parse(modelfile).map_err(|e| Error::InvalidArgument(format!("Modelfile: {e}")))?;
-        let passed = files
+        let opened = files
             .into_iter()
             .map(|(key, fd)| PassedFile::new(fd.into(), &key).map(|file| (key, file)))
             .collect::<Result<HashMap<_, _>, _>>()?;
         // Relative paths would be relative to the daemon, not to the caller: there is none.
-        let spec = CreateSpec::from_modelfile_passing(&modelfile, std::path::Path::new("/"), &passed)?;
-        job::start(&self.shared, connection, name, Work::Create { name: parsed, spec: Box::new(spec) }).await
+        let spec = CreateSpec::from_modelfile_passing(&modelfile, std::path::Path::new("/"), &opened)?;
+        job::start(&self.shared, connection, name, Work::Create { name: model, spec: Box::new(spec) }).await
     }
 
     fn writable(&self) -> Result<(), Error> {

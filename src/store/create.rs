@@ -366,7 +366,8 @@ impl Store {
             added.push(digest);
         }
         check_kind(&self.inspect_blob(&digest, what)?, expected, what)?;
-        progress(Progress::step(&format!("creating new layer {digest}")));
+        let verb = if new { "creating new" } else { "using existing" };
+        progress(Progress::step(&format!("{verb} layer {digest}")));
         Ok((digest, size))
     }
 

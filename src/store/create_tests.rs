@@ -299,19 +299,21 @@ fn a_passed_file_makes_the_model_its_path_makes_without_a_path_to_read() {
     let copying: Vec<&Progress> = steps.iter().filter(|p| p.status == "copying tiny.gguf").collect();
     assert_eq!(copying.last().map(|p| (p.total, p.completed)), Some((Some(size), Some(size))), "{steps:?}");
     let (weights, _) = Digest::of_reader(fs::File::open(&moved).expect("open")).expect("hash");
-    assert!(steps.iter().any(|p| p.status == format!("creating new layer {weights}")), "{steps:?}");
+    // The path's create stored the weights: this one only read them.
+    assert!(steps.iter().any(|p| p.status == format!("using existing layer {weights}")), "{steps:?}");
     assert_eq!(steps.last().map(|p| p.status.as_str()), Some("success"));
 }
 
 #[test]
 fn a_bad_passed_file_is_named_and_changes_nothing() {
+    type Case<'a> = (&'a str, Vec<(&'a str, PassedFile)>, &'a str);
     let (dir, store) = setup();
     create(&store, "keep", "FROM ./tiny.gguf\n", dir.path()).expect("a model that must stay");
     let before = blob_files(&store);
     fs::write(dir.path().join("garbage.gguf"), b"this is not a gguf file").expect("write");
     crate::demo_model::write_tiny_bert(&dir.path().join("bert.gguf")).expect("bert");
     let tiny = || passed(&dir.path().join("tiny.gguf"), "/c/tiny.gguf");
-    let cases: Vec<(&str, Vec<(&str, PassedFile)>, &str)> = vec![
+    let cases: Vec<Case<'_>> = vec![
         ("FROM /c/tiny.gguf\n", vec![("/c/other.gguf", tiny())], "/c/other.gguf: passed for no FROM or ADAPTER line"),
         (
             "FROM /c/garbage.gguf\n",
@@ -384,4 +386,44 @@ fn a_passed_file_that_shrinks_or_changes_after_its_check_fails_the_create_and_le
     assert!(err.contains("/c/tiny.gguf is not a usable GGUF file"), "{err}");
     assert_eq!(blob_files(&store), before, "the changed copy is taken back");
     assert!(matches!(store.manifest(&name("new")), Err(StoreError::NotFound(_))));
+}
+
+#[test]
+fn a_file_the_store_holds_is_hashed_without_a_copy_and_a_new_one_is_copied_as_it_is_hashed() {
+    let (dir, store) = setup();
+    let path = dir.path().join("tiny.gguf");
+    let size = fs::metadata(&path).expect("size").len();
+    // The most any temporary file in blobs/ held whenever the copy reported progress.
+    let create_watching = |model: &str, system: &str| {
+        let files = HashMap::from([("/c/tiny.gguf".to_owned(), passed(&path, "/c/tiny.gguf"))]);
+        let modelfile = Modelfile::parse(&format!("FROM /c/tiny.gguf\nSYSTEM {system}\n")).expect("modelfile");
+        let spec = CreateSpec::from_modelfile_passing(&modelfile, Path::new("/"), &files).expect("spec");
+        let (mut written, mut steps) = (0, Vec::new());
+        store
+            .create(&name(model), &spec, &mut |p| {
+                if p.status.starts_with("copying ") {
+                    for entry in fs::read_dir(store.blobs_dir()).expect("blobs") {
+                        let entry = entry.expect("entry");
+                        if entry.file_name().to_string_lossy().starts_with(".tmp-") {
+                            written = written.max(entry.metadata().expect("stat").len());
+                        }
+                    }
+                }
+                steps.push(p);
+            })
+            .expect("create");
+        (written, steps)
+    };
+    let (written, steps) = create_watching("first", "one");
+    assert_eq!(written, size, "a new file is written as it is read: {steps:?}");
+    let reads = steps.iter().filter(|p| p.status == "copying tiny.gguf" && p.completed == Some(size)).count();
+    assert_eq!(reads, 1, "one pass: {steps:?}");
+    assert!(steps.iter().any(|p| p.status.starts_with("creating new layer sha256:")), "{steps:?}");
+
+    let before = blob_files(&store);
+    let (written, steps) = create_watching("second", "two");
+    assert_eq!(written, 0, "the same file again is only read: {steps:?}");
+    assert!(steps.iter().any(|p| p.status == "copying tiny.gguf" && p.completed == Some(size)), "{steps:?}");
+    assert!(steps.iter().any(|p| p.status.starts_with("using existing layer sha256:")), "{steps:?}");
+    assert_eq!(blob_files(&store).len(), before.len() + 2, "only the new system prompt and config: {before:?}");
 }

@@ -117,25 +117,24 @@ impl Store {
             placed.rewind().map_err(io_err("cannot read the imported blob"))?;
             Digest::of_reader(placed).map_err(io_err(format!("cannot read {what}")))?
         } else {
-            temp.reset().map_err(io_err(format!("cannot write {}", temp.rel())))?;
-            let (mut write_failed, mut done) = (false, 0);
-            let write = |batch: &Batch| {
-                temp.write_batch(batch).inspect_err(|_| write_failed = true)?;
-                done += batch.len() as u64;
-                copied(done, size);
-                Ok(())
-            };
-            let (digest, length) = copy_hashed(At::new(source, size), write).map_err(|e| {
-                let context =
-                    if write_failed { format!("cannot write {}", temp.rel()) } else { format!("cannot read {what}") };
-                StoreError::Io { context, source: e }
-            })?;
-            if length < size {
-                return Err(StoreError::Invalid(format!(
-                    "{what} shrank while it was read: {length} of its {size} bytes were there"
-                )));
+            if holds_blob_of_size(&blobs, size) {
+                // Most likely the same file again (a model re-created with other
+                // parameters): hashed first, read only, it needs no copy when it is.
+                let (digest, _) = read_hashed(source, size, what, &mut |_| Ok(()), copied)?;
+                let pin = self.pin([digest]);
+                if self.has_blob(&digest) && expected.is_none_or(|e| *e == digest) {
+                    return Ok((digest, size, false, pin));
+                }
             }
-            (digest, length)
+            temp.reset().map_err(io_err(format!("cannot write {}", temp.rel())))?;
+            let mut write_failed = false;
+            let mut write = |batch: &Batch| temp.write_batch(batch).inspect_err(|_| write_failed = true);
+            read_hashed(source, size, what, &mut write, copied).map_err(|e| match e {
+                StoreError::Io { source, .. } if write_failed => {
+                    StoreError::Io { context: format!("cannot write {}", temp.rel()), source }
+                }
+                e => e,
+            })?
         };
         if let Some(expected) = expected {
             if *expected != digest {
@@ -157,4 +156,41 @@ impl Store {
         }
         Ok((digest, length, true, pin))
     }
+}
+
+/// Reads the first `size` bytes of `source` (at positions of its own) in batches given to
+/// `write`, hashing them as they go; `copied` hears how far it is. A file shorter than
+/// `size` is an error: it shrank since it was looked at.
+fn read_hashed(
+    source: &File,
+    size: u64,
+    what: &str,
+    write: &mut dyn FnMut(&Batch) -> std::io::Result<()>,
+    copied: &mut dyn FnMut(u64, u64),
+) -> Result<(Digest, u64), StoreError> {
+    let mut done = 0;
+    let each = |batch: &Batch| {
+        write(batch)?;
+        done += batch.len() as u64;
+        copied(done, size);
+        Ok(())
+    };
+    let (digest, length) = copy_hashed(At::new(source, size), each)
+        .map_err(|source| StoreError::Io { context: format!("cannot read {what}"), source })?;
+    if length < size {
+        return Err(StoreError::Invalid(format!(
+            "{what} shrank while it was read: {length} of its {size} bytes were there"
+        )));
+    }
+    Ok((digest, length))
+}
+
+/// Whether a blob in `blobs` has `size` bytes. A file of a size no blob has is new to the
+/// store for sure, so it is copied as it is hashed, in one pass.
+fn holds_blob_of_size(blobs: &Dir, size: u64) -> bool {
+    let Ok(entries) = blobs.entries() else { return false };
+    entries
+        .iter()
+        .filter(|entry| Digest::parse(&entry.name).is_ok_and(|d| d.file_name() == entry.name))
+        .any(|entry| blobs.stat(&entry.name).ok().flatten().is_some_and(|meta| meta.len == size))
 }

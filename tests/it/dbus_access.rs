@@ -49,6 +49,7 @@ fn everyone_may_look_only_root_and_group_corral_may_act() {
         (ROOT, MANAGER, &["Pull", "sa{sv}", "chat", "0"]),
         (ROOT, MANAGER, &["Push", "sa{sv}", "chat", "0"]),
         (ROOT, MANAGER, &["Create", "ss", "x", "FROM chat"]),
+        (ROOT, MANAGER, &["CreateWithFiles", "ssa{sh}", "x", "FROM chat", "0"]),
         (ROOT, MANAGER, &["Copy", "ss", "chat", "x"]),
         (ROOT, MANAGER, &["Delete", "s", "chat"]),
         (model, "org.corral.Corral1.Model", &["Load", "a{sv}", "0"]),

@@ -291,12 +291,12 @@ async fn jobs_past_max_jobs_are_refused_until_one_ends() {
 
 /// The Status, Total and Completed of every change of `job`'s properties seen on `changes`,
 /// up to its `success` or failure.
-async fn job_steps(changes: &mut zbus::MessageStream, job: &OwnedObjectPath) -> Vec<(String, u64, u64)> {
+async fn job_steps(signals: &mut zbus::MessageStream, job: &OwnedObjectPath) -> Vec<(String, u64, u64)> {
     let mut steps = Vec::new();
     loop {
         let message =
-            tokio::time::timeout(WAIT, changes.next()).await.expect("in time").expect("a signal").expect("ok");
-        if message.header().path().map(|p| p.as_str()) != Some(job.as_str()) {
+            tokio::time::timeout(WAIT, signals.next()).await.expect("in time").expect("a signal").expect("ok");
+        if message.header().path().map(zbus::zvariant::ObjectPath::as_str) != Some(job.as_str()) {
             continue;
         }
         let (_, changed, _): (String, HashMap<String, zbus::zvariant::OwnedValue>, Vec<String>) =

@@ -347,7 +347,7 @@ fn run_pulls_a_model_the_store_lacks_as_ollama_run_does() {
 }
 
 #[test]
-fn create_uploads_a_file_corrald_cannot_see_once() {
+fn create_passes_a_file_corrald_cannot_see_and_stores_it_once() {
     let rig = rig();
     let source = rig.path().join("source.gguf");
     // Not the demo store's weights: a blob corrald does not have yet.
@@ -371,16 +371,23 @@ fn create_uploads_a_file_corrald_cannot_see_once() {
     };
     assert!(std::fs::read_dir(&hidden).expect("the directory").next().is_none(), "corrald would see the file");
 
+    // The file goes to corrald open (D-Bus CreateWithFiles), which copies it, hashing as it goes.
     let first = create("mine");
-    assert!(first.lines().any(|l| l.starts_with("copying ") && l.contains(": 100% ")), "uploaded: {first}");
+    assert!(first.lines().any(|l| l.starts_with("copying m.gguf: 100% ")), "copied: {first}");
+    assert!(first.lines().any(|l| l.starts_with("creating new layer sha256:")), "{first}");
     assert!(first.ends_with("success\n"), "{first}");
     let shown = ctl(&rig, &["--json", "show", "mine"]);
     assert!(shown.contains("\"format\": \"gguf\"") || shown.contains("\"format\":\"gguf\""), "{shown}");
 
-    // The same file again: corrald has the blob, nothing is sent.
+    // The same file again: corrald reads it, finds the blob it has, and stores nothing new.
     let second = create("mine2");
-    assert!(!second.lines().any(|l| l.starts_with("copying ")), "uploaded twice: {second}");
-    assert!(second.lines().any(|l| l.starts_with("using existing blob sha256:")), "{second}");
+    let weights = |out: &str| {
+        out.lines()
+            .find_map(|l| l.strip_prefix("creating new layer ").or_else(|| l.strip_prefix("using existing layer ")))
+            .map(str::to_owned)
+    };
+    assert!(second.lines().any(|l| l.starts_with("using existing layer sha256:")), "{second}");
+    assert_eq!(weights(&second), weights(&first), "{second}");
     ctl(&rig, &["show", "mine2"]);
 }
 
