@@ -31,9 +31,7 @@
 
 mod common;
 
-use std::io::BufRead;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Client, Corrald, Process, cpu_ms, env_or, free_port, median, ms, percentile, write_config};
@@ -70,18 +68,8 @@ impl Bus {
             assert!(pid > 0, "CORRAL_BENCH_BUS_ADDRESS needs CORRAL_BENCH_BUS_PID, the bus's process");
             return Self { _process: None, pid, address };
         }
-        let mut child = Command::new("dbus-daemon")
-            .args(["--session", "--nofork", "--print-address=1"])
-            .arg(format!("--address=unix:path={}", dir.join("bus.sock").display()))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start dbus-daemon");
-        let mut line = String::new();
-        std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("bus address");
-        let pid = child.id();
-        Self { _process: Some(Process(child)), pid, address: line.trim().to_owned() }
+        let (process, address) = common::session_bus(dir);
+        Self { pid: process.pid(), _process: Some(process), address }
     }
 }
 

@@ -11,7 +11,8 @@
 //! | operation | corral | floor |
 //! |---|---|---|
 //! | upload | `curl -T` to `POST /api/blobs/<digest>` | `cp` + `sync FILE` (fsync) |
-//! | create | `HEAD` + `POST /api/blobs` + `POST /api/create` with `files` (what `corralctl create` sends once it has the digest) | `cp` + `sync FILE` |
+//! | create | `HEAD` + `POST /api/blobs` + `POST /api/create` with `files` (what Ollama's client sends once it has the digest) | `cp` + `sync FILE` |
+//! | create (`corralctl`) | `corralctl create` of a Modelfile naming the file: passed open over D-Bus, hashed as corrald copies it | `cp` + `sync FILE` |
 //! | pull | `POST /api/pull` from a local `docker-registry` into an empty store | `curl -o FILE` of the blob from the same registry |
 //! | push | `POST /api/push` to a new repository of that registry | `curl` `POST /blobs/uploads/`, then one monolithic `PUT ?digest=` of the blob |
 //!
@@ -29,38 +30,23 @@
 //! reporting off for the run (`echo 11 > /sys/module/page_reporting/parameters/page_reporting_order`,
 //! above the largest order; 9 again afterwards) to compare builds.
 //!
-//! Run with `cargo bench --bench store_throughput` (needs `curl` and `docker-registry`).
+//! Run with `cargo bench --bench store_throughput` (needs `curl`, `docker-registry` and
+//! `dbus-daemon`: corrald and corralctl talk on a private session bus).
 
 #![allow(clippy::print_stdout, reason = "a benchmark reports on stdout")]
 
 use std::fs;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{Process, free_port, median, session_bus, toml_string};
 use corral::demo_model::{LlamaShape, Weights};
 use corral::store::digest::{Digest, Hasher};
 
 const REGISTRY: &str = "/usr/bin/docker-registry";
-
-/// A child process killed and reaped on drop.
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
-}
-
-/// `path` as a quoted TOML string.
-fn toml_string(path: &Path) -> String {
-    toml::Value::String(path.to_str().expect("a UTF-8 temporary path").to_owned()).to_string()
-}
 
 /// Runs `curl` with `args` (failing on an HTTP error); its stdout.
 fn curl(args: &[&str]) -> String {
@@ -155,28 +141,46 @@ fn start_registry(dir: &Path) -> (Process, String) {
     (process, host)
 }
 
-/// corrald on loopback with a store in `dir/models`, speaking plain HTTP to `registry`.
-fn start_corrald(dir: &Path, registry: &str) -> (Process, String) {
-    let corrald = std::env::var_os("CORRAL_BENCH_CORRALD")
-        .map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_corrald")), PathBuf::from);
+/// corrald on loopback with a store in `dir/models`, speaking plain HTTP to `registry`,
+/// and on the session bus at `bus` (for `corralctl create`).
+fn start_corrald(dir: &Path, registry: &str, bus: &str) -> (Process, String) {
     let port = free_port();
     let config = dir.join("corral.toml");
     fs::write(
         &config,
         format!(
-            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = {}\ninsecure_registries = [\"{registry}\"]\n",
+            "[server]\nlisten = [\"127.0.0.1:{port}\"]\n[store]\npath = {}\ninsecure_registries = [\"{registry}\"]\n\
+             [dbus]\nbus = \"session\"\n",
             toml_string(&dir.join("models")),
         ),
     )
     .expect("config");
-    let mut daemon = Command::new(corrald);
+    let mut daemon = Command::new(common::corrald_binary());
     daemon.arg("--config").arg(&config).args(["--log-target", "stderr"]);
     daemon.env("STATE_DIRECTORY", dir.join("state")).env("RUNTIME_DIRECTORY", dir.join("run"));
+    daemon.env("DBUS_SESSION_BUS_ADDRESS", bus);
     daemon.env("RUST_LOG", "error").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
     let mut process = Process(daemon.spawn().expect("start corrald"));
     let base = format!("http://127.0.0.1:{port}");
     wait_for(&format!("{base}/api/version"), &mut process);
+    // On the bus too (it takes its name after READY=1).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !corralctl(bus, &["list"]).status.success() {
+        assert!(Instant::now() < deadline, "corrald did not take its name on the bus");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     (process, base)
+}
+
+/// Runs `corralctl --user ARGS` on the session bus at `bus`.
+fn corralctl(bus: &str, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_corralctl"))
+        .arg("--user")
+        .args(args)
+        .env("DBUS_SESSION_BUS_ADDRESS", bus)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run corralctl")
 }
 
 /// The smallest random-weight llama of at least `bytes` of tensors.
@@ -222,11 +226,6 @@ fn timed(work: impl FnOnce()) -> f64 {
     start.elapsed().as_secs_f64()
 }
 
-fn median(mut samples: Vec<f64>) -> f64 {
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
-}
-
 /// One row of the table.
 struct Row {
     size_mib: u64,
@@ -255,7 +254,7 @@ impl Row {
     }
 
     fn print(&self) {
-        let (floor, corral) = (median(self.floor.clone()), median(self.corral.clone()));
+        let (floor, corral) = (median(&self.floor), median(&self.corral));
         println!(
             "| {} MiB | {} | {floor:.2} s | {corral:.2} s | {:.2} | {:.1} MiB |",
             self.size_mib,
@@ -335,7 +334,8 @@ fn main() {
     }
 
     let (mut registry, host) = start_registry(dir);
-    let (mut daemon, base) = start_corrald(dir, &host);
+    let (_bus, bus) = session_bus(dir);
+    let (mut daemon, base) = start_corrald(dir, &host, &bus);
     let pid = daemon.0.id();
     let blobs = dir.join("models/blobs");
 
@@ -363,7 +363,8 @@ fn main() {
         row.print();
         rows.push(row);
 
-        // Create: what `corralctl create` sends once it has the file's digest.
+        // Create: what Ollama's client (and `corralctl create` to a corrald that cannot take
+        // files passed open) sends once it has the file's digest.
         let client_hash = timed(|| {
             Digest::of_reader(fs::File::open(&gguf).expect("open")).expect("hash");
         });
@@ -386,9 +387,29 @@ fn main() {
                 },
             );
         }
+        row.print();
+        rows.push(row);
+
+        // Create as `corralctl create` does it: the file passed open over D-Bus
+        // (`CreateWithFiles`), read once by corrald, no digest from the client first.
+        let modelfile = dir.join(format!("Modelfile-{size_mib}"));
+        fs::write(&modelfile, format!("FROM {gguf_text}\n")).expect("write the Modelfile");
+        let modelfile = modelfile.to_str().expect("path").to_owned();
+        let created = format!("passed{size_mib}");
+        let create = || {
+            let out = corralctl(&bus, &["create", &created, "-f", &modelfile]);
+            assert!(out.status.success(), "corralctl create: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        let mut row = Row::new(size_mib, "create (`corralctl create`, the file passed open)");
+        for _ in 0..rounds {
+            row.round(pid, &[&in_store, &copy], || cp_fsync(&gguf, &copy), create);
+        }
         remove(&copy);
         row.print();
         rows.push(row);
+        // Again, the blob in the store: corrald reads the file, finds it, and writes nothing.
+        settle(&[]);
+        let again = timed(create);
 
         // Push: the model under a new repository each round (a registry answers HEAD per
         // repository), against POST + one monolithic PUT of the blob to another new one.
@@ -433,6 +454,7 @@ fn main() {
         let mut row = Row::new(size_mib, "pull (`/api/pull`)");
         for round in 0..rounds {
             delete_model(&base, &model);
+            delete_model(&base, &created);
             for r in 0..rounds {
                 delete_model(&base, &format!("{host}/bench/push{size_mib}-{r}:latest"));
             }
@@ -455,7 +477,8 @@ fn main() {
         post_ok(&base, "/api/copy", &serde_json::json!({"source": source, "destination": model}));
         remove(&gguf);
         println!(
-            "client-side digest of the {size_mib} MiB file (corralctl's pass before it uploads): {client_hash:.2} s"
+            "client-side digest of the {size_mib} MiB file (Ollama's client's pass before it uploads): \
+             {client_hash:.2} s; the same `corralctl create` again, the blob in the store: {again:.2} s"
         );
     }
 

@@ -1,7 +1,7 @@
 //! What the benchmarks share: llama.cpp's binaries, processes killed on drop, corrald
 //! started with a notify socket (so exec → `READY=1` is timed as systemd sees it), the
 //! llama-server corrald runs started again directly with the same arguments, figures
-//! from `/proc`, and a small HTTP/1.1 client.
+//! from `/proc`, a private session bus, and a small HTTP/1.1 client.
 //!
 //! Each benchmark is its own crate and uses part of this module.
 #![allow(dead_code, reason = "each benchmark uses part of the shared helpers")]
@@ -106,6 +106,23 @@ impl Drop for Process {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// A private session bus (`dbus-daemon --session`) listening in `dir`: the process, killed
+/// on drop, and its address.
+pub fn session_bus(dir: &Path) -> (Process, String) {
+    use std::io::BufRead;
+    let mut child = Command::new("dbus-daemon")
+        .args(["--session", "--nofork", "--print-address=1"])
+        .arg(format!("--address=unix:path={}", dir.join("bus.sock").display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start dbus-daemon");
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("bus address");
+    (Process(child), line.trim().to_owned())
 }
 
 /// A process's memory and threads from `/proc/PID/status`.

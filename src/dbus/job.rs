@@ -252,12 +252,41 @@ async fn run(
 
 /// Emits the job's property changes, at most every [`PROGRESS_INTERVAL`], each step that
 /// ended meanwhile first (with its last values), so that no step is lost to the throttle.
-async fn report_progress(connection: Connection, path: OwnedObjectPath, mut changed: tokio::sync::watch::Receiver<()>) {
-    while changed.changed().await.is_ok() {
-        report_now(&connection, &path).await;
-        tokio::time::sleep(PROGRESS_INTERVAL).await;
+async fn report_progress(connection: Connection, path: OwnedObjectPath, changed: tokio::sync::watch::Receiver<()>) {
+    throttled(changed, PROGRESS_INTERVAL, || report_now(&connection, &path)).await;
+}
+
+/// Calls `report` on the first change, then at most once per `interval` while changes
+/// come, and once more when the sender is gone: at once, not after the rest of an
+/// interval (the job's end waits for it).
+async fn throttled<F: Future<Output = ()>>(
+    mut changed: tokio::sync::watch::Receiver<()>,
+    interval: Duration,
+    mut report: impl FnMut() -> F,
+) {
+    let mut pending = false;
+    loop {
+        if !pending && changed.changed().await.is_err() {
+            break;
+        }
+        pending = false;
+        report().await;
+        let pause = tokio::time::sleep(interval);
+        tokio::pin!(pause);
+        loop {
+            tokio::select! {
+                () = &mut pause => break,
+                more = changed.changed() => {
+                    if more.is_err() {
+                        report().await;
+                        return;
+                    }
+                    pending = true;
+                }
+            }
+        }
     }
-    report_now(&connection, &path).await;
+    report().await;
 }
 
 async fn report_now(connection: &Connection, path: &OwnedObjectPath) {
@@ -343,5 +372,55 @@ fn flatten<E: std::fmt::Display>(result: Result<Result<(), E>, Error>) -> Result
     match result {
         Ok(inner) => inner.map_err(|e| e.to_string()),
         Err(e) => Err(format!("{e:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use super::throttled;
+
+    const INTERVAL: Duration = Duration::from_millis(200);
+
+    /// Runs `throttled` on a paused clock while `drive` sends changes; the reports made
+    /// and how long (on the paused clock) the reporter outlived the sender.
+    async fn run(drive: impl AsyncFnOnce(&tokio::sync::watch::Sender<()>)) -> (usize, Duration) {
+        let (tx, rx) = tokio::sync::watch::channel(());
+        let reports = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&reports);
+        let reporter = tokio::spawn(throttled(rx, INTERVAL, move || {
+            counted.fetch_add(1, Ordering::Relaxed);
+            std::future::ready(())
+        }));
+        drive(&tx).await;
+        let dropped = tokio::time::Instant::now();
+        drop(tx);
+        reporter.await.expect("the reporter");
+        (reports.load(Ordering::Relaxed), dropped.elapsed())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_end_is_reported_at_once_not_after_the_throttle() {
+        // One change, then the end within the throttle's pause.
+        let (reports, late) = run(async |tx| tx.send(()).expect("send")).await;
+        assert_eq!((reports, late), (2, Duration::ZERO), "the first change, then the end at once");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn changes_within_an_interval_make_one_report_and_none_is_lost() {
+        let (reports, late) = run(async |tx| {
+            for _ in 0..10 {
+                tx.send(()).expect("send");
+                tokio::time::sleep(INTERVAL / 10).await;
+            }
+            // Past the pause, with changes pending: they are reported then.
+            tokio::time::sleep(INTERVAL * 2).await;
+        })
+        .await;
+        // The first change, the nine during its pause once the pause ended, the end.
+        assert_eq!((reports, late), (3, Duration::ZERO));
     }
 }
