@@ -22,9 +22,9 @@
 //! The API is synchronous file-system work; async callers run it on the blocking pool.
 //!
 //! Where each part is: this file opens the store and pins blobs; `blobs.rs` reads and
-//! writes blobs, `import.rs` adds files and other stores' models, `manifests.rs` writes,
+//! writes blobs, `import.rs` adds files and other stores' models (`passed.rs`: files a caller passes open), `manifests.rs` writes,
 //! reads, copies and deletes manifests, `list.rs` lists the models, `temp.rs` keeps the
-//! temporary files, `unsynced.rs` syncs new blobs after the reply, `stream.rs` moves blob data in (hashed beside the write, one sync), `error.rs` holds [`StoreError`]; [`create`], [`show`], [`gc`] and
+//! temporary files, `unsynced.rs` syncs new blobs after the reply, `stream.rs` moves blob data in (hashed beside the write, one sync), `error.rs` holds [`StoreError`], `progress.rs` what long operations report; [`create`], [`show`], [`gc`] and
 //! [`registry`] build on them.
 
 mod beneath;
