@@ -313,9 +313,10 @@ fn size(bytes: u64) -> String {
 
 /// Whether a status is a transfer, drawn with a bar: a layer's (`pulling` or `pushing`
 /// and 12 hex digits) or a file's (`copying` and the 12 hex digits of an upload, or the
-/// name of a file a create copies).
+/// name of a file a create copies or `checking`: hashes to see whether the store has it).
 fn is_layer(status: &str) -> bool {
     status.starts_with("copying ")
+        || status.starts_with("checking ")
         || status
             .strip_prefix("pulling ")
             .or_else(|| status.strip_prefix("pushing "))
@@ -363,6 +364,7 @@ mod tests {
     #[test]
     fn layers_are_lines_with_their_own_bar_and_steps_are_plain() {
         assert!(is_layer("pulling 0123456789ab") && is_layer("pushing abcdefabcdef"));
+        assert!(is_layer("copying 0123456789ab") && is_layer("copying model.gguf") && is_layer("checking model.gguf"));
         assert!(!is_layer("pulling manifest") && !is_layer("verifying sha256 digest") && !is_layer("success"));
         let done = line("pulling 0123456789ab", 512 << 20, 512 << 20).render(60, true);
         assert!(done.starts_with("pulling 0123456789ab: 100% ▕█"), "{done}");

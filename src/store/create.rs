@@ -323,14 +323,14 @@ impl Store {
                 let from = file_name(path);
                 let label = path.display().to_string();
                 let imported =
-                    self.import_file_tracked(path, None, &mut copying(from.as_deref().unwrap_or(&label), progress))?;
+                    self.import_file_tracked(path, None, &mut reading(from.as_deref().unwrap_or(&label), progress))?;
                 let (digest, size) = self.imported(imported, &label, expected, pins, added, progress)?;
                 (digest, size, from)
             }
             Source::Passed(passed) => {
                 let from = file_name(Path::new(passed.name()));
                 let imported =
-                    self.import_passed(passed, &mut copying(from.as_deref().unwrap_or(passed.name()), progress))?;
+                    self.import_passed(passed, &mut reading(from.as_deref().unwrap_or(passed.name()), progress))?;
                 let (digest, size) = self.imported(imported, passed.name(), expected, pins, added, progress)?;
                 (digest, size, from)
             }
@@ -438,15 +438,17 @@ fn file_name(path: &Path) -> Option<String> {
     path.file_name().map(|n| n.to_string_lossy().into_owned())
 }
 
-/// Reports a file's copy into the store as `copying <name>` with its bytes, at most every
-/// [`PROGRESS_INTERVAL`] and once at the end.
-fn copying<'a>(name: &str, progress: &'a mut dyn FnMut(Progress)) -> impl FnMut(u64, u64) + 'a {
-    let status = format!("copying {name}");
+/// Reports a file's way into the store as `copying <name>` (or `checking <name>` while it
+/// is only hashed, to see whether the store has it) with its bytes, at most every
+/// [`PROGRESS_INTERVAL`] and once at the end of each.
+fn reading<'a>(name: &str, progress: &'a mut dyn FnMut(Progress)) -> impl FnMut(&str, u64, u64) + 'a {
+    let name = name.to_owned();
     let mut reported: Option<Instant> = None;
-    move |done, total| {
+    move |doing, done, total| {
         if done == total || reported.is_none_or(|at| at.elapsed() >= PROGRESS_INTERVAL) {
             reported = Some(Instant::now());
-            progress(Progress { status: status.clone(), digest: None, total: Some(total), completed: Some(done) });
+            let status = format!("{doing} {name}");
+            progress(Progress { status, digest: None, total: Some(total), completed: Some(done) });
         }
     }
 }

@@ -296,10 +296,10 @@ fn a_passed_file_makes_the_model_its_path_makes_without_a_path_to_read() {
         create_passing(&store, "by-fd", "FROM /home/someone/tiny.gguf\n", &[("/home/someone/tiny.gguf", file)])
             .expect("by descriptor");
     assert_eq!(by_fd, by_path, "the same layers, named from the same file name");
-    let copying: Vec<&Progress> = steps.iter().filter(|p| p.status == "copying tiny.gguf").collect();
-    assert_eq!(copying.last().map(|p| (p.total, p.completed)), Some((Some(size), Some(size))), "{steps:?}");
+    // The path's create stored the weights: this one only checked them.
+    let checked: Vec<&Progress> = steps.iter().filter(|p| p.status == "checking tiny.gguf").collect();
+    assert_eq!(checked.last().map(|p| (p.total, p.completed)), Some((Some(size), Some(size))), "{steps:?}");
     let (weights, _) = Digest::of_reader(fs::File::open(&moved).expect("open")).expect("hash");
-    // The path's create stored the weights: this one only read them.
     assert!(steps.iter().any(|p| p.status == format!("using existing layer {weights}")), "{steps:?}");
     assert_eq!(steps.last().map(|p| p.status.as_str()), Some("success"));
 }
@@ -393,37 +393,32 @@ fn a_file_the_store_holds_is_hashed_without_a_copy_and_a_new_one_is_copied_as_it
     let (dir, store) = setup();
     let path = dir.path().join("tiny.gguf");
     let size = fs::metadata(&path).expect("size").len();
-    // The most any temporary file in blobs/ held whenever the copy reported progress.
-    let create_watching = |model: &str, system: &str| {
-        let files = HashMap::from([("/c/tiny.gguf".to_owned(), passed(&path, "/c/tiny.gguf"))]);
-        let modelfile = Modelfile::parse(&format!("FROM /c/tiny.gguf\nSYSTEM {system}\n")).expect("modelfile");
-        let spec = CreateSpec::from_modelfile_passing(&modelfile, Path::new("/"), &files).expect("spec");
-        let (mut written, mut steps) = (0, Vec::new());
-        store
-            .create(&name(model), &spec, &mut |p| {
-                if p.status.starts_with("copying ") {
-                    for entry in fs::read_dir(store.blobs_dir()).expect("blobs") {
-                        let entry = entry.expect("entry");
-                        if entry.file_name().to_string_lossy().starts_with(".tmp-") {
-                            written = written.max(entry.metadata().expect("stat").len());
-                        }
-                    }
-                }
-                steps.push(p);
-            })
-            .expect("create");
-        (written, steps)
+    let done = |steps: &[Progress], status: &str| {
+        steps.iter().filter(|p| p.status == status && p.completed == Some(size) && p.total == Some(size)).count()
     };
-    let (written, steps) = create_watching("first", "one");
-    assert_eq!(written, size, "a new file is written as it is read: {steps:?}");
-    let reads = steps.iter().filter(|p| p.status == "copying tiny.gguf" && p.completed == Some(size)).count();
-    assert_eq!(reads, 1, "one pass: {steps:?}");
+    let file = || [("/c/tiny.gguf", passed(&path, "/c/tiny.gguf"))];
+    let (_, steps) = create_passing(&store, "first", "FROM /c/tiny.gguf\nSYSTEM one\n", &file()).expect("first");
+    // No blob of its size: copied as it is read, in one pass.
+    assert_eq!((done(&steps, "copying tiny.gguf"), done(&steps, "checking tiny.gguf")), (1, 0), "{steps:?}");
     assert!(steps.iter().any(|p| p.status.starts_with("creating new layer sha256:")), "{steps:?}");
 
     let before = blob_files(&store);
-    let (written, steps) = create_watching("second", "two");
-    assert_eq!(written, 0, "the same file again is only read: {steps:?}");
-    assert!(steps.iter().any(|p| p.status == "copying tiny.gguf" && p.completed == Some(size)), "{steps:?}");
+    let (_, steps) = create_passing(&store, "second", "FROM /c/tiny.gguf\nSYSTEM two\n", &file()).expect("second");
+    // A blob of its size: hashed first, found, never copied.
+    assert_eq!((done(&steps, "copying tiny.gguf"), done(&steps, "checking tiny.gguf")), (0, 1), "{steps:?}");
+    assert!(!steps.iter().any(|p| p.status.starts_with("copying ")), "{steps:?}");
     assert!(steps.iter().any(|p| p.status.starts_with("using existing layer sha256:")), "{steps:?}");
     assert_eq!(blob_files(&store).len(), before.len() + 2, "only the new system prompt and config: {before:?}");
+
+    // The same size, other bytes: checked, not found, then copied.
+    let mut other = fs::read(&path).expect("read");
+    let last = other.len() - 1;
+    other[last] ^= 0xff;
+    let changed = dir.path().join("changed.gguf");
+    fs::write(&changed, &other).expect("write");
+    let files = [("/c/changed.gguf", passed(&changed, "/c/changed.gguf"))];
+    let (_, steps) = create_passing(&store, "third", "FROM /c/changed.gguf\n", &files).expect("third");
+    let size_steps = |status: &str| steps.iter().any(|p| p.status == status && p.completed == Some(size));
+    assert!(size_steps("checking changed.gguf") && size_steps("copying changed.gguf"), "{steps:?}");
+    assert!(steps.iter().any(|p| p.status.starts_with("creating new layer sha256:")), "{steps:?}");
 }

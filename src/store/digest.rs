@@ -74,6 +74,12 @@ impl Hasher {
         self.len += data.len() as u64;
     }
 
+    /// The number of bytes hashed so far.
+    #[must_use]
+    pub fn hashed(&self) -> u64 {
+        self.len
+    }
+
     /// The digest and the number of bytes seen.
     #[must_use]
     pub fn finish(self) -> (Digest, u64) {

@@ -11,7 +11,7 @@ use super::beneath::Dir;
 use super::digest::Digest;
 use super::name::ModelName;
 use super::passed::{At, PassedFile};
-use super::stream::{Batch, copy_hashed};
+use super::stream::copy_hashed_aligned;
 use super::temp::readable;
 use super::{Pin, Store, StoreError, io_err};
 
@@ -36,7 +36,7 @@ impl Store {
                     link,
                     &layer.digest.to_string(),
                     Some(&layer.digest),
-                    &mut |_, _| {},
+                    &mut |_, _, _| {},
                 )?;
                 pins.push(pin);
                 Ok::<_, StoreError>(())
@@ -62,24 +62,24 @@ impl Store {
     /// place would change the blob; [`Store::verify_blob`] detects that. With `expected`,
     /// a file that hashes to something else is refused and nothing is written.
     pub fn import_file(&self, path: &Path, expected: Option<&Digest>) -> Result<(Digest, u64), StoreError> {
-        self.import_file_tracked(path, expected, &mut |_, _| {}).map(|(digest, size, _, _)| (digest, size))
+        self.import_file_tracked(path, expected, &mut |_, _, _| {}).map(|(digest, size, _, _)| (digest, size))
     }
 
     /// [`Store::import_file`], also saying whether the blob is new to the store, and
-    /// pinning it (before it is put in place); `copied` hears how far a copy is (bytes
-    /// copied, bytes in all).
+    /// pinning it (before it is put in place); `reading` hears how far the file is read:
+    /// what is done (`checking`: hashed only; `copying`), bytes done, bytes in all.
     pub(crate) fn import_file_tracked(
         &self,
         path: &Path,
         expected: Option<&Digest>,
-        copied: &mut dyn FnMut(u64, u64),
+        reading: &mut dyn FnMut(&str, u64, u64),
     ) -> Result<(Digest, u64, bool, Pin), StoreError> {
         // The file is outside the store, named by whoever asked: its links are theirs to
         // use. It is linked by its real path, so the store gets the file, not a link.
         let real = fs::canonicalize(path).map_err(io_err(format!("cannot open {}", path.display())))?;
         let file = File::open(&real).map_err(io_err(format!("cannot open {}", path.display())))?;
         let size = file.metadata().map_err(io_err(format!("cannot open {}", path.display())))?.len();
-        self.import_open(&file, size, Some((None, &real)), &path.display().to_string(), expected, copied)
+        self.import_open(&file, size, Some((None, &real)), &path.display().to_string(), expected, reading)
     }
 
     /// Imports a file a caller passed open ([`PassedFile`]): a reflink where the file system
@@ -87,9 +87,9 @@ impl Store {
     pub(crate) fn import_passed(
         &self,
         passed: &PassedFile,
-        copied: &mut dyn FnMut(u64, u64),
+        reading: &mut dyn FnMut(&str, u64, u64),
     ) -> Result<(Digest, u64, bool, Pin), StoreError> {
-        self.import_open(passed.file(), passed.size(), None, passed.name(), None, copied)
+        self.import_open(passed.file(), passed.size(), None, passed.name(), None, reading)
     }
 
     /// Imports the first `size` bytes of the open file `source`, which `link` names for a
@@ -106,7 +106,7 @@ impl Store {
         link: Option<(Option<&Dir>, &Path)>,
         what: &str,
         expected: Option<&Digest>,
-        copied: &mut dyn FnMut(u64, u64),
+        reading: &mut dyn FnMut(&str, u64, u64),
     ) -> Result<(Digest, u64, bool, Pin), StoreError> {
         let blobs = self.blobs()?;
         let mut temp = self.temp_in(&blobs)?;
@@ -120,18 +120,25 @@ impl Store {
             if holds_blob_of_size(&blobs, size) {
                 // Most likely the same file again (a model re-created with other
                 // parameters): hashed first, read only, it needs no copy when it is.
-                let (digest, _) = read_hashed(source, size, what, &mut |_| Ok(()), copied)?;
+                let (digest, _) =
+                    read_hashed(source, size, what, &mut |_| Ok(()), &mut |done| reading("checking", done, size))?;
                 let pin = self.pin([digest]);
                 if self.has_blob(&digest) && expected.is_none_or(|e| *e == digest) {
                     return Ok((digest, size, false, pin));
                 }
             }
             temp.reset().map_err(io_err(format!("cannot write {}", temp.rel())))?;
+            if self.direct_io() {
+                // Where the file system has no direct I/O, the page cache.
+                temp.direct();
+            }
+            let rel = temp.rel();
             let mut write_failed = false;
-            let mut write = |batch: &Batch| temp.write_batch(batch).inspect_err(|_| write_failed = true);
-            read_hashed(source, size, what, &mut write, copied).map_err(|e| match e {
+            let mut write = |data: &[u8]| temp.append(data).inspect_err(|_| write_failed = true);
+            let read = read_hashed(source, size, what, &mut write, &mut |done| reading("copying", done, size));
+            read.map_err(|e| match e {
                 StoreError::Io { source, .. } if write_failed => {
-                    StoreError::Io { context: format!("cannot write {}", temp.rel()), source }
+                    StoreError::Io { context: format!("cannot write {rel}"), source }
                 }
                 e => e,
             })?
@@ -158,24 +165,17 @@ impl Store {
     }
 }
 
-/// Reads the first `size` bytes of `source` (at positions of its own) in batches given to
-/// `write`, hashing them as they go; `copied` hears how far it is. A file shorter than
-/// `size` is an error: it shrank since it was looked at.
+/// Reads the first `size` bytes of `source` (at positions of its own) into `write`,
+/// hashing them as they go ([`copy_hashed_aligned`]); `read` hears how far it is. A file
+/// shorter than `size` is an error: it shrank since it was looked at.
 fn read_hashed(
     source: &File,
     size: u64,
     what: &str,
-    write: &mut dyn FnMut(&Batch) -> std::io::Result<()>,
-    copied: &mut dyn FnMut(u64, u64),
+    write: &mut (dyn FnMut(&[u8]) -> std::io::Result<()> + Send),
+    read: &mut dyn FnMut(u64),
 ) -> Result<(Digest, u64), StoreError> {
-    let mut done = 0;
-    let each = |batch: &Batch| {
-        write(batch)?;
-        done += batch.len() as u64;
-        copied(done, size);
-        Ok(())
-    };
-    let (digest, length) = copy_hashed(At::new(source, size), each)
+    let (digest, length) = copy_hashed_aligned(At::new(source, size), write, read)
         .map_err(|source| StoreError::Io { context: format!("cannot read {what}"), source })?;
     if length < size {
         return Err(StoreError::Invalid(format!(

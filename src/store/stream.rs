@@ -405,6 +405,77 @@ impl Aligned {
     }
 }
 
+/// How much a [`copy_hashed_aligned`] reads before hashing it: small enough that the hash
+/// finds it still in the cache the read left it in.
+const READ_STEP: usize = 1 << 20;
+
+/// Reads `reader` to its end into recycled [`PIPELINE_BATCH`] buffers aligned for direct
+/// I/O (at most `DEPTH + 2`), hashing each [`READ_STEP`] right after its read, while a
+/// second thread hands the full buffers to `write` in order, up to [`DEPTH`] behind: a
+/// file's import as an upload's [`Pipeline`] moves data, without the network. `progress`
+/// hears the bytes read so far after each buffer. Returns the digest and length.
+///
+/// # Errors
+/// A failed read, or the first failed write (which stops the reading).
+pub fn copy_hashed_aligned(
+    mut reader: impl Read,
+    mut write: impl FnMut(&[u8]) -> io::Result<()> + Send,
+    mut progress: impl FnMut(u64),
+) -> io::Result<(Digest, u64)> {
+    let (to_writer, batches) = std::sync::mpsc::sync_channel::<Aligned>(DEPTH);
+    let (give_back, written) = std::sync::mpsc::channel::<Aligned>();
+    std::thread::scope(|scope| {
+        let writer = scope.spawn(move || {
+            for batch in batches {
+                write(batch.data())?;
+                // Gone only when the reading stopped: then the buffer is not needed.
+                let _ = give_back.send(batch);
+            }
+            Ok::<_, io::Error>(())
+        });
+        let mut hasher = Hasher::default();
+        let mut buffers = 0;
+        let read = (|| loop {
+            let mut batch = match written.try_recv() {
+                Ok(batch) => batch,
+                Err(_) if buffers < DEPTH + 2 => {
+                    buffers += 1;
+                    Aligned::new()
+                }
+                // The writer stopped (a failed write, which its join returns).
+                Err(_) => written.recv().map_err(|_| io::Error::other("the blob's writer stopped"))?,
+            };
+            batch.clear();
+            while batch.len() < PIPELINE_BATCH {
+                let room = batch.spare();
+                let step = room.len().min(READ_STEP);
+                let n = match reader.read(&mut room[..step]) {
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e),
+                };
+                if n == 0 {
+                    break;
+                }
+                hasher.update(&room[..n]);
+                batch.filled(n);
+            }
+            let end = batch.len() < PIPELINE_BATCH;
+            if !batch.is_empty() && to_writer.send(batch).is_err() {
+                return Err(io::Error::other("the blob's writer stopped"));
+            }
+            progress(hasher.hashed());
+            if end {
+                return Ok(());
+            }
+        })();
+        drop(to_writer);
+        writer.join().map_err(|_| io::Error::other("a blob's writing thread panicked"))??;
+        read?;
+        Ok(hasher.finish())
+    })
+}
+
 /// Reads `reader` to its end in batches given to `write`, in order, each hashed on a
 /// second thread while it is written. Returns the digest and length.
 pub fn copy_hashed(

@@ -335,15 +335,15 @@ async fn create_with_files_reads_the_descriptors_passed_and_refuses_what_cannot_
 
     let work = tempfile::tempdir().expect("tempdir");
     let gguf = work.path().join("tiny.gguf");
-    corral::demo_model::write_tiny_llama(&gguf).expect("write the tiny llama");
+    // Not the weights the store holds already: a blob new to it.
+    let extra = vec![("corral.test".to_owned(), corral::gguf::GgufValue::U32(15))];
+    std::fs::write(&gguf, corral::demo_model::tiny_llama_bytes_with(extra).expect("a GGUF")).expect("write");
     let size = std::fs::metadata(&gguf).expect("size").len();
     let modelfile = |from: &str| format!("FROM {from}\nSYSTEM You are terse.\n");
-    let job = manager.create("by-path", &modelfile(&gguf.display().to_string())).await.expect("Create");
-    assert_eq!(finish(&connection, &job).await, (true, String::new()));
-
-    // Opened, then removed: corrald can only read it through the descriptor.
     let file = std::fs::File::open(&gguf).expect("open");
-    std::fs::remove_file(&gguf).expect("remove");
+    // Moved away: corrald can only read it through the descriptor.
+    let moved = work.path().join("moved.gguf");
+    std::fs::rename(&gguf, &moved).expect("move");
     let key = "/home/someone/tiny.gguf";
     let job = manager
         .create_with_files("by-fd", &modelfile(key), HashMap::from([(key, Fd::from(&file))]))
@@ -353,6 +353,9 @@ async fn create_with_files_reads_the_descriptors_passed_and_refuses_what_cannot_
     assert_eq!(finish(&connection, &job).await, (true, String::new()));
     assert!(steps.contains(&("copying tiny.gguf".to_owned(), size, size)), "{steps:?}");
     assert_eq!(steps.last().map(|s| s.0.as_str()), Some("success"), "{steps:?}");
+    std::fs::rename(&moved, &gguf).expect("move back");
+    let job = manager.create("by-path", &modelfile(&gguf.display().to_string())).await.expect("Create");
+    assert_eq!(finish(&connection, &job).await, (true, String::new()));
     let listed = manager.list_models().await.expect("ListModels");
     let digest = |name: &str| listed.iter().find(|m| m.0 == name).map(|m| m.2.clone()).expect(name);
     assert_eq!(digest("by-fd:latest"), digest("by-path:latest"), "the same model as from the path");

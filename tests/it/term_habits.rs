@@ -379,8 +379,10 @@ fn create_passes_a_file_corrald_cannot_see_and_stores_it_once() {
     let shown = ctl(&rig, &["--json", "show", "mine"]);
     assert!(shown.contains("\"format\": \"gguf\"") || shown.contains("\"format\":\"gguf\""), "{shown}");
 
-    // The same file again: corrald reads it, finds the blob it has, and stores nothing new.
+    // The same file again: corrald hashes it, finds the blob it has, and copies nothing.
     let second = create("mine2");
+    assert!(second.lines().any(|l| l.starts_with("checking m.gguf: 100% ")), "checked: {second}");
+    assert!(!second.lines().any(|l| l.starts_with("copying ")), "copied again: {second}");
     let weights = |out: &str| {
         out.lines()
             .find_map(|l| l.strip_prefix("creating new layer ").or_else(|| l.strip_prefix("using existing layer ")))
