@@ -524,7 +524,7 @@ mod tests {
 
     use super::{
         ALIGN, BATCH, Batch, DEPTH, DirectPace, PACE_WINDOW, PIPELINE_BATCH, Pipeline, SLOW_WINDOWS, Writeback,
-        copy_hashed,
+        copy_hashed, copy_hashed_aligned,
     };
     use crate::store::digest::{Digest, Hasher};
 
@@ -643,6 +643,47 @@ mod tests {
         }
         let Err(error) = pipeline.finish().await else { panic!("the write failed, finish did not say so") };
         assert_eq!(error.to_string(), "disk full");
+    }
+
+    /// A reader's bytes reach the writer whole, in order, in full aligned buffers (the
+    /// last one shorter), at most `DEPTH + 2` of them reused; the hash and the progress are
+    /// of every byte read.
+    #[test]
+    fn a_reader_is_copied_whole_in_aligned_recycled_buffers_and_hashed() {
+        let len = (3 * PIPELINE_BATCH + 12_345) as u64;
+        // Reads of at most 100 000 bytes: a batch is filled by many.
+        let reader = Endless { at: 0, left: len, largest_ask: 0 };
+        let expected: Vec<u8> = (0..len).map(|i| (i.wrapping_mul(31) >> 3 & 0xff) as u8).collect();
+        let (mut out, mut addresses, mut sizes) = (Vec::new(), std::collections::HashSet::new(), Vec::new());
+        let mut progress = Vec::new();
+        let (digest, len) = copy_hashed_aligned(
+            reader,
+            |batch| {
+                assert_eq!(batch.as_ptr().addr() % ALIGN, 0, "aligned for direct I/O");
+                addresses.insert(batch.as_ptr().addr());
+                sizes.push(batch.len());
+                out.extend_from_slice(batch);
+                Ok(())
+            },
+            |done| progress.push(done),
+        )
+        .expect("copied");
+        assert_eq!((digest, len), (Digest::of(&expected), expected.len() as u64));
+        assert!(out == expected, "every byte, in order");
+        assert_eq!(sizes, [PIPELINE_BATCH, PIPELINE_BATCH, PIPELINE_BATCH, 12_345]);
+        assert!(addresses.len() <= DEPTH + 2, "{} buffers", addresses.len());
+        assert!(progress.is_sorted() && progress.last() == Some(&len), "{progress:?}");
+    }
+
+    /// A failed write stops the reading, and its error is the one returned.
+    #[test]
+    fn a_failed_write_stops_the_copy_and_is_reported() {
+        let reader = Endless { at: 0, left: 1 << 40, largest_ask: 0 };
+        let mut reads = 0;
+        let error = copy_hashed_aligned(reader, |_| Err(std::io::Error::other("disk full")), |_| reads += 1)
+            .expect_err("the write failed");
+        assert_eq!(error.to_string(), "disk full");
+        assert!(reads <= DEPTH + 3, "the reading went on: {reads} batches");
     }
 
     /// Direct writes count as the slower part only after whole windows in a row in which
