@@ -318,40 +318,41 @@ impl Store {
         progress: &mut dyn FnMut(Progress),
     ) -> Result<(Layer, ModelInfo), StoreError> {
         let (expected, media_type) = kind;
-        let (digest, size, from) = match source {
+        let (digest, size, from, read) = match source {
             Source::File(path) => {
                 let from = file_name(path);
                 let label = path.display().to_string();
                 let imported =
                     self.import_file_tracked(path, None, &mut reading(from.as_deref().unwrap_or(&label), progress))?;
-                let (digest, size) = self.imported(imported, &label, expected, pins, added, progress)?;
-                (digest, size, from)
+                let (digest, size, info) = self.imported(imported, &label, expected, pins, added, progress)?;
+                (digest, size, from, Some(info))
             }
             Source::Passed(passed) => {
                 let from = file_name(Path::new(passed.name()));
                 let imported =
                     self.import_passed(passed, &mut reading(from.as_deref().unwrap_or(passed.name()), progress))?;
-                let (digest, size) = self.imported(imported, passed.name(), expected, pins, added, progress)?;
-                (digest, size, from)
+                let (digest, size, info) = self.imported(imported, passed.name(), expected, pins, added, progress)?;
+                (digest, size, from, Some(info))
             }
             Source::Blob(digest) => {
                 pins.push(self.pin([*digest]));
                 let size = self.blob_size(digest)?;
                 progress(Progress::step(&format!("using existing layer {digest}")));
-                (*digest, size, None)
+                (*digest, size, None, None)
             }
             Source::Model(name) => return Err(StoreError::Invalid(format!("{name} is not a GGUF file or blob"))),
         };
-        let info = match headers.get(&digest) {
-            Some(info) => info.clone(),
-            None => self.inspect_blob(&digest, &digest.to_string())?,
+        let info = match (read, headers.get(&digest)) {
+            (Some(info), _) => info,
+            (None, Some(info)) => info.clone(),
+            (None, None) => self.inspect_blob(&digest, &digest.to_string())?,
         };
         Ok((Layer { media_type: media_type.to_owned(), digest, size, from }, info))
     }
 
     /// Keeps a file just imported (pinned, and noted when new), once its copy in the store
-    /// is checked to be a GGUF of the `expected` kind; the file may have changed since its
-    /// first check.
+    /// is checked to be a GGUF of the `expected` kind (the file may have changed since its
+    /// first check); what that copy's header says.
     fn imported(
         &self,
         (digest, size, new, pin): (Digest, u64, bool, super::Pin),
@@ -360,15 +361,16 @@ impl Store {
         pins: &mut Vec<super::Pin>,
         added: &mut Vec<Digest>,
         progress: &mut dyn FnMut(Progress),
-    ) -> Result<(Digest, u64), StoreError> {
+    ) -> Result<(Digest, u64, ModelInfo), StoreError> {
         pins.push(pin);
         if new {
             added.push(digest);
         }
-        check_kind(&self.inspect_blob(&digest, what)?, expected, what)?;
+        let info = self.inspect_blob(&digest, what)?;
+        check_kind(&info, expected, what)?;
         let verb = if new { "creating new" } else { "using existing" };
         progress(Progress::step(&format!("{verb} layer {digest}")));
-        Ok((digest, size))
+        Ok((digest, size, info))
     }
 
     /// Reads a GGUF file's metadata; `what` names it in errors.
