@@ -10,9 +10,15 @@
 //! too large is not sent and fails its sender. zbus's own transport has no such hook
 //! either, so this connects the unix socket itself (the only transport a bus corrald
 //! serves on uses).
+//!
+//! The read half is corrald's too, for one reason: descriptors that come with a message
+//! (`CreateWithFiles`' files; any caller may attach some to any call) are taken
+//! close-on-exec (`MSG_CMSG_CLOEXEC`), so that no runner or probe spawned while one is held
+//! inherits a caller's file. zbus's own read half takes them inheritable.
 
-use std::io;
-use std::os::fd::BorrowedFd;
+use std::io::{self, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd as _, BorrowedFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt as _;
 use std::os::unix::net::{SocketAddr, UnixStream};
 
@@ -45,7 +51,7 @@ pub(super) async fn connect(address: &Address) -> zbus::Result<BoxedSplit> {
     .await
     .map_err(io::Error::other)??;
     let (read, write) = tokio::net::UnixStream::from_std(stream)?.into_split();
-    Ok(Split::new(Box::new(read) as Box<dyn ReadHalf>, Box::new(Bounded(write)) as Box<dyn WriteHalf>))
+    Ok(Split::new(Box::new(CloseOnExec(read)) as Box<dyn ReadHalf>, Box::new(Bounded(write)) as Box<dyn WriteHalf>))
 }
 
 fn unsupported(address: &Address) -> zbus::Error {
@@ -86,6 +92,56 @@ impl<W: WriteHalf> WriteHalf for Bounded<W> {
     async fn peer_credentials(&mut self) -> io::Result<ConnectionCredentials> {
         self.0.peer_credentials().await
     }
+}
+
+/// The most descriptors one message brings: the kernel's own limit per message
+/// (`SCM_MAX_FD`); the bus passes at most its `max_message_unix_fds` anyway.
+const FDS_MAX: usize = 253;
+
+/// The read half of the bus socket, taking the descriptors a message brings close-on-exec.
+#[derive(Debug)]
+struct CloseOnExec(tokio::net::unix::OwnedReadHalf);
+
+#[zbus::export::async_trait::async_trait]
+impl ReadHalf for CloseOnExec {
+    async fn recvmsg(&mut self, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+        let stream: &tokio::net::UnixStream = self.0.as_ref();
+        loop {
+            stream.readable().await?;
+            match stream.try_io(tokio::io::Interest::READABLE, || receive(stream.as_fd(), buf)) {
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => {}
+                received => return received,
+            }
+        }
+    }
+
+    fn can_pass_unix_fd(&self) -> bool {
+        true
+    }
+
+    async fn peer_credentials(&mut self) -> io::Result<ConnectionCredentials> {
+        self.0.peer_credentials().await
+    }
+}
+
+/// One `recvmsg` of the bus socket: the bytes read and the descriptors that came with them,
+/// each close-on-exec from the moment it exists in this process.
+fn receive(socket: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+    let mut iov = [IoSliceMut::new(buf)];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(FDS_MAX))];
+    let mut ancillary = RecvAncillaryBuffer::new(&mut space);
+    let received = rustix::net::recvmsg(socket, &mut iov, &mut ancillary, RecvFlags::CMSG_CLOEXEC)?;
+    if received.bytes == 0 {
+        return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the bus closed the connection"));
+    }
+    let mut fds = Vec::new();
+    for message in ancillary.drain() {
+        if let RecvAncillaryMessage::ScmRights(passed) = message {
+            fds.extend(passed);
+        }
+    }
+    Ok((received.bytes, fds))
 }
 
 /// The error that answers the call `reply` (of `bytes`) answered, in its place.
@@ -165,6 +221,29 @@ mod tests {
         let (ours, _theirs) = tokio::net::UnixStream::pair().expect("pair");
         let mut write = Bounded(ours.split().take().1);
         assert!(matches!(write.send_message(&signal).await, Err(zbus::Error::ExcessData)));
+    }
+
+    /// A message's descriptors arrive close-on-exec (a runner spawned meanwhile inherits
+    /// none), with the whole message: what zbus's own read half gets inheritable.
+    #[tokio::test]
+    async fn descriptors_a_message_brings_arrive_close_on_exec() {
+        use rustix::io::FdFlags;
+
+        let (call, _) = reply_of("x");
+        let file = tempfile::tempfile().expect("a file");
+        let (ours, theirs) = tokio::net::UnixStream::pair().expect("pair");
+        let (mut read, mut write) = (super::CloseOnExec(ours.into_split().0), theirs.into_split().1);
+        let sent = write.sendmsg(call.data(), &[std::os::fd::AsFd::as_fd(&file)]).await.expect("sent");
+        assert_eq!(sent, call.data().len());
+        let mut buf = vec![0; call.data().len()];
+        let (n, fds) = read.recvmsg(&mut buf).await.expect("received");
+        assert_eq!((n, fds.len()), (call.data().len(), 1));
+        assert_eq!(&buf[..n], &call.data()[..]);
+        let flags = rustix::io::fcntl_getfd(&fds[0]).expect("flags");
+        assert!(flags.contains(FdFlags::CLOEXEC), "{flags:?}");
+        drop(write);
+        let closed = read.recvmsg(&mut buf).await.expect_err("the other end closed");
+        assert_eq!(closed.kind(), std::io::ErrorKind::BrokenPipe);
     }
 
     /// The bus is reached at a path or an abstract name; any other transport is refused
