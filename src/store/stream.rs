@@ -410,7 +410,7 @@ impl Aligned {
 const READ_STEP: usize = 1 << 20;
 
 /// Reads `reader` to its end into recycled [`PIPELINE_BATCH`] buffers aligned for direct
-/// I/O (at most `DEPTH + 2`), hashing each [`READ_STEP`] right after its read, while a
+/// I/O (at most `DEPTH + 2`), hashing each MiB right after its read, while a
 /// second thread hands the full buffers to `write` in order, up to [`DEPTH`] behind: a
 /// file's import as an upload's [`Pipeline`] moves data, without the network. `progress`
 /// hears the bytes read so far after each buffer. Returns the digest and length.
