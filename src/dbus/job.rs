@@ -265,7 +265,7 @@ async fn throttled<F: Future<Output = ()>>(
     mut report: impl FnMut() -> F,
 ) {
     let mut pending = false;
-    loop {
+    'reports: loop {
         if !pending && changed.changed().await.is_err() {
             break;
         }
@@ -278,8 +278,7 @@ async fn throttled<F: Future<Output = ()>>(
                 () = &mut pause => break,
                 more = changed.changed() => {
                     if more.is_err() {
-                        report().await;
-                        return;
+                        break 'reports;
                     }
                     pending = true;
                 }

@@ -293,12 +293,17 @@ impl Manager {
         let model = ModelName::parse(name)?;
         self.writable()?;
         let modelfile = Modelfile::parse(modelfile).map_err(|e| Error::InvalidArgument(format!("Modelfile: {e}")))?;
-        let opened = files
-            .into_iter()
-            .map(|(key, fd)| PassedFile::new(fd.into(), &key).map(|file| (key, file)))
-            .collect::<Result<HashMap<_, _>, _>>()?;
-        // Relative paths would be relative to the daemon, not to the caller: there is none.
-        let spec = CreateSpec::from_modelfile_passing(&modelfile, std::path::Path::new("/"), &opened)?;
+        // The descriptors' checks and the paths' lookups are file system calls: off the
+        // runtime, where a slow file system holds a blocking thread, not a worker.
+        let spec = blocking(move || {
+            let opened = files
+                .into_iter()
+                .map(|(key, fd)| PassedFile::new(fd.into(), &key).map(|file| (key, file)))
+                .collect::<Result<HashMap<_, _>, _>>()?;
+            // Relative paths would be relative to the daemon, not to the caller: there is none.
+            CreateSpec::from_modelfile_passing(&modelfile, std::path::Path::new("/"), &opened)
+        })
+        .await??;
         job::start(&self.shared, connection, name, Work::Create { name: model, spec: Box::new(spec) }).await
     }
 

@@ -6,7 +6,6 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use serde_json::Value;
 
@@ -16,7 +15,7 @@ use super::manifest::{self, Layer, Manifest, ModelConfig, RootFs};
 use super::modelfile::{Message, Modelfile};
 use super::name::ModelName;
 use super::passed::PassedFile;
-use super::progress::{PROGRESS_INTERVAL, Progress};
+use super::progress::{Progress, Throttle};
 use super::{Store, StoreError};
 use crate::gguf::metadata::{ModelInfo, ModelKind};
 use crate::gguf::reader::GgufFile;
@@ -85,8 +84,9 @@ impl CreateSpec {
         base_dir: &Path,
         passed: &HashMap<String, PassedFile>,
     ) -> Result<Self, StoreError> {
-        let values = || std::iter::once(&modelfile.from).chain(&modelfile.adapters).map(|v| v.trim());
-        if let Some(unused) = passed.keys().find(|key| !values().any(|v| v == key.as_str())) {
+        let values: HashSet<&str> =
+            std::iter::once(&modelfile.from).chain(&modelfile.adapters).map(|v| v.trim()).collect();
+        if let Some(unused) = passed.keys().find(|key| !values.contains(key.as_str())) {
             return Err(StoreError::Invalid(format!("{unused}: passed for no FROM or ADAPTER line")));
         }
         let source = |value: &str| match passed.get(value.trim()) {
@@ -441,14 +441,13 @@ fn file_name(path: &Path) -> Option<String> {
 }
 
 /// Reports a file's way into the store as `copying <name>` (or `checking <name>` while it
-/// is only hashed, to see whether the store has it) with its bytes, at most every
-/// [`PROGRESS_INTERVAL`] and once at the end of each.
+/// is only hashed, to see whether the store has it) with its bytes, as often as a
+/// [`Throttle`] lets it.
 fn reading<'a>(name: &str, progress: &'a mut dyn FnMut(Progress)) -> impl FnMut(&str, u64, u64) + 'a {
     let name = name.to_owned();
-    let mut reported: Option<Instant> = None;
+    let mut throttle = Throttle::default();
     move |doing, done, total| {
-        if done == total || reported.is_none_or(|at| at.elapsed() >= PROGRESS_INTERVAL) {
-            reported = Some(Instant::now());
+        if throttle.due(done, total) {
             let status = format!("{doing} {name}");
             progress(Progress { status, digest: None, total: Some(total), completed: Some(done) });
         }

@@ -76,10 +76,12 @@ impl Store {
     ) -> Result<(Digest, u64, bool, Pin), StoreError> {
         // The file is outside the store, named by whoever asked: its links are theirs to
         // use. It is linked by its real path, so the store gets the file, not a link.
-        let real = fs::canonicalize(path).map_err(io_err(format!("cannot open {}", path.display())))?;
-        let file = File::open(&real).map_err(io_err(format!("cannot open {}", path.display())))?;
-        let size = file.metadata().map_err(io_err(format!("cannot open {}", path.display())))?.len();
-        self.import_open(&file, size, Some((None, &real)), &path.display().to_string(), expected, reading)
+        let what = path.display().to_string();
+        let open = || io_err(format!("cannot open {what}"));
+        let real = fs::canonicalize(path).map_err(open())?;
+        let file = File::open(&real).map_err(open())?;
+        let size = file.metadata().map_err(open())?.len();
+        self.import_open(&file, size, Some((None, &real)), &what, expected, reading)
     }
 
     /// Imports a file a caller passed open ([`PassedFile`]): a reflink where the file system

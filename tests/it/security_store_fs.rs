@@ -489,3 +489,40 @@ fn a_clean_stop_waits_for_new_blobs_to_sync() {
     let blob = dir.path().join("models/blobs").join(digest.file_name());
     assert_eq!(Digest::of(&fs::read(blob).expect("the blob")), digest);
 }
+
+/// A file passed open (D-Bus `CreateWithFiles`) is bounded by the disk, as an upload is: a
+/// sparse file claiming far more than the store's file system holds is copied until the
+/// disk is full, then the create fails naming the cause, keeps nothing, and gives the
+/// space back.
+#[test]
+fn a_passed_file_larger_than_the_disk_fails_the_create_and_gives_the_space_back() {
+    use corral::store::PassedFile;
+    use corral::store::create::CreateSpec;
+    use corral::store::modelfile::Modelfile;
+    use std::collections::HashMap;
+
+    let disk = crate::support::registry::SmallDisk::mount(1 << 20);
+    let store = Store::open(&disk.path().join("store")).expect("a store on the small disk");
+    let free = |path: &Path| {
+        let stat = nix::sys::statvfs::statvfs(path).expect("statvfs");
+        stat.blocks_available() * stat.fragment_size()
+    };
+    let before = free(disk.path());
+    let (dir, _) = outside();
+    let path = dir.path().join("huge.gguf");
+    corral::demo_model::write_tiny_llama(&path).expect("a GGUF");
+    // A valid header, then 64 MiB of holes: nothing on the caller's disk, all on the store's.
+    fs::OpenOptions::new().write(true).open(&path).expect("open").set_len(64 << 20).expect("sparse");
+    let key = "/home/someone/huge.gguf";
+    let passed = PassedFile::new(fs::File::open(&path).expect("open").into(), key).expect("a regular file");
+    let files = HashMap::from([(key.to_owned(), passed)]);
+    let modelfile = Modelfile::parse(&format!("FROM {key}\n")).expect("modelfile");
+    let spec = CreateSpec::from_modelfile_passing(&modelfile, Path::new("/"), &files).expect("spec");
+
+    let err = store.create(&name("huge"), &spec, &mut |_| {}).expect_err("the disk is full").to_string();
+    assert!(err.contains("cannot write") && err.contains("No space left on device"), "{err}");
+    assert!(matches!(store.manifest(&name("huge")), Err(StoreError::NotFound(_))), "a manifest was written");
+    let left: Vec<_> = fs::read_dir(store.blobs_dir()).expect("blobs").map(|e| e.expect("entry").file_name()).collect();
+    assert!(left.is_empty(), "the failed copy left {left:?}");
+    assert!(free(disk.path()) + (64 << 10) >= before, "the space came back: {} of {before}", free(disk.path()));
+}

@@ -34,16 +34,16 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::sync::lock;
-use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::error::is_disk_full;
-use super::{BlobStatus, PROGRESS_INTERVAL, RegistryError};
+use super::{BlobStatus, RegistryError};
 use crate::store::beneath::{self, Dir};
 use crate::store::digest::{Digest, Hasher};
 use crate::store::manifest::Layer;
+use crate::store::progress::Throttle;
 use crate::store::stream::{ALIGN, BATCH, DirectPace, Writeback};
 use crate::store::{Pin, Store, StoreError};
 
@@ -151,7 +151,7 @@ pub(super) struct Partial {
     hashed: Mutex<Frontier>,
     writeback: Mutex<Writeback>,
     dirty: AtomicBool,
-    reported: Mutex<Option<Instant>>,
+    reported: Mutex<Throttle>,
     /// Serializes the record's writes with the end of the download, and is set at the end
     /// (put in place, or removed): a checkpoint still running then must not write a record.
     finished: Mutex<bool>,
@@ -409,11 +409,9 @@ impl Partial {
         Ok(())
     }
 
-    /// Tells the waiting pulls how far the download is, at most every `PROGRESS_INTERVAL`.
+    /// Tells the waiting pulls how far the download is, as often as its [`Throttle`] lets it.
     pub(super) fn report(&self, sender: &watch::Sender<BlobStatus>, completed: u64) {
-        let mut reported = lock(&self.reported);
-        if completed == self.size || reported.is_none_or(|at| at.elapsed() >= PROGRESS_INTERVAL) {
-            *reported = Some(Instant::now());
+        if lock(&self.reported).due(completed, self.size) {
             sender.send_modify(|status| status.completed = status.completed.max(completed));
         }
     }
