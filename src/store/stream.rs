@@ -270,12 +270,12 @@ impl<W: Send + 'static> Pipeline<W> {
     /// stages are tasks that hold no thread, so an upload whose client stalls holds none.
     /// Dropping the pipeline lets it finish the batches already handed on, then drop `sink`.
     pub fn start(sink: W, write: impl FnMut(&mut W, &[u8]) -> io::Result<()> + Send + 'static) -> Self {
-        let (to_hasher, mut hashes) = tokio::sync::mpsc::channel::<Aligned>(DEPTH);
+        let (to_hasher, mut unhashed) = tokio::sync::mpsc::channel::<Aligned>(DEPTH);
         let (to_writer, mut writes) = tokio::sync::mpsc::channel::<Aligned>(DEPTH);
         let (give_back, written) = tokio::sync::mpsc::unbounded_channel();
         let hashing = tokio::spawn(async move {
             let mut hasher = Hasher::default();
-            while let Some(batch) = hashes.recv().await {
+            while let Some(batch) = unhashed.recv().await {
                 let (back, batch) = tokio::task::spawn_blocking(move || {
                     hasher.update(batch.data());
                     (hasher, batch)
@@ -437,13 +437,13 @@ pub fn copy_hashed_aligned(
     mut write: impl FnMut(&[u8]) -> io::Result<()> + Send,
     mut progress: impl FnMut(u64),
 ) -> io::Result<(Digest, u64)> {
-    let (to_hasher, hashes) = std::sync::mpsc::sync_channel::<Aligned>(DEPTH);
+    let (to_hasher, unhashed) = std::sync::mpsc::sync_channel::<Aligned>(DEPTH);
     let (to_writer, batches) = std::sync::mpsc::sync_channel::<Aligned>(DEPTH);
     let (give_back, written) = std::sync::mpsc::channel::<Aligned>();
     std::thread::scope(|scope| {
-        let hasher = scope.spawn(move || {
+        let hashing = scope.spawn(move || {
             let mut hasher = Hasher::default();
-            for batch in hashes {
+            for batch in unhashed {
                 hasher.update(batch.data());
                 // Gone when the writing stopped, which its join returns.
                 if to_writer.send(batch).is_err() {
@@ -494,7 +494,7 @@ pub fn copy_hashed_aligned(
             }
         })();
         drop(to_hasher);
-        let hasher = hasher.join().map_err(|_| io::Error::other("a blob's hashing thread panicked"))?;
+        let hasher = hashing.join().map_err(|_| io::Error::other("a blob's hashing thread panicked"))?;
         writer.join().map_err(|_| io::Error::other("a blob's writing thread panicked"))??;
         read?;
         Ok(hasher.finish())
