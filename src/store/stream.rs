@@ -5,6 +5,7 @@
 
 use std::fs::File;
 use std::io::{self, IoSlice, Read};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -190,37 +191,107 @@ pub const SLOW_WINDOWS: u32 = 4;
 /// I/O and, once direct writes took nearly all of the time of [`SLOW_WINDOWS`] windows in
 /// a row, writes the rest of the transfer through the page cache. The final sync makes
 /// both durable alike.
+///
+/// Where a stage after the writer takes each batch from it (a pull's hash thread:
+/// [`DirectPace::after`]), a window counts as slow only if that stage also waited for the
+/// writer at least [`NEXT_WAIT_SHARE`] of it. Where the disk and the hash are about as fast
+/// as each other, the writer is busy nine tenths of many windows while the CPU, not the
+/// disk, limits the transfer; the page cache's copy and write-back then cost CPU the hash
+/// needed, and a pull of 1 GiB that left direct I/O took 1.16–1.90 s instead of 0.92–0.99 s
+/// (docs/benchmarks.md, session 33). A disk that is the slower part leaves the hash waiting.
 #[derive(Debug, Default)]
 pub struct DirectPace {
     /// The window's first write's start, the time spent writing since, and the bytes.
     window: Option<(Instant, Duration, u64)>,
     /// The slow windows just before this one, in a row.
     slow: u32,
+    /// How long the stage after the writer has waited for it, and how long it had when the
+    /// window began.
+    next: Option<(Arc<IdleClock>, u64)>,
 }
 
+/// The share of a window the stage after the writer must have waited for it, for the
+/// window to count as slow: the disk then writes at most four fifths as fast as that
+/// stage goes.
+const NEXT_WAIT_SHARE: f64 = 0.2;
+
 impl DirectPace {
+    /// Judges the windows by the waits of `next` as well: the stage that takes each batch
+    /// from the writer.
+    pub(super) fn after(&mut self, next: Arc<IdleClock>) {
+        self.next = Some((next, 0));
+    }
+
     /// Runs `write`, a direct write of `n` bytes, and counts it ([`DirectPace::wrote`]):
     /// whether direct writes turned out to be the slower part with it.
     pub fn time(&mut self, n: usize, write: impl FnOnce() -> io::Result<()>) -> io::Result<bool> {
         let began = Instant::now();
+        if self.window.is_none() {
+            if let Some((next, from)) = &mut self.next {
+                *from = next.total();
+            }
+        }
         write()?;
-        Ok(self.wrote(began, Instant::now(), n))
+        let next_waited =
+            self.next.as_ref().map(|(next, from)| Duration::from_nanos(next.total().saturating_sub(*from)));
+        Ok(self.wrote(began, Instant::now(), n, next_waited))
     }
 
-    /// Counts a direct write of `n` bytes that ran from `began` to `ended`: `true` when it
-    /// closes the last of [`SLOW_WINDOWS`] slow windows in a row.
-    pub fn wrote(&mut self, began: Instant, ended: Instant, n: usize) -> bool {
+    /// Counts a direct write of `n` bytes that ran from `began` to `ended`, when the stage
+    /// after the writer, if there is one, has waited `next_waited` since the window began:
+    /// `true` when it closes the last of [`SLOW_WINDOWS`] slow windows in a row.
+    pub fn wrote(&mut self, began: Instant, ended: Instant, n: usize, next_waited: Option<Duration>) -> bool {
         let (start, busy, bytes) = self.window.get_or_insert((began, Duration::ZERO, 0));
         *busy += ended.saturating_duration_since(began);
         *bytes += n as u64;
         if *bytes < PACE_WINDOW {
             return false;
         }
-        let elapsed = ended.saturating_duration_since(*start);
-        let share = if elapsed.is_zero() { 0.0 } else { busy.as_secs_f64() / elapsed.as_secs_f64() };
+        let elapsed = ended.saturating_duration_since(*start).as_secs_f64();
+        let share = |of: Duration| if elapsed == 0.0 { 0.0 } else { of.as_secs_f64() / elapsed };
+        let (busy, next_idle) = (share(*busy), next_waited.map(share));
+        tracing::trace!(busy, next_idle, "a window of direct writes");
         self.window = None;
-        self.slow = if share >= SLOW_DISK_SHARE { self.slow.saturating_add(1) } else { 0 };
+        let slow = busy >= SLOW_DISK_SHARE && next_idle.is_none_or(|idle| idle >= NEXT_WAIT_SHARE);
+        self.slow = if slow { self.slow.saturating_add(1) } else { 0 };
         self.slow >= SLOW_WINDOWS
+    }
+}
+
+/// Time a thread spent waiting for its work, read from another thread, a wait still
+/// going on included.
+#[derive(Debug)]
+pub(super) struct IdleClock {
+    origin: Instant,
+    /// Nanoseconds of the waits that ended.
+    ended: AtomicU64,
+    /// When the wait going on began, in nanoseconds after `origin` plus one; 0: none.
+    since: AtomicU64,
+}
+
+impl IdleClock {
+    pub(super) fn new() -> Self {
+        Self { origin: Instant::now(), ended: AtomicU64::new(0), since: AtomicU64::new(0) }
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX - 1) + 1
+    }
+
+    /// Runs `wait`, counting its time.
+    pub(super) fn around<T>(&self, wait: impl FnOnce() -> T) -> T {
+        self.since.store(self.now(), Ordering::Relaxed);
+        let out = wait();
+        let since = self.since.swap(0, Ordering::Relaxed);
+        self.ended.fetch_add(self.now().saturating_sub(since), Ordering::Relaxed);
+        out
+    }
+
+    /// Nanoseconds waited so far.
+    pub(super) fn total(&self) -> u64 {
+        let since = self.since.load(Ordering::Relaxed);
+        let going_on = if since > 0 { self.now().saturating_sub(since) } else { 0 };
+        self.ended.load(Ordering::Relaxed) + going_on
     }
 }
 
@@ -548,10 +619,11 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{
-        ALIGN, BATCH, BUFFERS, Batch, DirectPace, PACE_WINDOW, PIPELINE_BATCH, Pipeline, SLOW_WINDOWS, Writeback,
-        copy_hashed, copy_hashed_aligned,
+        ALIGN, BATCH, BUFFERS, Batch, DirectPace, IdleClock, PACE_WINDOW, PIPELINE_BATCH, Pipeline, SLOW_WINDOWS,
+        Writeback, copy_hashed, copy_hashed_aligned,
     };
     use crate::store::digest::{Digest, Hasher};
+    use std::sync::Arc;
 
     /// A reader of `left` bytes, each a function of its position, that notes how much any
     /// one read asks for.
@@ -723,7 +795,7 @@ mod tests {
             (0..writes as u64)
                 .map(|i| {
                     let began = start + ms(10 * i);
-                    pace.wrote(began, began + ms(busy), PIPELINE_BATCH)
+                    pace.wrote(began, began + ms(busy), PIPELINE_BATCH, None)
                 })
                 .collect()
         };
@@ -755,21 +827,75 @@ mod tests {
         let whole = usize::try_from(PACE_WINDOW).expect("fits");
         let mut pace = DirectPace::default();
         let first = next();
-        assert!(!pace.wrote(first, first + ms(1000), whole - 1));
+        assert!(!pace.wrote(first, first + ms(1000), whole - 1, None));
         // Bytes of any size count: one write of a whole window, all busy, closes it.
         let (from, to) = (next(), next());
-        assert!(!pace.wrote(from, to, 1), "closes the first window");
+        assert!(!pace.wrote(from, to, 1, None), "closes the first window");
         for _ in 2..slow_in_a_row {
             let (from, to) = (next(), next());
-            assert!(!pace.wrote(from, to, whole));
+            assert!(!pace.wrote(from, to, whole, None));
         }
         let (from, to) = (next(), next());
-        assert!(pace.wrote(from, to, whole));
+        assert!(pace.wrote(from, to, whole, None));
         // Writes that take no time never count as slow.
         let mut pace = DirectPace::default();
         assert!((0..2 * slow_in_a_row).all(|_| {
             let at = next();
-            !pace.wrote(at, at, whole)
+            !pace.wrote(at, at, whole, None)
         }));
+    }
+
+    /// With a stage after the writer, a window of busy direct writes counts as slow only
+    /// when that stage waited for the writer a fifth of it or more: a writer busy all the
+    /// time while the hash after it never waits is not what holds the transfer back.
+    #[test]
+    fn busy_direct_writes_are_the_slower_part_only_while_the_stage_after_them_waits() {
+        let whole = usize::try_from(PACE_WINDOW).expect("fits");
+        let ms = Duration::from_millis;
+        let mut at = Instant::now();
+        // One window: a write of all of it, busy for 100 ms, the next stage waiting `waited` ms.
+        let mut window = |pace: &mut DirectPace, waited: u64| {
+            at += ms(1000);
+            pace.wrote(at, at + ms(100), whole, Some(ms(waited)))
+        };
+        for (waited, slow) in [(0, false), (19, false), (21, true), (100, true)] {
+            let mut pace = DirectPace::default();
+            let judged: Vec<bool> = (0..SLOW_WINDOWS).map(|_| window(&mut pace, waited)).collect();
+            assert_eq!(judged.last(), Some(&slow), "the next stage waited {waited} ms of 100");
+        }
+        // A window in which the next stage did not wait starts the count again.
+        let mut pace = DirectPace::default();
+        for _ in 1..SLOW_WINDOWS {
+            assert!(!window(&mut pace, 50));
+        }
+        assert!(!window(&mut pace, 5), "the hash kept busy");
+        for _ in 1..SLOW_WINDOWS {
+            assert!(!window(&mut pace, 50));
+        }
+        assert!(window(&mut pace, 50));
+    }
+
+    /// `time` reads the next stage's clock over each window: a stage that waits through
+    /// the writes makes slow writes the slower part, one that never waits does not.
+    #[test]
+    fn timed_writes_read_the_waits_of_the_stage_after_them() {
+        let whole = usize::try_from(PACE_WINDOW).expect("fits");
+        for waiting in [true, false] {
+            let clock = Arc::new(IdleClock::new());
+            let mut pace = DirectPace::default();
+            pace.after(Arc::clone(&clock));
+            let judged: Vec<bool> = (0..SLOW_WINDOWS)
+                .map(|_| {
+                    let slow_write = || {
+                        std::thread::sleep(Duration::from_millis(20));
+                        Ok(())
+                    };
+                    // The next stage waits for the whole write, or not at all.
+                    let write = || if waiting { clock.around(slow_write) } else { slow_write() };
+                    pace.time(whole, write).expect("written")
+                })
+                .collect();
+            assert_eq!(judged.last(), Some(&waiting), "the next stage waiting: {waiting}");
+        }
     }
 }

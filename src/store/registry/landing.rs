@@ -17,7 +17,6 @@
 //! ([`Landing::take_idle_share`]), which is when more parts at once help: not when the
 //! CPU (the hash busy) or the disk (the writer busy) is the limit.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -25,7 +24,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
 use super::partial::Partial;
 use super::{BlobStatus, RegistryError, joined};
-use crate::store::stream::{ALIGN, Aligned, PIPELINE_BATCH};
+use crate::store::stream::{ALIGN, Aligned, IdleClock, PIPELINE_BATCH};
 use crate::sync::lock;
 
 /// A buffer being filled for `offset`, or on its way through the stages.
@@ -164,6 +163,8 @@ impl Landing {
         let (to_hasher, mut to_hash) = mpsc::unbounded_channel::<Slot>();
         let pool: Arc<Mutex<Vec<Aligned>>> = Arc::default();
         let idle = [Arc::new(IdleClock::new()), Arc::new(IdleClock::new())];
+        // The disk is the slower part only while the hash waits for it.
+        partial.pace_after(Arc::clone(&idle[1]));
         let (target, sender, waited) = (Arc::clone(partial), Arc::clone(sender), Arc::clone(&idle[0]));
         let writer = tokio::task::spawn_blocking(move || {
             while let Some(slot) = waited.around(|| to_write.blocking_recv()) {
@@ -227,41 +228,6 @@ impl Landing {
         let written = joined(writer.await);
         let hashed = joined(hasher.await);
         written.and(hashed)
-    }
-}
-
-/// Time spent waiting, read from another thread, a wait still going on included.
-struct IdleClock {
-    origin: Instant,
-    /// Nanoseconds of the waits that ended.
-    ended: AtomicU64,
-    /// When the wait going on began, in nanoseconds after `origin` plus one; 0: none.
-    since: AtomicU64,
-}
-
-impl IdleClock {
-    fn new() -> Self {
-        Self { origin: Instant::now(), ended: AtomicU64::new(0), since: AtomicU64::new(0) }
-    }
-
-    fn now(&self) -> u64 {
-        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX - 1) + 1
-    }
-
-    /// Runs `wait`, counting its time.
-    fn around<T>(&self, wait: impl FnOnce() -> T) -> T {
-        self.since.store(self.now(), Ordering::Relaxed);
-        let out = wait();
-        let since = self.since.swap(0, Ordering::Relaxed);
-        self.ended.fetch_add(self.now().saturating_sub(since), Ordering::Relaxed);
-        out
-    }
-
-    /// Nanoseconds waited so far.
-    fn total(&self) -> u64 {
-        let since = self.since.load(Ordering::Relaxed);
-        let going_on = if since > 0 { self.now().saturating_sub(since) } else { 0 };
-        self.ended.load(Ordering::Relaxed) + going_on
     }
 }
 

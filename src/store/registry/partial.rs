@@ -30,8 +30,8 @@ use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::sync::lock;
 
@@ -44,7 +44,7 @@ use crate::store::beneath::{self, Dir};
 use crate::store::digest::{Digest, Hasher};
 use crate::store::manifest::Layer;
 use crate::store::progress::Throttle;
-use crate::store::stream::{ALIGN, BATCH, DirectPace, Writeback};
+use crate::store::stream::{ALIGN, BATCH, DirectPace, IdleClock, Writeback};
 use crate::store::{Pin, Store, StoreError};
 
 /// Byte ranges `[start, end)`, disjoint and not touching, by start: each insert and
@@ -325,6 +325,12 @@ impl Partial {
         done.insert(offset, offset + data.len() as u64);
         self.dirty.store(true, Ordering::SeqCst);
         Ok(done.covered())
+    }
+
+    /// Judges the disk's pace by the waits of `hash` too, the thread that takes each
+    /// batch from the writer ([`DirectPace::after`]).
+    pub(super) fn pace_after(&self, hash: Arc<IdleClock>) {
+        lock(&self.pace).after(hash);
     }
 
     /// Writes `data` at `offset` with direct I/O if it is whole blocks at a block's start,
