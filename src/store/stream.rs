@@ -193,8 +193,8 @@ pub const SLOW_WINDOWS: u32 = 4;
 /// both durable alike.
 ///
 /// Where a stage after the writer takes each batch from it (a pull's hash thread:
-/// [`DirectPace::after`]), a window counts as slow only if that stage also waited for the
-/// writer at least [`NEXT_WAIT_SHARE`] of it. Where the disk and the hash are about as fast
+/// `DirectPace::after`), a window counts as slow only if that stage also waited for the
+/// writer at least a fifth of it (`NEXT_WAIT_SHARE`). Where the disk and the hash are about as fast
 /// as each other, the writer is busy nine tenths of many windows while the CPU, not the
 /// disk, limits the transfer; the page cache's copy and write-back then cost CPU the hash
 /// needed, and a pull of 1 GiB that left direct I/O took 1.16–1.90 s instead of 0.92–0.99 s
