@@ -6,12 +6,13 @@
 use std::fs::{self, File};
 use std::io::Seek;
 use std::path::Path;
+use std::sync::Arc;
 
 use super::beneath::Dir;
 use super::digest::Digest;
 use super::name::ModelName;
 use super::passed::{At, PassedFile};
-use super::stream::copy_hashed_aligned;
+use super::stream::{IdleClock, copy_hashed_aligned};
 use super::temp::readable;
 use super::{Pin, Store, StoreError, io_err};
 
@@ -122,8 +123,8 @@ impl Store {
             if holds_blob_of_size(&blobs, size) {
                 // Most likely the same file again (a model re-created with other
                 // parameters): hashed first, read only, it needs no copy when it is.
-                let (digest, _) =
-                    read_hashed(source, size, what, &mut |_| Ok(()), &mut |done| reading("checking", done, size))?;
+                let checking = &mut |done| reading("checking", done, size);
+                let (digest, _) = read_hashed(source, size, what, &mut |_| Ok(()), checking, &IdleClock::new())?;
                 let pin = self.pin([digest]);
                 if self.has_blob(&digest) && expected.is_none_or(|e| *e == digest) {
                     return Ok((digest, size, false, pin));
@@ -134,10 +135,14 @@ impl Store {
                 // Where the file system has no direct I/O, the page cache.
                 temp.direct();
             }
+            // The disk is the slower part only while the hash waits for it.
+            let hash_waits = Arc::new(IdleClock::new());
+            temp.pace_beside(Arc::clone(&hash_waits));
             let rel = temp.rel();
             let mut write_failed = false;
             let mut write = |data: &[u8]| temp.append(data).inspect_err(|_| write_failed = true);
-            let read = read_hashed(source, size, what, &mut write, &mut |done| reading("copying", done, size));
+            let copying = &mut |done| reading("copying", done, size);
+            let read = read_hashed(source, size, what, &mut write, copying, &hash_waits);
             read.map_err(|e| match e {
                 StoreError::Io { source, .. } if write_failed => {
                     StoreError::Io { context: format!("cannot write {rel}"), source }
@@ -168,16 +173,18 @@ impl Store {
 }
 
 /// Reads the first `size` bytes of `source` (at positions of its own) into `write`,
-/// hashing them as they go ([`copy_hashed_aligned`]); `read` hears how far it is. A file
-/// shorter than `size` is an error: it shrank since it was looked at.
+/// hashing them as they go ([`copy_hashed_aligned`]); `read` hears how far it is, and
+/// `hash_waits` counts the hash's waits for `write`. A file shorter than `size` is an
+/// error: it shrank since it was looked at.
 fn read_hashed(
     source: &File,
     size: u64,
     what: &str,
     write: &mut (dyn FnMut(&[u8]) -> std::io::Result<()> + Send),
     read: &mut dyn FnMut(u64),
+    hash_waits: &IdleClock,
 ) -> Result<(Digest, u64), StoreError> {
-    let (digest, length) = copy_hashed_aligned(At::new(source, size), write, read)
+    let (digest, length) = copy_hashed_aligned(At::new(source, size), write, read, hash_waits)
         .map_err(|source| StoreError::Io { context: format!("cannot read {what}"), source })?;
     if length < size {
         return Err(StoreError::Invalid(format!(

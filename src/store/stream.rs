@@ -192,9 +192,10 @@ pub const SLOW_WINDOWS: u32 = 4;
 /// a row, writes the rest of the transfer through the page cache. The final sync makes
 /// both durable alike.
 ///
-/// Where a stage after the writer takes each batch from it (a pull's hash thread:
-/// `DirectPace::after`), a window counts as slow only if that stage also waited for the
-/// writer at least a fifth of it (`NEXT_WAIT_SHARE`). Where the disk and the hash are about as fast
+/// Where a stage beside the writer waits for it (a pull's hash thread, which takes each
+/// batch from it; an import's, which hands each batch to it: `DirectPace::beside`), a
+/// window counts as slow only if that stage also waited for the writer at least a fifth of
+/// it (`NEXT_WAIT_SHARE`). Where the disk and the hash are about as fast
 /// as each other, the writer is busy nine tenths of many windows while the CPU, not the
 /// disk, limits the transfer; the page cache's copy and write-back then cost CPU the hash
 /// needed, and a pull of 1 GiB that left direct I/O took 1.16–1.90 s instead of 0.92–0.99 s
@@ -205,20 +206,20 @@ pub struct DirectPace {
     window: Option<(Instant, Duration, u64)>,
     /// The slow windows just before this one, in a row.
     slow: u32,
-    /// How long the stage after the writer has waited for it, and how long it had when the
-    /// window began.
+    /// How long the stage beside the writer has waited for it, and how long it had when
+    /// the window began.
     next: Option<(Arc<IdleClock>, u64)>,
 }
 
-/// The share of a window the stage after the writer must have waited for it, for the
+/// The share of a window the stage beside the writer must have waited for it, for the
 /// window to count as slow: the disk then writes at most four fifths as fast as that
 /// stage goes.
 const NEXT_WAIT_SHARE: f64 = 0.2;
 
 impl DirectPace {
-    /// Judges the windows by the waits of `next` as well: the stage that takes each batch
-    /// from the writer.
-    pub(super) fn after(&mut self, next: Arc<IdleClock>) {
+    /// Judges the windows by the waits of `next` as well: how long the stage that takes
+    /// each batch from the writer, or hands each to it, waited for the writer.
+    pub(super) fn beside(&mut self, next: Arc<IdleClock>) {
         self.next = Some((next, 0));
     }
 
@@ -238,7 +239,7 @@ impl DirectPace {
     }
 
     /// Counts a direct write of `n` bytes that ran from `began` to `ended`, when the stage
-    /// after the writer, if there is one, has waited `next_waited` since the window began:
+    /// beside the writer, if there is one, has waited `next_waited` since the window began:
     /// `true` when it closes the last of [`SLOW_WINDOWS`] slow windows in a row.
     pub fn wrote(&mut self, began: Instant, ended: Instant, n: usize, next_waited: Option<Duration>) -> bool {
         let (start, busy, bytes) = self.window.get_or_insert((began, Duration::ZERO, 0));
@@ -499,14 +500,16 @@ impl Aligned {
 /// I/O (at most [`BUFFERS`]), while a second thread hashes each full buffer and a third
 /// hands it to `write`, in order, each up to [`DEPTH`] behind: a file's import as an
 /// upload's [`Pipeline`] moves data, without the network. `progress` hears the bytes read
-/// so far after each buffer. Returns the digest and length.
+/// so far after each buffer; `hash_waits` counts how long the hash waited for the writer
+/// (for its [`DirectPace`]). Returns the digest and length.
 ///
 /// # Errors
 /// A failed read, or the first failed write (which stops the reading).
-pub fn copy_hashed_aligned(
+pub(super) fn copy_hashed_aligned(
     mut reader: impl Read,
     mut write: impl FnMut(&[u8]) -> io::Result<()> + Send,
     mut progress: impl FnMut(u64),
+    hash_waits: &IdleClock,
 ) -> io::Result<(Digest, u64)> {
     let (to_hasher, unhashed) = std::sync::mpsc::sync_channel::<Aligned>(DEPTH);
     let (to_writer, batches) = std::sync::mpsc::sync_channel::<Aligned>(DEPTH);
@@ -517,7 +520,7 @@ pub fn copy_hashed_aligned(
             for batch in unhashed {
                 hasher.update(batch.data());
                 // Gone when the writing stopped, which its join returns.
-                if to_writer.send(batch).is_err() {
+                if hash_waits.around(|| to_writer.send(batch)).is_err() {
                     break;
                 }
             }
@@ -763,6 +766,7 @@ mod tests {
                 Ok(())
             },
             |done| progress.push(done),
+            &IdleClock::new(),
         )
         .expect("copied");
         assert_eq!((digest, len), (Digest::of(&expected), expected.len() as u64));
@@ -777,8 +781,9 @@ mod tests {
     fn a_failed_write_stops_the_copy_and_is_reported() {
         let reader = Endless { at: 0, left: 1 << 40, largest_ask: 0 };
         let mut reads = 0;
-        let error = copy_hashed_aligned(reader, |_| Err(std::io::Error::other("disk full")), |_| reads += 1)
-            .expect_err("the write failed");
+        let error =
+            copy_hashed_aligned(reader, |_| Err(std::io::Error::other("disk full")), |_| reads += 1, &IdleClock::new())
+                .expect_err("the write failed");
         assert_eq!(error.to_string(), "disk full");
         // Every buffer filled, and one more read whose batch found the hasher gone.
         assert!(reads <= BUFFERS + 1, "the reading went on: {reads} batches");
@@ -883,7 +888,7 @@ mod tests {
         for waiting in [true, false] {
             let clock = Arc::new(IdleClock::new());
             let mut pace = DirectPace::default();
-            pace.after(Arc::clone(&clock));
+            pace.beside(Arc::clone(&clock));
             let judged: Vec<bool> = (0..SLOW_WINDOWS)
                 .map(|_| {
                     let slow_write = || {

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use crate::sync::lock;
 
 use super::beneath::{Dir, Kind};
-use super::stream::{ALIGN, Batch, DirectPace, Writeback};
+use super::stream::{ALIGN, Batch, DirectPace, IdleClock, Writeback};
 use super::{Store, StoreError, fs_err, io_err, vanished};
 
 /// Prefix of temporary files in the store; anything named so is debris from a crash
@@ -165,6 +165,12 @@ impl TempFile {
         self.file = self.dir.open(&self.name)?;
         (self.writeback, self.direct) = (None, false);
         Ok(())
+    }
+
+    /// Judges the disk's pace by the waits of `hash` too, the thread that hands each
+    /// batch to the writer ([`DirectPace::beside`]), until [`TempFile::reset`].
+    pub(super) fn pace_beside(&mut self, hash: Arc<IdleClock>) {
+        self.pace.beside(hash);
     }
 
     /// Starts over with a new empty file under this name.

@@ -328,9 +328,9 @@ impl Partial {
     }
 
     /// Judges the disk's pace by the waits of `hash` too, the thread that takes each
-    /// batch from the writer ([`DirectPace::after`]).
+    /// batch from the writer ([`DirectPace::beside`]).
     pub(super) fn pace_after(&self, hash: Arc<IdleClock>) {
-        lock(&self.pace).after(hash);
+        lock(&self.pace).beside(hash);
     }
 
     /// Writes `data` at `offset` with direct I/O if it is whole blocks at a block's start,
