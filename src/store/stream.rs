@@ -300,7 +300,7 @@ impl IdleClock {
 /// how far receiving runs ahead of them.
 pub const DEPTH: usize = 2;
 
-/// The most batch buffers a [`Pipeline`] or [`copy_hashed_aligned`] makes: one being
+/// The most batch buffers a [`Pipeline`] or `copy_hashed_aligned` makes: one being
 /// filled, one being hashed, one being written, and [`DEPTH`] waiting for each of the last
 /// two. With five, the stages waited on each other whenever the disk paused: an upload
 /// took 7 % longer.
