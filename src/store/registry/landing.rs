@@ -164,7 +164,7 @@ impl Landing {
         let pool: Arc<Mutex<Vec<Aligned>>> = Arc::default();
         let idle = [Arc::new(IdleClock::new()), Arc::new(IdleClock::new())];
         // The disk is the slower part only while the hash waits for it.
-        partial.pace_after(Arc::clone(&idle[1]));
+        partial.pace_beside(Arc::clone(&idle[1]));
         let (target, sender, waited) = (Arc::clone(partial), Arc::clone(sender), Arc::clone(&idle[0]));
         let writer = tokio::task::spawn_blocking(move || {
             while let Some(slot) = waited.around(|| to_write.blocking_recv()) {

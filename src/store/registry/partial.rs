@@ -329,7 +329,7 @@ impl Partial {
 
     /// Judges the disk's pace by the waits of `hash` too, the thread that takes each
     /// batch from the writer ([`DirectPace::beside`]).
-    pub(super) fn pace_after(&self, hash: Arc<IdleClock>) {
+    pub(super) fn pace_beside(&self, hash: Arc<IdleClock>) {
         lock(&self.pace).beside(hash);
     }
 
