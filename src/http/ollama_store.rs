@@ -32,8 +32,7 @@ use crate::store::digest::Digest;
 use crate::store::modelfile::Message;
 use crate::store::name::ModelName;
 use crate::store::registry::{Progress, Registry};
-use crate::store::stream::Pipeline;
-use crate::store::{Store, StoreError, TempFile};
+use crate::store::{Store, StoreError};
 
 /// The routes of this module whose bodies are JSON.
 pub(super) fn routes() -> Router<AppState> {
@@ -67,11 +66,12 @@ async fn head_blob(State(state): State<AppState>, Path(digest): Path<String>) ->
 /// `POST /api/blobs/<digest>` with the raw bytes: 201 when stored, 200 when the store
 /// already had it, 400 when the data does not hash to `digest` (and nothing is kept).
 ///
-/// The body is read here, on the async workers, each chunk hashed as it arrives and
-/// copied into a [`Pipeline`]'s batches, written on the blocking pool up to
-/// [`DEPTH`](crate::store::stream::DEPTH) batches behind the reading. A client that stalls
-/// holds no thread, and its body fails after `[server] body_idle_timeout`, which drops the
-/// partial file. At most `[server] max_uploads` run at once.
+/// The body is read here, on the async workers, and copied into the batches of the
+/// file's pipeline ([`TempFile::into_pipeline`](crate::store::TempFile::into_pipeline)),
+/// each hashed and then written on the blocking pool, each stage up to
+/// [`DEPTH`](crate::store::stream::DEPTH) batches behind the one before. A client that
+/// stalls holds no thread, and its body fails after `[server] body_idle_timeout`, which
+/// drops the partial file. At most `[server] max_uploads` run at once.
 async fn post_blob(
     State(state): State<AppState>,
     Path(digest): Path<String>,
@@ -87,11 +87,7 @@ async fn post_blob(
     let _permit = state.safety.upload_permit(BLOBS)?;
     let opened = store.clone();
     let file = blocking(move || opened.upload_blob_file()).await?;
-    let mut upload = Pipeline::start(file, |file: &mut TempFile, data: &[u8]| {
-        file.append(data).map_err(|source| {
-            std::io::Error::other(StoreError::Io { context: format!("cannot write {}", file.rel()), source })
-        })
-    });
+    let mut upload = file.into_pipeline();
     let mut data = body.into_data_stream();
     while let Some(chunk) = data.next().await {
         // A failed body (the client went away, or sent nothing for too long) ends the

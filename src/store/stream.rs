@@ -193,13 +193,14 @@ pub const SLOW_WINDOWS: u32 = 4;
 /// both durable alike.
 ///
 /// Where a stage beside the writer waits for it (a pull's hash thread, which takes each
-/// batch from it; an import's, which hands each batch to it: `DirectPace::beside`), a
-/// window counts as slow only if that stage also waited for the writer at least a fifth of
-/// it (`NEXT_WAIT_SHARE`). Where the disk and the hash are about as fast
-/// as each other, the writer is busy nine tenths of many windows while the CPU, not the
-/// disk, limits the transfer; the page cache's copy and write-back then cost CPU the hash
-/// needed, and a pull of 1 GiB that left direct I/O took 1.16–1.90 s instead of 0.92–0.99 s
-/// (docs/benchmarks.md, session 33). A disk that is the slower part leaves the hash waiting.
+/// batch from it; an import's or an upload's, which hands each batch to it:
+/// `DirectPace::beside`), a window counts as slow only if that stage also waited for the
+/// writer at least a fifth of it (`NEXT_WAIT_SHARE`). Where the disk and the hash are
+/// about as fast as each other, the writer is busy nine tenths of many windows while the
+/// CPU, not the disk, limits the transfer; the page cache's copy and write-back then cost
+/// CPU the hash needed, and a pull of 1 GiB that left direct I/O took 1.16–1.90 s instead
+/// of 0.92–0.99 s (docs/benchmarks.md, session 33). A disk that is the slower part leaves
+/// the hash waiting.
 #[derive(Debug, Default)]
 pub struct DirectPace {
     /// The window's first write's start, the time spent writing since, and the bytes.
@@ -281,11 +282,14 @@ impl IdleClock {
 
     /// Runs `wait`, counting its time.
     pub(super) fn around<T>(&self, wait: impl FnOnce() -> T) -> T {
+        let _waiting = self.waiting();
+        wait()
+    }
+
+    /// Counts the time from now until the guard is dropped: a wait that is awaited.
+    pub(super) fn waiting(&self) -> Waiting<'_> {
         self.since.store(self.now(), Ordering::Relaxed);
-        let out = wait();
-        let since = self.since.swap(0, Ordering::Relaxed);
-        self.ended.fetch_add(self.now().saturating_sub(since), Ordering::Relaxed);
-        out
+        Waiting(self)
     }
 
     /// Nanoseconds waited so far.
@@ -293,6 +297,17 @@ impl IdleClock {
         let since = self.since.load(Ordering::Relaxed);
         let going_on = if since > 0 { self.now().saturating_sub(since) } else { 0 };
         self.ended.load(Ordering::Relaxed) + going_on
+    }
+}
+
+/// A wait of an [`IdleClock`] going on, until dropped.
+pub(super) struct Waiting<'a>(&'a IdleClock);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let clock = self.0;
+        let since = clock.since.swap(0, Ordering::Relaxed);
+        clock.ended.fetch_add(clock.now().saturating_sub(since), Ordering::Relaxed);
     }
 }
 
@@ -340,8 +355,14 @@ impl<W: Send + 'static> Pipeline<W> {
     /// Starts the hasher and the writer: `write` gets `sink` and each batch in order, on
     /// the blocking pool, one batch at a time, once it is hashed. Between batches the
     /// stages are tasks that hold no thread, so an upload whose client stalls holds none.
-    /// Dropping the pipeline lets it finish the batches already handed on, then drop `sink`.
-    pub fn start(sink: W, write: impl FnMut(&mut W, &[u8]) -> io::Result<()> + Send + 'static) -> Self {
+    /// `hash_waits` counts how long the hash waited for the writer (for its
+    /// [`DirectPace`]). Dropping the pipeline lets it finish the batches already handed
+    /// on, then drop `sink`.
+    pub(super) fn start(
+        sink: W,
+        hash_waits: Arc<IdleClock>,
+        write: impl FnMut(&mut W, &[u8]) -> io::Result<()> + Send + 'static,
+    ) -> Self {
         let (to_hasher, mut unhashed) = tokio::sync::mpsc::channel::<Aligned>(DEPTH);
         let (to_writer, mut writes) = tokio::sync::mpsc::channel::<Aligned>(DEPTH);
         let (give_back, written) = tokio::sync::mpsc::unbounded_channel();
@@ -355,8 +376,12 @@ impl<W: Send + 'static> Pipeline<W> {
                 .await
                 .map_err(|_| io::Error::other("a blob's hashing thread panicked"))?;
                 hasher = back;
+                let sent = {
+                    let _waiting = hash_waits.waiting();
+                    to_writer.send(batch).await
+                };
                 // Gone when the writing stopped, which `finish` reports.
-                if to_writer.send(batch).await.is_err() {
+                if sent.is_err() {
                     break;
                 }
             }
@@ -616,17 +641,17 @@ pub fn copy_hashed(
 #[cfg(test)]
 mod tests {
     use std::io::Read;
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
 
     use bytes::Bytes;
 
-    use std::time::{Duration, Instant};
-
     use super::{
-        ALIGN, BATCH, BUFFERS, Batch, DirectPace, IdleClock, PACE_WINDOW, PIPELINE_BATCH, Pipeline, SLOW_WINDOWS,
-        Writeback, copy_hashed, copy_hashed_aligned,
+        ALIGN, BATCH, BUFFERS, Batch, DEPTH, DirectPace, IdleClock, PACE_WINDOW, PIPELINE_BATCH, Pipeline,
+        SLOW_WINDOWS, Writeback, copy_hashed, copy_hashed_aligned,
     };
     use crate::store::digest::{Digest, Hasher};
-    use std::sync::Arc;
 
     /// A reader of `left` bytes, each a function of its position, that notes how much any
     /// one read asks for.
@@ -707,14 +732,17 @@ mod tests {
     async fn a_pipeline_writes_and_hashes_every_chunk_in_order_with_bounded_buffers() {
         let data: Vec<u8> =
             (0..3 * PIPELINE_BATCH + 12_345).map(|i| i.wrapping_mul(2_654_435_761).to_le_bytes()[1]).collect();
-        let mut pipeline =
-            Pipeline::start((Vec::new(), 0usize), |(out, batches): &mut (Vec<u8>, usize), batch: &[u8]| {
+        let mut pipeline = Pipeline::start(
+            (Vec::new(), 0usize),
+            Arc::new(IdleClock::new()),
+            |(out, batches): &mut (Vec<u8>, usize), batch: &[u8]| {
                 assert!(batch.len() <= PIPELINE_BATCH, "a batch of {} bytes", batch.len());
                 assert_eq!(batch.as_ptr().addr() % ALIGN, 0, "batches are aligned for direct I/O");
                 out.extend_from_slice(batch);
                 *batches += 1;
                 Ok(())
-            });
+            },
+        );
         let mut at = 0;
         for size in [0, 1, 7, PIPELINE_BATCH - 8, PIPELINE_BATCH, 3, 400_000].into_iter().cycle() {
             let end = (at + size).min(data.len());
@@ -731,10 +759,47 @@ mod tests {
         assert_eq!(hasher.finish(), (Digest::of(&data), data.len() as u64));
     }
 
+    /// While the writer holds a batch, the hash waits to hand it the next ones, and that
+    /// wait runs on the pipeline's clock (the one its writer's pace reads); once the writer
+    /// goes on, every byte arrives and the clock stops.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pipeline_clocks_the_hash_waiting_for_the_writer() {
+        let (go, held) = std::sync::mpsc::channel::<()>();
+        let mut held = Some(held);
+        let clock = Arc::new(IdleClock::new());
+        let mut pipeline = Pipeline::start(Vec::new(), Arc::clone(&clock), move |out: &mut Vec<u8>, batch: &[u8]| {
+            if let Some(held) = held.take() {
+                held.recv().map_err(std::io::Error::other)?;
+            }
+            out.extend_from_slice(batch);
+            Ok(())
+        });
+        // The writer holds the first batch, `DEPTH` more wait for it, and the hash holds
+        // the last one, waiting to hand it on.
+        let chunk = vec![7u8; PIPELINE_BATCH];
+        for _ in 0..DEPTH + 2 {
+            assert!(pipeline.push(&chunk).await);
+        }
+        let waited = Duration::from_millis(50);
+        let mut polls = 0;
+        while Duration::from_nanos(clock.total()) < waited {
+            polls += 1;
+            assert!(polls < 10_000, "the hash's clock did not run while the writer was held");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        go.send(()).expect("the writer waits");
+        let (written, hasher) = pipeline.finish().await.expect("finish");
+        assert_eq!(written.len(), (DEPTH + 2) * PIPELINE_BATCH);
+        assert_eq!(hasher.finish(), (Digest::of(&written), written.len() as u64));
+        assert_eq!(clock.since.load(Ordering::Relaxed), 0, "a wait still counted after the pipeline finished");
+        assert!(Duration::from_nanos(clock.total()) >= waited);
+    }
+
     /// A write that fails stops the pipeline: pushing says so, and the error comes back.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failed_write_stops_the_pipeline_and_is_reported() {
-        let mut pipeline = Pipeline::start((), |(), _: &[u8]| Err(std::io::Error::other("disk full")));
+        let mut pipeline =
+            Pipeline::start((), Arc::new(IdleClock::new()), |(), _: &[u8]| Err(std::io::Error::other("disk full")));
         let chunk = vec![1u8; PIPELINE_BATCH];
         let mut pushed = 0;
         while pipeline.push(&chunk).await {

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use crate::sync::lock;
 
 use super::beneath::{Dir, Kind};
-use super::stream::{ALIGN, Batch, DirectPace, IdleClock, Writeback};
+use super::stream::{ALIGN, Batch, DirectPace, IdleClock, Pipeline, Writeback};
 use super::{Store, StoreError, fs_err, io_err, vanished};
 
 /// Prefix of temporary files in the store; anything named so is debris from a crash
@@ -165,6 +165,21 @@ impl TempFile {
         self.file = self.dir.open(&self.name)?;
         (self.writeback, self.direct) = (None, false);
         Ok(())
+    }
+
+    /// Starts an upload into this file: a [`Pipeline`] that hashes each batch and then
+    /// appends it ([`TempFile::append`]), the disk's pace judged by how long the hash
+    /// waits for the writes ([`DirectPace`]). A failed write comes back from
+    /// [`Pipeline::finish`] as a [`StoreError`] inside the I/O error.
+    #[must_use]
+    pub fn into_pipeline(mut self) -> Pipeline<Self> {
+        let hash_waits = Arc::new(IdleClock::new());
+        self.pace_beside(Arc::clone(&hash_waits));
+        Pipeline::start(self, hash_waits, |file: &mut Self, data: &[u8]| {
+            file.append(data).map_err(|source| {
+                io::Error::other(StoreError::Io { context: format!("cannot write {}", file.rel()), source })
+            })
+        })
     }
 
     /// Judges the disk's pace by the waits of `hash` too, the thread that hands each
