@@ -841,6 +841,38 @@ mod tests {
         assert!(progress.is_sorted() && progress.last() == Some(&len), "{progress:?}");
     }
 
+    /// The hash's waits to hand a batch to a writer that holds the one before run on the
+    /// copy's clock (the one an import's pace reads): here the writer holds its first batch
+    /// until that clock shows the hash has waited 50 ms for it, and never sees it if the
+    /// clock stands still.
+    #[test]
+    fn a_copy_clocks_the_hash_waiting_for_the_writer() {
+        let len = (2 * DEPTH + 3) * PIPELINE_BATCH;
+        let reader = Endless { at: 0, left: len as u64, largest_ask: 0 };
+        let clock = IdleClock::new();
+        let (mut held, mut written) = (true, 0);
+        let (_, copied) = copy_hashed_aligned(
+            reader,
+            |batch| {
+                let mut polls = 0;
+                while held && Duration::from_nanos(clock.total()) < Duration::from_millis(50) {
+                    polls += 1;
+                    if polls > 10_000 {
+                        return Err(std::io::Error::other("the hash's clock did not run while the writer held"));
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                (held, written) = (false, written + batch.len());
+                Ok(())
+            },
+            |_| {},
+            &clock,
+        )
+        .expect("copied");
+        assert_eq!((copied, written), (len as u64, len));
+        assert_eq!(clock.since.load(Ordering::Relaxed), 0, "a wait still counted after the copy");
+    }
+
     /// A failed write stops the reading, and its error is the one returned.
     #[test]
     fn a_failed_write_stops_the_copy_and_is_reported() {
