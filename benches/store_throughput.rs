@@ -364,10 +364,10 @@ fn main() {
         let gguf_text = gguf.to_str().expect("path").to_owned();
         println!("model {size_mib} MiB: {bytes} bytes, {digest}");
         #[allow(clippy::cast_precision_loss, reason = "a size in bytes, far below 2^52")]
-        let hashed = Some(bytes as f64 / hash_bytes_per_s);
+        let sha_alone = Some(bytes as f64 / hash_bytes_per_s);
 
         // Upload: the blob alone, removed from the store between rounds.
-        let mut row = Row::new(size_mib, "upload (`POST /api/blobs`)", hashed);
+        let mut row = Row::new(size_mib, "upload (`POST /api/blobs`)", sha_alone);
         for _ in 0..rounds {
             row.round(pid, &[&in_store, &copy], || cp_fsync(&gguf, &copy), || upload(&gguf_text, &blob_url));
             assert!(in_store.is_file(), "the upload is in the store");
@@ -381,7 +381,7 @@ fn main() {
             Digest::of_reader(fs::File::open(&gguf).expect("open")).expect("hash");
         });
         let model = format!("{host}/bench/m{size_mib}:latest");
-        let mut row = Row::new(size_mib, "create (`HEAD` + `POST /api/blobs` + `/api/create`)", hashed);
+        let mut row = Row::new(size_mib, "create (`HEAD` + `POST /api/blobs` + `/api/create`)", sha_alone);
         for _ in 0..rounds {
             row.round(
                 pid,
@@ -412,7 +412,7 @@ fn main() {
             let out = corralctl(&bus, &["create", &created, "-f", &modelfile]);
             assert!(out.status.success(), "corralctl create: {}", String::from_utf8_lossy(&out.stderr));
         };
-        let mut row = Row::new(size_mib, "create (`corralctl create`, the file passed open)", hashed);
+        let mut row = Row::new(size_mib, "create (`corralctl create`, the file passed open)", sha_alone);
         for _ in 0..rounds {
             row.round(pid, &[&in_store, &copy], || cp_fsync(&gguf, &copy), create);
         }
@@ -463,7 +463,7 @@ fn main() {
 
         // Pull: into a store without the blob (every model using it deleted first).
         let source = format!("{host}/bench/push{size_mib}-0:latest");
-        let mut row = Row::new(size_mib, "pull (`/api/pull`)", hashed);
+        let mut row = Row::new(size_mib, "pull (`/api/pull`)", sha_alone);
         for round in 0..rounds {
             delete_model(&base, &model);
             delete_model(&base, &created);
