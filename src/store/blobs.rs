@@ -1,14 +1,13 @@
-//! Blobs: looked up, read, written from a stream (hashed on the way, checked before they
-//! are named) and verified.
+//! Blobs: looked up, read, written (checked against their digest before they are named)
+//! and verified.
 
 use std::fs::File;
-use std::io::{self, Read};
+use std::io;
 use std::path::PathBuf;
 use std::time::SystemTime;
 
 use super::beneath::Kind;
 use super::digest::Digest;
-use super::stream::copy_hashed;
 use super::temp::{TempFile, readable};
 use super::{Pin, Store, StoreError, fs_err, io_err, limits, vanished};
 
@@ -100,30 +99,17 @@ impl Store {
         self.name_blob(temp, &self.blobs()?, digest)
     }
 
-    /// Streams `reader` into a blob, hashing as it goes. With `expected`, data that hashes
-    /// to something else is discarded and nothing is written.
-    pub fn write_blob(&self, reader: impl Read, expected: Option<&Digest>) -> Result<(Digest, u64), StoreError> {
-        self.write_blob_pinned(reader, expected).map(|(digest, size, _)| (digest, size))
+    /// Stores `data` (a config, a text layer: small, in memory) as a blob, unless the store
+    /// has it. With `expected`, data that hashes to something else is refused and nothing
+    /// is written.
+    pub fn write_blob(&self, data: &[u8], expected: Option<&Digest>) -> Result<(Digest, u64), StoreError> {
+        self.write_blob_pinned(data, expected).map(|(digest, size, _)| (digest, size))
     }
 
     /// [`Store::write_blob`], the blob pinned before it is put in place: an operation that
     /// will refer to it never loses it to a garbage collection in between.
-    pub fn write_blob_pinned(
-        &self,
-        reader: impl Read,
-        expected: Option<&Digest>,
-    ) -> Result<(Digest, u64, Pin), StoreError> {
-        let mut temp = self.temp_blob_file()?;
-        let mut write_error = None;
-        let copied = copy_hashed(reader, |batch| temp.write_batch(batch).inspect_err(|e| write_error = Some(e.kind())));
-        let (digest, size) = copied.map_err(|e| {
-            let context = if write_error.is_some() {
-                format!("cannot write {}", temp.rel())
-            } else {
-                "cannot read the blob's data".to_owned()
-            };
-            StoreError::Io { context, source: e }
-        })?;
+    pub fn write_blob_pinned(&self, data: &[u8], expected: Option<&Digest>) -> Result<(Digest, u64, Pin), StoreError> {
+        let digest = Digest::of(data);
         if let Some(expected) = expected {
             if *expected != digest {
                 return Err(StoreError::DigestMismatch { expected: *expected, actual: digest });
@@ -131,9 +117,11 @@ impl Store {
         }
         let pin = self.pin([digest]);
         if !self.has_blob(&digest) {
+            let mut temp = self.temp_blob_file()?;
+            temp.append(data).map_err(io_err(format!("cannot write {}", temp.rel())))?;
             self.commit_blob(temp, &digest)?;
         }
-        Ok((digest, size, pin))
+        Ok((digest, data.len() as u64, pin))
     }
 
     /// Checks that a blob still hashes to its name.

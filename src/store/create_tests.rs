@@ -113,8 +113,7 @@ fn a_model_from_another_inherits_and_overrides() {
 #[test]
 fn a_model_from_an_uploaded_blob() {
     let (dir, store) = setup();
-    let (digest, _) =
-        store.write_blob(fs::File::open(dir.path().join("tiny.gguf")).expect("open"), None).expect("upload");
+    let (digest, _) = store.write_blob(&fs::read(dir.path().join("tiny.gguf")).expect("read"), None).expect("upload");
     create(&store, "from-blob", &format!("FROM {digest}\n"), dir.path()).expect("create");
     assert_eq!(store.show(&name("from-blob"), false).expect("show").manifest.model().digest, digest);
 }

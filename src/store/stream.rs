@@ -1,83 +1,25 @@
-//! Blob data on its way into the store, moved once: gathered in large batches of the
-//! buffers it arrived in (no copy), written with vectored writes while another thread hashes
-//! the same bytes, and sent to disk as it goes ([`Writeback`]), so that the one sync before
-//! the blob is named waits only for the tail.
+//! Blob data on its way into the store: hashed and written in one pass, in stages on
+//! threads of their own ([`Pipeline`] for uploads, `copy_hashed_aligned` for imports),
+//! written with direct I/O while the disk keeps up ([`DirectPace`]), else sent to disk as
+//! it goes ([`Writeback`]), so that the one sync before the blob is named waits only for
+//! the tail.
 
 use std::fs::File;
-use std::io::{self, IoSlice, Read};
+use std::io::{self, Read};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-
 use super::digest::{Digest, Hasher};
 use crate::sync::lock;
 
-/// How much data is gathered before it is written and hashed: few system calls and
-/// thread hops, and a bounded amount in memory per transfer (two batches: one being
-/// written, one being gathered).
+/// How much of a blob is read back at a time to hash it (`registry::partial`): few
+/// system calls, and a bounded amount in memory.
 pub const BATCH: usize = 1 << 20;
 
 /// How much is written between two starts of the disk writes ([`Writeback`]).
 const WRITEBACK_STEP: u64 = 32 << 20;
-
-/// The most buffers one vectored write is given (Linux refuses more than 1024).
-const MAX_SLICES: usize = 512;
-
-/// Chunks of data in hand, in order, written and hashed together.
-#[derive(Debug, Default)]
-pub struct Batch {
-    chunks: Vec<Bytes>,
-    len: usize,
-}
-
-impl Batch {
-    /// Adds a chunk (shared, not copied).
-    pub fn push(&mut self, chunk: Bytes) {
-        self.len += chunk.len();
-        if !chunk.is_empty() {
-            self.chunks.push(chunk);
-        }
-    }
-
-    /// The bytes in hand.
-    #[must_use]
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether there are none.
-    #[must_use]
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Adds the batch's bytes to `hasher`.
-    pub fn hash_into(&self, hasher: &mut Hasher) {
-        for chunk in &self.chunks {
-            hasher.update(chunk);
-        }
-    }
-
-    /// Writes the batch at `offset` of `file` with as few `pwritev` calls as it takes.
-    pub fn write_at(&self, file: &File, mut offset: u64) -> io::Result<()> {
-        for group in self.chunks.chunks(MAX_SLICES) {
-            let mut slices: Vec<IoSlice<'_>> = group.iter().map(|c| IoSlice::new(c)).collect();
-            let mut slices = &mut slices[..];
-            while !slices.is_empty() {
-                let n = rustix::io::pwritev(file, slices, offset)?;
-                if n == 0 {
-                    return Err(io::Error::from(io::ErrorKind::WriteZero));
-                }
-                offset += n as u64;
-                IoSlice::advance_slices(&mut slices, n);
-            }
-        }
-        Ok(())
-    }
-}
 
 /// Starts the disk writes of a file's dirty pages in the background every
 /// `WRITEBACK_STEP` bytes written, so that writing to disk overlaps receiving instead of
@@ -337,8 +279,8 @@ pub const PIPELINE_BATCH: usize = 4 << 20;
 ///   longer (median of 18 each, 1.26 s against 1.15 s).
 /// - Each chunk is copied into one of the pipeline's own batch buffers, which the
 ///   writer hands back once written, and dropped at once, so the HTTP stack reads the next
-///   chunk into the same memory. Keeping the chunks until written instead (as [`Batch`]es)
-///   made every read land in freshly allocated pages: about 130 000 page faults (and
+///   chunk into the same memory. Keeping the chunks until written instead made every
+///   read land in freshly allocated pages: about 130 000 page faults (and
 ///   zeroed pages) per GiB, a sixth of an upload's CPU time, against one copy.
 /// - The buffers are aligned for direct I/O ([`ALIGN`]), so a writer can send them from memory
 ///   straight to disk ([`TempFile::direct`](super::TempFile::direct)).
@@ -600,44 +542,6 @@ pub(super) fn copy_hashed_aligned(
     })
 }
 
-/// Reads `reader` to its end in batches given to `write`, in order, each hashed on a
-/// second thread while it is written. Returns the digest and length.
-pub fn copy_hashed(
-    mut reader: impl Read,
-    mut write: impl FnMut(&Batch) -> io::Result<()>,
-) -> io::Result<(Digest, u64)> {
-    let mut hasher = Hasher::default();
-    loop {
-        let mut buffer = vec![0u8; BATCH];
-        let mut filled = 0;
-        while filled < BATCH {
-            match reader.read(&mut buffer[filled..]) {
-                Ok(0) => break,
-                Ok(n) => filled += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        buffer.truncate(filled);
-        let mut batch = Batch::default();
-        batch.push(Bytes::from(buffer));
-        if filled < BATCH {
-            // The last (or only) batch: not worth a thread.
-            batch.hash_into(&mut hasher);
-            if filled > 0 {
-                write(&batch)?;
-            }
-            return Ok(hasher.finish());
-        }
-        std::thread::scope(|scope| {
-            let hashing = scope.spawn(|| batch.hash_into(&mut hasher));
-            let written = write(&batch);
-            hashing.join().map_err(|_| io::Error::other("the hashing thread panicked"))?;
-            written
-        })?;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::io::Read;
@@ -645,25 +549,20 @@ mod tests {
     use std::sync::atomic::Ordering;
     use std::time::{Duration, Instant};
 
-    use bytes::Bytes;
-
     use super::{
-        ALIGN, BATCH, BUFFERS, Batch, DEPTH, DirectPace, IdleClock, PACE_WINDOW, PIPELINE_BATCH, Pipeline,
-        SLOW_WINDOWS, Writeback, copy_hashed, copy_hashed_aligned,
+        ALIGN, BUFFERS, DEPTH, DirectPace, IdleClock, PACE_WINDOW, PIPELINE_BATCH, Pipeline, SLOW_WINDOWS,
+        WRITEBACK_STEP, Writeback, copy_hashed_aligned,
     };
-    use crate::store::digest::{Digest, Hasher};
+    use crate::store::digest::Digest;
 
-    /// A reader of `left` bytes, each a function of its position, that notes how much any
-    /// one read asks for.
+    /// A reader of `left` bytes, each a function of its position, at most 100 000 a read.
     struct Endless {
         at: u64,
         left: u64,
-        largest_ask: usize,
     }
 
     impl Read for Endless {
         fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-            self.largest_ask = self.largest_ask.max(buf.len());
             let n = buf.len().min(usize::try_from(self.left).unwrap_or(usize::MAX)).min(100_000);
             for (i, b) in buf[..n].iter_mut().enumerate() {
                 *b = ((self.at + i as u64).wrapping_mul(31) >> 3 & 0xff) as u8;
@@ -674,56 +573,27 @@ mod tests {
         }
     }
 
+    /// A file written step by step has its write-back started from the first whole step on
+    /// a thread of its own, and `finish` waits for it; one for a blob synced after the reply
+    /// never starts one. The data stays as written either way.
     #[test]
-    fn batches_write_every_chunk_in_order_and_hash_the_same_bytes() {
+    fn writeback_starts_at_the_first_step_and_only_where_asked() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let file = std::fs::File::create(dir.path().join("f")).expect("file");
-        // More chunks than one vectored write takes.
-        let chunks: Vec<Vec<u8>> = (0..1300u32).map(|i| i.to_le_bytes().repeat(1 + i as usize % 7)).collect();
-        let mut batch = Batch::default();
-        for chunk in &chunks {
-            batch.push(Bytes::from(chunk.clone()));
+        let step = usize::try_from(WRITEBACK_STEP).expect("fits");
+        for on in [true, false] {
+            let path = dir.path().join(format!("written-{on}"));
+            let file = std::fs::File::create(&path).expect("file");
+            let mut writeback = Writeback::new_if(on, &file);
+            let chunk: Vec<u8> = (0..step / 4).map(|i| i.to_le_bytes()[1]).collect();
+            for i in 0..9 {
+                std::os::unix::fs::FileExt::write_all_at(&file, &chunk, (i * chunk.len()) as u64).expect("write");
+                writeback.wrote(chunk.len());
+                assert_eq!(writeback.thread.is_some(), on && i >= 3, "on: {on}, after {} chunks", i + 1);
+            }
+            writeback.finish().expect("no write-back error");
+            assert!(writeback.thread.is_none(), "finish waited for the thread");
+            assert_eq!(std::fs::read(&path).expect("read"), chunk.repeat(9));
         }
-        batch.push(Bytes::new());
-        let all: Vec<u8> = chunks.concat();
-        assert_eq!(batch.len(), all.len());
-        batch.write_at(&file, 10).expect("write");
-        let written = std::fs::read(dir.path().join("f")).expect("read");
-        assert_eq!(&written[10..], &all[..]);
-        let mut hasher = Hasher::default();
-        batch.hash_into(&mut hasher);
-        assert_eq!(hasher.finish(), (Digest::of(&all), all.len() as u64));
-    }
-
-    /// A large stream is copied batch by batch: no read asks for more than one batch (the
-    /// memory a copy holds), and the digest is the data's.
-    #[test]
-    fn a_copy_streams_in_bounded_batches() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("copy");
-        let file = std::fs::File::create(&path).expect("file");
-        let len = 40 * BATCH as u64 + 12_345;
-        let mut reader = Endless { at: 0, left: len, largest_ask: 0 };
-        let mut writeback = Writeback::new(&file);
-        let (mut offset, mut largest) = (0, 0);
-        let (digest, copied) = copy_hashed(&mut reader, |batch| {
-            largest = largest.max(batch.len());
-            batch.write_at(&file, offset)?;
-            offset += batch.len() as u64;
-            writeback.wrote(batch.len());
-            Ok(())
-        })
-        .expect("copy");
-        writeback.finish().expect("writeback");
-        assert!(largest <= BATCH, "a batch of {largest} bytes");
-        assert_eq!(copied, len);
-        assert!(reader.largest_ask <= BATCH, "a read asked for {} bytes", reader.largest_ask);
-        let data = std::fs::read(&path).expect("read");
-        assert_eq!(digest, Digest::of(&data));
-        let mut again = Endless { at: 0, left: len, largest_ask: 0 };
-        let mut expected = Vec::new();
-        again.read_to_end(&mut expected).expect("read");
-        assert_eq!(data, expected);
     }
 
     /// Chunks of every size, across batch boundaries, come out written in order and
@@ -817,7 +687,7 @@ mod tests {
     fn a_reader_is_copied_whole_in_aligned_recycled_buffers_and_hashed() {
         let len = (3 * PIPELINE_BATCH + 12_345) as u64;
         // Reads of at most 100 000 bytes: a batch is filled by many.
-        let reader = Endless { at: 0, left: len, largest_ask: 0 };
+        let reader = Endless { at: 0, left: len };
         let expected: Vec<u8> = (0..len).map(|i| (i.wrapping_mul(31) >> 3 & 0xff) as u8).collect();
         let (mut out, mut addresses, mut sizes) = (Vec::new(), std::collections::HashSet::new(), Vec::new());
         let mut progress = Vec::new();
@@ -848,7 +718,7 @@ mod tests {
     #[test]
     fn a_copy_clocks_the_hash_waiting_for_the_writer() {
         let len = (2 * DEPTH + 3) * PIPELINE_BATCH;
-        let reader = Endless { at: 0, left: len as u64, largest_ask: 0 };
+        let reader = Endless { at: 0, left: len as u64 };
         let clock = IdleClock::new();
         let (mut held, mut written) = (true, 0);
         let (_, copied) = copy_hashed_aligned(
@@ -876,7 +746,7 @@ mod tests {
     /// A failed write stops the reading, and its error is the one returned.
     #[test]
     fn a_failed_write_stops_the_copy_and_is_reported() {
-        let reader = Endless { at: 0, left: 1 << 40, largest_ask: 0 };
+        let reader = Endless { at: 0, left: 1 << 40 };
         let mut reads = 0;
         let error =
             copy_hashed_aligned(reader, |_| Err(std::io::Error::other("disk full")), |_| reads += 1, &IdleClock::new())

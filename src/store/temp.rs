@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use crate::sync::lock;
 
 use super::beneath::{Dir, Kind};
-use super::stream::{ALIGN, Batch, DirectPace, IdleClock, Pipeline, Writeback};
+use super::stream::{ALIGN, DirectPace, IdleClock, Pipeline, Writeback};
 use super::{Store, StoreError, fs_err, io_err, vanished};
 
 /// Prefix of temporary files in the store; anything named so is debris from a crash
@@ -27,9 +27,9 @@ pub struct TempFile {
     pub(super) file: File,
     temps: Arc<Mutex<HashSet<String>>>,
     placed: bool,
-    /// Where the next [`TempFile::write_batch`] or [`TempFile::append`] goes.
+    /// Where the next [`TempFile::append`] goes.
     written: u64,
-    /// Sends what [`TempFile::write_batch`] wrote to disk as it goes.
+    /// Sends what [`TempFile::append`] wrote through the page cache to disk as it goes.
     writeback: Option<Writeback>,
     /// Whether the write-back starts as the file is written (blobs synced before the
     /// reply), or the pages are left to the kernel until the blob's sync.
@@ -53,18 +53,11 @@ impl TempFile {
         self.dir.rel(&self.name)
     }
 
-    /// Appends `batch` (the file is written only this way, or only through [`Write`]),
-    /// starting its pages' way to disk as it goes.
-    pub fn write_batch(&mut self, batch: &Batch) -> io::Result<()> {
-        batch.write_at(&self.file, self.written)?;
-        self.wrote(batch.len());
-        Ok(())
-    }
-
-    /// Appends `data` as [`TempFile::write_batch`] does: with direct I/O while the file is
-    /// open for it ([`TempFile::direct`]) and `data` is aligned for it, else through the
-    /// page cache (and from then on: the tail of a file, or a device that wants larger
-    /// alignments). Either way the final sync before the blob is named makes it durable.
+    /// Appends `data` (the file is written only this way, or only through [`Write`]): with
+    /// direct I/O while the file is open for it ([`TempFile::direct`]) and `data` is
+    /// aligned for it, else through the page cache (and from then on: the tail of a file,
+    /// or a device that wants larger alignments), starting those pages' way to disk as it
+    /// goes. Either way the final sync before the blob is named makes it durable.
     pub fn append(&mut self, data: &[u8]) -> io::Result<()> {
         self.append_with(data, FileExt::write_all_at)
     }

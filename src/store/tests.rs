@@ -378,43 +378,23 @@ fn garbage_collection_removes_unused_blobs_and_stale_partials_once_old_enough() 
     drop(elsewhere);
 }
 
-/// A reader that says when it is asked for data, then waits for it.
-struct Slow(std::sync::mpsc::Receiver<Vec<u8>>, std::sync::mpsc::Sender<()>);
-impl std::io::Read for Slow {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let _ = self.1.send(());
-        match self.0.recv() {
-            Ok(chunk) => {
-                buf[..chunk.len()].copy_from_slice(&chunk);
-                Ok(chunk.len())
-            }
-            Err(_) => Ok(0),
-        }
-    }
-}
-
 #[test]
 fn garbage_collection_leaves_alone_what_a_running_upload_or_create_uses() {
-    use std::sync::mpsc;
     use std::time::{Duration, SystemTime};
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(&dir.path().join("store")).expect("open");
     // Everything counts as old: only pins and writes in progress protect.
     let later = SystemTime::now() + Duration::from_secs(86_400);
 
-    // An upload whose data is still arriving: its temporary file stays.
-    let (data, rx) = mpsc::channel();
-    let (asked, asking) = mpsc::channel();
-    let uploader = store.clone();
-    let upload = std::thread::spawn(move || uploader.write_blob(Slow(rx, asked), None));
-    data.send(b"first half, ".to_vec()).expect("send");
-    asking.recv().expect("first read");
-    asking.recv().expect("second read: the first chunk is written");
+    // An upload whose data is still arriving (its file, as `POST /api/blobs` opens it, half
+    // written): its temporary file stays.
+    let mut upload = store.upload_blob_file().expect("the upload's file");
+    upload.append(b"first half, ").expect("write");
     let collected = store.collect_garbage(Duration::ZERO, later).expect("gc");
     assert_eq!(collected.files(), 0, "{collected:?}");
-    data.send(b"second half".to_vec()).expect("send");
-    drop(data);
-    let (digest, _) = upload.join().expect("join").expect("upload");
+    upload.append(b"second half").expect("write");
+    let digest = Digest::of(b"first half, second half");
+    store.commit_blob(upload, &digest).expect("the upload's blob");
     assert_eq!(store.read_blob(&digest, super::limits::SmallBlob::Config).expect("blob"), b"first half, second half");
 
     // Creates running beside collections that run as often as they can.

@@ -101,7 +101,7 @@ fn create_model(store: &Store, name: &ModelName, template: &str) -> Manifest {
     let gguf = dir.path().join("tiny.gguf");
     corral::demo_model::write_tiny_llama(&gguf).expect("write the tiny model");
     let (model, model_size) =
-        store.write_blob(fs::File::open(&gguf).expect("open the tiny model"), None).expect("model blob");
+        store.write_blob(&fs::read(&gguf).expect("read the tiny model"), None).expect("model blob");
     let (template_digest, template_size) = store.write_blob(template.as_bytes(), None).expect("template blob");
     let config = ModelConfig {
         model_format: "gguf".into(),
