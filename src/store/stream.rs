@@ -1,8 +1,8 @@
 //! Blob data on its way into the store: hashed and written in one pass, in stages on
-//! threads of their own ([`Pipeline`] for uploads, `copy_hashed_aligned` for imports),
-//! written with direct I/O while the disk keeps up ([`DirectPace`]), else sent to disk as
-//! it goes ([`Writeback`]), so that the one sync before the blob is named waits only for
-//! the tail.
+//! threads of their own ([`Pipeline`] for uploads, `copy_hashed_aligned` for imports; a
+//! pull's landing in `registry` uses the same buffers and clocks), written with direct I/O
+//! while the disk keeps up ([`DirectPace`]), else sent to disk as it goes ([`Writeback`]),
+//! so that the one sync before the blob is named waits only for the tail.
 
 use std::fs::File;
 use std::io::{self, Read};
