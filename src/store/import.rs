@@ -6,7 +6,6 @@
 use std::fs::{self, File};
 use std::io::Seek;
 use std::path::Path;
-use std::sync::Arc;
 
 use super::beneath::Dir;
 use super::digest::Digest;
@@ -136,8 +135,7 @@ impl Store {
                 temp.direct();
             }
             // The disk is the slower part only while the hash waits for it.
-            let hash_waits = Arc::new(IdleClock::new());
-            temp.pace_beside(Arc::clone(&hash_waits));
+            let hash_waits = temp.pace_by_hash();
             let rel = temp.rel();
             let mut write_failed = false;
             let mut write = |data: &[u8]| temp.append(data).inspect_err(|_| write_failed = true);

@@ -166,7 +166,7 @@ impl DirectPace {
         self.next = Some((next, 0));
     }
 
-    /// Runs `write`, a direct write of `n` bytes, and counts it ([`DirectPace::wrote`]):
+    /// Runs `write`, a direct write of `n` bytes, and counts it (`DirectPace::wrote`):
     /// whether direct writes turned out to be the slower part with it.
     pub fn time(&mut self, n: usize, write: impl FnOnce() -> io::Result<()>) -> io::Result<bool> {
         let began = Instant::now();
@@ -184,7 +184,7 @@ impl DirectPace {
     /// Counts a direct write of `n` bytes that ran from `began` to `ended`, when the stage
     /// beside the writer, if there is one, has waited `next_waited` since the window began:
     /// `true` when it closes the last of [`SLOW_WINDOWS`] slow windows in a row.
-    pub fn wrote(&mut self, began: Instant, ended: Instant, n: usize, next_waited: Option<Duration>) -> bool {
+    fn wrote(&mut self, began: Instant, ended: Instant, n: usize, next_waited: Option<Duration>) -> bool {
         let (start, busy, bytes) = self.window.get_or_insert((began, Duration::ZERO, 0));
         *busy += ended.saturating_duration_since(began);
         *bytes += n as u64;

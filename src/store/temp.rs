@@ -166,8 +166,7 @@ impl TempFile {
     /// [`Pipeline::finish`] as a [`StoreError`] inside the I/O error.
     #[must_use]
     pub fn into_pipeline(mut self) -> Pipeline<Self> {
-        let hash_waits = Arc::new(IdleClock::new());
-        self.pace_beside(Arc::clone(&hash_waits));
+        let hash_waits = self.pace_by_hash();
         Pipeline::start(self, hash_waits, |file: &mut Self, data: &[u8]| {
             file.append(data).map_err(|source| {
                 io::Error::other(StoreError::Io { context: format!("cannot write {}", file.rel()), source })
@@ -175,10 +174,12 @@ impl TempFile {
         })
     }
 
-    /// Judges the disk's pace by the waits of `hash` too, the thread that hands each
-    /// batch to the writer ([`DirectPace::beside`]), until [`TempFile::reset`].
-    pub(super) fn pace_beside(&mut self, hash: Arc<IdleClock>) {
-        self.pace.beside(hash);
+    /// A clock for the hash that hands each batch to this file's writer: the disk's pace
+    /// is judged by its waits too ([`DirectPace::beside`]), until [`TempFile::reset`].
+    pub(super) fn pace_by_hash(&mut self) -> Arc<IdleClock> {
+        let hash_waits = Arc::new(IdleClock::new());
+        self.pace.beside(Arc::clone(&hash_waits));
+        hash_waits
     }
 
     /// Starts over with a new empty file under this name.
