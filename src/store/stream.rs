@@ -295,8 +295,9 @@ pub struct Pipeline<W> {
 
 impl<W: Send + 'static> Pipeline<W> {
     /// Starts the hasher and the writer: `write` gets `sink` and each batch in order, on
-    /// the blocking pool, one batch at a time, once it is hashed. Between batches the
-    /// stages are tasks that hold no thread, so an upload whose client stalls holds none.
+    /// the blocking pool, one batch at a time, once it is hashed. Each stage keeps a
+    /// blocking thread while batches are waiting for it ([`HashStage::run`]) and is a task
+    /// that holds none when none is, so an upload whose client stalls holds no thread.
     /// `hash_waits` counts how long the hash waited for the writer (for its
     /// [`DirectPace`]). Dropping the pipeline lets it finish the batches already handed
     /// on, then drop `sink`.
@@ -305,46 +306,50 @@ impl<W: Send + 'static> Pipeline<W> {
         hash_waits: Arc<IdleClock>,
         write: impl FnMut(&mut W, &[u8]) -> io::Result<()> + Send + 'static,
     ) -> Self {
-        let (to_hasher, mut unhashed) = tokio::sync::mpsc::channel::<Aligned>(DEPTH);
-        let (to_writer, mut writes) = tokio::sync::mpsc::channel::<Aligned>(DEPTH);
+        let (to_hasher, unhashed) = tokio::sync::mpsc::channel::<Aligned>(DEPTH);
+        let (to_writer, writes) = tokio::sync::mpsc::channel::<Aligned>(DEPTH);
         let (give_back, written) = tokio::sync::mpsc::unbounded_channel();
         let hashing = tokio::spawn(async move {
-            let mut hasher = Hasher::default();
-            while let Some(batch) = unhashed.recv().await {
-                let (back, batch) = tokio::task::spawn_blocking(move || {
-                    hasher.update(batch.data());
-                    (hasher, batch)
+            let mut stage = HashStage { hasher: Hasher::default(), unhashed, to_writer };
+            while let Some(batch) = stage.unhashed.recv().await {
+                let (back, left) = tokio::task::spawn_blocking(move || {
+                    let left = stage.run(batch);
+                    (stage, left)
                 })
                 .await
                 .map_err(|_| io::Error::other("a blob's hashing thread panicked"))?;
-                hasher = back;
-                let sent = {
-                    let _waiting = hash_waits.waiting();
-                    to_writer.send(batch).await
-                };
-                // Gone when the writing stopped, which `finish` reports.
-                if sent.is_err() {
-                    break;
+                stage = back;
+                match left {
+                    Left::Nothing => {}
+                    Left::ForTheWriter(batch) => {
+                        let sent = {
+                            let _waiting = hash_waits.waiting();
+                            stage.to_writer.send(batch).await
+                        };
+                        // Gone when the writing stopped, which `finish` reports.
+                        if sent.is_err() {
+                            break;
+                        }
+                    }
+                    Left::WriterGone => break,
                 }
             }
-            Ok(hasher)
+            Ok(stage.hasher)
         });
         let writing = tokio::spawn(async move {
-            let (mut sink, mut write) = (sink, write);
-            while let Some(batch) = writes.recv().await {
-                // The sink and the function go to the blocking thread and come back.
-                let (back, again, batch, outcome) = tokio::task::spawn_blocking(move || {
-                    let outcome = write(&mut sink, batch.data());
-                    (sink, write, batch, outcome)
+            let mut stage = WriteStage { sink, write, writes, give_back };
+            while let Some(batch) = stage.writes.recv().await {
+                // The stage goes to the blocking thread and comes back.
+                let (back, outcome) = tokio::task::spawn_blocking(move || {
+                    let outcome = stage.run(batch);
+                    (stage, outcome)
                 })
                 .await
                 .map_err(|_| io::Error::other("a blob's writing thread panicked"))?;
-                (sink, write) = (back, again);
+                stage = back;
                 outcome?;
-                // Gone only when the pipeline is: then the buffer is not needed.
-                let _ = give_back.send(batch);
             }
-            Ok(sink)
+            Ok(stage.sink)
         });
         Self { filling: Aligned::new(), buffers: 1, to_hasher: Some(to_hasher), written, hashing, writing }
     }
@@ -402,6 +407,70 @@ impl<W: Send + 'static> Pipeline<W> {
         let hashed = self.hashing.await.map_err(|_| io::Error::other("a blob's hasher panicked"))?;
         let written = self.writing.await.map_err(|_| io::Error::other("a blob's writer panicked"))??;
         Ok((written, hashed?))
+    }
+}
+
+/// A [`Pipeline`]'s hash, with the batches it takes and where it hands them on.
+struct HashStage {
+    hasher: Hasher,
+    unhashed: tokio::sync::mpsc::Receiver<Aligned>,
+    to_writer: tokio::sync::mpsc::Sender<Aligned>,
+}
+
+/// What the hash left undone when it gave its thread back.
+enum Left {
+    /// Every batch that came is hashed and with the writer.
+    Nothing,
+    /// A hashed batch for which the writer had no room yet.
+    ForTheWriter(Aligned),
+    /// The writing stopped (a failed write, which `finish` reports).
+    WriterGone,
+}
+
+impl HashStage {
+    /// Hashes `batch` and then every batch already waiting, on the blocking thread it was
+    /// called on, handing each to the writer while it has room. Going back to the runtime
+    /// between batches instead cost the hash a wait for a runtime thread on every batch,
+    /// where the cores are busy.
+    fn run(&mut self, mut batch: Aligned) -> Left {
+        loop {
+            self.hasher.update(batch.data());
+            match self.to_writer.try_send(batch) {
+                Ok(()) => {}
+                Err(tokio::sync::mpsc::error::TrySendError::Full(batch)) => return Left::ForTheWriter(batch),
+                Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => return Left::WriterGone,
+            }
+            match self.unhashed.try_recv() {
+                Ok(next) => batch = next,
+                // None waiting, or none to come: the task's `recv` tells which.
+                Err(_) => return Left::Nothing,
+            }
+        }
+    }
+}
+
+/// A [`Pipeline`]'s writer: the sink, the function that writes to it, the batches it
+/// takes and where it gives their buffers back.
+struct WriteStage<W, F> {
+    sink: W,
+    write: F,
+    writes: tokio::sync::mpsc::Receiver<Aligned>,
+    give_back: tokio::sync::mpsc::UnboundedSender<Aligned>,
+}
+
+impl<W, F: FnMut(&mut W, &[u8]) -> io::Result<()>> WriteStage<W, F> {
+    /// Writes `batch` and then every batch already waiting, on the blocking thread it was
+    /// called on, as [`HashStage::run`] hashes.
+    fn run(&mut self, mut batch: Aligned) -> io::Result<()> {
+        loop {
+            (self.write)(&mut self.sink, batch.data())?;
+            // Gone only when the pipeline is: then the buffer is not needed.
+            let _ = self.give_back.send(batch);
+            match self.writes.try_recv() {
+                Ok(next) => batch = next,
+                Err(_) => return Ok(()),
+            }
+        }
     }
 }
 
@@ -550,10 +619,10 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{
-        ALIGN, BUFFERS, DEPTH, DirectPace, IdleClock, PACE_WINDOW, PIPELINE_BATCH, Pipeline, SLOW_WINDOWS,
-        WRITEBACK_STEP, Writeback, copy_hashed_aligned,
+        ALIGN, Aligned, BUFFERS, DEPTH, DirectPace, HashStage, IdleClock, Left, PACE_WINDOW, PIPELINE_BATCH, Pipeline,
+        SLOW_WINDOWS, WRITEBACK_STEP, WriteStage, Writeback, copy_hashed_aligned,
     };
-    use crate::store::digest::Digest;
+    use crate::store::digest::{Digest, Hasher};
 
     /// A reader of `left` bytes, each a function of its position, at most 100 000 a read.
     struct Endless {
@@ -663,6 +732,67 @@ mod tests {
         assert_eq!(hasher.finish(), (Digest::of(&written), written.len() as u64));
         assert_eq!(clock.since.load(Ordering::Relaxed), 0, "a wait still counted after the pipeline finished");
         assert!(Duration::from_nanos(clock.total()) >= waited);
+    }
+
+    /// A batch of ten bytes of `byte`.
+    fn ten(byte: u8) -> Aligned {
+        let mut batch = Aligned::new();
+        batch.extend(&[byte; 10]);
+        batch
+    }
+
+    /// The hash keeps its thread while batches wait for it: one call hashes the batch it
+    /// is given and every one queued, handing each to the writer while the writer has
+    /// room; a batch that finds none goes back to the task, the ones after it stay queued.
+    #[test]
+    fn the_hash_stage_takes_every_waiting_batch_in_one_call() {
+        let (to_hasher, unhashed) = tokio::sync::mpsc::channel(DEPTH + 2);
+        let (to_writer, mut writes) = tokio::sync::mpsc::channel(DEPTH);
+        let mut stage = HashStage { hasher: Hasher::default(), unhashed, to_writer };
+        to_hasher.try_send(ten(2)).expect("room");
+        assert!(matches!(stage.run(ten(1)), Left::Nothing));
+        assert_eq!(stage.hasher.hashed(), 20, "the queued batch was hashed in the same call");
+        // The writer's queue is full now.
+        to_hasher.try_send(ten(4)).expect("room");
+        let Left::ForTheWriter(left) = stage.run(ten(3)) else { panic!("the writer had no room") };
+        assert_eq!(left.data(), [3; 10]);
+        assert_eq!(stage.hasher.hashed(), 30, "the batch after the one left is not hashed yet");
+        let handed: Vec<_> = [writes.try_recv(), writes.try_recv()].map(|b| b.expect("handed on").data()[0]).into();
+        assert_eq!(handed, [1, 2]);
+        drop(writes);
+        let queued = stage.unhashed.try_recv().expect("still queued");
+        assert!(matches!(stage.run(queued), Left::WriterGone));
+        let mut all = Hasher::default();
+        for byte in 1..=4 {
+            all.update(&[byte; 10]);
+        }
+        assert_eq!(stage.hasher.finish(), all.finish());
+    }
+
+    /// The writer too writes every batch waiting for it in one call, giving each buffer
+    /// back; a failed write stops it there, with the batches after it still queued.
+    #[test]
+    fn the_write_stage_takes_every_waiting_batch_in_one_call() {
+        let (to_writer, writes) = tokio::sync::mpsc::channel(DEPTH);
+        let (give_back, mut written) = tokio::sync::mpsc::unbounded_channel();
+        let write = |out: &mut Vec<u8>, data: &[u8]| {
+            if data[0] == 9 {
+                return Err(std::io::Error::other("disk full"));
+            }
+            out.extend_from_slice(data);
+            Ok(())
+        };
+        let mut stage = WriteStage { sink: Vec::new(), write, writes, give_back };
+        to_writer.try_send(ten(2)).expect("room");
+        to_writer.try_send(ten(3)).expect("room");
+        stage.run(ten(1)).expect("written");
+        assert_eq!(stage.sink, [[1; 10], [2; 10], [3; 10]].concat());
+        assert_eq!((0..3).filter(|_| written.try_recv().is_ok()).count(), 3, "every buffer given back");
+        to_writer.try_send(ten(5)).expect("room");
+        let error = stage.run(ten(9)).expect_err("the write failed");
+        assert_eq!(error.to_string(), "disk full");
+        assert_eq!(stage.writes.try_recv().expect("still queued").data(), [5; 10]);
+        assert_eq!(stage.sink.len(), 30);
     }
 
     /// A write that fails stops the pipeline: pushing says so, and the error comes back.
