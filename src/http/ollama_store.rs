@@ -305,7 +305,7 @@ async fn create(State(state): State<AppState>, body: Bytes) -> Response {
 /// The registry client for a pull or push: the daemon's shared one (concurrent pulls of a
 /// blob share one download; `[store] insecure_registries` speak plain HTTP), or, when the
 /// request says `insecure` for a registry the configuration does not list, one for this
-/// request with plain HTTP to that registry.
+/// request with plain HTTP to that registry (sharing the daemon's downloads and their bound).
 fn registry_for(
     shared: &Registry,
     request: &Map<String, Value>,

@@ -559,45 +559,58 @@ async fn parts_come_at_once_while_the_hash_waits_for_data_and_the_blob_is_still_
 
 /// At most `max_downloads` blobs are downloaded at once, over every pull: with one allowed
 /// and the first pull's weights held by the registry, a second pull into another store asks
-/// for nothing until that download has ended, then gets its blob whole.
+/// for nothing until that download has ended, then gets its blob whole. The same holds for
+/// pulls whose requests say `insecure` for a registry the configuration does not list (each
+/// gets its own `allowing_insecure` client, as the HTTP and D-Bus APIs make them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_download_past_the_bound_waits_for_one_to_end() {
-    let world = World::new();
-    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
-    let model = manifest.model().clone();
-    let proxy = Proxy::start(world.registry.addr());
-    let gate = hold_gets_of(&proxy, &model.digest);
-    let name = name_on(&proxy.host(), "test/tiny:v1");
-    let client = client(&[proxy.host()], |c| {
-        c.max_downloads = 1;
-        c.max_parts = 1;
-    });
-    let (first, second) = (world.store("first"), world.store("second"));
-    let (sender, mut events) = mpsc::unbounded_channel();
-    let one = spawn_pull(&client, &first, &name, 1, &sender);
-    within("the first pull's request for its weights", gate.arrivals(1)).await;
-    let two = spawn_pull(&client, &second, &name, 2, &sender);
-    within("the second pull's manifest", async {
-        while events.recv().await.expect("a pull ended early") != (2, Progress::step("pulling manifest")) {}
-    })
-    .await;
-    // Without the bound, its request for the weights comes to the gate at once.
-    let asked = tokio::time::timeout(Duration::from_millis(500), gate.arrivals(2)).await;
-    assert!(asked.is_err(), "the second download asked while the only one allowed ran: {:?}", proxy.seen());
-    assert!(
-        std::iter::from_fn(|| events.try_recv().ok()).all(|(id, p)| id != 2 || p.digest != Some(model.digest)),
-        "the waiting download reports no progress"
-    );
+    for listed in [true, false] {
+        let world = World::new();
+        let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+        let model = manifest.model().clone();
+        let proxy = Proxy::start(world.registry.addr());
+        let gate = hold_gets_of(&proxy, &model.digest);
+        let name = name_on(&proxy.host(), "test/tiny:v1");
+        let hosts = if listed { vec![proxy.host()] } else { Vec::new() };
+        let client = client(&hosts, |c| {
+            c.max_downloads = 1;
+            c.max_parts = 1;
+        });
+        let (first, second) = (world.store("first"), world.store("second"));
+        let (sender, mut events) = mpsc::unbounded_channel();
+        let one = spawn_pull(&client.allowing_insecure(&proxy.host()), &first, &name, 1, &sender);
+        within("the first pull's request for its weights", gate.arrivals(1)).await;
+        let two = spawn_pull(&client.allowing_insecure(&proxy.host()), &second, &name, 2, &sender);
+        within("the second pull's manifest", async {
+            while events.recv().await.expect("a pull ended early") != (2, Progress::step("pulling manifest")) {}
+        })
+        .await;
+        // Without the bound, its request for the weights comes to the gate at once.
+        let asked = tokio::time::timeout(Duration::from_millis(500), gate.arrivals(2)).await;
+        assert!(
+            asked.is_err(),
+            "listed: {listed}: the second download asked while the only one allowed ran: {:?}",
+            proxy.seen()
+        );
+        assert!(
+            std::iter::from_fn(|| events.try_recv().ok()).all(|(id, p)| id != 2 || p.digest != Some(model.digest)),
+            "the waiting download reports no progress"
+        );
 
-    gate.open();
-    for (pull, store) in [(one, &first), (two, &second)] {
-        let (result, _) = within("pull", pull).await.expect("the pull's task");
-        result.expect("pull");
-        assert_eq!(snapshot(store, &name), published);
+        gate.open();
+        for (pull, store) in [(one, &first), (two, &second)] {
+            let (result, _) = within("pull", pull).await.expect("the pull's task");
+            result.expect("pull");
+            assert_eq!(snapshot(store, &name), published);
+        }
+        let every_part = parts_from(0, model.size);
+        let one_after_the_other: Vec<_> = every_part.iter().chain(&every_part).copied().collect();
+        assert_eq!(
+            blob_ranges(&proxy.seen(), &model.digest),
+            one_after_the_other,
+            "listed: {listed}: the second began once the first ended"
+        );
     }
-    let every_part = parts_from(0, model.size);
-    let one_after_the_other: Vec<_> = every_part.iter().chain(&every_part).copied().collect();
-    assert_eq!(blob_ranges(&proxy.seen(), &model.digest), one_after_the_other, "the second began once the first ended");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -905,34 +918,40 @@ async fn wait_for_progress(events: &mut Events, ids: &[usize], digest: Digest) {
     .await;
 }
 
+/// Two pulls of one model into one store share one download, also where each request says
+/// `insecure` for a registry the configuration does not list.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_pulls_of_the_same_model_share_one_download() {
-    let world = World::new();
-    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
-    let model = manifest.model().clone();
-    let proxy = Proxy::start(world.registry.addr());
-    let gate = hold_gets_of(&proxy, &model.digest);
-    let store = world.store("dest");
-    let name = name_on(&proxy.host(), "test/tiny:v1");
-    let client = client(&[proxy.host()], |c| c.part_size = 64 << 20);
+    for listed in [true, false] {
+        let world = World::new();
+        let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+        let model = manifest.model().clone();
+        let proxy = Proxy::start(world.registry.addr());
+        let gate = hold_gets_of(&proxy, &model.digest);
+        let store = world.store("dest");
+        let name = name_on(&proxy.host(), "test/tiny:v1");
+        let hosts = if listed { vec![proxy.host()] } else { Vec::new() };
+        let client = client(&hosts, |c| c.part_size = 64 << 20);
 
-    let (sender, mut events) = mpsc::unbounded_channel();
-    let first = spawn_pull(&client, &store, &name, 1, &sender);
-    let second = spawn_pull(&client, &store, &name, 2, &sender);
-    // Both wait on the weights, whose only GET the proxy holds.
-    wait_for_progress(&mut events, &[1, 2], model.digest).await;
-    gate.open();
-    let (first, first_events) = within("first pull", first).await.expect("join");
-    let (second, second_events) = within("second pull", second).await.expect("join");
-    let digest = Digest::of(&published.manifest);
-    assert_eq!(first.expect("first pull"), digest);
-    assert_eq!(second.expect("second pull"), digest);
-    assert_pull_progress(&first_events, &manifest);
-    assert_pull_progress(&second_events, &manifest);
-    assert_eq!(blob_ranges(&proxy.seen(), &model.digest), vec![(0, model.size - 1)], "one download, shared");
-    let manifest_gets = proxy.seen().iter().filter(|s| s.path.contains("/manifests/")).count();
-    assert_eq!(manifest_gets, 2, "each pull fetched the manifest");
-    assert_eq!(snapshot(&store, &name), published);
+        let (sender, mut events) = mpsc::unbounded_channel();
+        let first = spawn_pull(&client.allowing_insecure(&proxy.host()), &store, &name, 1, &sender);
+        let second = spawn_pull(&client.allowing_insecure(&proxy.host()), &store, &name, 2, &sender);
+        // Both wait on the weights, whose only GET the proxy holds.
+        wait_for_progress(&mut events, &[1, 2], model.digest).await;
+        gate.open();
+        let (first, first_events) = within("first pull", first).await.expect("join");
+        let (second, second_events) = within("second pull", second).await.expect("join");
+        let digest = Digest::of(&published.manifest);
+        assert_eq!(first.expect("first pull"), digest);
+        assert_eq!(second.expect("second pull"), digest);
+        assert_pull_progress(&first_events, &manifest);
+        assert_pull_progress(&second_events, &manifest);
+        let ranges = blob_ranges(&proxy.seen(), &model.digest);
+        assert_eq!(ranges, vec![(0, model.size - 1)], "listed: {listed}: one download, shared");
+        let manifest_gets = proxy.seen().iter().filter(|s| s.path.contains("/manifests/")).count();
+        assert_eq!(manifest_gets, 2, "each pull fetched the manifest");
+        assert_eq!(snapshot(&store, &name), published);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

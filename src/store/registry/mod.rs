@@ -163,20 +163,25 @@ struct BlobStatus {
 }
 
 /// A registry client: the configuration, one HTTP client, and the downloads in flight.
-/// Create one and share it (it is cheap to clone); pulls through the same `Registry` share
-/// downloads of the same blob into the same store.
+/// Create one and share it (it is cheap to clone); pulls through the same `Registry`, or
+/// through those [`Registry::allowing_insecure`] makes from it, share downloads of the same
+/// blob into the same store and one bound on downloads at once.
 #[derive(Debug, Clone)]
 pub struct Registry {
     inner: Arc<Inner>,
 }
 
+/// What a [`Registry`] shares with the ones [`Registry::allowing_insecure`] makes from it
+/// (those differ only in the registries they speak plain HTTP to), so that a request saying
+/// `insecure` neither passes the bound on downloads nor builds a client of its own.
 #[derive(Debug)]
 struct Inner {
     config: RegistryConfig,
     /// Built on first use: building reads and parses every system CA certificate, which a
     /// daemon that never pulls should not pay for at start (time, and memory it touches).
-    client: OnceLock<Result<Client, String>>,
-    inflight: Mutex<Inflight>,
+    /// One client speaks both HTTPS and plain HTTP: a blob's URL chooses.
+    client: Arc<OnceLock<Result<Client, String>>>,
+    inflight: Arc<Mutex<Inflight>>,
     /// One permit per download that may run ([`RegistryConfig::max_downloads`]).
     downloads: Arc<Semaphore>,
 }
@@ -200,7 +205,7 @@ impl Registry {
     #[must_use]
     pub fn new(config: RegistryConfig) -> Self {
         let downloads = Arc::new(Semaphore::new(config.max_downloads.max(1)));
-        Self { inner: Arc::new(Inner { config, client: OnceLock::new(), inflight: Mutex::default(), downloads }) }
+        Self { inner: Arc::new(Inner { config, client: Arc::default(), inflight: Arc::default(), downloads }) }
     }
 
     /// The configuration.
@@ -209,8 +214,9 @@ impl Registry {
         &self.inner.config
     }
 
-    /// This client, or for a registry host it does not already speak plain HTTP to, a new
-    /// one that does (a client's `insecure` request). The new one shares no downloads.
+    /// This client, or for a registry host it does not already speak plain HTTP to, one
+    /// that also does (a client's `insecure` request). It shares this one's HTTP client,
+    /// its downloads in flight and its bound on them ([`RegistryConfig::max_downloads`]).
     #[must_use]
     pub fn allowing_insecure(&self, host: &str) -> Registry {
         if self.inner.config.insecure.iter().any(|h| h == host) {
@@ -218,7 +224,10 @@ impl Registry {
         }
         let mut config = self.inner.config.clone();
         config.insecure.push(host.to_owned());
-        Self::new(config)
+        let inner = &self.inner;
+        let (client, inflight, downloads) =
+            (Arc::clone(&inner.client), Arc::clone(&inner.inflight), Arc::clone(&inner.downloads));
+        Self { inner: Arc::new(Inner { config, client, inflight, downloads }) }
     }
 
     /// Pulls `name` into `store` (see the module documentation), reporting progress as it
