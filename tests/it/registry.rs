@@ -566,21 +566,17 @@ async fn parts_come_at_once_while_the_hash_waits_for_data_and_the_blob_is_still_
 async fn a_download_past_the_bound_waits_for_one_to_end() {
     for listed in [true, false] {
         let world = World::new();
-        let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
-        let model = manifest.model().clone();
-        let proxy = Proxy::start(world.registry.addr());
-        let gate = hold_gets_of(&proxy, &model.digest);
-        let name = name_on(&proxy.host(), "test/tiny:v1");
-        let hosts = if listed { vec![proxy.host()] } else { Vec::new() };
-        let client = client(&hosts, |c| {
+        let held = HeldWeights::publish(&world, listed, |c| {
             c.max_downloads = 1;
             c.max_parts = 1;
-        });
+        })
+        .await;
+        let HeldWeights { published, model, proxy, gate, name, .. } = &held;
         let (first, second) = (world.store("first"), world.store("second"));
         let (sender, mut events) = mpsc::unbounded_channel();
-        let one = spawn_pull(&client.allowing_insecure(&proxy.host()), &first, &name, 1, &sender);
+        let one = spawn_pull(&held.pull_client(), &first, name, 1, &sender);
         within("the first pull's request for its weights", gate.arrivals(1)).await;
-        let two = spawn_pull(&client.allowing_insecure(&proxy.host()), &second, &name, 2, &sender);
+        let two = spawn_pull(&held.pull_client(), &second, name, 2, &sender);
         within("the second pull's manifest", async {
             while events.recv().await.expect("a pull ended early") != (2, Progress::step("pulling manifest")) {}
         })
@@ -601,7 +597,7 @@ async fn a_download_past_the_bound_waits_for_one_to_end() {
         for (pull, store) in [(one, &first), (two, &second)] {
             let (result, _) = within("pull", pull).await.expect("the pull's task");
             result.expect("pull");
-            assert_eq!(snapshot(store, &name), published);
+            assert_eq!(snapshot(store, name), *published);
         }
         let every_part = parts_from(0, model.size);
         let one_after_the_other: Vec<_> = every_part.iter().chain(&every_part).copied().collect();
@@ -883,6 +879,39 @@ fn hold_gets_of(proxy: &Proxy, digest: &Digest) -> Gate {
     gate
 }
 
+/// A published `test/tiny:v1` behind a proxy that holds every GET of its weights until
+/// `gate` opens, and a client of the proxy's registry: one that lists it among the
+/// registries spoken to in plain HTTP (`listed`), or one that lists none, from which each
+/// pull takes a client of its own as a request saying `insecure` does.
+struct HeldWeights {
+    manifest: Manifest,
+    published: Snapshot,
+    model: Layer,
+    proxy: Proxy,
+    gate: Gate,
+    name: ModelName,
+    client: Registry,
+}
+
+impl HeldWeights {
+    async fn publish(world: &World, listed: bool, tweak: impl FnOnce(&mut RegistryConfig)) -> Self {
+        let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+        let model = manifest.model().clone();
+        let proxy = Proxy::start(world.registry.addr());
+        let gate = hold_gets_of(&proxy, &model.digest);
+        let name = name_on(&proxy.host(), "test/tiny:v1");
+        let hosts = if listed { vec![proxy.host()] } else { Vec::new() };
+        let client = client(&hosts, tweak);
+        Self { manifest, published, model, proxy, gate, name, client }
+    }
+
+    /// The client one pull uses (`Registry::allowing_insecure`, as the HTTP and D-Bus APIs
+    /// call it for a request saying `insecure`).
+    fn pull_client(&self) -> Registry {
+        self.client.allowing_insecure(&self.proxy.host())
+    }
+}
+
 /// Starts a pull in its own task, its progress sent to `events` tagged with `id`.
 fn spawn_pull(
     client: &Registry,
@@ -924,18 +953,13 @@ async fn wait_for_progress(events: &mut Events, ids: &[usize], digest: Digest) {
 async fn two_pulls_of_the_same_model_share_one_download() {
     for listed in [true, false] {
         let world = World::new();
-        let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
-        let model = manifest.model().clone();
-        let proxy = Proxy::start(world.registry.addr());
-        let gate = hold_gets_of(&proxy, &model.digest);
+        let held = HeldWeights::publish(&world, listed, |c| c.part_size = 64 << 20).await;
+        let HeldWeights { manifest, published, model, proxy, gate, name, .. } = &held;
         let store = world.store("dest");
-        let name = name_on(&proxy.host(), "test/tiny:v1");
-        let hosts = if listed { vec![proxy.host()] } else { Vec::new() };
-        let client = client(&hosts, |c| c.part_size = 64 << 20);
 
         let (sender, mut events) = mpsc::unbounded_channel();
-        let first = spawn_pull(&client.allowing_insecure(&proxy.host()), &store, &name, 1, &sender);
-        let second = spawn_pull(&client.allowing_insecure(&proxy.host()), &store, &name, 2, &sender);
+        let first = spawn_pull(&held.pull_client(), &store, name, 1, &sender);
+        let second = spawn_pull(&held.pull_client(), &store, name, 2, &sender);
         // Both wait on the weights, whose only GET the proxy holds.
         wait_for_progress(&mut events, &[1, 2], model.digest).await;
         gate.open();
@@ -944,13 +968,13 @@ async fn two_pulls_of_the_same_model_share_one_download() {
         let digest = Digest::of(&published.manifest);
         assert_eq!(first.expect("first pull"), digest);
         assert_eq!(second.expect("second pull"), digest);
-        assert_pull_progress(&first_events, &manifest);
-        assert_pull_progress(&second_events, &manifest);
+        assert_pull_progress(&first_events, manifest);
+        assert_pull_progress(&second_events, manifest);
         let ranges = blob_ranges(&proxy.seen(), &model.digest);
         assert_eq!(ranges, vec![(0, model.size - 1)], "listed: {listed}: one download, shared");
         let manifest_gets = proxy.seen().iter().filter(|s| s.path.contains("/manifests/")).count();
         assert_eq!(manifest_gets, 2, "each pull fetched the manifest");
-        assert_eq!(snapshot(&store, &name), published);
+        assert_eq!(snapshot(&store, name), *published);
     }
 }
 
