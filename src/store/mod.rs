@@ -106,16 +106,26 @@ pub struct Pin {
     digests: Vec<Digest>,
 }
 
-impl Drop for Pin {
-    fn drop(&mut self) {
-        let mut pins = lock(&self.pins);
-        for digest in &self.digests {
-            if let Some(count) = pins.get_mut(digest) {
+impl Pin {
+    /// Takes this pin's counts out of `pins` (the table, locked); dropped after, it does nothing.
+    fn release(&mut self, pins: &mut HashMap<Digest, usize>) {
+        for digest in self.digests.drain(..) {
+            if let Some(count) = pins.get_mut(&digest) {
                 *count -= 1;
                 if *count == 0 {
-                    pins.remove(digest);
+                    pins.remove(&digest);
                 }
             }
+        }
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        // Not after `release`, which may have run with the table locked by the caller.
+        if !self.digests.is_empty() {
+            let pins = Arc::clone(&self.pins);
+            self.release(&mut lock(&pins));
         }
     }
 }
@@ -272,6 +282,32 @@ impl Store {
             *pins.entry(*digest).or_default() += 1;
         }
         Pin { pins: Arc::clone(&self.pins), digests }
+    }
+
+    /// Runs `place` (which names the new blob `digest` from files `own` guards) only while
+    /// something besides `own` pins `digest`, holding the pin table, and lets `own` go with
+    /// it once `place` succeeds. An operation given up takes back what it placed under the
+    /// same lock ([`Store::remove_unreferenced`]), so a blob is neither named after the last
+    /// operation that wanted it has gone, nor kept by a pin of files that are gone. `None`
+    /// when nothing else pins `digest`.
+    pub(crate) fn name_if_wanted<T, E>(
+        &self,
+        own: &mut Option<Pin>,
+        digest: &Digest,
+        place: impl FnOnce() -> Result<T, E>,
+    ) -> Option<Result<T, E>> {
+        let mut pins = lock(&self.pins);
+        let mine = own.as_ref().map_or(0, |pin| pin.digests.iter().filter(|d| *d == digest).count());
+        if pins.get(digest).copied().unwrap_or(0) <= mine {
+            return None;
+        }
+        let placed = place();
+        if placed.is_ok() {
+            if let Some(mut pin) = own.take() {
+                pin.release(&mut pins);
+            }
+        }
+        Some(placed)
     }
 }
 

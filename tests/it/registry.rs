@@ -1071,6 +1071,14 @@ async fn an_api_pull_whose_client_goes_away_is_cancelled_and_resumable() {
     // no manifest is written.
     drop(body);
     wait_for_the_first_two_parts(&state.store, &model.digest).await;
+    // The pull ends on its own, moments after its client: its small layers (downloaded
+    // beside the weights, so in place by now) go once it has.
+    poll_until_async(DEADLINE, "the pull given up to take back its blobs", || {
+        let visible: Vec<String> =
+            manifest.blobs().filter(|l| state.store.has_blob(&l.digest)).map(|l| l.digest.to_string()).collect();
+        async move { if visible.is_empty() { Ok(()) } else { Err(format!("still in place: {visible:?}")) } }
+    })
+    .await;
     assert_nothing_written(&state.store, &name, &manifest, true);
 
     // A new pull through the API resumes from the third part.
@@ -1159,12 +1167,14 @@ async fn publish_two_large_layers(world: &World, model: &str) -> (Manifest, Snap
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn large_layers_download_at_once_and_report_progress_one_after_the_other() {
+async fn layers_download_at_once_and_report_progress_one_after_the_other() {
     let world = World::new();
     let (manifest, published) = publish_two_large_layers(&world, "test/two:v1").await;
-    let (weights, adapter) = (manifest.layers()[0].digest, manifest.layers()[1].digest);
+    let (weights, adapter, config) =
+        (manifest.layers()[0].digest, manifest.layers()[1].digest, manifest.config().digest);
     let proxy = Proxy::start(world.registry.addr());
-    // Every request for the weights waits: the adapter's only start if layers run at once.
+    // Every request for the weights waits: the adapter's and the config's only start if
+    // layers run at once. The config, small and last, need not wait for the large ones.
     let gate = hold_gets_of(&proxy, &weights);
     let store = world.store("dest");
     let name = name_on(&proxy.host(), "test/two:v1");
@@ -1172,9 +1182,14 @@ async fn large_layers_download_at_once_and_report_progress_one_after_the_other()
     let (sender, _events) = mpsc::unbounded_channel();
     let pull = spawn_pull(&client, &store, &name, 1, &sender);
     within("the weights' request", gate.arrivals(1)).await;
-    poll_until_async(DEADLINE, "the adapter's requests while the weights wait", || {
-        let asked = !blob_ranges(&proxy.seen(), &adapter).is_empty();
-        async move { if asked { Ok(()) } else { Err("no request for the adapter".to_owned()) } }
+    poll_until_async(DEADLINE, "the adapter's and the config's requests while the weights wait", || {
+        let seen = proxy.seen();
+        let missing: Vec<&str> = [(adapter, "the adapter"), (config, "the config")]
+            .into_iter()
+            .filter(|(digest, _)| !seen.iter().any(|s| s.is_blob_get(&digest.to_string())))
+            .map(|(_, what)| what)
+            .collect();
+        async move { if missing.is_empty() { Ok(()) } else { Err(format!("no request for {missing:?}")) } }
     })
     .await;
     gate.open();

@@ -10,7 +10,8 @@
 //!    model that shares a blob cannot remove it while the pull runs.
 //! 3. Each blob not already in the store is downloaded in ranged parts (`Range: bytes=a-b`,
 //!    [`RegistryConfig::part_size`] each), its size taken from the manifest; up to three
-//!    large blobs (8 MiB or more) of a model at once. One part at a time while the CPU keeps
+//!    large blobs (8 MiB or more) of a model at once, and up to four small ones beside them
+//!    (a config or a template is mostly its round trips). One part at a time while the CPU keeps
 //!    up with the data, up to [`RegistryConfig::max_parts`] at once while the hash waits for
 //!    it (`download.rs`). Every answer is checked: `206` with exactly the asked
 //!    `Content-Range`, or `200` only when the whole blob was asked for. Over plain HTTP a
@@ -100,8 +101,11 @@ use super::{Store, StoreError};
 const WRITE_CHUNK: usize = 1 << 20;
 /// How many large layers of a model a pull downloads at once.
 const LAYERS_AT_ONCE: usize = 3;
-/// Layers from this size on download beside others; smaller ones (a config, a template)
-/// take longer to ask for than to fetch, and go one after the other.
+/// How many small layers of a model a pull downloads at once, beside its large ones.
+const SMALL_LAYERS_AT_ONCE: usize = 4;
+/// Layers from this size on are large. A small one (a config, a template, a license) takes
+/// longer to ask for than to fetch: started beside the large ones rather than after them,
+/// its round trips pass while the weights download.
 const CONCURRENT_LAYER: u64 = 8 << 20;
 /// How corral names itself to registries, through either HTTP path.
 const USER_AGENT: &str = concat!("corral/", env!("CARGO_PKG_VERSION"));
@@ -274,7 +278,8 @@ impl Registry {
         Ok(digest)
     }
 
-    /// Downloads the layers a store lacks, large ones [`LAYERS_AT_ONCE`] at a time, reporting
+    /// Downloads the layers a store lacks, in order, up to [`LAYERS_AT_ONCE`] large and
+    /// [`SMALL_LAYERS_AT_ONCE`] small ones at a time ([`starts_beside`]), reporting
     /// each layer's progress in turn (one after the other, as a sequential pull would). On
     /// failure, the other downloads are left (they stop unless another pull waits on them)
     /// and their end is waited for, so that what they put in place can be taken back.
@@ -288,15 +293,8 @@ impl Registry {
         let mut joined: Vec<Option<download::Joined>> = Vec::with_capacity(layers.len());
         let mut result = Ok(());
         for (i, layer) in layers.iter().enumerate() {
-            // The next layers start while this one runs, as long as they all are large.
-            let mut ahead = i + 1;
-            if layer.size >= CONCURRENT_LAYER {
-                while ahead < layers.len() && ahead < i + LAYERS_AT_ONCE && layers[ahead].size >= CONCURRENT_LAYER {
-                    ahead += 1;
-                }
-            }
-            while joined.len() < ahead {
-                let next = &layers[joined.len()];
+            while let Some(next) = layers.get(joined.len()).filter(|next| starts_beside(&layers[i..joined.len()], next))
+            {
                 let started = (!store.has_blob(&next.digest)).then(|| self.inner.join_download(remote, store, next));
                 joined.push(started);
             }
@@ -355,8 +353,9 @@ impl Registry {
 
 /// The blobs a pull brings, pinned while it runs and taken back (unless something else
 /// uses them) if it fails or is given up before its manifest is written. A pull given up
-/// does not wait for its downloads to end: a blob one of them puts in place after this is
-/// left to garbage collection.
+/// does not wait for its downloads to end: one that ends after names its blob only if
+/// another pull still wants it, and otherwise keeps the data for the next pull to check
+/// ([`Store::name_if_wanted`]).
 struct TakeBack {
     pin: Option<super::Pin>,
     new: BTreeSet<Digest>,
@@ -392,6 +391,15 @@ async fn follow(
     }
 }
 
+/// Whether `next` starts while `running` (the layers started and not yet followed, in the
+/// manifest's order) download: while fewer than [`LAYERS_AT_ONCE`] of them are large, for a
+/// large one, or fewer than [`SMALL_LAYERS_AT_ONCE`] small, for a small one.
+fn starts_beside(running: &[Layer], next: &Layer) -> bool {
+    let large = |layer: &Layer| layer.size >= CONCURRENT_LAYER;
+    let bound = if large(next) { LAYERS_AT_ONCE } else { SMALL_LAYERS_AT_ONCE };
+    running.iter().filter(|layer| large(layer) == large(next)).count() < bound
+}
+
 /// Runs file work on the blocking pool.
 async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, RegistryError> + Send + 'static,
@@ -406,8 +414,34 @@ fn joined<T>(outcome: Result<Result<T, RegistryError>, tokio::task::JoinError>) 
 
 #[cfg(test)]
 mod tests {
-    use super::Progress;
+    use super::{CONCURRENT_LAYER, LAYERS_AT_ONCE, Progress, SMALL_LAYERS_AT_ONCE, starts_beside};
     use crate::store::digest::Digest;
+    use crate::store::manifest::Layer;
+
+    fn layer(size: u64) -> Layer {
+        Layer {
+            media_type: "application/octet-stream".into(),
+            digest: Digest::of(&size.to_le_bytes()),
+            size,
+            from: None,
+        }
+    }
+
+    #[test]
+    fn small_layers_start_beside_large_ones_each_kind_to_its_own_bound() {
+        let (large, small) = (layer(CONCURRENT_LAYER), layer(CONCURRENT_LAYER - 1));
+        // Nothing running: either kind starts.
+        assert!(starts_beside(&[], &large) && starts_beside(&[], &small));
+        // Ollama's order: the weights, then a license, a template, parameters and the config.
+        let running = vec![large.clone(); LAYERS_AT_ONCE];
+        assert!(!starts_beside(&running, &large), "a fourth large layer waits");
+        assert!(starts_beside(&running, &small), "small layers do not wait for the large ones");
+        let running = [vec![large.clone()], vec![small.clone(); SMALL_LAYERS_AT_ONCE]].concat();
+        assert!(!starts_beside(&running, &small), "one small layer past the bound waits");
+        assert!(starts_beside(&running, &large), "large layers do not wait for the small ones");
+        let running = vec![large.clone(); LAYERS_AT_ONCE - 1];
+        assert!(starts_beside(&running, &large));
+    }
 
     #[test]
     fn progress_has_ollamas_shape() {

@@ -155,8 +155,9 @@ pub(super) struct Partial {
     /// Serializes the record's writes with the end of the download, and is set at the end
     /// (put in place, or removed): a checkpoint still running then must not write a record.
     finished: Mutex<bool>,
-    /// Keeps garbage collection away from the partial files while the download runs.
-    _pin: Pin,
+    /// Keeps garbage collection away from the partial files while the download runs; let
+    /// go when they become the blob.
+    pin: Mutex<Option<Pin>>,
 }
 
 /// The hash of a blob's first `at` bytes.
@@ -244,7 +245,7 @@ impl Partial {
             reported: Mutex::default(),
             finished: Mutex::new(false),
             store,
-            _pin: pin,
+            pin: Mutex::new(Some(pin)),
         })
     }
 
@@ -460,7 +461,8 @@ impl Partial {
         Ok(())
     }
 
-    /// Checks the whole blob against its digest and, if it matches, puts it in place.
+    /// Checks the whole blob against its digest and, if it matches, puts it in place, while
+    /// a pull pins it (else [`RegistryError::Interrupted`], the data kept for a resume).
     pub(super) fn commit(&self) -> Result<(), RegistryError> {
         let completed = self.completed();
         if completed != self.size {
@@ -485,13 +487,18 @@ impl Partial {
                 lock(&self.writeback).finish().map_err(sync_error)?;
                 self.file.sync_all().map_err(sync_error)?;
             }
-            *finished = true;
-            self.blobs.rename(&self.data_name, &self.blobs, &self.digest.file_name()).map_err(|e| {
-                let place = self.store.blob_path(&self.digest);
-                RegistryError::io(format!("cannot move the download into place as {}", place.display()), e)
-            })?;
-            let _ = self.blobs.remove_file(&self.record_name);
-            Ok(())
+            // Only for a pull still waiting (each pins its blobs): one given up has taken back
+            // what it placed, and the data stays here, complete, for the next pull to check.
+            let named = self.store.name_if_wanted(&mut lock(&self.pin), &self.digest, || {
+                *finished = true;
+                self.blobs.rename(&self.data_name, &self.blobs, &self.digest.file_name()).map_err(|e| {
+                    let place = self.store.blob_path(&self.digest);
+                    RegistryError::io(format!("cannot move the download into place as {}", place.display()), e)
+                })?;
+                let _ = self.blobs.remove_file(&self.record_name);
+                Ok(())
+            });
+            named.unwrap_or(Err(RegistryError::Interrupted { digest: self.digest }))
         })
     }
 
@@ -645,6 +652,7 @@ mod tests {
         let layer = Layer { media_type: "x".into(), digest, size: data.len() as u64, from: None };
         let partial = Partial::open(store.clone(), &layer, "registry.example".into(), "x".into()).expect("partial");
         partial.write_at(0, &data).expect("write");
+        let _pulled = store.pin([digest]);
         partial.commit().expect("commit");
         let blobs = dir.path().join("blobs");
         let note = dir.path().join("unsynced").join(digest.file_name());
@@ -655,6 +663,36 @@ mod tests {
         assert_eq!(std::fs::read(store.blob_path(&digest)).expect("blob"), data);
         let left: Vec<_> = std::fs::read_dir(&blobs).expect("blobs").map(|e| e.expect("entry").file_name()).collect();
         assert_eq!(left, [std::ffi::OsString::from(digest.file_name())], "no data file or record left");
+    }
+
+    /// A download that ends after every pull waiting on it was given up (nothing pins its
+    /// blob) names nothing: those pulls have taken back what they placed. Its data and
+    /// record stay, and the next pull that wants the blob names it without fetching again.
+    /// A named blob is pinned only by that pull, so it can take it back (its pull given up
+    /// too) while the download's files are still being let go.
+    #[test]
+    fn a_finished_download_nothing_pins_is_kept_for_the_next_pull_not_named() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path()).expect("store").with_blob_syncs(true, None);
+        let data = vec![7u8; 1 << 20];
+        let digest = Digest::of(&data);
+        let layer = Layer { media_type: "x".into(), digest, size: data.len() as u64, from: None };
+        let partial = Partial::open(store.clone(), &layer, "registry.example".into(), "x".into()).expect("partial");
+        partial.write_at(0, &data).expect("write");
+        let err = partial.commit().expect_err("nothing pins the blob");
+        assert!(matches!(err, super::RegistryError::Interrupted { digest: d } if d == digest), "{err:?}");
+        assert!(!store.has_blob(&digest), "named with no pull waiting");
+        partial.checkpoint().expect("checkpoint");
+        drop(partial);
+        let again = Partial::open(store.clone(), &layer, "registry.example".into(), "x".into()).expect("partial");
+        assert!(again.missing().is_empty(), "the data is kept: {:?}", again.missing());
+        let pulled = store.pin([digest]);
+        again.commit().expect("commit");
+        assert_eq!(std::fs::read(store.blob_path(&digest)).expect("blob"), data);
+        drop(pulled);
+        assert_eq!(store.remove_unreferenced(std::collections::BTreeSet::from([digest])), [digest]);
+        assert!(!store.has_blob(&digest));
+        drop(again);
     }
 
     #[test]
