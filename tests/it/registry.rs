@@ -1136,8 +1136,17 @@ async fn an_api_push_whose_client_goes_away_is_cancelled_before_its_manifest() {
 /// Publishes `model` made of two large layers (weights and an adapter of 9 MiB each, bytes
 /// that do not repeat) and a config, so that a pull downloads both layers at once.
 async fn publish_two_large_layers(world: &World, model: &str) -> (Manifest, Snapshot) {
-    use corral::store::manifest::ADAPTER;
     let name = name_on(&world.registry.host(), model);
+    let manifest = two_large_layers(&world.source, &name);
+    let client = client(&[world.registry.host()], |_| {});
+    within("push", client.push(&world.source, &name, |_| {})).await.expect("push");
+    (manifest, snapshot(&world.source, &name))
+}
+
+/// Writes `name` into `store`: two large layers (weights and an adapter of 9 MiB each,
+/// bytes that do not repeat) and a config.
+fn two_large_layers(store: &Store, name: &ModelName) -> Manifest {
+    use corral::store::manifest::ADAPTER;
     let mut seed = 0x2545_f491_4f6c_dd1d_u64;
     let mut large = || {
         let bytes: Vec<u8> = (0..9 << 20)
@@ -1148,22 +1157,20 @@ async fn publish_two_large_layers(world: &World, model: &str) -> (Manifest, Snap
                 seed.to_le_bytes()[0]
             })
             .collect();
-        let (digest, size) = world.source.write_blob(&bytes[..], None).expect("a large blob");
+        let (digest, size) = store.write_blob(&bytes[..], None).expect("a large blob");
         (digest, size)
     };
     let (weights, weights_size) = large();
     let (adapter, adapter_size) = large();
-    let (config, config_size) = world.source.write_blob(&b"{\"model_format\":\"gguf\"}"[..], None).expect("config");
+    let (config, config_size) = store.write_blob(&b"{\"model_format\":\"gguf\"}"[..], None).expect("config");
     let layer = |media_type: &str, digest, size| Layer { media_type: media_type.into(), digest, size, from: None };
     let manifest = Manifest::new(
         layer(CONFIG_MEDIA_TYPE, config, config_size),
         vec![layer(MODEL, weights, weights_size), layer(ADAPTER, adapter, adapter_size)],
     )
     .expect("a manifest");
-    world.source.write_manifest(&name, &manifest).expect("write the manifest");
-    let client = client(&[world.registry.host()], |_| {});
-    within("push", client.push(&world.source, &name, |_| {})).await.expect("push");
-    (manifest, snapshot(&world.source, &name))
+    store.write_manifest(name, &manifest).expect("write the manifest");
+    manifest
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1203,6 +1210,106 @@ async fn layers_download_at_once_and_report_progress_one_after_the_other() {
             events.iter().filter(|e| e.digest == Some(layer.digest)).filter_map(|e| e.completed).collect();
         assert!(mine.windows(2).all(|w| w[0] <= w[1]), "progress of {} goes back: {mine:?}", layer.digest);
     }
+}
+
+/// Makes the proxy hold every `HEAD` of the blob `digest` (a push's first request for a
+/// blob; its upload's `PUT` goes where the registry's `Location` says, past the proxy)
+/// until the gate opens.
+fn hold_heads_of(proxy: &Proxy, digest: &Digest) -> Gate {
+    let gate = Gate::new();
+    let (held, digest) = (gate.clone(), digest.to_string());
+    proxy.rule(move |seen| {
+        let first = seen.method == "HEAD" && seen.path.ends_with(&format!("/blobs/{digest}"));
+        if first { Action::Hold(held.clone()) } else { Action::Pass }
+    });
+    gate
+}
+
+/// Whether the registry behind `world` holds the blob `digest` of `test/two`.
+async fn registry_has(world: &World, digest: &Digest) -> bool {
+    let url = format!("http://{}/v2/test/two/blobs/{digest}", world.registry.host());
+    reqwest::Client::new().head(url).send().await.expect("ask the registry").status() == reqwest::StatusCode::OK
+}
+
+/// A push uploads its small blobs (here the config, last in the manifest) while a large one
+/// goes up, and still reports one blob after the other, in the manifest's order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_uploads_small_blobs_beside_large_ones_and_reports_them_in_order() {
+    let world = World::new();
+    let proxy = Proxy::start(world.registry.addr());
+    let name = name_on(&proxy.host(), "test/two:v1");
+    let manifest = two_large_layers(&world.source, &name);
+    let (weights, config) = (manifest.layers()[0].digest, manifest.config().digest);
+    let gate = hold_heads_of(&proxy, &weights);
+    let client = client(&[proxy.host()], |_| {});
+    let push = {
+        let (client, store, name) = (client.clone(), world.source.clone(), name.clone());
+        tokio::spawn(async move {
+            let mut events = Vec::new();
+            let result = client.push(&store, &name, |p| events.push(p)).await;
+            (result, events)
+        })
+    };
+    within("the weights' first request", gate.arrivals(1)).await;
+    poll_until_async(DEADLINE, "the config on the registry while the weights wait", || async {
+        if registry_has(&world, &config).await { Ok(()) } else { Err("no config on the registry".to_owned()) }
+    })
+    .await;
+    gate.open();
+    let (result, events) = within("push", push).await.expect("the push task");
+    result.expect("push");
+    let mut expected = vec!["retrieving manifest".to_owned()];
+    expected.extend(manifest.blobs().map(|l| format!("pushing {}", short(&l.digest))));
+    expected.extend(["pushing manifest", "success"].map(String::from));
+    assert_eq!(statuses(&events), expected);
+    for layer in manifest.blobs() {
+        let last = events.iter().rev().find(|e| e.digest == Some(layer.digest)).expect("progress of a blob");
+        assert_eq!((last.total, last.completed), (Some(layer.size), Some(layer.size)), "{}", layer.digest);
+    }
+    // What went up is the model: pulled back into another store, byte for byte.
+    let store = world.store("dest");
+    within("pull", client.pull(&store, &name, |_| {})).await.expect("pull");
+    assert_eq!(snapshot(&store, &name), snapshot(&world.source, &name));
+}
+
+/// A small blob the registry refuses fails the push at once, while a large one is still
+/// on its way, naming the blob; the registry gets no manifest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_blob_refused_fails_the_push_while_a_large_one_goes_up() {
+    let world = World::new();
+    let proxy = Proxy::start(world.registry.addr());
+    let name = name_on(&proxy.host(), "test/two:v1");
+    let manifest = two_large_layers(&world.source, &name);
+    let (weights, config) = (manifest.layers()[0].digest.to_string(), manifest.config().digest);
+    let gate = Gate::new();
+    let (held, refused) = (gate.clone(), config.to_string());
+    proxy.rule(move |seen| match seen.method.as_str() {
+        "HEAD" if seen.path.ends_with(&weights) => Action::Hold(held.clone()),
+        "HEAD" if seen.path.ends_with(&refused) => {
+            Action::Respond { status: 403, headers: vec![], body: String::new() }
+        }
+        _ => Action::Pass,
+    });
+    let client = client(&[proxy.host()], |_| {});
+    // The weights' first request stays held: the push ends without it.
+    let error = within("push", client.push(&world.source, &name, |_| {})).await.expect_err("a refused blob");
+    let message = error.to_string();
+    assert!(message.contains(&format!("blob {config} of test/two")) && message.contains("403"), "{message}");
+    // The weights were on their way, and their request is given up with the push.
+    let weights = manifest.layers()[0].digest.to_string();
+    assert!(proxy.seen().iter().any(|s| s.method == "HEAD" && s.path.ends_with(&weights)), "{:?}", proxy.seen());
+    poll_until_async(DEADLINE, "the weights' request to be given up", || {
+        let abandoned = proxy.abandoned();
+        async move { if abandoned > 0 { Ok(()) } else { Err("no request abandoned".to_owned()) } }
+    })
+    .await;
+    gate.open();
+    assert!(!proxy.seen().iter().any(|s| s.path.contains("/manifests/")), "a manifest was sent");
+    let status = reqwest::get(format!("http://{}/v2/test/two/manifests/v1", world.registry.host()))
+        .await
+        .expect("ask the registry")
+        .status();
+    assert_eq!(status, reqwest::StatusCode::NOT_FOUND);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

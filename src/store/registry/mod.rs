@@ -48,7 +48,10 @@
 //!
 //! For each blob: `HEAD /v2/<repo>/blobs/<digest>` (present: skipped), otherwise
 //! `POST /v2/<repo>/blobs/uploads/` and a monolithic `PUT <Location>&digest=<digest>` that
-//! streams the file. Then `PUT /v2/<repo>/manifests/<tag>` with the manifest's bytes as stored.
+//! streams the file. Large blobs go one after the other; small ones, up to four at once,
+//! beside them, and the first blob that fails fails the push. Progress is reported one blob
+//! after the other, in the manifest's order. Then `PUT /v2/<repo>/manifests/<tag>` with the
+//! manifest's bytes as stored, once every blob is up.
 //!
 //! # Where each part is
 //!
@@ -101,7 +104,8 @@ use super::{Store, StoreError};
 const WRITE_CHUNK: usize = 1 << 20;
 /// How many large layers of a model a pull downloads at once.
 const LAYERS_AT_ONCE: usize = 3;
-/// How many small layers of a model a pull downloads at once, beside its large ones.
+/// How many small layers of a model a pull downloads, or a push uploads, at once beside its
+/// large ones.
 const SMALL_LAYERS_AT_ONCE: usize = 4;
 /// Layers from this size on are large. A small one (a config, a template, a license) takes
 /// longer to ask for than to fetch: started beside the large ones rather than after them,
@@ -329,9 +333,8 @@ impl Registry {
         let manifest = Manifest::parse(&bytes)
             .map_err(|source| RegistryError::from(StoreError::Manifest { name: name.to_string(), source }))?;
         let _pin = store.pin(manifest.blobs().map(|l| l.digest));
-        for layer in manifest.blobs() {
-            remote.push_blob(store, layer, &mut progress).await?;
-        }
+        let layers: Vec<Layer> = manifest.blobs().cloned().collect();
+        remote.push_blobs(store, &layers, &mut progress).await?;
         progress(Progress::step("pushing manifest"));
         let what = format!("the manifest of {}", remote.model);
         let url = remote.url(&format!("manifests/{}", name.tag()))?;

@@ -1,21 +1,67 @@
-//! Uploading one blob: `HEAD` to skip one the registry has, `POST` to start an upload, one
-//! monolithic `PUT` that streams the file (opened through the store) with its digest.
+//! Uploading a model's blobs: for each, `HEAD` to skip one the registry has, `POST` to start
+//! an upload, one monolithic `PUT` that streams the file (opened through the store) with
+//! its digest. Small blobs go beside the others.
 
+use std::collections::HashSet;
 use std::fs::File;
 use std::io::{self, Read};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use futures_util::stream;
+use futures_util::stream::{self, FuturesUnordered, StreamExt};
 use reqwest::header::{CONTENT_LENGTH, CONTENT_TYPE, LOCATION};
 use reqwest::{Body, StatusCode};
 
 use super::protocol::Remote;
-use super::{PROGRESS_INTERVAL, Progress, RegistryError, WRITE_CHUNK};
+use super::{CONCURRENT_LAYER, PROGRESS_INTERVAL, Progress, RegistryError, SMALL_LAYERS_AT_ONCE, WRITE_CHUNK};
 use crate::store::Store;
 use crate::store::manifest::Layer;
 
 impl Remote {
+    /// Uploads the blobs of `layers` the registry lacks, reporting progress one blob after
+    /// the other in their order. Each small one (a config, a template: mostly its three
+    /// round trips) goes up beside the others, up to [`SMALL_LAYERS_AT_ONCE`] at a time,
+    /// and is reported when its turn comes; the first that fails fails the push at once.
+    pub(super) async fn push_blobs(
+        &self,
+        store: &Store,
+        layers: &[Layer],
+        progress: &mut (impl FnMut(Progress) + Send),
+    ) -> Result<(), RegistryError> {
+        let small = |layer: &Layer| layer.size < CONCURRENT_LAYER;
+        let mut waiting = layers
+            .iter()
+            .enumerate()
+            .filter(|(_, layer)| small(layer))
+            .map(|(i, layer)| self.push_quietly(store, i, layer));
+        let mut running: FuturesUnordered<_> = waiting.by_ref().take(SMALL_LAYERS_AT_ONCE).collect();
+        let mut pushed = HashSet::new();
+        for (i, layer) in layers.iter().enumerate() {
+            if !small(layer) {
+                let mut large = std::pin::pin!(self.push_blob(store, layer, progress));
+                loop {
+                    tokio::select! {
+                        result = &mut large => break result?,
+                        Some(end) = running.next() => ended(end, &mut pushed, &mut running, &mut waiting)?,
+                    }
+                }
+                continue;
+            }
+            progress(Progress::blob("pushing", layer.digest, layer.size, 0));
+            while !pushed.contains(&i) {
+                let end = running.next().await.expect("a small blob not pushed yet is on its way");
+                ended(end, &mut pushed, &mut running, &mut waiting)?;
+            }
+            progress(Progress::blob("pushing", layer.digest, layer.size, layer.size));
+        }
+        Ok(())
+    }
+
+    /// [`Remote::push_blob`] without progress, for the `i`th blob.
+    async fn push_quietly(&self, store: &Store, i: usize, layer: &Layer) -> (usize, Result<(), RegistryError>) {
+        (i, self.push_blob(store, layer, &mut |_| {}).await)
+    }
+
     /// Uploads one blob unless the registry has it.
     pub(super) async fn push_blob(
         &self,
@@ -76,6 +122,20 @@ impl Remote {
         progress(Progress::blob("pushing", digest, size, size));
         Ok(())
     }
+}
+
+/// One small blob's end in [`Remote::push_blobs`]: its error, or it is recorded and the
+/// next one waiting starts.
+fn ended<F: Future>(
+    (i, result): (usize, Result<(), RegistryError>),
+    pushed: &mut HashSet<usize>,
+    running: &mut FuturesUnordered<F>,
+    waiting: &mut impl Iterator<Item = F>,
+) -> Result<(), RegistryError> {
+    result?;
+    pushed.insert(i);
+    running.extend(waiting.next());
+    Ok(())
 }
 
 /// A file's contents as a stream of chunks read on the blocking pool, counted into `sent`.
