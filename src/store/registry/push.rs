@@ -63,7 +63,7 @@ impl Remote {
     }
 
     /// Uploads one blob unless the registry has it.
-    pub(super) async fn push_blob(
+    async fn push_blob(
         &self,
         store: &Store,
         layer: &Layer,
