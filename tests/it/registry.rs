@@ -1231,14 +1231,21 @@ async fn registry_has(world: &World, digest: &Digest) -> bool {
     reqwest::Client::new().head(url).send().await.expect("ask the registry").status() == reqwest::StatusCode::OK
 }
 
+/// `test/two:v1` of [`two_large_layers`] in the source store, named on a proxy in front of
+/// the registry, to be pushed.
+fn two_large_layers_to_push(world: &World) -> (Proxy, ModelName, Manifest) {
+    let proxy = Proxy::start(world.registry.addr());
+    let name = name_on(&proxy.host(), "test/two:v1");
+    let manifest = two_large_layers(&world.source, &name);
+    (proxy, name, manifest)
+}
+
 /// A push uploads its small blobs (here the config, last in the manifest) while a large one
 /// goes up, and still reports one blob after the other, in the manifest's order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_push_uploads_small_blobs_beside_large_ones_and_reports_them_in_order() {
     let world = World::new();
-    let proxy = Proxy::start(world.registry.addr());
-    let name = name_on(&proxy.host(), "test/two:v1");
-    let manifest = two_large_layers(&world.source, &name);
+    let (proxy, name, manifest) = two_large_layers_to_push(&world);
     let (weights, config) = (manifest.layers()[0].digest, manifest.config().digest);
     let gate = hold_heads_of(&proxy, &weights);
     let client = client(&[proxy.host()], |_| {});
@@ -1277,9 +1284,7 @@ async fn a_push_uploads_small_blobs_beside_large_ones_and_reports_them_in_order(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_small_blob_refused_fails_the_push_while_a_large_one_goes_up() {
     let world = World::new();
-    let proxy = Proxy::start(world.registry.addr());
-    let name = name_on(&proxy.host(), "test/two:v1");
-    let manifest = two_large_layers(&world.source, &name);
+    let (proxy, name, manifest) = two_large_layers_to_push(&world);
     let (weights, config) = (manifest.layers()[0].digest.to_string(), manifest.config().digest);
     let gate = Gate::new();
     let (held, refused) = (gate.clone(), config.to_string());
