@@ -4,7 +4,8 @@
 //! digest. A pull that needs a blob already being downloaded waits on that download instead
 //! of starting its own: it sees the same progress and gets the same result. The download runs
 //! in its own task and stops (keeping its progress for a resume) when the last pull waiting
-//! on it is dropped.
+//! on it is dropped. A download of the same blob started while one that stopped so still
+//! settles its files (records what arrived, or removes them) waits for that first.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -43,7 +44,41 @@ type InflightKey = (PathBuf, Digest);
 /// A download's state for its waiters, and a channel whose sender goes when the download
 /// task ends (its files settled: put in place, kept for a resume, or removed).
 type Tracked = (Arc<watch::Sender<BlobStatus>>, watch::Receiver<()>);
-pub(super) type Inflight = HashMap<InflightKey, Tracked>;
+
+/// The downloads of a [`Registry`](super::Registry).
+#[derive(Debug, Default)]
+pub(super) struct Inflight {
+    /// Those pulls can join.
+    running: HashMap<InflightKey, Tracked>,
+    /// Those that stopped when their last pull went, until their files are settled: the
+    /// next download of the blob waits for that before it opens them.
+    settling: HashMap<InflightKey, Tracked>,
+}
+
+impl Inflight {
+    /// Records a new download of `key`; returns the end of the one before it that still
+    /// settles its files, for the new one to wait on.
+    fn start(&mut self, key: &InflightKey, tracked: Tracked) -> Option<watch::Receiver<()>> {
+        self.running.insert(key.clone(), tracked);
+        self.settling.remove(key).map(|(_, settled)| settled)
+    }
+
+    /// The download `sender` of `key` no longer takes pulls; it settles its files.
+    fn stop(&mut self, key: &InflightKey, sender: &Arc<watch::Sender<BlobStatus>>, settled: &watch::Receiver<()>) {
+        self.end(key, sender);
+        self.settling.insert(key.clone(), (Arc::clone(sender), settled.clone()));
+    }
+
+    /// The download `sender` of `key` has ended (or its files are settled): it goes from
+    /// both maps, where a later download has not taken its place.
+    fn end(&mut self, key: &InflightKey, sender: &Arc<watch::Sender<BlobStatus>>) {
+        for map in [&mut self.running, &mut self.settling] {
+            if map.get(key).is_some_and(|(s, _)| Arc::ptr_eq(s, sender)) {
+                map.remove(key);
+            }
+        }
+    }
+}
 
 /// A pull's hold on a download: its state, and a way to wait until it ended.
 pub(super) struct Joined {
@@ -70,17 +105,19 @@ impl Inner {
     pub(super) fn join_download(self: &Arc<Self>, remote: &Arc<Remote>, store: &Store, layer: &Layer) -> Joined {
         let key = (store.root().to_owned(), layer.digest);
         let mut inflight = self.lock_inflight();
-        if let Some((sender, settled)) = inflight.get(&key) {
+        if let Some((sender, settled)) = inflight.running.get(&key) {
             return Joined { status: sender.subscribe(), settled: settled.clone() };
         }
         let (sender, receiver) =
             watch::channel(BlobStatus { total: layer.size, started: false, completed: 0, done: None });
         let sender = Arc::new(sender);
         let (ended, settled) = watch::channel(());
-        inflight.insert(key.clone(), (Arc::clone(&sender), settled.clone()));
+        let after = inflight.start(&key, (Arc::clone(&sender), settled.clone()));
         drop(inflight);
         let task = Download {
             _ended: ended,
+            settled: settled.clone(),
+            after,
             inner: Arc::clone(self),
             key,
             sender,
@@ -97,6 +134,11 @@ impl Inner {
 struct Download {
     /// Dropped with the task, when its files are settled.
     _ended: watch::Sender<()>,
+    /// The other end of `_ended`, for a download that follows this one.
+    settled: watch::Receiver<()>,
+    /// The end of the download of this blob that stopped before this one started and
+    /// still settled its files.
+    after: Option<watch::Receiver<()>>,
     inner: Arc<Inner>,
     key: InflightKey,
     sender: Arc<watch::Sender<BlobStatus>>,
@@ -106,8 +148,9 @@ struct Download {
 }
 
 impl Download {
-    async fn run(self) {
-        let outcome = self.download().await;
+    async fn run(mut self) {
+        let after = self.after.take();
+        let outcome = self.download(after).await;
         // Out of the map first: a pull that starts from now on starts afresh (and finds the
         // blob in place if this download succeeded) rather than getting this result.
         self.forget();
@@ -123,17 +166,15 @@ impl Download {
 
     /// Takes this download out of the map of those in flight.
     fn forget(&self) {
-        self.forget_locked(&mut self.inner.lock_inflight());
+        self.inner.lock_inflight().end(&self.key, &self.sender);
     }
 
-    fn forget_locked(&self, inflight: &mut Inflight) {
-        if inflight.get(&self.key).is_some_and(|(s, _)| Arc::ptr_eq(s, &self.sender)) {
-            inflight.remove(&self.key);
+    /// Downloads, or returns `None` when every waiting pull went away first. Begins once
+    /// the download before it (`after`) has settled its files.
+    async fn download(&self, after: Option<watch::Receiver<()>>) -> Option<Result<(), RegistryError>> {
+        if let Some(mut after) = after {
+            self.while_watched(async { while after.changed().await.is_ok() {} }).await?;
         }
-    }
-
-    /// Downloads, or returns `None` when every waiting pull went away first.
-    async fn download(&self) -> Option<Result<(), RegistryError>> {
         if self.store.has_blob(&self.layer.digest) {
             return Some(Ok(()));
         }
@@ -163,8 +204,18 @@ impl Download {
             (None, _) => None,
             (Some(_), Err(e)) | (Some(Err(e)), Ok(())) => Some(Err(e)),
             (Some(Ok(())), Ok(())) => {
-                let checked = Arc::clone(&partial);
-                Some(blocking(move || checked.commit()).await)
+                let commit = || {
+                    let checked = Arc::clone(&partial);
+                    blocking(move || checked.commit())
+                };
+                match commit().await {
+                    // No pull wanted the blob as it was to be named. One that joined since
+                    // pinned it first: the blob is named for it. Else this download stops as
+                    // one whose pulls all went, and the next one finds the data complete.
+                    Err(RegistryError::Interrupted { .. }) if self.forget_if_unwatched() => None,
+                    Err(RegistryError::Interrupted { .. }) => Some(commit().await),
+                    outcome => Some(outcome),
+                }
             }
         };
         // Progress is kept for a resume, unless there is none (a data file the blob's size
@@ -207,13 +258,13 @@ impl Download {
     }
 
     /// Takes the download out of the map if no pull waits on it any more (checked under the
-    /// map's lock, so that no pull can join it after that).
+    /// map's lock, so that no pull can join it after that), into those settling their files.
     fn forget_if_unwatched(&self) -> bool {
         let mut inflight = self.inner.lock_inflight();
         if self.sender.receiver_count() > 0 {
             return false;
         }
-        self.forget_locked(&mut inflight);
+        inflight.stop(&self.key, &self.sender, &self.settled);
         true
     }
 }
@@ -390,7 +441,55 @@ fn body_error(error: &reqwest::Error, read_timeout: Duration) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::wider;
+    use std::sync::Arc;
+
+    use tokio::sync::watch;
+
+    use super::{BlobStatus, Inflight, Tracked, wider};
+    use crate::store::digest::Digest;
+
+    fn tracked() -> (Tracked, watch::Sender<()>) {
+        let status = Arc::new(watch::channel(BlobStatus { total: 1, started: false, completed: 0, done: None }).0);
+        let (ended, settled) = watch::channel(());
+        ((status, settled), ended)
+    }
+
+    /// A download started while one of the same blob that lost its last pull still settles
+    /// its files (records what arrived, or removes them) waits for that one's end, and the
+    /// first one's end takes only itself out of the maps.
+    #[test]
+    fn a_download_after_one_that_stopped_waits_until_its_files_are_settled() {
+        let key = ("/store".into(), Digest::of(b"blob"));
+        let mut inflight = Inflight::default();
+        let ((first, first_settled), first_ended) = tracked();
+        assert!(inflight.start(&key, (Arc::clone(&first), first_settled.clone())).is_none(), "nothing before it");
+        inflight.stop(&key, &first, &first_settled);
+        assert!(!inflight.running.contains_key(&key), "a stopped download takes no pull");
+
+        let ((second, second_settled), _second_ended) = tracked();
+        let after = inflight.start(&key, (Arc::clone(&second), second_settled)).expect("the first still settles");
+        assert!(inflight.settling.is_empty(), "taken by the second");
+        // What `Download::download` waits on ends when the first task does.
+        assert!(after.has_changed().is_ok(), "the first's files are not settled yet");
+        inflight.end(&key, &first);
+        drop(first_ended);
+        assert!(after.has_changed().is_err(), "the first has ended");
+        assert!(inflight.running.get(&key).is_some_and(|(s, _)| Arc::ptr_eq(s, &second)), "the second runs on");
+        inflight.end(&key, &second);
+        assert!(inflight.running.is_empty() && inflight.settling.is_empty());
+    }
+
+    /// A download that stopped and then ended with no other started after it leaves nothing.
+    #[test]
+    fn a_stopped_download_that_ends_leaves_no_trace() {
+        let key = ("/store".into(), Digest::of(b"blob"));
+        let mut inflight = Inflight::default();
+        let ((status, settled), _ended) = tracked();
+        let _ = inflight.start(&key, (Arc::clone(&status), settled.clone()));
+        inflight.stop(&key, &status, &settled);
+        inflight.end(&key, &status);
+        assert!(inflight.running.is_empty() && inflight.settling.is_empty());
+    }
 
     #[test]
     fn more_parts_only_while_the_hash_mostly_waits_and_up_to_the_limit() {
