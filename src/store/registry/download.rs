@@ -170,10 +170,11 @@ impl Download {
     }
 
     /// Downloads, or returns `None` when every waiting pull went away first. Begins once
-    /// the download before it (`after`) has settled its files.
+    /// the download before it (`after`) has settled its files; waits for that even when its
+    /// pulls go meanwhile, so that a download after this one waiting on it waits for both.
     async fn download(&self, after: Option<watch::Receiver<()>>) -> Option<Result<(), RegistryError>> {
         if let Some(mut after) = after {
-            self.while_watched(async { while after.changed().await.is_ok() {} }).await?;
+            while after.changed().await.is_ok() {}
         }
         if self.store.has_blob(&self.layer.digest) {
             return Some(Ok(()));
