@@ -398,9 +398,14 @@ async fn follow(
 /// manifest's order) download: while fewer than [`LAYERS_AT_ONCE`] of them are large, for a
 /// large one, or fewer than [`SMALL_LAYERS_AT_ONCE`] small, for a small one.
 fn starts_beside(running: &[Layer], next: &Layer) -> bool {
-    let large = |layer: &Layer| layer.size >= CONCURRENT_LAYER;
-    let bound = if large(next) { LAYERS_AT_ONCE } else { SMALL_LAYERS_AT_ONCE };
-    running.iter().filter(|layer| large(layer) == large(next)).count() < bound
+    let bound = if is_large(next) { LAYERS_AT_ONCE } else { SMALL_LAYERS_AT_ONCE };
+    running.iter().filter(|layer| is_large(layer) == is_large(next)).count() < bound
+}
+
+/// Whether a transfer treats `layer` as large ([`CONCURRENT_LAYER`]): weights, not a
+/// config or a template.
+fn is_large(layer: &Layer) -> bool {
+    layer.size >= CONCURRENT_LAYER
 }
 
 /// Runs file work on the blocking pool.

@@ -13,7 +13,7 @@ use reqwest::header::{CONTENT_LENGTH, CONTENT_TYPE, LOCATION};
 use reqwest::{Body, StatusCode};
 
 use super::protocol::Remote;
-use super::{CONCURRENT_LAYER, PROGRESS_INTERVAL, Progress, RegistryError, SMALL_LAYERS_AT_ONCE, WRITE_CHUNK};
+use super::{PROGRESS_INTERVAL, Progress, RegistryError, SMALL_LAYERS_AT_ONCE, WRITE_CHUNK, is_large};
 use crate::store::Store;
 use crate::store::manifest::Layer;
 
@@ -28,16 +28,15 @@ impl Remote {
         layers: &[Layer],
         progress: &mut (impl FnMut(Progress) + Send),
     ) -> Result<(), RegistryError> {
-        let small = |layer: &Layer| layer.size < CONCURRENT_LAYER;
         let mut waiting = layers
             .iter()
             .enumerate()
-            .filter(|(_, layer)| small(layer))
+            .filter(|(_, layer)| !is_large(layer))
             .map(|(i, layer)| self.push_quietly(store, i, layer));
         let mut running: FuturesUnordered<_> = waiting.by_ref().take(SMALL_LAYERS_AT_ONCE).collect();
         let mut pushed = HashSet::new();
         for (i, layer) in layers.iter().enumerate() {
-            if !small(layer) {
+            if is_large(layer) {
                 let mut large = std::pin::pin!(self.push_blob(store, layer, progress));
                 loop {
                     tokio::select! {
