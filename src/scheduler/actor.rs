@@ -408,7 +408,11 @@ impl Scheduler {
             let request = request.clone();
             let Some((footprint, per_device)) = self.need(&request) else { return };
             let need = Need { footprint, layers: request.layers, per_device };
-            match policy::decide(&self.snapshot(), need) {
+            let snapshot = self.snapshot();
+            match policy::decide(&snapshot, need) {
+                // It would go on workers being checked: wait for the check (bounded by its
+                // timeout) rather than load elsewhere, to stay there for its keep_alive.
+                Decision::Load(_) if self.awaits_checked_workers(&snapshot, need) => return,
                 Decision::Load(placement) => {
                     let (request, reply) = self.queue.pop_front().expect("checked above");
                     let footprint = planned_footprint(&placement, need);

@@ -914,6 +914,37 @@ async fn a_crash_on_a_worker_has_it_checked_before_it_is_planned_with_again() {
     );
 }
 
+/// A model that also fits the host does not go there while the worker it would use is
+/// checked: it would stay on the CPU for its `keep_alive`.
+#[tokio::test(start_paused = true)]
+async fn a_load_that_would_go_on_a_worker_being_checked_waits_for_the_check() {
+    let (fake, handle, mut nudges) = scheduler_with_worker();
+    let runner = handle.acquire(model("m", 50)).await.expect("loaded").runner();
+    assert_eq!(handle.loaded().await.expect("loaded")[0].placement, super::policy::Placement::Gpu(0));
+    fake.crash(runner);
+    assert!(nudges.recv().await.is_some(), "the monitor is asked to check");
+    let waiting = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.acquire(model("m", 50)).await.map(|lease| lease.runner()) }
+    });
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(!waiting.is_finished(), "waits for the check rather than loading on the host");
+    assert!(handle.loaded().await.expect("loaded").is_empty());
+
+    handle.fleet_changed(fleet(None), vec!["10.0.0.2:1".into()]).await.expect("sent");
+    let again = waiting.await.expect("joined").expect("loaded");
+    assert_ne!(again, runner, "a new runner");
+    assert_eq!(handle.loaded().await.expect("loaded")[0].placement, super::policy::Placement::Gpu(0));
+
+    // Found down: the host takes it.
+    let runner = handle.loaded().await.expect("loaded")[0].id;
+    fake.crash(runner);
+    assert!(nudges.recv().await.is_some());
+    handle.fleet_changed(fleet(Some("refused")), vec!["10.0.0.2:1".into()]).await.expect("sent");
+    drop(handle.acquire(model("m", 50)).await.expect("loaded on the host"));
+    assert_eq!(handle.loaded().await.expect("loaded")[0].placement, super::policy::Placement::Cpu);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_crash_on_a_healthy_worker_is_checked_and_the_worker_used_again() {
     let (fake, handle, mut nudges) = scheduler_with_worker();

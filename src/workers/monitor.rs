@@ -1,6 +1,6 @@
 //! The health monitor task: checks every worker each interval (and at once when the
-//! scheduler asks), applies the outcomes to its [`Fleet`], logs each change as a
-//! `worker-up` / `worker-down` journal event, and tells the views and the scheduler.
+//! scheduler asks), applies the outcomes to its [`Fleet`], tells the views and the
+//! scheduler, then logs each change as a `worker-up` / `worker-down` journal event.
 
 use std::time::{Duration, SystemTime};
 
@@ -129,20 +129,24 @@ impl Monitor {
             )
             .await;
             let now = SystemTime::now();
-            let mut changed = false;
+            let mut changes = Vec::new();
             for (&index, checked) in which.iter().zip(checked) {
                 left_open.record(index, checked.held, &checked.outcome);
                 if let Some(change) = self.fleet.apply(index, checked.outcome, now) {
-                    log_change(&self.fleet.workers[index], change);
-                    changed = true;
+                    changes.push((index, change));
                 }
             }
             self.views.send_replace(self.fleet.clone());
-            if changed || asked {
+            if !changes.is_empty() || asked {
                 let checked = which.iter().map(|&i| self.fleet.workers[i].address.clone()).collect();
                 if self.scheduler.fleet_changed(self.fleet.clone(), checked).await.is_err() {
                     return;
                 }
+            }
+            // Logged once the scheduler's queue holds the news: a request sent after the
+            // event is planned with it.
+            for (index, change) in changes {
+                log_change(&self.fleet.workers[index], change);
             }
         }
     }

@@ -170,7 +170,8 @@ impl Rig {
         let reply = self.generate();
         assert_eq!(reply.status, 200, "{}", reply.body);
         let devices = self.devices();
-        assert!(self.workers.iter().all(|w| Self::on(&devices, w)), "split over both workers: {devices:?}");
+        let stderr = self.corrald.as_ref().map(Corrald::stderr).unwrap_or_default();
+        assert!(self.workers.iter().all(|w| Self::on(&devices, w)), "split over both workers: {devices:?}\n{stderr}");
     }
 
     /// `llama-server --rpc WORKER --list-devices` from the head (a new client of the

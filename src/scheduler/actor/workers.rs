@@ -4,7 +4,8 @@
 //! scheduler plans only with devices that are online and whose worker is not suspect,
 //! stops at once (SIGKILL) the runners of a worker that went down, and, when a runner
 //! that used workers dies, marks those workers suspect and asks the monitor to check
-//! them before planning on them again.  A request whose runner failed under it asks for
+//! them before planning on them again; a load that would go on them waits for that check
+//! rather than going elsewhere.  A request whose runner failed under it asks for
 //! the runner's fate ([`Scheduler::await_fate`]), answered once the runner is gone and
 //! its workers are checked, naming the worker that went down.
 
@@ -14,7 +15,7 @@ use tokio::sync::oneshot;
 
 use super::{Phase, Scheduler, Stop};
 use crate::scheduler::failure::{FailureClass, LoadFailure};
-use crate::scheduler::policy::{GpuView, Placement, RunnerId};
+use crate::scheduler::policy::{self, Decision, GpuView, Need, Placement, RunnerId, Snapshot};
 use crate::scheduler::types::UnloadReason;
 use crate::workers::{Fleet, Nudge, WorkerStatus};
 
@@ -62,6 +63,20 @@ impl Scheduler {
     /// Whether workers are being checked before they are planned with again.
     pub(super) fn checking_workers(&self) -> bool {
         !self.fleet.suspect.is_empty()
+    }
+
+    /// Whether `need`, which `snapshot` places without the workers being checked, would
+    /// be placed on one of them were it not being checked.
+    pub(super) fn awaits_checked_workers(&self, snapshot: &Snapshot, need: Need) -> bool {
+        if !self.checking_workers() {
+            return false;
+        }
+        let online = self.gpus.iter().filter(|g| !self.fleet.offline.contains(&g.index)).cloned().collect();
+        let with_them = Snapshot { gpus: online, ..snapshot.clone() };
+        match policy::decide(&with_them, need) {
+            Decision::Load(placement) => self.workers_of(&placement).iter().any(|w| self.fleet.suspect.contains(w)),
+            _ => false,
+        }
     }
 
     /// The down workers, each with why, for messages.
