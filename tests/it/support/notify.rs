@@ -11,11 +11,34 @@ use std::time::{Duration, Instant};
 /// One notification: its `KEY=VALUE` lines.
 pub type Message = BTreeMap<String, String>;
 
-#[derive(Default)]
 struct Shared {
+    socket: UnixDatagram,
     messages: Mutex<Vec<Message>>,
     arrived: Condvar,
     stop: AtomicBool,
+}
+
+impl Shared {
+    /// Records every datagram queued on the socket now, under the lock (so that messages
+    /// keep their order whoever drains): a message sent before a reader asks is seen, even
+    /// when the recording thread has not woken yet (its sender may have exited already).
+    fn drain(&self) -> std::sync::MutexGuard<'_, Vec<Message>> {
+        use nix::sys::socket::{MsgFlags, recv};
+        use std::os::fd::AsRawFd as _;
+        let mut messages = self.messages.lock().expect("lock");
+        let mut buf = vec![0u8; 64 * 1024];
+        let before = messages.len();
+        while let Ok(len) = recv(self.socket.as_raw_fd(), &mut buf, MsgFlags::MSG_DONTWAIT) {
+            let text = String::from_utf8_lossy(&buf[..len]);
+            messages.push(
+                text.lines().filter_map(|l| l.split_once('=')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect(),
+            );
+        }
+        if messages.len() > before {
+            self.arrived.notify_all();
+        }
+        messages
+    }
 }
 
 /// Listens on a socket in a temporary directory; pass [`NotifyListener::path`] as `NOTIFY_SOCKET`.
@@ -33,21 +56,22 @@ impl NotifyListener {
         let path = dir.path().join("notify.sock");
         let socket = UnixDatagram::bind(&path).expect("bind notify socket");
         socket.set_read_timeout(Some(Duration::from_millis(50))).expect("timeout");
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared {
+            socket,
+            messages: Mutex::default(),
+            arrived: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
         let thread = {
             let shared = Arc::clone(&shared);
             std::thread::spawn(move || {
-                let mut buf = vec![0u8; 64 * 1024];
+                use nix::sys::socket::{MsgFlags, recv};
+                use std::os::fd::AsRawFd as _;
                 while !shared.stop.load(Ordering::Relaxed) {
-                    let Ok(len) = socket.recv(&mut buf) else { continue };
-                    let text = String::from_utf8_lossy(&buf[..len]);
-                    let message: Message = text
-                        .lines()
-                        .filter_map(|l| l.split_once('='))
-                        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                        .collect();
-                    shared.messages.lock().expect("lock").push(message);
-                    shared.arrived.notify_all();
+                    // Waits (at most the read timeout) for a datagram without taking it.
+                    if recv(shared.socket.as_raw_fd(), &mut [0u8; 1], MsgFlags::MSG_PEEK).is_ok() {
+                        drop(shared.drain());
+                    }
                 }
             })
         };
@@ -59,15 +83,15 @@ impl NotifyListener {
         &self.path
     }
 
-    /// Everything received so far.
+    /// Everything sent to it so far.
     pub fn messages(&self) -> Vec<Message> {
-        self.shared.messages.lock().expect("lock").clone()
+        self.shared.drain().clone()
     }
 
     /// Waits until a message received after the first `skip` ones has `key=value`; returns its index.
     pub fn wait_for_after(&self, skip: usize, key: &str, value: &str, timeout: Duration) -> usize {
         let deadline = Instant::now() + timeout;
-        let mut messages = self.shared.messages.lock().expect("lock");
+        let mut messages = self.shared.drain();
         loop {
             if let Some(i) = messages
                 .iter()
