@@ -411,8 +411,11 @@ impl Scheduler {
             let snapshot = self.snapshot();
             match policy::decide(&snapshot, need) {
                 // It would go on workers being checked: wait for the check (bounded by its
-                // timeout) rather than load elsewhere, to stay there for its keep_alive.
-                Decision::Load(_) if self.awaits_checked_workers(&snapshot, need) => return,
+                // timeout) rather than load elsewhere, to stay there for its keep_alive, or
+                // evict what did not need to go.
+                Decision::Load(_) | Decision::MakeRoom { .. } if self.awaits_checked_workers(&snapshot, need) => {
+                    return;
+                }
                 Decision::Load(placement) => {
                     let (request, reply) = self.queue.pop_front().expect("checked above");
                     let footprint = planned_footprint(&placement, need);

@@ -945,6 +945,42 @@ async fn a_load_that_would_go_on_a_worker_being_checked_waits_for_the_check() {
     assert_eq!(handle.loaded().await.expect("loaded")[0].placement, super::policy::Placement::Cpu);
 }
 
+/// Nor does it evict a model from the host to make room there.
+#[tokio::test(start_paused = true)]
+async fn a_load_that_would_go_on_a_worker_being_checked_evicts_nothing_meanwhile() {
+    let (fake, handle, mut nudges) = scheduler_with_worker();
+    let placements = |loaded: Vec<super::types::LoadedModel>| {
+        let mut placed: Vec<_> = loaded.into_iter().map(|m| (m.name, m.placement)).collect();
+        placed.sort_by(|x, y| x.0.cmp(&y.0));
+        placed
+    };
+    // b on the host while the worker is down, a on the worker once it is back.
+    handle.fleet_changed(fleet(Some("refused")), vec!["10.0.0.2:1".into()]).await.expect("sent");
+    drop(handle.acquire(model("b", 50)).await.expect("loaded"));
+    handle.fleet_changed(fleet(None), vec!["10.0.0.2:1".into()]).await.expect("sent");
+    let on_worker = handle.acquire(model("a", 50)).await.expect("loaded").runner();
+    assert_eq!(
+        placements(handle.loaded().await.expect("loaded")),
+        [("a".to_owned(), super::policy::Placement::Gpu(0)), ("b".to_owned(), super::policy::Placement::Cpu)]
+    );
+    fake.crash(on_worker);
+    assert!(nudges.recv().await.is_some());
+    // c fits the host only without b, and the worker, once checked, at once.
+    let waiting = tokio::spawn({
+        let handle = handle.clone();
+        async move { handle.acquire(model("c", 80)).await.map(|lease| lease.runner()) }
+    });
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(!waiting.is_finished(), "waits for the check");
+    handle.fleet_changed(fleet(None), vec!["10.0.0.2:1".into()]).await.expect("sent");
+    waiting.await.expect("joined").expect("loaded");
+    assert_eq!(
+        placements(handle.loaded().await.expect("loaded")),
+        [("b".to_owned(), super::policy::Placement::Cpu), ("c".to_owned(), super::policy::Placement::Gpu(0))]
+    );
+    assert!(!fake.lines().iter().any(|l| l.starts_with("stop")), "nothing evicted: {:?}", fake.lines());
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_crash_on_a_healthy_worker_is_checked_and_the_worker_used_again() {
     let (fake, handle, mut nudges) = scheduler_with_worker();

@@ -65,8 +65,8 @@ impl Scheduler {
         !self.fleet.suspect.is_empty()
     }
 
-    /// Whether `need`, which `snapshot` places without the workers being checked, would
-    /// be placed on one of them were it not being checked.
+    /// Whether `need`, which `snapshot` places (or makes room for) without the workers
+    /// being checked, would be placed on one of them at once were they not being checked.
     pub(super) fn awaits_checked_workers(&self, snapshot: &Snapshot, need: Need) -> bool {
         if !self.checking_workers() {
             return false;
