@@ -52,12 +52,12 @@ impl Scheduler {
 
     /// The GPUs to plan with: online, and not on a suspect worker.
     pub(super) fn usable_gpus(&self) -> Vec<GpuView> {
-        self.gpus
-            .iter()
-            .filter(|g| !self.fleet.offline.contains(&g.index))
-            .filter(|g| g.worker.as_ref().is_none_or(|w| !self.fleet.suspect.contains(w)))
-            .cloned()
-            .collect()
+        self.online_gpus().filter(|g| g.worker.as_ref().is_none_or(|w| !self.fleet.suspect.contains(w))).collect()
+    }
+
+    /// The GPUs whose worker (if any) is up.
+    fn online_gpus(&self) -> impl Iterator<Item = GpuView> + '_ {
+        self.gpus.iter().filter(|g| !self.fleet.offline.contains(&g.index)).cloned()
     }
 
     /// Whether workers are being checked before they are planned with again.
@@ -71,8 +71,7 @@ impl Scheduler {
         if !self.checking_workers() {
             return false;
         }
-        let online = self.gpus.iter().filter(|g| !self.fleet.offline.contains(&g.index)).cloned().collect();
-        let with_them = Snapshot { gpus: online, ..snapshot.clone() };
+        let with_them = Snapshot { gpus: self.online_gpus().collect(), ..snapshot.clone() };
         match policy::decide(&with_them, need) {
             Decision::Load(placement) => self.workers_of(&placement).iter().any(|w| self.fleet.suspect.contains(w)),
             _ => false,

@@ -64,9 +64,12 @@ impl Inflight {
     }
 
     /// The download `sender` of `key` no longer takes pulls; it settles its files.
-    fn stop(&mut self, key: &InflightKey, sender: &Arc<watch::Sender<BlobStatus>>, settled: &watch::Receiver<()>) {
-        self.end(key, sender);
-        self.settling.insert(key.clone(), (Arc::clone(sender), settled.clone()));
+    fn stop(&mut self, key: &InflightKey, sender: &Arc<watch::Sender<BlobStatus>>) {
+        if self.running.get(key).is_some_and(|(s, _)| Arc::ptr_eq(s, sender)) {
+            if let Some(tracked) = self.running.remove(key) {
+                self.settling.insert(key.clone(), tracked);
+            }
+        }
     }
 
     /// The download `sender` of `key` has ended (or its files are settled): it goes from
@@ -116,7 +119,6 @@ impl Inner {
         drop(inflight);
         let task = Download {
             _ended: ended,
-            settled: settled.clone(),
             after,
             inner: Arc::clone(self),
             key,
@@ -134,8 +136,6 @@ impl Inner {
 struct Download {
     /// Dropped with the task, when its files are settled.
     _ended: watch::Sender<()>,
-    /// The other end of `_ended`, for a download that follows this one.
-    settled: watch::Receiver<()>,
     /// The end of the download of this blob that stopped before this one started and
     /// still settled its files.
     after: Option<watch::Receiver<()>>,
@@ -265,7 +265,7 @@ impl Download {
         if self.sender.receiver_count() > 0 {
             return false;
         }
-        inflight.stop(&self.key, &self.sender, &self.settled);
+        inflight.stop(&self.key, &self.sender);
         true
     }
 }
@@ -464,7 +464,7 @@ mod tests {
         let mut inflight = Inflight::default();
         let ((first, first_settled), first_ended) = tracked();
         assert!(inflight.start(&key, (Arc::clone(&first), first_settled.clone())).is_none(), "nothing before it");
-        inflight.stop(&key, &first, &first_settled);
+        inflight.stop(&key, &first);
         assert!(!inflight.running.contains_key(&key), "a stopped download takes no pull");
 
         let ((second, second_settled), _second_ended) = tracked();
@@ -487,7 +487,7 @@ mod tests {
         let mut inflight = Inflight::default();
         let ((status, settled), _ended) = tracked();
         let _ = inflight.start(&key, (Arc::clone(&status), settled.clone()));
-        inflight.stop(&key, &status, &settled);
+        inflight.stop(&key, &status);
         inflight.end(&key, &status);
         assert!(inflight.running.is_empty() && inflight.settling.is_empty());
     }
