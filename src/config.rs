@@ -66,7 +66,7 @@ impl Default for WorkerHealthConfig {
 pub struct DbusConfig {
     /// Which bus serves `org.corral.Corral1`.
     pub bus: BusKind,
-    /// Store jobs (Pull, Push, Create, Copy, Delete) running at once; more are refused
+    /// Store jobs (`Pull`, `Push`, `Create`, `CreateWithFiles`, `Copy`, `Delete`) running at once; more are refused
     /// with `org.corral.Corral1.Error.Busy` until one finishes.
     #[serde(deserialize_with = "positive_count")]
     pub max_jobs: u32,
@@ -103,12 +103,15 @@ pub struct ServerConfig {
     /// Host header values allowed on connections to a loopback address besides the names
     /// of this machine (Ollama's rule, `http::safety`): hostnames or IPs,
     /// `"*.example.org"` for its subdomains, `"*"` for any host.
+    #[serde(deserialize_with = "host_patterns")]
     pub allowed_hosts: Vec<String>,
     /// Origins whose browser pages may call the API (CORS): exact origins, patterns with
     /// one `*` (`"http://localhost:*"`), or `"*"` for any origin.
+    #[serde(deserialize_with = "origin_patterns")]
     pub cors_origins: Vec<String>,
     /// Bearer tokens; when any is set, every request but `GET /` and `HEAD /` needs one
     /// (with `store_changes = "token"`: only the store changes over TCP).
+    #[serde(deserialize_with = "tokens")]
     pub api_tokens: Vec<String>,
     /// Who may change the store (pull, push, create, copy, delete, blob uploads) over TCP.
     pub store_changes: StoreChanges,
@@ -557,10 +560,16 @@ impl<'de> Deserialize<'de> for ListenAddr {
     }
 }
 
+/// A duration as people write it, at most [`crate::durations::LONGEST`]: longer ones would
+/// overflow the clock arithmetic of timers and keep-alives.
 fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| {
+    let d = humantime::parse_duration(s).map_err(|e| {
         format!("\"{s}\" is not a duration ({e}); expected a number with a unit, like \"30s\", \"5m\" or \"1h30m\"")
-    })
+    })?;
+    if d > crate::durations::LONGEST {
+        return Err(format!("\"{s}\" is longer than the longest duration corral takes, about 292 years"));
+    }
+    Ok(d)
 }
 
 fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
@@ -601,6 +610,72 @@ fn positive_count<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
         0 => Err(serde::de::Error::custom("0 would refuse everything; expected at least 1")),
         n => Ok(n),
     }
+}
+
+/// `allowed_hosts`: each a host name or IP (a port is ignored), `"*.DOMAIN"`, or `"*"`;
+/// a `*` anywhere else would never match, so it is refused rather than ignored.
+fn host_patterns<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    let hosts = Vec::<String>::deserialize(d)?;
+    for host in &hosts {
+        let rest = host.strip_prefix("*.").unwrap_or(host);
+        let why = if host.is_empty() {
+            Some("is empty")
+        } else if host != "*" && rest.contains('*') {
+            Some("has a '*' that never matches: write \"*.example.org\" for a domain's hosts, or \"*\" for any")
+        } else if host.contains("://") || host.contains('/') {
+            Some("is not a host: write the name alone, as the Host header has it (\"example.org\")")
+        } else if host.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            Some("has a space or a control character, which no Host header has")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(serde::de::Error::custom(format!("\"{host}\" {why}")));
+        }
+    }
+    Ok(hosts)
+}
+
+/// `cors_origins`: each `"*"`, or an origin as browsers send it (`scheme://host[:port]`,
+/// no path) with at most one `*`; anything else would never match, so it is refused.
+fn origin_patterns<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    let origins = Vec::<String>::deserialize(d)?;
+    for origin in origins.iter().filter(|o| *o != "*") {
+        let after_scheme = origin.split_once("://").map(|(_, rest)| rest);
+        let why = if origin.matches('*').count() > 1 {
+            Some("has more than one '*'")
+        } else if after_scheme.is_none_or(str::is_empty) {
+            Some("is not an origin: expected scheme://host[:port], like \"https://app.example.org\"")
+        } else if after_scheme.is_some_and(|rest| rest.contains('/')) {
+            Some("has a path, which an origin never has: leave out everything after the host and port")
+        } else if origin.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            Some("has a space or a control character, which no origin has")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(serde::de::Error::custom(format!("\"{origin}\" {why}")));
+        }
+    }
+    Ok(origins)
+}
+
+/// `api_tokens`: each one or more printable ASCII characters without spaces, what an HTTP
+/// header carries as it was written (a presented token is trimmed; an empty one would
+/// match an empty header). The error names the token's place, never the token.
+fn tokens<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    let tokens = Vec::<String>::deserialize(d)?;
+    for (i, token) in tokens.iter().enumerate() {
+        let why = if token.is_empty() {
+            "is empty"
+        } else if !token.bytes().all(|b| b.is_ascii_graphic()) {
+            "has a space or a character outside printable ASCII, which an HTTP header cannot carry as written"
+        } else {
+            continue;
+        };
+        return Err(serde::de::Error::custom(format!("token {} of {} {why}", i + 1, tokens.len())));
+    }
+    Ok(tokens)
 }
 
 fn absolute_path_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PathBuf>, D::Error> {
@@ -1018,6 +1093,17 @@ keep_alive = "10m"
         assert_eq!(loaded.config.server.listen, vec![ListenAddr::Unix("/a.sock".into())]);
     }
 
+    /// A token that cannot work is named by its place: the error goes to the journal and
+    /// to whoever runs `--check-config`, and the token is a secret.
+    #[test]
+    fn a_bad_token_is_named_by_its_place_and_never_shown() {
+        let err = error(&[("corral.toml", "[server]\napi_tokens = [\"s3cr3t-one\", \"s3cr3t two\"]\n")]);
+        assert!(err.contains("server.api_tokens: token 2 of 2 has a space"), "{err}");
+        assert!(!err.contains("s3cr3t"), "{err}");
+        let good = "[server]\napi_tokens = [\"A-z0.9_~+/=\"]\n";
+        assert_eq!(load(&[("corral.toml", good)]).expect("a token").config.server.api_tokens, ["A-z0.9_~+/="]);
+    }
+
     #[test]
     fn store_changes_takes_three_modes_and_token_needs_tokens() {
         for (text, mode) in [("any", StoreChanges::Any), ("token", StoreChanges::Token), ("unix", StoreChanges::Unix)] {
@@ -1079,6 +1165,27 @@ keep_alive = "10m"
                 &["scheduler.keep_alive", "\"5\" is not a duration", "\"5m\""],
             ),
             (&[("corral.toml", "[scheduler]\nkeep_alive = 300\n")], &["scheduler.keep_alive", "expected a string"]),
+            // Past what clock arithmetic takes, in each kind of duration key.
+            (
+                &[("corral.toml", "[scheduler]\nkeep_alive = \"300000000000y\"\n")],
+                &["corral.toml:2", "scheduler.keep_alive", "longer than the longest duration corral takes"],
+            ),
+            (
+                &[("corral.toml", "[scheduler]\nkeep_alive_max = \"293y\"\n")],
+                &["corral.toml:2", "scheduler.keep_alive_max", "\"293y\" is longer than"],
+            ),
+            (
+                &[("corral.toml", "[models.\"m\"]\nkeep_alive = \"1000y\"\n")],
+                &["corral.toml:2", "models.m.keep_alive", "longer than"],
+            ),
+            (
+                &[("corral.toml", "[worker_health]\ntimeout = \"500y\"\n")],
+                &["corral.toml:2", "worker_health.timeout", "longer than"],
+            ),
+            (
+                &[("corral.toml", "[server]\nexit_on_idle = \"400y\"\n")],
+                &["corral.toml:2", "server.exit_on_idle", "longer than"],
+            ),
             (
                 &[("corral.toml", "[server]\nlisten = [\"localhost:11434\"]\n")],
                 &["server.listen", "neither an IP address with a port"],
@@ -1101,6 +1208,39 @@ keep_alive = "10m"
                 &["corral.toml:2", "server.max_body", "is not a byte size"],
             ),
             (&[("corral.toml", "[server]\napi_tokens = \"t\"\n")], &["server.api_tokens", "expected a sequence"]),
+            (
+                &[("corral.toml", "[server]\napi_tokens = [\"secret\", \"\"]\n")],
+                &["corral.toml:2", "server.api_tokens", "token 2 of 2 is empty"],
+            ),
+            (
+                &[("corral.toml", "[server]\napi_tokens = [\" secret\"]\n")],
+                &["corral.toml:2", "server.api_tokens", "token 1 of 1 has a space"],
+            ),
+            (
+                &[("corral.toml", "[server]\napi_tokens = [\"sécret\"]\n")],
+                &["corral.toml:2", "server.api_tokens", "outside printable ASCII"],
+            ),
+            (
+                &[("corral.toml", "[server]\ncors_origins = [\"https://*.example.org:*\"]\n")],
+                &["corral.toml:2", "server.cors_origins", "more than one '*'"],
+            ),
+            (
+                &[("corral.toml", "[server]\ncors_origins = [\"https://app.example.org/\"]\n")],
+                &["corral.toml:2", "server.cors_origins", "has a path"],
+            ),
+            (
+                &[("corral.toml", "[server]\ncors_origins = [\"app.example.org\"]\n")],
+                &["corral.toml:2", "server.cors_origins", "is not an origin"],
+            ),
+            (
+                &[("corral.toml", "[server]\nallowed_hosts = [\"*example.org\"]\n")],
+                &["corral.toml:2", "server.allowed_hosts", "never matches"],
+            ),
+            (
+                &[("corral.toml", "[server]\nallowed_hosts = [\"https://example.org\"]\n")],
+                &["corral.toml:2", "server.allowed_hosts", "is not a host"],
+            ),
+            (&[("corral.toml", "[server]\nallowed_hosts = [\"\"]\n")], &["server.allowed_hosts", "is empty"]),
             (
                 &[("corral.toml", "[server]\nheader_timeout = \"0s\"\n")],
                 &["corral.toml:2", "server.header_timeout", "\"0s\" is zero", "above zero"],

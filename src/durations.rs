@@ -6,6 +6,11 @@
 use std::fmt;
 use std::time::Duration;
 
+/// The longest duration anything from outside sets (a client's `keep_alive`, a key of the
+/// configuration): Go's, and so Ollama's, largest, about 292 years. Clock arithmetic on it
+/// stays far from overflow (an `Instant` or a `SystemTime` plus it, it in nanoseconds).
+pub const LONGEST: Duration = Duration::from_nanos(i64::MAX.unsigned_abs());
+
 /// `duration` rounded for reading; see the module.
 #[must_use]
 pub fn human(duration: Duration) -> Human {

@@ -658,7 +658,8 @@ pub async fn status(bus: &Bus, style: Style) -> Result<(), CtlError> {
         shown.push(("Workers", workers_text(&status.workers)));
     }
     shown.extend([
-        ("Loaded models", format!("{} of at most {}: {loaded}", status.loaded_models.len(), status.max_loaded_models)),
+        // Names of one model share a runner, and the limit counts runners: no "N of M" here.
+        ("Loaded models", format!("{loaded} (at most {} runners)", status.max_loaded_models)),
         ("Queue depth", format!("{} of at most {}", status.queue_depth, status.max_queue)),
         ("Keep-alive", output::keep_alive(status.default_keep_alive)),
     ]);

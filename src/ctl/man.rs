@@ -46,17 +46,17 @@ The system bus to use instead of the standard socket.
 The session bus (else \fI$XDG_RUNTIME_DIR/bus\fR), where the user units' corrald serves.
 .TP
 \fBCORRAL_HOST\fR
-For \fBrun\fR, when \fB\-\-host\fR is not given: corrald's HTTP API, read as Ollama reads
+For \fBrun\fR and \fBcreate\fR (its uploads), when \fB\-\-host\fR is not given: corrald's HTTP API, read as Ollama reads
 \fBOLLAMA_HOST\fR: [http://]HOST[:PORT][/PATH], port 11434 without a scheme (80 with
 http://), 0.0.0.0 meaning this machine; or a UNIX socket path such as /run/corral.sock
 (or unix:PATH). A value that does not parse is an error naming the variable.
 .TP
 \fBOLLAMA_HOST\fR
-For \fBrun\fR, when neither \fB\-\-host\fR nor \fBCORRAL_HOST\fR is set: the same, so
+For \fBrun\fR and \fBcreate\fR (its uploads), when neither \fB\-\-host\fR nor \fBCORRAL_HOST\fR is set: the same, so
 that a shell set up for Ollama reaches corrald. Without any, http://127.0.0.1:11434.
 .TP
 \fBCORRAL_API_TOKEN\fR
-For \fBrun\fR: a bearer token, when the daemon is configured with api_tokens.
+For \fBrun\fR and \fBcreate\fR: a bearer token, when the daemon is configured with api_tokens.
 .SH EXAMPLES
 .nf
 corralctl list

@@ -31,7 +31,7 @@ use crate::store::{Store, StoreError};
 use crate::sync::lock;
 
 /// How far away Ollama puts "forever": the largest Go duration, about 292 years.
-const FOREVER: Duration = Duration::from_nanos(i64::MAX.unsigned_abs());
+const FOREVER: Duration = crate::durations::LONGEST;
 
 /// The routes of this module that read.
 pub(super) fn routes() -> Router<AppState> {

@@ -902,7 +902,8 @@ fn expiry(entry: &Entry) -> Option<Instant> {
     }
     match entry.keep_alive {
         KeepAlive::Forever => None,
-        KeepAlive::For(d) => Some(entry.idle_since + d),
+        // Past the clock's range (no client or key sets that: `durations::LONGEST`) is never.
+        KeepAlive::For(d) => entry.idle_since.checked_add(d),
     }
 }
 

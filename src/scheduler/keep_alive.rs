@@ -4,7 +4,10 @@
 //! From a request: a JSON number is seconds (fractions allowed), a string is a Go
 //! duration (`"5m"`, `"1h30m"`, `"-1m"`), a negative value means forever, `0` unloads
 //! when the request ends, `null` or absent keeps what the model already has (or the
-//! default). A string without a unit other than `"0"` is an error, as in Ollama.
+//! default). A string without a unit other than `"0"` is an error, as in Ollama. A number
+//! of seconds longer than Go's longest duration (about 292 years) means forever, as in
+//! Ollama on x86-64 (its conversion overflows to a negative duration); a string that long
+//! is an error, as in Go.
 //! Beyond Ollama, the configuration can clamp what clients ask for.
 
 use std::time::Duration;
@@ -38,7 +41,7 @@ impl KeepAlive {
             None | Some(Value::Null) => Ok(None),
             Some(Value::Number(n)) => {
                 let seconds = n.as_f64().ok_or_else(|| invalid("not a number"))?;
-                Ok(Some(Self::from_seconds(seconds).ok_or_else(|| invalid("too large"))?))
+                Ok(Some(Self::from_seconds(seconds)))
             }
             Some(Value::String(s)) => {
                 let nanos = parse_go_duration(s).map_err(invalid)?;
@@ -48,11 +51,12 @@ impl KeepAlive {
         }
     }
 
-    fn from_seconds(seconds: f64) -> Option<Self> {
-        if seconds < 0.0 {
-            return Some(Self::Forever);
+    fn from_seconds(seconds: f64) -> Self {
+        match Duration::try_from_secs_f64(seconds) {
+            Ok(d) if d <= crate::durations::LONGEST => Self::For(d),
+            // Negative, or past the longest (JSON has no NaN).
+            _ => Self::Forever,
         }
-        Duration::try_from_secs_f64(seconds).ok().map(Self::For)
     }
 
     /// True for a zero duration: unload when the request ends.
@@ -204,6 +208,11 @@ mod tests {
             (json!(600), Ok(Some(secs(600)))),
             (json!(42.5), Ok(Some(KeepAlive::For(Duration::from_millis(42_500))))),
             (json!(0), Ok(Some(secs(0)))),
+            // Past Go's longest duration (292 years): forever, as Ollama reads it.
+            (json!(9_223_372_036_u64), Ok(Some(secs(9_223_372_036)))),
+            (json!(9_223_372_037_u64), Ok(Some(KeepAlive::Forever))),
+            (json!(u64::MAX), Ok(Some(KeepAlive::Forever))),
+            (json!(1e300), Ok(Some(KeepAlive::Forever))),
             (json!(null), Ok(None)),
         ];
         for (input, expected) in cases {
@@ -224,7 +233,6 @@ mod tests {
             (json!("999999999h"), "too large"),
             (json!(true), "expected a duration string"),
             (json!({"m": 5}), "expected a duration string"),
-            (json!(1e300), "too large"),
         ] {
             let err = parse(&input).expect_err(&input.to_string());
             assert!(err.contains(reason) && err.starts_with("invalid keep_alive"), "{input}: {err}");

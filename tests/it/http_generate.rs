@@ -113,6 +113,32 @@ async fn an_empty_prompt_loads_and_keep_alive_zero_unloads() {
     assert!(state.scheduler.loaded().await.expect("loaded").is_empty());
 }
 
+/// A `keep_alive` of more seconds than Go's longest duration (about 292 years) is forever,
+/// as Ollama reads it; the scheduler, which once added it to a clock and panicked when
+/// the model went idle, goes on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keep_alive_past_any_clock_is_forever_and_the_scheduler_goes_on() {
+    use corral::scheduler::keep_alive::KeepAlive;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = state(dir.path());
+    for keep_alive in ["1e19", "18446744073709551615", "9223372037"] {
+        let body = format!(r#"{{"model":"chat","keep_alive":{keep_alive}}}"#);
+        let (status, _, lines) = post(&state, "/api/generate", &body).await;
+        assert_eq!(status, StatusCode::OK, "{keep_alive}: {lines:?}");
+        // Idle now: the scheduler works out when it expires.
+        leases_reach_zero(&state).await;
+        let loaded = state.scheduler.loaded().await.expect("the scheduler answers");
+        assert_eq!(loaded.len(), 1, "{keep_alive}");
+        assert_eq!((loaded[0].keep_alive, loaded[0].expires_at), (KeepAlive::Forever, None), "{keep_alive}");
+    }
+    let request = Request::get("/api/ps").body(Body::empty()).expect("request");
+    let response = router(state.clone()).oneshot(request).await.expect("infallible");
+    let ps: Value =
+        serde_json::from_slice(&response.into_body().collect().await.expect("body").to_bytes()).expect("json");
+    let expires = ps["models"][0]["expires_at"].as_str().expect("expires_at");
+    assert!(expires.starts_with("23"), "forever, as Ollama shows it (292 years on): {ps}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_generation_requests_are_named_and_load_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");

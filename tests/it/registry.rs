@@ -1137,19 +1137,19 @@ async fn an_api_push_whose_client_goes_away_is_cancelled_before_its_manifest() {
 /// that do not repeat) and a config, so that a pull downloads both layers at once.
 async fn publish_two_large_layers(world: &World, model: &str) -> (Manifest, Snapshot) {
     let name = name_on(&world.registry.host(), model);
-    let manifest = two_large_layers(&world.source, &name);
+    let manifest = two_large_layers(&world.source, &name, 9 << 20);
     let client = client(&[world.registry.host()], |_| {});
     within("push", client.push(&world.source, &name, |_| {})).await.expect("push");
     (manifest, snapshot(&world.source, &name))
 }
 
-/// Writes `name` into `store`: two large layers (weights and an adapter of 9 MiB each,
-/// bytes that do not repeat) and a config.
-fn two_large_layers(store: &Store, name: &ModelName) -> Manifest {
+/// Writes `name` into `store`: two large layers (weights and an adapter of `size` bytes
+/// each, bytes that do not repeat) and a config.
+fn two_large_layers(store: &Store, name: &ModelName, size: usize) -> Manifest {
     use corral::store::manifest::ADAPTER;
     let mut seed = 0x2545_f491_4f6c_dd1d_u64;
     let mut large = || {
-        let bytes: Vec<u8> = (0..9 << 20)
+        let bytes: Vec<u8> = (0..size)
             .map(|_| {
                 seed ^= seed << 13;
                 seed ^= seed >> 7;
@@ -1231,12 +1231,12 @@ async fn registry_has(world: &World, digest: &Digest) -> bool {
     reqwest::Client::new().head(url).send().await.expect("ask the registry").status() == reqwest::StatusCode::OK
 }
 
-/// `test/two:v1` of [`two_large_layers`] in the source store, named on a proxy in front of
-/// the registry, to be pushed.
-fn two_large_layers_to_push(world: &World) -> (Proxy, ModelName, Manifest) {
+/// `test/two:v1` of [`two_large_layers`] (of `size` bytes each) in the source store, named
+/// on a proxy in front of the registry, to be pushed.
+fn two_large_layers_to_push(world: &World, size: usize) -> (Proxy, ModelName, Manifest) {
     let proxy = Proxy::start(world.registry.addr());
     let name = name_on(&proxy.host(), "test/two:v1");
-    let manifest = two_large_layers(&world.source, &name);
+    let manifest = two_large_layers(&world.source, &name, size);
     (proxy, name, manifest)
 }
 
@@ -1245,7 +1245,7 @@ fn two_large_layers_to_push(world: &World) -> (Proxy, ModelName, Manifest) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_push_uploads_small_blobs_beside_large_ones_and_reports_them_in_order() {
     let world = World::new();
-    let (proxy, name, manifest) = two_large_layers_to_push(&world);
+    let (proxy, name, manifest) = two_large_layers_to_push(&world, 9 << 20);
     let (weights, config) = (manifest.layers()[0].digest, manifest.config().digest);
     let gate = hold_heads_of(&proxy, &weights);
     let client = client(&[proxy.host()], |_| {});
@@ -1284,7 +1284,7 @@ async fn a_push_uploads_small_blobs_beside_large_ones_and_reports_them_in_order(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_small_blob_refused_fails_the_push_while_a_large_one_goes_up() {
     let world = World::new();
-    let (proxy, name, manifest) = two_large_layers_to_push(&world);
+    let (proxy, name, manifest) = two_large_layers_to_push(&world, 9 << 20);
     let (weights, config) = (manifest.layers()[0].digest.to_string(), manifest.config().digest);
     let gate = Gate::new();
     let (held, refused) = (gate.clone(), config.to_string());
@@ -1309,6 +1309,75 @@ async fn a_small_blob_refused_fails_the_push_while_a_large_one_goes_up() {
         .expect("ask the registry")
         .status();
     assert_eq!(status, reqwest::StatusCode::NOT_FOUND);
+}
+
+/// [`two_large_layers_to_push`] of 32 MiB each (many times what the sockets' buffers
+/// hold), the weights' upload coming through the proxy, which does `upload` with it.
+fn push_through_the_proxy(world: &World, upload: Action) -> (Proxy, ModelName, Manifest) {
+    let (proxy, name, manifest) = two_large_layers_to_push(world, 32 << 20);
+    let weights = manifest.layers()[0].digest.to_string();
+    proxy.rule(move |seen| match seen.method.as_str() {
+        "POST" if seen.path.contains("/blobs/uploads/") => Action::Relocate,
+        "PUT" if seen.path.contains(&format!("digest={}", weights.replace(':', "%3A"))) => upload.clone(),
+        _ => Action::Pass,
+    });
+    (proxy, name, manifest)
+}
+
+/// The weights' `PUT` as the proxy saw it (it came through the proxy).
+fn weights_put(proxy: &Proxy, manifest: &Manifest) -> bool {
+    let weights = manifest.layers()[0].digest.to_string().replace(':', "%3A");
+    proxy.seen().iter().any(|s| s.method == "PUT" && s.path.contains(&weights))
+}
+
+/// An upload that lasts longer than the read timeout goes through while the registry keeps
+/// taking its data: the timeout bounds a silence, not a transfer (reqwest's own read
+/// timeout, running from the request's start to its answer, failed it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_slower_than_the_read_timeout_goes_through_while_the_registry_takes_its_data() {
+    let world = World::new();
+    // 32 MiB at 256 KiB each 30 ms: about 4 s.
+    let slow = Action::SlowBody { chunk: 256 << 10, every: Duration::from_millis(30) };
+    let (proxy, name, manifest) = push_through_the_proxy(&world, slow);
+    let read_timeout = Duration::from_secs(2);
+    let client = client(&[proxy.host()], |c| c.read_timeout = read_timeout);
+    let started = std::time::Instant::now();
+    let mut events = Vec::new();
+    within("push", client.push(&world.source, &name, |p| events.push(p))).await.expect("a slow push");
+    assert!(weights_put(&proxy, &manifest), "the weights' upload did not come through the proxy");
+    assert!(started.elapsed() > 2 * read_timeout, "the upload was not slow: {:?}", started.elapsed());
+    let weights = manifest.layers()[0].digest;
+    let taken: Vec<u64> = events.iter().filter(|e| e.digest == Some(weights)).filter_map(|e| e.completed).collect();
+    assert!(taken.windows(2).all(|w| w[0] <= w[1]) && taken.last() == Some(&manifest.layers()[0].size), "{taken:?}");
+    let store = world.store("dest");
+    within("pull", client.pull(&store, &name, |_| {})).await.expect("pull");
+    assert_eq!(snapshot(&store, &name), snapshot(&world.source, &name));
+}
+
+/// A registry that stops taking an upload's data fails the push once the read timeout has
+/// passed without any, naming the blob and how far it got; a registry that takes it all and
+/// never answers fails it the same way. No manifest is sent, and the connection is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_the_registry_stops_taking_or_never_answers_fails_after_the_read_timeout() {
+    let world = World::new();
+    let never = Gate::new();
+    for (upload, expected) in [
+        (Action::StallBody(1 << 20), "then none for 1 s"),
+        (Action::Hold(never.clone()), "no answer within 1 s of the last of its 33554432 bytes"),
+    ] {
+        let (proxy, name, manifest) = push_through_the_proxy(&world, upload);
+        let client = client(&[proxy.host()], |c| c.read_timeout = Duration::from_secs(1));
+        let error = within("push", client.push(&world.source, &name, |_| {})).await.expect_err("a stalled push");
+        let message = error.to_string();
+        let weights = manifest.layers()[0].digest;
+        assert!(message.contains(&format!("blob {weights} of test/two")) && message.contains(expected), "{message}");
+        assert!(weights_put(&proxy, &manifest), "the weights' upload did not come through the proxy");
+        assert!(!proxy.seen().iter().any(|s| s.path.contains("/manifests/") && s.method == "PUT"), "a manifest");
+        poll_until_async(DEADLINE, "the stalled upload's connection closed", || async {
+            if proxy.abandoned() == 1 { Ok(()) } else { Err(format!("{} abandoned", proxy.abandoned())) }
+        })
+        .await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -189,6 +189,8 @@ struct Inner {
     /// daemon that never pulls should not pay for at start (time, and memory it touches).
     /// One client speaks both HTTPS and plain HTTP: a blob's URL chooses.
     client: Arc<OnceLock<Result<Client, String>>>,
+    /// The same without a read timeout, for a blob's upload ([`Inner::upload_client`]).
+    upload_client: Arc<OnceLock<Result<Client, String>>>,
     inflight: Arc<Mutex<Inflight>>,
     /// One permit per download that may run ([`RegistryConfig::max_downloads`]).
     downloads: Arc<Semaphore>,
@@ -196,14 +198,26 @@ struct Inner {
 
 impl Inner {
     fn client(&self) -> Result<&Client, RegistryError> {
-        let built = self.client.get_or_init(|| {
-            Client::builder()
-                .connect_timeout(self.config.connect_timeout)
-                .read_timeout(self.config.read_timeout)
-                .user_agent(USER_AGENT)
-                .build()
-                .map_err(|e| chain(&e))
-        });
+        Self::built(&self.client, || self.builder().read_timeout(self.config.read_timeout))
+    }
+
+    /// For a blob's `PUT`. reqwest's read timeout runs from a request's start to its
+    /// answer's head, the body's upload included (reqwest issue 2784), so it would fail any
+    /// upload that takes longer, however fast it goes; the push bounds that wait itself,
+    /// by the upload's progress (`push::watch_upload`).
+    fn upload_client(&self) -> Result<&Client, RegistryError> {
+        Self::built(&self.upload_client, || self.builder())
+    }
+
+    fn builder(&self) -> reqwest::ClientBuilder {
+        Client::builder().connect_timeout(self.config.connect_timeout).user_agent(USER_AGENT)
+    }
+
+    fn built(
+        slot: &OnceLock<Result<Client, String>>,
+        builder: impl FnOnce() -> reqwest::ClientBuilder,
+    ) -> Result<&Client, RegistryError> {
+        let built = slot.get_or_init(|| builder().build().map_err(|e| chain(&e)));
         built.as_ref().map_err(|e| RegistryError::Client(e.clone()))
     }
 }
@@ -213,7 +227,14 @@ impl Registry {
     #[must_use]
     pub fn new(config: RegistryConfig) -> Self {
         let downloads = Arc::new(Semaphore::new(config.max_downloads.max(1)));
-        Self { inner: Arc::new(Inner { config, client: Arc::default(), inflight: Arc::default(), downloads }) }
+        let inner = Inner {
+            config,
+            client: Arc::default(),
+            upload_client: Arc::default(),
+            inflight: Arc::default(),
+            downloads,
+        };
+        Self { inner: Arc::new(inner) }
     }
 
     /// The configuration.
@@ -233,9 +254,9 @@ impl Registry {
         let mut config = self.inner.config.clone();
         config.insecure.push(host.to_owned());
         let inner = &self.inner;
-        let (client, inflight, downloads) =
-            (Arc::clone(&inner.client), Arc::clone(&inner.inflight), Arc::clone(&inner.downloads));
-        Self { inner: Arc::new(Inner { config, client, inflight, downloads }) }
+        let (client, upload_client) = (Arc::clone(&inner.client), Arc::clone(&inner.upload_client));
+        let (inflight, downloads) = (Arc::clone(&inner.inflight), Arc::clone(&inner.downloads));
+        Self { inner: Arc::new(Inner { config, client, upload_client, inflight, downloads }) }
     }
 
     /// Pulls `name` into `store` (see the module documentation), reporting progress as it

@@ -62,6 +62,10 @@ impl Remote {
         self.inner.client()
     }
 
+    pub(super) fn upload_client(&self) -> Result<&Client, RegistryError> {
+        self.inner.upload_client()
+    }
+
     pub(super) fn config(&self) -> &RegistryConfig {
         &self.inner.config
     }

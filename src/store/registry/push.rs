@@ -14,6 +14,7 @@ use reqwest::{Body, StatusCode};
 
 use super::protocol::Remote;
 use super::{PROGRESS_INTERVAL, Progress, RegistryError, SMALL_LAYERS_AT_ONCE, WRITE_CHUNK, is_large};
+use crate::durations::human;
 use crate::store::Store;
 use crate::store::manifest::Layer;
 
@@ -103,23 +104,63 @@ impl Remote {
             let file = store.open_blob(&digest)?;
             sent.store(0, Ordering::Relaxed);
             Ok(self
-                .client()?
+                .upload_client()?
                 .put(target.clone())
                 .header(CONTENT_TYPE, "application/octet-stream")
                 .header(CONTENT_LENGTH, size)
                 .body(Body::wrap_stream(file_stream(file, Arc::clone(&sent)))))
         });
-        let mut upload = Box::pin(upload);
-        let mut ticker = tokio::time::interval(PROGRESS_INTERVAL);
-        let response = loop {
-            tokio::select! {
-                response = &mut upload => break response?,
-                _ = ticker.tick() => progress(Progress::blob("pushing", digest, size, sent.load(Ordering::Relaxed))),
-            }
-        };
-        self.expect(&what, response, &[StatusCode::CREATED]).await?;
+        let mut report = |done| progress(Progress::blob("pushing", digest, size, done));
+        let response = self.watch_upload(&what, upload, size, &sent, &mut report).await?;
+        // A refusal's body is read for its message, within the same bound.
+        let bound = self.config().read_timeout;
+        tokio::time::timeout(bound, self.expect(&what, response, &[StatusCode::CREATED]))
+            .await
+            .map_err(|_| self.silent(&what, format!("its answer did not end within {}", human(bound))))??;
         progress(Progress::blob("pushing", digest, size, size));
         Ok(())
+    }
+
+    /// Awaits a blob's upload, reporting the bytes taken so far every [`PROGRESS_INTERVAL`]:
+    /// a registry that takes none of them for `read_timeout`, or does not answer within
+    /// `read_timeout` of taking the last (as Go's `ResponseHeaderTimeout`, the wait of
+    /// Docker's and containerd's pushes), fails the push. The last bytes may still be in
+    /// the sockets' buffers then (a few MiB), which no client sees leave.
+    async fn watch_upload<T>(
+        &self,
+        what: &str,
+        upload: impl Future<Output = Result<T, RegistryError>>,
+        size: u64,
+        sent: &AtomicU64,
+        progress: &mut impl FnMut(u64),
+    ) -> Result<T, RegistryError> {
+        let bound = self.config().read_timeout;
+        let mut upload = std::pin::pin!(upload);
+        let mut ticker = tokio::time::interval(PROGRESS_INTERVAL);
+        let mut last = (0, tokio::time::Instant::now());
+        loop {
+            tokio::select! {
+                result = &mut upload => return result,
+                _ = ticker.tick() => {
+                    let now = sent.load(Ordering::Relaxed);
+                    progress(now);
+                    if now != last.0 {
+                        last = (now, tokio::time::Instant::now());
+                    } else if last.1.elapsed() >= bound {
+                        return Err(self.silent(what, if now < size {
+                            format!("the registry took {now} of {size} bytes, then none for {}", human(bound))
+                        } else {
+                            format!("no answer within {} of the last of its {size} bytes", human(bound))
+                        }));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The error of an upload the registry let stall: `detail` says where.
+    fn silent(&self, what: &str, detail: String) -> RegistryError {
+        RegistryError::Transport { registry: self.registry.clone(), what: what.to_owned(), detail }
     }
 }
 

@@ -173,6 +173,20 @@ pub enum Action {
     /// until the client goes (counted in [`Proxy::stalled`] once the bytes are sent, in
     /// [`Proxy::abandoned`] once the client closed the connection).
     Stall(u64),
+    /// Passes it through with a `Location` that names the registry made to name the proxy
+    /// (an upload's start, so that its `PUT` comes through the proxy too).
+    Relocate,
+    /// Reads the request's body `chunk` bytes at a time, one read each `every` (a registry
+    /// taking an upload slowly), then passes it through.
+    SlowBody {
+        /// The most bytes of one read.
+        chunk: usize,
+        /// The pause before each read.
+        every: Duration,
+    },
+    /// Reads this many bytes of the request's body, then nothing more until the client goes
+    /// (counted in [`Proxy::abandoned`] then).
+    StallBody(usize),
     /// Answers this instead.
     Respond {
         /// The status.
@@ -302,15 +316,36 @@ impl Drop for Proxy {
     }
 }
 
-/// One request read off a connection.
+/// One request's head read off a connection, with the start of its body.
 struct Incoming {
     method: String,
     path: String,
     headers: Vec<(String, String)>,
     body: Vec<u8>,
+    length: usize,
 }
 
-async fn read_request(socket: &mut TcpStream) -> Option<Incoming> {
+impl Incoming {
+    /// Reads the rest of the body: all of it, or at most `chunk` bytes a read after a pause
+    /// of `every` each, or only the first `stall_at` bytes. `None` when the client went.
+    async fn read_body(&mut self, socket: &mut TcpStream, chunk: usize, every: Duration) -> Option<()> {
+        while self.body.len() < self.length {
+            if !every.is_zero() {
+                tokio::time::sleep(every).await;
+            }
+            let want = chunk.min(self.length - self.body.len());
+            let mut buf = vec![0; want];
+            let n = socket.read(&mut buf).await.ok()?;
+            if n == 0 {
+                return None;
+            }
+            self.body.extend_from_slice(&buf[..n]);
+        }
+        Some(())
+    }
+}
+
+async fn read_head(socket: &mut TcpStream) -> Option<Incoming> {
     let mut data = Vec::new();
     let head_end = loop {
         if let Some(at) = data.windows(4).position(|w| w == b"\r\n\r\n") {
@@ -330,17 +365,12 @@ async fn read_request(socket: &mut TcpStream) -> Option<Incoming> {
         .collect();
     let length: usize =
         headers.iter().find(|(n, _)| n == "content-length").and_then(|(_, v)| v.parse().ok()).unwrap_or(0);
-    let mut body = data.split_off(head_end + 4);
-    while body.len() < length {
-        if socket.read_buf(&mut body).await.ok()? == 0 {
-            return None;
-        }
-    }
-    Some(Incoming { method, path, headers, body })
+    let body = data.split_off(head_end + 4);
+    Some(Incoming { method, path, headers, body, length })
 }
 
 async fn serve(state: Arc<ProxyState>, mut socket: TcpStream) {
-    let Some(request) = read_request(&mut socket).await else { return };
+    let Some(mut request) = read_head(&mut socket).await else { return };
     let header = |name: &str| request.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
     let seen = Seen {
         method: request.method.clone(),
@@ -352,6 +382,9 @@ async fn serve(state: Arc<ProxyState>, mut socket: TcpStream) {
     state.seen.lock().unwrap_or_else(PoisonError::into_inner).push(seen.clone());
     let rule = Arc::clone(&state.rule.lock().unwrap_or_else(PoisonError::into_inner));
     let action = rule(&seen);
+    if !take_body(&state, &mut socket, &mut request, &action).await {
+        return;
+    }
     match &action {
         Action::Respond { status, headers, body } => {
             let mut head = status_line(*status);
@@ -391,8 +424,12 @@ async fn serve(state: Arc<ProxyState>, mut socket: TcpStream) {
     let mut head = status_line(upstream.status().as_u16());
     let promised = upstream.content_length();
     for (name, value) in upstream.headers() {
+        let mut value = value.to_str().unwrap_or_default().to_owned();
+        if name == "location" && matches!(action, Action::Relocate) {
+            value = value.replace(&state.upstream.to_string(), &socket.local_addr().expect("address").to_string());
+        }
         if !matches!(name.as_str(), "transfer-encoding" | "connection" | "content-length") {
-            let _ = write!(head, "{name}: {}\r\n", value.to_str().unwrap_or_default());
+            let _ = write!(head, "{name}: {value}\r\n");
         }
     }
     let is_head = request.method == "HEAD";
@@ -426,6 +463,28 @@ async fn serve(state: Arc<ProxyState>, mut socket: TcpStream) {
         return;
     }
     let _ = socket.shutdown().await;
+}
+
+/// Reads `request`'s body as `action` says; false when the request ends there (the client
+/// went, or the body stalls until it goes).
+async fn take_body(state: &ProxyState, socket: &mut TcpStream, request: &mut Incoming, action: &Action) -> bool {
+    if matches!(action, Action::SlowBody { .. } | Action::StallBody(_)) {
+        // A fixed, small receive buffer: the sender's view of what was taken then lags the
+        // proxy's reads by a fraction of a MiB (autotuning would let the kernel take MiBs).
+        nix::sys::socket::setsockopt(&*socket, nix::sys::socket::sockopt::RcvBuf, &(64 << 10)).expect("SO_RCVBUF");
+    }
+    match *action {
+        Action::SlowBody { chunk, every } => request.read_body(socket, chunk, every).await.is_some(),
+        Action::StallBody(n) => {
+            request.length = request.length.min(n);
+            if request.read_body(socket, 64 << 10, Duration::ZERO).await.is_some() {
+                closed_by_peer(socket).await;
+                state.abandoned.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            false
+        }
+        _ => request.read_body(socket, 64 << 10, Duration::ZERO).await.is_some(),
+    }
 }
 
 /// Resolves when the client closes its end (one request per connection: nothing more
