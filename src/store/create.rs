@@ -373,9 +373,11 @@ impl Store {
         Ok((digest, size, info))
     }
 
-    /// Reads a GGUF file's metadata; `what` names it in errors.
+    /// Reads a GGUF file's metadata; `what` names it in errors. Anything but a regular
+    /// file is refused before a byte is read (a FIFO would hang the open, a device never end).
     pub fn inspect(&self, path: &Path, what: &str) -> Result<ModelInfo, StoreError> {
-        model_info(GgufFile::open(path), what)
+        let (file, _) = super::passed::open_regular(path, what)?;
+        model_info(GgufFile::read_seekable(std::io::BufReader::with_capacity(64 << 10, file)), what)
     }
 
     /// Reads a blob's GGUF metadata, opened through the store (a link is refused).

@@ -127,11 +127,20 @@ fn big_text(instruction: &str) -> String {
 fn bad_inputs_are_named_and_change_nothing() {
     let (dir, store) = setup();
     fs::write(dir.path().join("garbage.gguf"), b"this is not a gguf file").expect("write");
+    // A FIFO no one writes to (opening it for reading would wait for a writer forever), a
+    // device that never ends, a directory.
+    nix::unistd::mkfifo(&dir.path().join("pipe.gguf"), nix::sys::stat::Mode::S_IRWXU).expect("mkfifo");
+    std::os::unix::fs::symlink("/dev/zero", dir.path().join("zero.gguf")).expect("symlink");
+    fs::create_dir(dir.path().join("dir.gguf")).expect("mkdir");
     create(&store, "keep", "FROM ./tiny.gguf\n", dir.path()).expect("a model that must stay");
     let before = blob_files(&store);
     let cases = [
         ("FROM ./missing.gguf\n", "missing.gguf"),
         ("FROM ./garbage.gguf\n", "garbage.gguf is not a usable GGUF file"),
+        ("FROM ./pipe.gguf\n", "pipe.gguf: a pipe, not a regular file"),
+        ("FROM ./zero.gguf\n", "zero.gguf: a character device, not a regular file"),
+        ("FROM ./dir.gguf\n", "dir.gguf: a directory, not a regular file"),
+        ("FROM ./tiny.gguf\nADAPTER ./pipe.gguf\n", "pipe.gguf: a pipe, not a regular file"),
         ("FROM ./tiny.gguf\nADAPTER ./tiny.gguf\n", "tiny.gguf is a model, expected an adapter"),
         ("FROM ./tiny.gguf\nADAPTER ./garbage.gguf\n", "garbage.gguf is not a usable GGUF file"),
         ("FROM nosuchmodel\n", "model 'nosuchmodel:latest' not found"),
@@ -252,12 +261,13 @@ fn a_manifest_over_its_cap_is_not_written() {
     let (dir, store) = setup();
     let (digest, _) = create(&store, "keep", "FROM ./tiny.gguf\nLICENSE MIT\n", dir.path()).expect("create");
     let (manifest, _, _) = store.manifest(&name("keep")).expect("manifest");
-    let license = manifest.layers().iter().find(|l| l.media_type == manifest::LICENSE).expect("license").clone();
-    let layers: Vec<_> =
-        std::iter::once(manifest.model().clone()).chain(std::iter::repeat_n(license, 30_000)).collect();
+    let mut license = manifest.layers().iter().find(|l| l.media_type == manifest::LICENSE).expect("license").clone();
+    // Within the layers' bound (`manifest::LAYERS_MAX`), long in their `from`.
+    license.from = Some("x".repeat(70_000));
+    let layers: Vec<_> = std::iter::once(manifest.model().clone()).chain(std::iter::repeat_n(license, 63)).collect();
     let huge = manifest::Manifest::new(manifest.config().clone(), layers).expect("a manifest");
     let err = store.write_manifest(&name("keep"), &huge).expect_err("over the cap").to_string();
-    assert!(err.starts_with("the manifest of keep:latest is 4.1 MiB"), "{err}");
+    assert!(err.starts_with("the manifest of keep:latest is 4.2 MiB"), "{err}");
     assert!(err.ends_with("more than the limit of 4 MiB for a manifest"), "{err}");
     assert_eq!(store.manifest(&name("keep")).expect("still there").1, digest);
 }

@@ -79,8 +79,7 @@ impl Store {
         let what = path.display().to_string();
         let open = || io_err(format!("cannot open {what}"));
         let real = fs::canonicalize(path).map_err(open())?;
-        let file = File::open(&real).map_err(open())?;
-        let size = file.metadata().map_err(open())?.len();
+        let (file, size) = super::passed::open_regular(&real, &what)?;
         self.import_open(&file, size, Some((None, &real)), &what, expected, reading)
     }
 

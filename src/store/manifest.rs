@@ -127,7 +127,25 @@ pub enum ManifestError {
     /// No GGUF weights layer.
     #[error("the manifest has no model layer ({MODEL})")]
     NoModel,
+    /// More layers than a model has, in all or of one media type.
+    #[error("the manifest lists {count} {what}; a model has at most {limit}")]
+    TooManyLayers {
+        /// `layers`, or `layers of <media type>`.
+        what: String,
+        /// How many it lists.
+        count: usize,
+        /// The most a manifest may list.
+        limit: usize,
+    },
 }
+
+/// The most layers of one media type a manifest lists: each is a blob to fetch, and an
+/// adapter one more argument of the runner's command line. As many as a create gives a
+/// model ([`super::limits::LAYERS_OF_A_KIND_MAX`]).
+pub const LAYERS_OF_A_TYPE_MAX: usize = super::limits::LAYERS_OF_A_KIND_MAX;
+
+/// The most layers a manifest lists in all.
+pub const LAYERS_MAX: usize = 4 * LAYERS_OF_A_TYPE_MAX;
 
 impl Manifest {
     /// Parses and checks a manifest: schema 2, the v2 media type, one model layer.
@@ -142,8 +160,28 @@ impl Manifest {
         Self::new(manifest.config, manifest.layers)
     }
 
-    /// A new manifest, which needs a weights layer among `layers`.
+    /// A new manifest, which needs a weights layer among `layers`, and at most
+    /// [`LAYERS_MAX`] of them, [`LAYERS_OF_A_TYPE_MAX`] of each media type.
     pub fn new(config: Layer, layers: Vec<Layer>) -> Result<Self, ManifestError> {
+        let too_many = |what: String, count| ManifestError::TooManyLayers { what, count, limit: LAYERS_MAX };
+        if layers.len() > LAYERS_MAX {
+            return Err(too_many("layers".to_owned(), layers.len()));
+        }
+        let mut counts = std::collections::HashMap::new();
+        for layer in &layers {
+            let count = counts.entry(layer.media_type.as_str()).or_insert(0);
+            *count += 1;
+            if *count > LAYERS_OF_A_TYPE_MAX {
+                // From a registry: any length, so the message shows its start.
+                let kind: String = layer.media_type.chars().take(100).collect();
+                let count = layers.iter().filter(|l| l.media_type == layer.media_type).count();
+                return Err(ManifestError::TooManyLayers {
+                    what: format!("layers of {kind}"),
+                    count,
+                    limit: LAYERS_OF_A_TYPE_MAX,
+                });
+            }
+        }
         let model = layers.iter().position(|l| l.media_type == MODEL).ok_or(ManifestError::NoModel)?;
         Ok(Self { schema_version: 2, media_type: MANIFEST_MEDIA_TYPE.to_owned(), config, layers, model })
     }
@@ -242,6 +280,30 @@ mod tests {
         assert!(Manifest::parse(&v1.to_bytes()).expect_err("v1").to_string().contains("schema version 1"));
         let bad_digest = br#"{"schemaVersion":2,"mediaType":"application/vnd.docker.distribution.manifest.v2+json","config":{"mediaType":"x","digest":"sha256:../../etc","size":1},"layers":[]}"#;
         assert!(Manifest::parse(bad_digest).expect_err("digest").to_string().contains("invalid digest"));
+    }
+
+    /// A manifest of thousands of layers (a registry's, under its 4 MiB cap) is refused
+    /// before a blob is fetched: in all, and of one media type (adapters, each an argument
+    /// of the runner's command line), the bounds included.
+    #[test]
+    fn a_manifest_of_too_many_layers_is_refused() {
+        use super::{ADAPTER, LAYERS_MAX, LAYERS_OF_A_TYPE_MAX, LICENSE};
+        let config = layer(super::CONFIG_MEDIA_TYPE, b"{}");
+        let of = |media_type: &str, n: usize| (0..n).map(|i| layer(media_type, &i.to_le_bytes())).collect::<Vec<_>>();
+        let with = |others: Vec<Layer>| [vec![layer(MODEL, b"m")], others].concat();
+        let most = with([of(ADAPTER, LAYERS_OF_A_TYPE_MAX), of(LICENSE, LAYERS_OF_A_TYPE_MAX)].concat());
+        assert!(Manifest::new(config.clone(), most).is_ok(), "as many as a create makes");
+        let error = Manifest::new(config.clone(), with(of(ADAPTER, 20_000))).expect_err("adapters");
+        assert_eq!(error.to_string(), "the manifest lists 20001 layers; a model has at most 256");
+        let error = Manifest::new(config.clone(), with(of(ADAPTER, LAYERS_OF_A_TYPE_MAX + 1))).expect_err("one more");
+        assert_eq!(error.to_string(), format!("the manifest lists 65 layers of {ADAPTER}; a model has at most 64"));
+        let kinds: Vec<Layer> = (0..LAYERS_MAX).map(|i| layer(&format!("x/{i}"), b"l")).collect();
+        let error = Manifest::new(config.clone(), with(kinds)).expect_err("layers");
+        assert_eq!(error.to_string(), format!("the manifest lists {} layers; a model has at most 256", LAYERS_MAX + 1));
+        // A long media type is shown by its start.
+        let long = "y".repeat(5000);
+        let error = Manifest::new(config, with(of(&long, LAYERS_OF_A_TYPE_MAX + 1))).expect_err("long");
+        assert!(error.to_string().len() < 200, "{error}");
     }
 
     #[test]

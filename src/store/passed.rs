@@ -35,6 +35,43 @@ impl PartialEq for PassedFile {
 
 impl Eq for PassedFile {}
 
+/// The size of `file`, which `name` names in errors, if it is a regular file; anything else
+/// (a pipe, a socket, a device, a directory) could be endless or block a read.
+fn regular_size(file: &File, name: &str) -> Result<u64, StoreError> {
+    let refuse = |why: &str| StoreError::Invalid(format!("{name}: {why}"));
+    let meta = file.metadata().map_err(|e| refuse(&format!("cannot stat it: {e}")))?;
+    let kind = meta.file_type();
+    let other = [
+        (kind.is_dir(), "a directory"),
+        (kind.is_fifo(), "a pipe"),
+        (kind.is_socket(), "a socket"),
+        (kind.is_char_device(), "a character device"),
+        (kind.is_block_device(), "a block device"),
+    ];
+    if let Some((_, what)) = other.iter().find(|(is, _)| *is) {
+        return Err(refuse(&format!("{what}, not a regular file")));
+    }
+    if !kind.is_file() {
+        return Err(refuse("not a regular file"));
+    }
+    Ok(meta.len())
+}
+
+/// Opens the file at `path` (outside the store, named by a caller as `name`) for reading,
+/// with its size, refusing what [`PassedFile::new`] refuses. Opened with `O_NONBLOCK`, so
+/// that a FIFO there cannot hold the open (and the job, which cannot cancel an `open`)
+/// waiting for a writer; the flag is cleared once it is known to be a regular file.
+pub(super) fn open_regular(path: &std::path::Path, name: &str) -> Result<(File, u64), StoreError> {
+    let flags = OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NONBLOCK;
+    let cannot = |e: rustix::io::Errno| super::io_err(format!("cannot open {name}"))(e.into());
+    let fd = rustix::fs::open(path, flags, rustix::fs::Mode::empty()).map_err(cannot)?;
+    let file = File::from(fd);
+    let size = regular_size(&file, name)?;
+    let status = rustix::fs::fcntl_getfl(&file).map_err(cannot)?;
+    rustix::fs::fcntl_setfl(&file, status - OFlags::NONBLOCK).map_err(cannot)?;
+    Ok((file, size))
+}
+
 impl PassedFile {
     /// Checks `fd`, which the caller calls `name` (how errors name it).
     ///
@@ -50,22 +87,8 @@ impl PassedFile {
             return Err(refuse("open for writing only, not for reading"));
         }
         let file = File::from(fd);
-        let meta = file.metadata().map_err(|e| refuse(&format!("cannot stat it: {e}")))?;
-        let kind = meta.file_type();
-        let other = [
-            (kind.is_dir(), "a directory"),
-            (kind.is_fifo(), "a pipe"),
-            (kind.is_socket(), "a socket"),
-            (kind.is_char_device(), "a character device"),
-            (kind.is_block_device(), "a block device"),
-        ];
-        if let Some((_, what)) = other.iter().find(|(is, _)| *is) {
-            return Err(refuse(&format!("{what}, not a regular file")));
-        }
-        if !kind.is_file() {
-            return Err(refuse("not a regular file"));
-        }
-        Ok(Self { file: Arc::new(file), name: name.to_owned(), size: meta.len() })
+        let size = regular_size(&file, name)?;
+        Ok(Self { file: Arc::new(file), name: name.to_owned(), size })
     }
 
     /// What the caller calls it.
