@@ -160,16 +160,16 @@ impl LoadOverrides {
     /// body's sampling options).
     pub fn parse(source: &(impl OptionSource + ?Sized)) -> Result<Self, RequestError> {
         Ok(Self {
-            num_ctx: uint(source, "num_ctx")?,
-            num_batch: uint(source, "num_batch")?,
-            num_thread: uint(source, "num_thread")?,
+            num_ctx: uint(source, "num_ctx", LLAMA_INT_MAX)?,
+            num_batch: uint(source, "num_batch", LLAMA_INT_MAX)?,
+            num_thread: uint(source, "num_thread", THREADS_MAX)?,
             num_gpu: match source.option("num_gpu") {
                 None => None,
                 Some(OptionValue::Integer(n)) if n < 0 => Some(GpuLayers::Auto),
                 Some(OptionValue::Integer(n)) => Some(GpuLayers::Layers(u32::try_from(n).unwrap_or(u32::MAX))),
                 Some(_) => return Err(invalid("num_gpu", "expected an integer")),
             },
-            main_gpu: uint(source, "main_gpu")?,
+            main_gpu: uint(source, "main_gpu", LLAMA_INT_MAX)?,
             use_mmap: match source.option("use_mmap") {
                 None => None,
                 Some(OptionValue::Bool(b)) => Some(b),
@@ -326,13 +326,23 @@ fn invalid(name: &str, reason: &str) -> RequestError {
     RequestError::InvalidOption { name: name.to_owned(), reason: reason.to_owned() }
 }
 
-fn uint(source: &(impl OptionSource + ?Sized), name: &str) -> Result<Option<u32>, RequestError> {
+/// The most llama-server's command line takes for an integer option (a C `int`): more is
+/// its parse error, a failed load, rather than the client's 400.
+const LLAMA_INT_MAX: u32 = i32::MAX.unsigned_abs();
+
+/// The most threads a runner is given: ggml's `GGML_MAX_N_THREADS`. llama-server starts a
+/// thread for each asked (100 000 crashed it), and no machine it runs on has more cores.
+const THREADS_MAX: u32 = 512;
+
+fn uint(source: &(impl OptionSource + ?Sized), name: &str, max: u32) -> Result<Option<u32>, RequestError> {
     match source.option(name) {
         None => Ok(None),
         Some(OptionValue::Integer(n)) if n < 0 => Err(invalid(name, "expected a non-negative integer")),
         Some(OptionValue::Integer(n)) => u32::try_from(n)
+            .ok()
+            .filter(|n| *n <= max)
             .map(Some)
-            .map_err(|_| invalid(name, &format!("expected a non-negative integer (at most {})", u32::MAX))),
+            .ok_or_else(|| invalid(name, &format!("expected a non-negative integer (at most {max})"))),
         Some(_) => Err(invalid(name, "expected a non-negative integer")),
     }
 }
@@ -442,6 +452,9 @@ mod tests {
         assert_eq!(merged.num_batch, Some(64));
         assert_eq!(merged.num_gpu, Some(GpuLayers::Auto));
         assert_eq!(options(&json!({"num_gpu": 1_u64 << 40})).num_gpu, Some(GpuLayers::Layers(u32::MAX)));
+        let most =
+            options(&json!({"num_ctx": i32::MAX, "num_batch": i32::MAX, "num_thread": 512, "main_gpu": i32::MAX}));
+        assert_eq!((most.num_ctx, most.num_thread), (Some(i32::MAX.unsigned_abs()), Some(512)));
     }
 
     #[test]
@@ -469,6 +482,16 @@ mod tests {
             (json!({"num_ctx": -5}), "invalid option num_ctx: expected a non-negative integer"),
             (json!({"num_ctx": 4096.0}), "invalid option num_ctx: expected a non-negative integer"),
             (json!({"num_batch": 1_u64 << 33}), "invalid option num_batch: expected a non-negative integer (at most"),
+            // What llama-server's command line cannot take, or takes and crashes on.
+            (
+                json!({"num_ctx": 1_u64 << 31}),
+                "invalid option num_ctx: expected a non-negative integer (at most 2147483647)",
+            ),
+            (json!({"main_gpu": 1_u64 << 31}), "invalid option main_gpu: expected a non-negative integer (at most"),
+            (
+                json!({"num_thread": 100_000}),
+                "invalid option num_thread: expected a non-negative integer (at most 512)",
+            ),
             (json!({"main_gpu": [1]}), "invalid option main_gpu: expected a non-negative integer"),
             (json!({"num_gpu": "all"}), "invalid option num_gpu: expected an integer"),
             (json!({"use_mmap": 1}), "invalid option use_mmap: expected true or false"),
