@@ -794,27 +794,6 @@ async fn server_errors_and_bad_answers_are_named() {
     assert!(matches!(error, RegistryError::BadManifest { .. }), "{error:?}");
     assert!(error.to_string().starts_with(&format!("registry {} sent a bad manifest for test/tiny:v1", proxy.host())));
 
-    // A manifest of a thousand adapters (each a blob to fetch and an argument of the
-    // runner's command line): refused before any blob is asked for.
-    let mut adapters: serde_json::Value = serde_json::from_slice(&published.manifest).expect("the manifest's JSON");
-    let adapter = serde_json::json!({
-        "mediaType": corral::store::manifest::ADAPTER, "digest": model.digest.to_string(), "size": model.size,
-    });
-    adapters["layers"].as_array_mut().expect("layers").extend(std::iter::repeat_n(adapter, 1000));
-    let adapters = adapters.to_string();
-    proxy.clear();
-    proxy.rule(move |seen| {
-        if seen.path.contains("/manifests/") {
-            Action::Respond { status: 200, headers: vec![], body: adapters.clone() }
-        } else {
-            Action::Pass
-        }
-    });
-    let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("a thousand adapters");
-    assert!(matches!(error, RegistryError::BadManifest { .. }), "{error:?}");
-    assert!(error.to_string().ends_with("the manifest lists 1002 layers; a model has at most 256"), "{error}");
-    assert!(!proxy.seen().iter().any(|s| s.path.contains("/blobs/")), "a blob was asked for: {:?}", proxy.seen());
-
     // A manifest that declares its model layer exabytes long: the download's parts are
     // cut as they start (listed whole, they were more than memory holds and the pull
     // aborted the daemon), and the pull ends at the blob's real end, named.
@@ -887,6 +866,37 @@ async fn server_errors_and_bad_answers_are_named() {
         model.digest
     );
     assert!(store.manifest_path(&name).exists());
+}
+
+/// A manifest of a thousand adapters (each a blob to fetch and an argument of the runner's
+/// command line) is refused before any blob is asked for, and nothing is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manifest_of_a_thousand_adapters_is_refused_before_any_blob() {
+    let world = World::new();
+    let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let model = manifest.model().clone();
+    let proxy = Proxy::start(world.registry.addr());
+    let store = world.store("dest");
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let client = client(&[proxy.host()], |_| {});
+    let mut adapters: serde_json::Value = serde_json::from_slice(&published.manifest).expect("the manifest's JSON");
+    let adapter = serde_json::json!({
+        "mediaType": corral::store::manifest::ADAPTER, "digest": model.digest.to_string(), "size": model.size,
+    });
+    adapters["layers"].as_array_mut().expect("layers").extend(std::iter::repeat_n(adapter, 1000));
+    let adapters = adapters.to_string();
+    proxy.rule(move |seen| {
+        if seen.path.contains("/manifests/") {
+            Action::Respond { status: 200, headers: vec![], body: adapters.clone() }
+        } else {
+            Action::Pass
+        }
+    });
+    let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("a thousand adapters");
+    assert!(matches!(error, RegistryError::BadManifest { .. }), "{error:?}");
+    assert!(error.to_string().ends_with("the manifest lists 1002 layers; a model has at most 256"), "{error}");
+    assert!(!proxy.seen().iter().any(|s| s.path.contains("/blobs/")), "a blob was asked for: {:?}", proxy.seen());
+    assert_nothing_written(&store, &name, &manifest, false);
 }
 
 /// Progress events tagged with the pull they come from.
