@@ -732,6 +732,11 @@ lines"""
         let err = Modelfile::parse(&many).expect_err("too many");
         assert_eq!(err.line, MAX_INSTRUCTIONS + 1);
         assert!(err.message.contains("more than 262144 instructions"), "{err}");
+        // Lines, empty ones counted: one past the bound, within the bytes.
+        let lines = format!("FROM x\n{}", "\n".repeat(super::MAX_LINES));
+        let err = Modelfile::parse(&lines).expect_err("too many lines");
+        assert_eq!((err.line, err.message.as_str()), (super::MAX_LINES + 1, "more than 8388608 lines"), "{err}");
+        assert!(Modelfile::parse(&format!("FROM x\n{}", "\n".repeat(super::MAX_LINES - 2))).is_ok());
         // A block never closed over many lines reads each line once (no quadratic rescans).
         let open = format!("FROM x\nSYSTEM \"\"\"{}", "\n".repeat(1 << 20));
         assert!(Modelfile::parse(&open).expect_err("open").message.contains("never closed"));

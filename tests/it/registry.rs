@@ -735,6 +735,40 @@ async fn a_refused_token_is_unauthorized() {
     assert_nothing_written(&store, &name, &manifest, false);
 }
 
+/// A manifest, or a token service's answer, past its cap (4 MiB; 64 KiB) is refused once
+/// the cap is passed, naming it; nothing is written. Exactly at the cap is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_past_their_cap_are_refused_naming_it() {
+    let world = World::new();
+    let (manifest, _) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
+    let proxy = Proxy::start(world.registry.addr());
+    let store = world.store("dest");
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let client = client(&[proxy.host()], |_| {});
+    for (size, expected) in [(4 << 20, "invalid manifest"), ((4 << 20) + 1, "the answer is larger than 4194304 bytes")]
+    {
+        // JSON whitespace: only its length matters.
+        let body = " ".repeat(size);
+        proxy.rule(move |seen| {
+            if seen.path.contains("/manifests/") {
+                Action::Respond { status: 200, headers: vec![], body: body.clone() }
+            } else {
+                Action::Pass
+            }
+        });
+        let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("a huge manifest");
+        assert!(matches!(error, RegistryError::BadManifest { .. }) && error.to_string().contains(expected), "{error}");
+    }
+    let realm = format!("http://{}/token", proxy.host());
+    for (size, expected) in [(64 << 10, "sent no token JSON"), ((64 << 10) + 1, "larger than 65536 bytes")] {
+        let huge = Action::Respond { status: 200, headers: vec![], body: " ".repeat(size) };
+        demand_token(&proxy, realm.clone(), huge);
+        let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("a huge token answer");
+        assert!(matches!(error, RegistryError::Unauthorized { .. }) && error.to_string().contains(expected), "{error}");
+    }
+    assert_nothing_written(&store, &name, &manifest, false);
+}
+
 /// `manifest` with the layer `digest` declared `size` bytes long.
 fn resized(manifest: &[u8], digest: &Digest, size: u64) -> String {
     let mut manifest: serde_json::Value = serde_json::from_slice(manifest).expect("the manifest's JSON");
