@@ -1,6 +1,6 @@
 //! Feeds arbitrary text to `keep_alive`'s reader, as a Go duration string and as any JSON
-//! value.  A duration is accepted or refused with its reason, never a panic, and the
-//! server's clamps bound what is accepted.
+//! value.  A duration is accepted or refused with its reason, never a panic; what is
+//! accepted is never longer than any clock arithmetic takes, and the server's clamps bound it.
 
 #![no_main]
 
@@ -16,6 +16,9 @@ use serde_json::Value;
 fn check(value: &Value) {
     match KeepAlive::from_json(Some(value)) {
         Ok(Some(keep_alive)) => {
+            if let KeepAlive::For(d) = keep_alive {
+                assert!(d <= corral::durations::LONGEST, "{value}: {d:?}");
+            }
             let clamp = Clamp { min: Some(Duration::from_secs(1)), max: Some(Duration::from_secs(3600)) };
             let resolved = resolve(Some(keep_alive), None, KeepAlive::Forever, clamp);
             assert!(keep_alive.is_zero() || resolved <= KeepAlive::For(Duration::from_secs(3600)));
