@@ -4,6 +4,7 @@
 
 mod anthropic;
 mod error;
+mod json_body;
 pub mod listeners;
 pub(crate) mod metrics;
 mod model_request;

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::error::{self, ApiError, bad, internal};
+use super::json_body::json_object;
 use super::model_request;
 use super::runner_call;
 use super::state::AppState;
@@ -79,7 +80,7 @@ struct EmbedResponse {
 pub async fn embed(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     const PATH: &str = "/api/embed";
     let started = Instant::now();
-    let request = object(&body, PATH)?;
+    let request = json_object(PATH, &body)?;
     let inputs = inputs(&request, PATH)?;
     let truncate = model_request::boolean(&request, "truncate", true, PATH)?;
     let dimensions = match request.get("dimensions") {
@@ -112,7 +113,7 @@ pub async fn embed(State(state): State<AppState>, body: Bytes) -> Result<Respons
 /// `POST /api/embeddings` (legacy): `{model, prompt}` → `{embedding}`.
 pub async fn embeddings(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     const PATH: &str = "/api/embeddings";
-    let request = object(&body, PATH)?;
+    let request = json_object(PATH, &body)?;
     let prompt = match request.get("prompt") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
@@ -297,14 +298,6 @@ fn normalize(vector: &mut [f64]) {
         for x in vector {
             *x /= norm;
         }
-    }
-}
-
-pub(super) fn object(body: &[u8], path: &str) -> Result<Map<String, Value>, ApiError> {
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(bad("the request body must be a JSON object", path)),
-        Err(e) => Err(bad(format!("invalid JSON: {e}"), path)),
     }
 }
 

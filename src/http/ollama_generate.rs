@@ -19,8 +19,9 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 
 use super::error::{self, ApiError, bad, internal};
+use super::json_body::json_object;
 use super::model_request;
-use super::ollama_embed::{nanos, object};
+use super::ollama_embed::nanos;
 use super::ollama_translate::{self as translate, ToolCalls};
 use super::runner_call;
 use super::state::{AppState, Tokens};
@@ -52,7 +53,7 @@ enum Kind {
 pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     const PATH: &str = "/api/chat";
     let started = Instant::now();
-    let request = object(&body, PATH)?;
+    let request = json_object(PATH, &body)?;
     let (messages, images) = match request.get("messages") {
         None | Some(Value::Null) => (Vec::new(), false),
         Some(Value::Array(items)) => translate::messages(items, PATH)?,
@@ -83,7 +84,7 @@ pub async fn chat(State(state): State<AppState>, body: Bytes) -> Result<Response
 pub async fn generate(State(state): State<AppState>, body: Bytes) -> Result<Response, ApiError> {
     const PATH: &str = "/api/generate";
     let started = Instant::now();
-    let request = object(&body, PATH)?;
+    let request = json_object(PATH, &body)?;
     let prompt = string(&request, "prompt", PATH)?.unwrap_or_default();
     let system = string(&request, "system", PATH)?;
     let template = string(&request, "template", PATH)?.filter(|t| !t.is_empty());

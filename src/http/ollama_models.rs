@@ -20,6 +20,7 @@ use serde_json::{Map, Value};
 use tokio::time::Instant;
 
 use super::error::{self, ApiError, StoreWork, bad};
+use super::json_body::json_object;
 use super::state::AppState;
 use crate::gpu::Inventory;
 use crate::scheduler::device_use::{HOST_NAME, model_devices};
@@ -360,18 +361,6 @@ async fn blocking<T: Send + 'static>(
     match tokio::task::spawn_blocking(work).await {
         Ok(result) => result.map_err(Failure::Store),
         Err(e) => Err(Failure::Panicked(e)),
-    }
-}
-
-/// The request body as a JSON object (no content type required, as with Ollama).
-pub(super) fn json_object(path: &str, body: &[u8]) -> Result<Map<String, Value>, ApiError> {
-    if body.iter().all(u8::is_ascii_whitespace) {
-        return Err(bad("missing request body", path));
-    }
-    match serde_json::from_slice(body) {
-        Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(bad("the request body must be a JSON object", path)),
-        Err(e) => Err(bad(format!("invalid JSON in the request body: {e}"), path)),
     }
 }
 

@@ -25,7 +25,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
 use super::error::{self, ApiError, StoreWork, bad, opaque};
-use super::ollama_models::json_object;
+use super::json_body::json_object;
 use super::state::AppState;
 use crate::store::create::{CreateSpec, Source};
 use crate::store::digest::Digest;

@@ -20,8 +20,8 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use super::error::{self, ApiError, StoreWork, bad, internal};
+use super::json_body::json_object;
 use super::model_request;
-use super::ollama_embed::object;
 use super::runner_call;
 use super::state::{AppState, Tokens};
 use super::stream_scan::{EventScanner, JsonTail};
@@ -67,7 +67,7 @@ pub(super) async fn pass_through(
     path: &'static str,
     needs: Needs,
 ) -> Result<Response, ApiError> {
-    let mut request = object(body, path)?;
+    let mut request = json_object(path, body)?;
     let (name_text, name) = model_request::model_name(&request, false, path)?;
     let stream = request.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let model_request = model_request::build(state, name, &name_text, Map::new(), None, path).await?;

@@ -10,7 +10,7 @@ use serde_json::{Map, Value, json};
 
 pub use super::error::ApiError;
 use super::error::bad;
-use super::ollama_embed::object;
+use super::json_body::json_object;
 use super::ollama_generate::{Common, chat_route, sampling, string};
 use super::ollama_translate as translate;
 use super::{ollama_generate, ollama_models, ollama_store, openai, stream_scan};
@@ -26,7 +26,7 @@ pub fn status(error: ApiError) -> u16 {
 /// Returns `{route, body}` as the handler would send it (less the model's own defaults).
 pub fn chat(body: &[u8]) -> Result<Value, ApiError> {
     const PATH: &str = "/api/chat";
-    let request = object(body, PATH)?;
+    let request = json_object(PATH, body)?;
     let messages = match request.get("messages") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(items)) => translate::messages(items, PATH)?.0,
@@ -46,7 +46,7 @@ pub fn chat(body: &[u8]) -> Result<Value, ApiError> {
 /// to its own target, `request_template`).
 pub fn generate(body: &[u8]) -> Result<Value, ApiError> {
     const PATH: &str = "/api/generate";
-    let request = object(body, PATH)?;
+    let request = json_object(PATH, body)?;
     let prompt = string(&request, "prompt", PATH)?.unwrap_or_default();
     let system = string(&request, "system", PATH)?;
     let _template = string(&request, "template", PATH)?;
@@ -70,7 +70,7 @@ pub fn generate(body: &[u8]) -> Result<Value, ApiError> {
 /// inputs.
 pub fn embed(body: &[u8]) -> Result<Value, ApiError> {
     const PATH: &str = "/api/embed";
-    let request = object(body, PATH)?;
+    let request = json_object(PATH, body)?;
     let inputs = super::ollama_embed::inputs(&request, PATH)?;
     let (given, name) = super::model_request::model_name(&request, false, PATH)?;
     let (options, keep_alive) = super::model_request::options_and_keep_alive(&request, PATH)?;
@@ -86,7 +86,7 @@ pub fn embed(body: &[u8]) -> Result<Value, ApiError> {
 /// `POST /api/create`'s body: the name and the create spec.
 pub fn create(body: &[u8]) -> Result<Value, ApiError> {
     const PATH: &str = "/api/create";
-    let request = ollama_models::json_object(PATH, body)?;
+    let request = json_object(PATH, body)?;
     let (_, name) = ollama_store::model_name(&request, PATH)?;
     let (spec, from) = ollama_store::create_spec(&request)?;
     let stream = ollama_store::stream_flag(&request, PATH)?;
@@ -97,7 +97,7 @@ pub fn create(body: &[u8]) -> Result<Value, ApiError> {
 /// with the registry client it chooses).
 pub fn transfer(body: &[u8]) -> Result<Value, ApiError> {
     const PATH: &str = "/api/pull";
-    let request = ollama_models::json_object(PATH, body)?;
+    let request = json_object(PATH, body)?;
     let (given, name) = ollama_store::model_name(&request, PATH)?;
     let stream = ollama_store::stream_flag(&request, PATH)?;
     Ok(json!({ "given": given, "name": name.full(), "stream": stream }))
@@ -107,7 +107,7 @@ pub fn transfer(body: &[u8]) -> Result<Value, ApiError> {
 #[must_use]
 pub fn model_bodies(body: &[u8]) -> Vec<Result<Value, ApiError>> {
     let names = |path: &str, fields: &[&[&str]]| -> Result<Value, ApiError> {
-        let request = ollama_models::json_object(path, body)?;
+        let request = json_object(path, body)?;
         let mut out = Vec::new();
         for fields in fields {
             let (given, name) = ollama_models::model_name(path, &request, fields)?;

@@ -545,6 +545,44 @@ async fn call(state: &AppState, method: &str, path: &str, body: Body) -> StatusC
     router(state.clone()).oneshot(request).await.expect("infallible").status()
 }
 
+/// A body of more JSON values than any request carries (each a few bytes of text, 32 in
+/// memory) is refused with 413 on every JSON route before it is parsed, naming the bound;
+/// nothing is loaded or stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_of_millions_of_json_values_is_refused_on_every_json_route() {
+    use http_body_util::BodyExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = in_process(dir.path(), &ServerConfig::default());
+    let before = state.store.list().expect("list").len();
+    // 3 MiB of `0,`: 1.5 million values, within max_body.
+    let body = format!(r#"{{"model":"chat","prompt":[{}0]}}"#, "0,".repeat(3 << 19));
+    for path in [
+        "/api/chat",
+        "/api/generate",
+        "/api/embed",
+        "/api/embeddings",
+        "/api/show",
+        "/api/create",
+        "/api/pull",
+        "/api/push",
+        "/api/copy",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/messages",
+    ] {
+        let request = Request::builder().method("POST").uri(path).body(Body::from(body.clone())).expect("request");
+        let response = router(state.clone()).oneshot(request).await.expect("infallible");
+        let status = response.status();
+        let text =
+            String::from_utf8_lossy(&response.into_body().collect().await.expect("body").to_bytes()).into_owned();
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{path}: {text}");
+        assert!(text.contains("the request body holds more than 1048576 JSON values"), "{path}: {text}");
+    }
+    assert_eq!(state.store.list().expect("list").len(), before);
+    assert!(state.scheduler.loaded().await.expect("loaded").is_empty());
+}
+
 /// Temporary files in the store's blob directory: one per upload in progress.
 fn partial_files(state: &AppState) -> usize {
     std::fs::read_dir(state.store.blobs_dir())
