@@ -612,13 +612,25 @@ fn positive_count<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
     }
 }
 
+/// A list of strings, each passing `problem` (which says what is wrong with one); the error
+/// quotes the entry.
+fn each_checked<'de, D: Deserializer<'de>>(
+    d: D,
+    problem: fn(&str) -> Option<&'static str>,
+) -> Result<Vec<String>, D::Error> {
+    let entries = Vec::<String>::deserialize(d)?;
+    if let Some((entry, why)) = entries.iter().find_map(|e| problem(e).map(|why| (e, why))) {
+        return Err(serde::de::Error::custom(format!("\"{entry}\" {why}")));
+    }
+    Ok(entries)
+}
+
 /// `allowed_hosts`: each a host name or IP (a port is ignored), `"*.DOMAIN"`, or `"*"`;
 /// a `*` anywhere else would never match, so it is refused rather than ignored.
 fn host_patterns<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
-    let hosts = Vec::<String>::deserialize(d)?;
-    for host in &hosts {
+    each_checked(d, |host| {
         let rest = host.strip_prefix("*.").unwrap_or(host);
-        let why = if host.is_empty() {
+        if host.is_empty() {
             Some("is empty")
         } else if host != "*" && rest.contains('*') {
             Some("has a '*' that never matches: write \"*.example.org\" for a domain's hosts, or \"*\" for any")
@@ -628,21 +640,18 @@ fn host_patterns<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Erro
             Some("has a space or a control character, which no Host header has")
         } else {
             None
-        };
-        if let Some(why) = why {
-            return Err(serde::de::Error::custom(format!("\"{host}\" {why}")));
         }
-    }
-    Ok(hosts)
+    })
 }
 
 /// `cors_origins`: each `"*"`, or an origin as browsers send it (`scheme://host[:port]`,
 /// no path) with at most one `*`; anything else would never match, so it is refused.
 fn origin_patterns<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
-    let origins = Vec::<String>::deserialize(d)?;
-    for origin in origins.iter().filter(|o| *o != "*") {
+    each_checked(d, |origin| {
         let after_scheme = origin.split_once("://").map(|(_, rest)| rest);
-        let why = if origin.matches('*').count() > 1 {
+        if origin == "*" {
+            None
+        } else if origin.matches('*').count() > 1 {
             Some("has more than one '*'")
         } else if after_scheme.is_none_or(str::is_empty) {
             Some("is not an origin: expected scheme://host[:port], like \"https://app.example.org\"")
@@ -652,12 +661,8 @@ fn origin_patterns<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Er
             Some("has a space or a control character, which no origin has")
         } else {
             None
-        };
-        if let Some(why) = why {
-            return Err(serde::de::Error::custom(format!("\"{origin}\" {why}")));
         }
-    }
-    Ok(origins)
+    })
 }
 
 /// `api_tokens`: each one or more printable ASCII characters without spaces, what an HTTP

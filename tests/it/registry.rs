@@ -749,13 +749,7 @@ async fn answers_past_their_cap_are_refused_naming_it() {
     {
         // JSON whitespace: only its length matters.
         let body = " ".repeat(size);
-        proxy.rule(move |seen| {
-            if seen.path.contains("/manifests/") {
-                Action::Respond { status: 200, headers: vec![], body: body.clone() }
-            } else {
-                Action::Pass
-            }
-        });
+        answer_manifests_with(&proxy, body);
         let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("a huge manifest");
         assert!(matches!(error, RegistryError::BadManifest { .. }) && error.to_string().contains(expected), "{error}");
     }
@@ -767,6 +761,17 @@ async fn answers_past_their_cap_are_refused_naming_it() {
         assert!(matches!(error, RegistryError::Unauthorized { .. }) && error.to_string().contains(expected), "{error}");
     }
     assert_nothing_written(&store, &name, &manifest, false);
+}
+
+/// Makes the proxy answer every manifest request with `body` (200), and pass the rest.
+fn answer_manifests_with(proxy: &Proxy, body: String) {
+    proxy.rule(move |seen| {
+        if seen.path.contains("/manifests/") {
+            Action::Respond { status: 200, headers: vec![], body: body.clone() }
+        } else {
+            Action::Pass
+        }
+    });
 }
 
 /// `manifest` with the layer `digest` declared `size` bytes long.
@@ -817,13 +822,7 @@ async fn server_errors_and_bad_answers_are_named() {
     assert_eq!(blob_ranges(&proxy.seen(), &model.digest), [(0, PART - 1), (0, PART - 1)], "tried twice, then given up");
 
     // A manifest that is not one.
-    proxy.rule(|seen| {
-        if seen.path.contains("/manifests/") {
-            Action::Respond { status: 200, headers: vec![], body: r#"{"schemaVersion":1}"#.into() }
-        } else {
-            Action::Pass
-        }
-    });
+    answer_manifests_with(&proxy, r#"{"schemaVersion":1}"#.into());
     let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("bad manifest");
     assert!(matches!(error, RegistryError::BadManifest { .. }), "{error:?}");
     assert!(error.to_string().starts_with(&format!("registry {} sent a bad manifest for test/tiny:v1", proxy.host())));
@@ -832,13 +831,7 @@ async fn server_errors_and_bad_answers_are_named() {
     // cut as they start (listed whole, they were more than memory holds and the pull
     // aborted the daemon), and the pull ends at the blob's real end, named.
     let exabytes = resized(&published.manifest, &model.digest, u64::MAX);
-    proxy.rule(move |seen| {
-        if seen.path.contains("/manifests/") {
-            Action::Respond { status: 200, headers: vec![], body: exabytes.clone() }
-        } else {
-            Action::Pass
-        }
-    });
+    answer_manifests_with(&proxy, exabytes);
     let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("exabytes");
     assert!(matches!(error, RegistryError::BadRange { .. }), "{error:?}");
     let message = error.to_string();
@@ -919,13 +912,7 @@ async fn a_manifest_of_a_thousand_adapters_is_refused_before_any_blob() {
     });
     adapters["layers"].as_array_mut().expect("layers").extend(std::iter::repeat_n(adapter, 1000));
     let adapters = adapters.to_string();
-    proxy.rule(move |seen| {
-        if seen.path.contains("/manifests/") {
-            Action::Respond { status: 200, headers: vec![], body: adapters.clone() }
-        } else {
-            Action::Pass
-        }
-    });
+    answer_manifests_with(&proxy, adapters);
     let error = within("pull", client.pull(&store, &name, |_| {})).await.expect_err("a thousand adapters");
     assert!(matches!(error, RegistryError::BadManifest { .. }), "{error:?}");
     assert!(error.to_string().ends_with("the manifest lists 1002 layers; a model has at most 256"), "{error}");
@@ -1338,10 +1325,14 @@ async fn a_push_uploads_small_blobs_beside_large_ones_and_reports_them_in_order(
         let last = events.iter().rev().find(|e| e.digest == Some(layer.digest)).expect("progress of a blob");
         assert_eq!((last.total, last.completed), (Some(layer.size), Some(layer.size)), "{}", layer.digest);
     }
-    // What went up is the model: pulled back into another store, byte for byte.
+    assert_pulls_back(&world, &client, &name).await;
+}
+
+/// What went up is the model: pulled back into another store, byte for byte.
+async fn assert_pulls_back(world: &World, client: &Registry, name: &ModelName) {
     let store = world.store("dest");
-    within("pull", client.pull(&store, &name, |_| {})).await.expect("pull");
-    assert_eq!(snapshot(&store, &name), snapshot(&world.source, &name));
+    within("pull", client.pull(&store, name, |_| {})).await.expect("pull");
+    assert_eq!(snapshot(&store, name), snapshot(&world.source, name));
 }
 
 /// A small blob the registry refuses fails the push at once, while a large one is still
@@ -1414,9 +1405,7 @@ async fn a_push_slower_than_the_read_timeout_goes_through_while_the_registry_tak
     let weights = manifest.layers()[0].digest;
     let taken: Vec<u64> = events.iter().filter(|e| e.digest == Some(weights)).filter_map(|e| e.completed).collect();
     assert!(taken.windows(2).all(|w| w[0] <= w[1]) && taken.last() == Some(&manifest.layers()[0].size), "{taken:?}");
-    let store = world.store("dest");
-    within("pull", client.pull(&store, &name, |_| {})).await.expect("pull");
-    assert_eq!(snapshot(&store, &name), snapshot(&world.source, &name));
+    assert_pulls_back(&world, &client, &name).await;
 }
 
 /// A registry that stops taking an upload's data fails the push once the read timeout has
