@@ -133,6 +133,10 @@ pub struct ServerConfig {
     /// Blob uploads (`/api/blobs/…`) at once; more are answered 503 with `Retry-After`.
     #[serde(deserialize_with = "positive_count")]
     pub max_uploads: u32,
+    /// Pulls, pushes and creates over HTTP at once (`/api/pull`, `/api/push`,
+    /// `/api/create`); more are answered 503 with `Retry-After`.
+    #[serde(deserialize_with = "positive_count")]
+    pub max_store_jobs: u32,
     /// A connection whose client takes none of an answer's bytes this long (it stopped
     /// reading) is closed, and its request ends.
     #[serde(deserialize_with = "positive_duration")]
@@ -161,6 +165,7 @@ impl Default for ServerConfig {
             header_timeout: Duration::from_secs(10),
             body_idle_timeout: Duration::from_secs(60),
             max_uploads: 8,
+            max_store_jobs: 16,
             send_timeout: Duration::from_secs(60),
         }
     }
@@ -979,6 +984,7 @@ mod tests {
         assert_eq!(c.server.header_timeout, Duration::from_secs(10));
         assert_eq!(c.server.body_idle_timeout, Duration::from_secs(60));
         assert_eq!(c.server.max_uploads, 8);
+        assert_eq!(c.server.max_store_jobs, 16);
         assert_eq!(c.server.send_timeout, Duration::from_secs(60), "nginx's send_timeout");
         assert_eq!(c.server.store_changes, StoreChanges::Any, "Ollama's: anyone who reaches the port");
         assert_eq!(c.store.gc_interval, Some(Duration::from_secs(3600)));
@@ -1263,6 +1269,10 @@ keep_alive = "10m"
                 &["corral.toml:2", "server.max_uploads", "expected at least 1"],
             ),
             (&[("corral.toml", "[server]\nmax_uploads = -2\n")], &["server.max_uploads", "-2"]),
+            (
+                &[("corral.toml", "[server]\nmax_store_jobs = 0\n")],
+                &["corral.toml:2", "server.max_store_jobs", "expected at least 1"],
+            ),
             (
                 &[("corral.toml", "[server]\nsend_timeout = \"0s\"\n")],
                 &["corral.toml:2", "server.send_timeout", "\"0s\" is zero", "above zero"],

@@ -284,9 +284,15 @@ async fn create(State(state): State<AppState>, body: Bytes) -> Response {
         Ok(prepared) => prepared,
         Err(e) => return e.into_response(),
     };
+    let place = match state.safety.store_job_permit(PATH) {
+        Ok(place) => place,
+        Err(e) => return e.into_response(),
+    };
     let (tx, rx) = mpsc::unbounded_channel();
     let store: Store = state.store.clone();
     tokio::task::spawn_blocking(move || {
+        // Held until the create ends, which a client going away does not stop.
+        let _place = place;
         let progress_tx = tx.clone();
         let mut progress = |step: Progress| {
             let _ = progress_tx.send(Event::Progress(step));
@@ -344,6 +350,10 @@ async fn transfer(state: AppState, body: &[u8], kind: Transfer) -> Response {
         Ok(prepared) => prepared,
         Err(e) => return e.into_response(),
     };
+    let place = match state.safety.store_job_permit(path) {
+        Ok(place) => place,
+        Err(e) => return e.into_response(),
+    };
     let store = state.store.clone();
     if matches!(kind, Transfer::Push) {
         let (store, name) = (store.clone(), name.clone());
@@ -355,6 +365,8 @@ async fn transfer(state: AppState, body: &[u8], kind: Transfer) -> Response {
     }
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
+        // Held until the transfer ends, or is dropped with its client.
+        let _place = place;
         let progress_tx = tx.clone();
         let progress = move |p: Progress| {
             let _ = progress_tx.send(Event::Progress(p));

@@ -178,10 +178,42 @@ pub struct Safety {
     max_body: u64,
     /// `body_idle_timeout`.
     body_idle_timeout: Duration,
-    /// `max_uploads` permits, one per blob upload in progress.
-    uploads: Arc<Semaphore>,
-    /// `max_uploads`, for messages.
-    max_uploads: u32,
+    /// One place per blob upload in progress (`max_uploads`).
+    uploads: Places,
+    /// One place per pull, push or create in progress over HTTP (`max_store_jobs`).
+    store_jobs: Places,
+}
+
+/// A bounded number of places, each held until its permit is dropped; one more is a 503
+/// with `Retry-After` naming the configuration key.
+/// Clones share the places.
+#[derive(Debug, Clone)]
+struct Places {
+    permits: Arc<Semaphore>,
+    max: u32,
+    /// What runs, plural (`blob uploads`).
+    what: &'static str,
+    /// The key that sets `max`.
+    key: &'static str,
+}
+
+impl Places {
+    fn new(max: u32, what: &'static str, key: &'static str) -> Self {
+        Self { permits: Arc::new(Semaphore::new(usize::try_from(max).unwrap_or(usize::MAX))), max, what, key }
+    }
+
+    fn take(&self, path: &str) -> Result<OwnedSemaphorePermit, ApiError> {
+        Arc::clone(&self.permits).try_acquire_owned().map_err(|_| {
+            super::error::busy(
+                format!(
+                    "{} {} are already running, the most {} allows; try again later",
+                    self.max, self.what, self.key
+                ),
+                path,
+                UPLOAD_RETRY_AFTER,
+            )
+        })
+    }
 }
 
 impl Safety {
@@ -196,8 +228,8 @@ impl Safety {
             token_digests: config.api_tokens.iter().map(|t| digest(t.as_bytes())).collect(),
             max_body: config.max_body,
             body_idle_timeout: config.body_idle_timeout,
-            uploads: Arc::new(Semaphore::new(usize::try_from(config.max_uploads).unwrap_or(usize::MAX))),
-            max_uploads: config.max_uploads,
+            uploads: Places::new(config.max_uploads, "blob uploads", "[server] max_uploads"),
+            store_jobs: Places::new(config.max_store_jobs, "pulls, pushes and creates", "[server] max_store_jobs"),
         }
     }
 
@@ -210,16 +242,14 @@ impl Safety {
     /// A place among the blob uploads in progress, held until dropped; a 503 with
     /// `Retry-After` when `max_uploads` are running.
     pub fn upload_permit(&self, path: &str) -> Result<OwnedSemaphorePermit, ApiError> {
-        Arc::clone(&self.uploads).try_acquire_owned().map_err(|_| {
-            super::error::busy(
-                format!(
-                    "{} blob uploads are already running, the most [server] max_uploads allows; try again later",
-                    self.max_uploads
-                ),
-                path,
-                UPLOAD_RETRY_AFTER,
-            )
-        })
+        self.uploads.take(path)
+    }
+
+    /// A place among the pulls, pushes and creates in progress over HTTP, held until
+    /// dropped (when the work ends); a 503 with `Retry-After` when `max_store_jobs` are
+    /// running.
+    pub fn store_job_permit(&self, path: &str) -> Result<OwnedSemaphorePermit, ApiError> {
+        self.store_jobs.take(path)
     }
 
     /// Whether `host` (a `Host` value, port and brackets allowed) names this machine, as

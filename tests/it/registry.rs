@@ -1144,6 +1144,49 @@ async fn an_api_pull_whose_client_goes_away_is_cancelled_and_resumable() {
     assert_eq!(snapshot(&state.store, &name), published);
 }
 
+/// Pulls, pushes and creates over HTTP past `[server] max_store_jobs` are refused with 503
+/// and `Retry-After` while the others run, whatever the route; a place is free again once a
+/// transfer ends with its client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_store_jobs_past_the_bound_wait_for_a_place() {
+    use http_body_util::BodyExt;
+
+    let world = World::new();
+    let Held { published, proxy, gate, .. } = hold_the_third_part(&world).await;
+    let api_dir = tempfile::tempdir().expect("tempdir");
+    let mut state = crate::support::api::state(api_dir.path());
+    state.store = world.store("dest");
+    state.registry = client(&[proxy.host()], |c| c.max_parts = 1);
+    let config = corral::config::ServerConfig { max_store_jobs: 1, ..corral::config::ServerConfig::default() };
+    state.safety = std::sync::Arc::new(corral::http::Safety::new(&config, corral::http::LocalNames::system()));
+    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let request = serde_json::json!({ "model": name.to_string() }).to_string();
+    let held = crate::support::api::send(&state, "POST", "/api/pull", &request).await;
+    assert_eq!(held.status(), axum::http::StatusCode::OK);
+    within("the third part's request", gate.arrivals(1)).await;
+
+    let create = serde_json::json!({ "model": "other", "from": "chat" }).to_string();
+    for (path, body) in [("/api/pull", &request), ("/api/push", &request), ("/api/create", &create)] {
+        let refused = crate::support::api::send(&state, "POST", path, body).await;
+        assert_eq!(refused.status(), axum::http::StatusCode::SERVICE_UNAVAILABLE, "{path}");
+        assert!(refused.headers().contains_key("retry-after"), "{path}");
+        let text = String::from_utf8_lossy(&refused.into_body().collect().await.expect("body").to_bytes()).into_owned();
+        let expected = "1 pulls, pushes and creates are already running, the most [server] max_store_jobs allows";
+        assert!(text.contains(expected), "{path}: {text}");
+    }
+
+    // Its client goes away: the pull ends, and its place is free for the next one.
+    drop(held);
+    proxy.rule(|_| Action::Pass);
+    gate.open();
+    poll_until_async(DEADLINE, "a pull given a place", || async {
+        let (status, _, text) = crate::support::api::call(&state, "POST", "/api/pull", &request).await;
+        if status == axum::http::StatusCode::OK { Ok(()) } else { Err(format!("{status}: {text}")) }
+    })
+    .await;
+    assert_eq!(snapshot(&state.store, &name), published);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_api_push_whose_client_goes_away_is_cancelled_before_its_manifest() {
     let world = World::new();
