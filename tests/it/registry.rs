@@ -1435,8 +1435,9 @@ fn weights_put(proxy: &Proxy, manifest: &Manifest) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_push_slower_than_the_read_timeout_goes_through_while_the_registry_takes_its_data() {
     let world = World::new();
-    // 32 MiB at 256 KiB each 30 ms: about 4 s.
-    let slow = Action::SlowBody { chunk: 256 << 10, every: Duration::from_millis(30) };
+    // 32 MiB at 8 MiB a second: 4 s. What the sockets' buffers hold when the last byte is
+    // handed over (about 4 MiB) leaves in half a second, well within the timeout.
+    let slow = Action::SlowBody(8 << 20);
     let (proxy, name, manifest) = push_through_the_proxy(&world, slow);
     let read_timeout = Duration::from_secs(2);
     let client = client(&[proxy.host()], |c| c.read_timeout = read_timeout);

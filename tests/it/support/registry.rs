@@ -176,14 +176,10 @@ pub enum Action {
     /// Passes it through with a `Location` that names the registry made to name the proxy
     /// (an upload's start, so that its `PUT` comes through the proxy too).
     Relocate,
-    /// Reads the request's body `chunk` bytes at a time, one read each `every` (a registry
-    /// taking an upload slowly), then passes it through.
-    SlowBody {
-        /// The most bytes of one read.
-        chunk: usize,
-        /// The pause before each read.
-        every: Duration,
-    },
+    /// Reads the request's body at this many bytes a second (a registry taking an upload
+    /// slowly), then passes it through. The pace is kept from the body's start, so a late
+    /// wakeup on a busy machine is caught up rather than slowing the whole read.
+    SlowBody(u64),
     /// Reads this many bytes of the request's body, then nothing more until the client goes
     /// (counted in [`Proxy::abandoned`] then).
     StallBody(usize),
@@ -326,14 +322,22 @@ struct Incoming {
 }
 
 impl Incoming {
-    /// Reads the rest of the body: all of it, or at most `chunk` bytes a read after a pause
-    /// of `every` each, or only the first `stall_at` bytes. `None` when the client went.
-    async fn read_body(&mut self, socket: &mut TcpStream, chunk: usize, every: Duration) -> Option<()> {
+    /// Reads the rest of the body (to `length`), at most `rate` bytes a second since this
+    /// call began when given. `None` when the client went.
+    async fn read_body(&mut self, socket: &mut TcpStream, rate: Option<u64>) -> Option<()> {
+        let (started, before) = (Instant::now(), self.body.len());
         while self.body.len() < self.length {
-            if !every.is_zero() {
-                tokio::time::sleep(every).await;
+            let mut want = (64 << 10).min(self.length - self.body.len());
+            if let Some(rate) = rate {
+                let allowed =
+                    usize::try_from(started.elapsed().as_millis() * u128::from(rate) / 1000).unwrap_or(usize::MAX);
+                let taken = self.body.len() - before;
+                if allowed <= taken {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+                want = want.min(allowed - taken);
             }
-            let want = chunk.min(self.length - self.body.len());
             let mut buf = vec![0; want];
             let n = socket.read(&mut buf).await.ok()?;
             if n == 0 {
@@ -468,22 +472,22 @@ async fn serve(state: Arc<ProxyState>, mut socket: TcpStream) {
 /// Reads `request`'s body as `action` says; false when the request ends there (the client
 /// went, or the body stalls until it goes).
 async fn take_body(state: &ProxyState, socket: &mut TcpStream, request: &mut Incoming, action: &Action) -> bool {
-    if matches!(action, Action::SlowBody { .. } | Action::StallBody(_)) {
+    if matches!(action, Action::SlowBody(_) | Action::StallBody(_)) {
         // A fixed, small receive buffer: the sender's view of what was taken then lags the
         // proxy's reads by a fraction of a MiB (autotuning would let the kernel take MiBs).
         nix::sys::socket::setsockopt(&*socket, nix::sys::socket::sockopt::RcvBuf, &(64 << 10)).expect("SO_RCVBUF");
     }
     match *action {
-        Action::SlowBody { chunk, every } => request.read_body(socket, chunk, every).await.is_some(),
+        Action::SlowBody(rate) => request.read_body(socket, Some(rate)).await.is_some(),
         Action::StallBody(n) => {
             request.length = request.length.min(n);
-            if request.read_body(socket, 64 << 10, Duration::ZERO).await.is_some() {
+            if request.read_body(socket, None).await.is_some() {
                 closed_by_peer(socket).await;
                 state.abandoned.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             }
             false
         }
-        _ => request.read_body(socket, 64 << 10, Duration::ZERO).await.is_some(),
+        _ => request.read_body(socket, None).await.is_some(),
     }
 }
 
