@@ -159,7 +159,7 @@ const ALLOW_METHODS: &str = "GET, HEAD, POST, PUT, DELETE, OPTIONS";
 /// The request headers a preflight is told the API allows when it does not name any.
 const ALLOW_HEADERS: &str = "Authorization, Content-Type, User-Agent, Accept, X-Requested-With, X-Api-Key";
 /// How long a client refused for too many uploads is told to wait, in seconds.
-const UPLOAD_RETRY_AFTER: &str = "5";
+const RETRY_AFTER: &str = "5";
 
 /// The `[server]` settings the checks use, prepared once.
 #[derive(Debug, Clone)]
@@ -210,7 +210,7 @@ impl Places {
                     self.max, self.what, self.key
                 ),
                 path,
-                UPLOAD_RETRY_AFTER,
+                RETRY_AFTER,
             )
         })
     }

@@ -186,8 +186,7 @@ impl Store {
         let (path, what) = match source {
             Source::File(path) => (path.clone(), path.display().to_string()),
             Source::Passed(passed) => {
-                let gguf = GgufFile::read_seekable(std::io::BufReader::with_capacity(64 << 10, passed.reader()));
-                return check_kind(&model_info(gguf, passed.name())?, expected, passed.name());
+                return check_kind(&model_info(passed.reader(), passed.name())?, expected, passed.name());
             }
             Source::Blob(digest) => {
                 let what = digest.to_string();
@@ -377,12 +376,12 @@ impl Store {
     /// file is refused before a byte is read (a FIFO would hang the open, a device never end).
     pub fn inspect(&self, path: &Path, what: &str) -> Result<ModelInfo, StoreError> {
         let (file, _) = super::passed::open_regular(path, what)?;
-        model_info(GgufFile::read_seekable(std::io::BufReader::with_capacity(64 << 10, file)), what)
+        model_info(file, what)
     }
 
     /// Reads a blob's GGUF metadata, opened through the store (a link is refused).
     pub fn inspect_blob(&self, digest: &Digest, what: &str) -> Result<ModelInfo, StoreError> {
-        model_info(GgufFile::read_seekable(std::io::BufReader::with_capacity(64 << 10, self.open_blob(digest)?)), what)
+        model_info(self.open_blob(digest)?, what)
     }
 
     fn read_json_blob<T: serde::de::DeserializeOwned>(&self, digest: &Digest) -> Result<T, StoreError> {
@@ -432,8 +431,10 @@ fn check_kind(info: &ModelInfo, expected: ModelKind, what: &str) -> Result<(), S
 }
 
 /// A model's facts from its GGUF metadata, as read; `what` names the file in errors.
-fn model_info(read: Result<GgufFile, crate::gguf::reader::ReadError>, what: &str) -> Result<ModelInfo, StoreError> {
+/// The GGUF metadata of `file` (read buffered, only the header); `what` names it in errors.
+fn model_info(file: impl std::io::Read + std::io::Seek, what: &str) -> Result<ModelInfo, StoreError> {
     let gguf = |e: &dyn std::fmt::Display| StoreError::Gguf { what: what.to_owned(), message: e.to_string() };
+    let read = GgufFile::read_seekable(std::io::BufReader::with_capacity(64 << 10, file));
     ModelInfo::from_file(&read.map_err(|e| gguf(&e))?).map_err(|e| gguf(&e))
 }
 

@@ -55,6 +55,14 @@ impl World {
         Self { registry, dir, source }
     }
 
+    /// A proxy in front of the registry, an empty store to pull into, and `model` named on
+    /// the proxy.
+    fn behind_proxy(&self, model: &str) -> (Proxy, Store, ModelName) {
+        let proxy = Proxy::start(self.registry.addr());
+        let name = name_on(&proxy.host(), model);
+        (proxy, self.store("dest"), name)
+    }
+
     /// A store of its own below the test's directory.
     fn store(&self, name: &str) -> Store {
         Store::open(&self.dir.path().join(name)).expect("store")
@@ -741,9 +749,7 @@ async fn a_refused_token_is_unauthorized() {
 async fn answers_past_their_cap_are_refused_naming_it() {
     let world = World::new();
     let (manifest, _) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
-    let proxy = Proxy::start(world.registry.addr());
-    let store = world.store("dest");
-    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let (proxy, store, name) = world.behind_proxy("test/tiny:v1");
     let client = client(&[proxy.host()], |_| {});
     for (size, expected) in [(4 << 20, "invalid manifest"), ((4 << 20) + 1, "the answer is larger than 4194304 bytes")]
     {
@@ -790,9 +796,7 @@ async fn server_errors_and_bad_answers_are_named() {
     let world = World::new();
     let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
     let model = manifest.model().clone();
-    let proxy = Proxy::start(world.registry.addr());
-    let store = world.store("dest");
-    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let (proxy, store, name) = world.behind_proxy("test/tiny:v1");
     let client = client(&[proxy.host()], |c| {
         c.part_attempts = 2;
         c.max_parts = 1;
@@ -902,9 +906,7 @@ async fn a_manifest_of_a_thousand_adapters_is_refused_before_any_blob() {
     let world = World::new();
     let (manifest, published) = world.publish("test/tiny:v1", "{{ .Prompt }}").await;
     let model = manifest.model().clone();
-    let proxy = Proxy::start(world.registry.addr());
-    let store = world.store("dest");
-    let name = name_on(&proxy.host(), "test/tiny:v1");
+    let (proxy, store, name) = world.behind_proxy("test/tiny:v1");
     let client = client(&[proxy.host()], |_| {});
     let mut adapters: serde_json::Value = serde_json::from_slice(&published.manifest).expect("the manifest's JSON");
     let adapter = serde_json::json!({

@@ -325,25 +325,20 @@ impl Incoming {
     /// Reads the rest of the body (to `length`), at most `rate` bytes a second since this
     /// call began when given. `None` when the client went.
     async fn read_body(&mut self, socket: &mut TcpStream, rate: Option<u64>) -> Option<()> {
-        let (started, before) = (Instant::now(), self.body.len());
+        let (started, before) = (tokio::time::Instant::now(), self.body.len());
         while self.body.len() < self.length {
-            let mut want = (64 << 10).min(self.length - self.body.len());
-            if let Some(rate) = rate {
-                let allowed =
-                    usize::try_from(started.elapsed().as_millis() * u128::from(rate) / 1000).unwrap_or(usize::MAX);
-                let taken = self.body.len() - before;
-                if allowed <= taken {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                }
-                want = want.min(allowed - taken);
-            }
-            let mut buf = vec![0; want];
+            let mut buf = vec![0; (64 << 10).min(self.length - self.body.len())];
             let n = socket.read(&mut buf).await.ok()?;
             if n == 0 {
                 return None;
             }
             self.body.extend_from_slice(&buf[..n]);
+            if let Some(rate) = rate {
+                // Until the time the bytes taken so far are due at `rate` (at once when late).
+                let taken = u128::try_from(self.body.len() - before).unwrap_or(u128::MAX);
+                let due = u64::try_from(taken * 1_000_000_000 / u128::from(rate.max(1))).unwrap_or(u64::MAX);
+                tokio::time::sleep_until(started + Duration::from_nanos(due)).await;
+            }
         }
         Some(())
     }
